@@ -1,0 +1,41 @@
+"""Justitia's scheduler core: pure, clock-free, shared by the live server and the simulator.
+
+- `cost`: KV token-time and compute-token cost of a request.
+- `virtual_clock`: the GPS virtual clock (virtual finish tags, O(log n) per event).
+- `gps_reference`: an exact offline GPS fluid simulation (the reference in tests).
+- `policies`: ordering keys and admission rules of fcfs, sjf, vtc, parrot, srjf, justitia,
+  justitia-c.
+- `bounds`: the per-agent delay bound in seconds.
+- `dispatcher`: pending requests, admission into the engine, per-agent views.
+"""
+
+from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
+from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprint
+from .dispatcher import AgentState, AgentView, Dispatcher, RequestSpec, RequestState
+from .gps_reference import gps_finish_times
+from .policies import POLICIES, POLICY_NAMES, Policy, get_policy
+from .virtual_clock import VirtualClock
+
+__all__ = [
+    "AgentShape",
+    "AgentState",
+    "AgentView",
+    "BoundLimits",
+    "COMPUTE",
+    "DelayBound",
+    "Dispatcher",
+    "KV",
+    "POLICIES",
+    "POLICY_NAMES",
+    "Policy",
+    "RequestSpec",
+    "RequestState",
+    "VirtualClock",
+    "compute_cost",
+    "cost_function",
+    "delay_bound",
+    "get_policy",
+    "gps_finish_times",
+    "kv_cost",
+    "kv_footprint",
+]

@@ -1,0 +1,80 @@
+"""The per-agent delay bound, in seconds (derivation: docs/concepts.md).
+
+Under Justitia, agent j finishes by
+
+    f_j <= F^gps_j + delay_bound_j
+
+    delay_bound_j = (2 c_max + C_max) / R          lag of tag-order service behind GPS
+                  + S_j (d_max + 1) tau            one non-preemptive wait per stage release
+                  + tau * sum_s (d_s + 1)          agent j's own critical path
+
+with R = M / tau the full-memory service rate, c_max / C_max the largest request / agent
+cost (KV token-time), d_max the longest decode (output tokens) of any request, S_j the
+number of stages of agent j and d_s the longest decode in its stage s. The first term is the
+paper's Theorem B.1 converted to seconds; the other two are the effects the fluid model
+ignores (a request decodes one token per iteration whatever memory it is given; a stage
+released while memory is held by running requests waits for them to drain). Assumptions:
+footprints are known (oracle output lengths or max_tokens), so Justitia never preempts;
+iterations take tau; the long-run load is below the rate the engine actually sustains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class BoundLimits:
+    """Workload limits the bound is stated against (declared by the operator, or observed).
+
+    max_request_cost: c_max, KV token-time of the largest single request.
+    max_agent_cost: C_max, KV token-time of the largest agent.
+    max_output_tokens: d_max, the longest decode of any request (iterations).
+    """
+
+    max_request_cost: float
+    max_agent_cost: float
+    max_output_tokens: int
+
+
+@dataclass(frozen=True)
+class AgentShape:
+    """What is known of an agent's structure when it is admitted.
+
+    stages: number of sequential stages; critical_path_tokens: sum over stages of the longest
+    output of the stage. The live server, which sees requests only as they come, uses the
+    default: one stage whose longest decode is d_max.
+    """
+
+    stages: int = 1
+    critical_path_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class DelayBound:
+    """The bound and its three terms, in seconds."""
+
+    lag_s: float
+    blocking_s: float
+    critical_path_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.lag_s + self.blocking_s + self.critical_path_s
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total_s": self.total_s}
+
+
+def delay_bound(limits: BoundLimits, shape: AgentShape, kv_capacity: int, tau: float) -> DelayBound:
+    """delay_bound_j in seconds for an agent of `shape` (see the module docstring)."""
+    rate = kv_capacity / tau
+    stages = max(1, shape.stages)
+    cp_tokens = shape.critical_path_tokens
+    if cp_tokens is None:
+        cp_tokens = limits.max_output_tokens * stages
+    return DelayBound(
+        lag_s=(2.0 * limits.max_request_cost + limits.max_agent_cost) / rate,
+        blocking_s=stages * (limits.max_output_tokens + 1) * tau,
+        critical_path_s=(cp_tokens + stages) * tau,
+    )

@@ -1,0 +1,510 @@
+"""The dispatcher: holds pending requests and hands them to the engine in policy order.
+
+One object drives both the simulator and the live server. It never reads a clock and does no
+I/O: callers pass `now` (seconds, non-decreasing) and the engine's state when they have it.
+
+Life of an agent, as the live server sees it (it does not know future stages):
+
+    d = Dispatcher("justitia", kv_capacity_tokens=45_000, iteration_time_s=0.025)
+    view = d.register_agent("a17", predicted_cost=3.2e6, now=t)       # tag F = V(t) + C
+    d.submit(RequestSpec("r1", "a17", prompt_tokens=812, max_tokens=256), now=t)
+    for spec in d.admit(now=t, engine_free_kv_tokens=free):             # in order
+        engine.add(spec, priority=d.priority(spec.agent_id, spec.request_id))
+    d.on_request_finished("r1", prompt_tokens=812, output_tokens=120, now=t2)
+    d.finish_agent("a17", now=t3)         # or: ids = d.cancel_agent("a17", now); engine.abort(ids)
+
+Accounting: `reserved_kv` (footprints of admitted, unfinished requests), the pending queue and
+the agent table return to zero once every agent is finished or cancelled.
+
+Over-runs: an agent is charged its predicted cost when it arrives. Every request adds its
+estimated cost to the agent's *committed* cost when submitted, and is corrected to its real
+cost when it finishes. Whenever committed exceeds charged, the excess is charged too, with
+WFQ's rule for new work: F = max(F, V(now)) + excess. So an agent that under-predicts falls
+back in the queue as soon as the excess is visible; it never runs ahead for free. Under-runs
+are not refunded (an agent's GPS share is fixed once charged).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
+from .cost import COMPUTE, compute_cost, cost_function, kv_cost, kv_footprint
+from .policies import FOOTPRINT, Policy, get_policy
+from .virtual_clock import VirtualClock
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One inference request as the dispatcher sees it."""
+
+    request_id: str
+    agent_id: str
+    prompt_tokens: int
+    max_tokens: int
+    expected_output_tokens: int | None = None
+
+    @property
+    def expected_tokens(self) -> int:
+        """Expected output length, bounded by max_tokens (max_tokens when unknown)."""
+        if self.expected_output_tokens is None:
+            return self.max_tokens
+        return max(0, min(self.expected_output_tokens, self.max_tokens))
+
+
+@dataclass
+class RequestState:
+    spec: RequestSpec
+    seq: int
+    submitted_at: float
+    footprint: int  # KV tokens reserved when admitted (p + expected d)
+    est_cost: float  # estimated cost in the policy's cost units
+    est_kv_cost: float
+    order: tuple = ()
+    running: bool = False
+    admitted_at: float | None = None
+
+
+@dataclass
+class AgentState:
+    agent_id: str
+    seq: int
+    agent_type: str | None
+    submitted_at: float
+    predicted_cost: float  # KV token-time predicted at arrival
+    charged_cost: float  # work charged to the virtual clock (policy cost units)
+    virtual_finish: float
+    bound: DelayBound
+    shape: AgentShape
+    committed_cost: float = 0.0  # estimates of submitted requests, corrected on finish
+    consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)
+    consumed_kv: float = 0.0  # real KV token-time of finished requests
+    vtc_counter: float = 0.0
+    pending: list = field(default_factory=list)  # heap of (order, seq, RequestState)
+    request_ids: set = field(default_factory=set)  # submitted, unfinished requests
+    running: int = 0
+    requests_total: int = 0
+    requests_done: int = 0
+    version: int = 0  # bumps whenever the agent's key changes (stale heap entries)
+    in_heap: bool = False
+
+    @property
+    def remaining_predicted(self) -> float:
+        """Predicted KV cost not yet consumed (SRJF's key)."""
+        return max(0.0, self.predicted_cost - self.consumed_kv)
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """What the scheduler promises an agent; the times are seconds from its submission."""
+
+    agent_id: str
+    agent_type: str | None
+    predicted_cost: float
+    charged_cost: float
+    consumed_cost: float
+    virtual_finish: float
+    fair_finish_s: float
+    eta_s: float
+    delay_bound_s: float
+    deadline_s: float
+    requests_total: int
+    requests_done: int
+    pending: int
+    running: int
+
+
+class Dispatcher:
+    """Policy-ordered admission of requests into an engine with M tokens of KV cache."""
+
+    def __init__(
+        self,
+        policy: str | Policy,
+        kv_capacity_tokens: int,
+        iteration_time_s: float,
+        *,
+        limits: BoundLimits | None = None,
+        backfill: bool = False,
+        backfill_depth: int = 32,
+        now: float = 0.0,
+    ) -> None:
+        self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        if kv_capacity_tokens <= 0 or iteration_time_s <= 0:
+            raise ValueError("kv_capacity_tokens and iteration_time_s must be positive")
+        self.kv_capacity = int(kv_capacity_tokens)
+        self.tau = float(iteration_time_s)
+        self.backfill = backfill
+        self.backfill_depth = backfill_depth
+        self._declared_limits = limits
+        self._observed = [0.0, 0.0, 0]  # c_max, C_max, d_max seen so far
+        self._cost = cost_function(self.policy.cost_model)
+        # justitia-c keeps its clock in compute tokens; its rate is M/tau converted with the
+        # compute/KV ratio of the requests submitted so far (1/256 before any).
+        self._ratio_sums = [0.0, 0.0]
+        self.clock = VirtualClock(rate=self._rate(), now=now)
+        self.agents: dict[str, AgentState] = {}
+        self.requests: dict[str, RequestState] = {}
+        self._heap: list[tuple[tuple, int, int, str]] = []
+        self._seq = itertools.count()
+        self.reserved_kv = 0  # footprints of admitted, unfinished requests
+        self.reserved_prompt = 0  # prompts of admitted, unfinished requests
+        self.pending_count = 0
+        self.running_count = 0
+
+    # -- rate and capacity ------------------------------------------------------
+    def _rate(self) -> float:
+        rate = self.kv_capacity / self.tau
+        if self.policy.cost_model == COMPUTE:
+            c, k = self._ratio_sums
+            rate *= c / k if k > 0 else 1.0 / 256.0
+        return rate
+
+    @property
+    def rate(self) -> float:
+        """R: cost units per second at full memory."""
+        return self.clock.rate
+
+    def set_iteration_time(self, tau: float, now: float) -> None:
+        """A new measured iteration time: R = M / tau from `now` on."""
+        if tau <= 0:
+            raise ValueError("tau must be positive")
+        self.tau = float(tau)
+        self.clock.set_rate(self._rate(), now)
+
+    def set_kv_capacity(self, kv_capacity_tokens: int, now: float) -> None:
+        """Replicas added or removed: new M (and R) from `now` on."""
+        if kv_capacity_tokens <= 0:
+            raise ValueError("kv capacity must be positive")
+        self.kv_capacity = int(kv_capacity_tokens)
+        self.clock.set_rate(self._rate(), now)
+
+    @property
+    def limits(self) -> BoundLimits:
+        """Declared workload limits, or the largest costs seen so far."""
+        if self._declared_limits is not None:
+            return self._declared_limits
+        c, C, d = self._observed
+        return BoundLimits(c, C, int(d))
+
+    # -- agents -----------------------------------------------------------------
+    def register_agent(
+        self,
+        agent_id: str,
+        predicted_cost: float,
+        now: float,
+        *,
+        agent_type: str | None = None,
+        predicted_compute_cost: float | None = None,
+        shape: AgentShape | None = None,
+    ) -> AgentView:
+        """Admit an agent with its predicted KV cost: its tag is F = V(now) + cost."""
+        if agent_id in self.agents:
+            raise ValueError(f"agent {agent_id!r} is already registered")
+        predicted_cost = max(0.0, float(predicted_cost))
+        charge = predicted_cost
+        if self.policy.cost_model == COMPUTE:
+            if predicted_compute_cost is None:
+                c, k = self._ratio_sums
+                predicted_compute_cost = predicted_cost * (c / k if k > 0 else 1.0 / 256.0)
+            charge = max(0.0, float(predicted_compute_cost))
+        self._observed[1] = max(self._observed[1], predicted_cost)
+        shape = shape or AgentShape()
+        tag = self.clock.arrive(agent_id, charge, now)
+        agent = AgentState(
+            agent_id=agent_id,
+            seq=next(self._seq),
+            agent_type=agent_type,
+            submitted_at=now,
+            predicted_cost=predicted_cost,
+            charged_cost=charge,
+            virtual_finish=tag,
+            bound=delay_bound(self.limits, shape, self.kv_capacity, self.tau),
+            shape=shape,
+        )
+        self.agents[agent_id] = agent
+        return self.view(agent_id, now)
+
+    def finish_agent(self, agent_id: str, now: float) -> AgentView:
+        """The agent is done: forget it (pending requests, if any, are dropped)."""
+        view = self.view(agent_id, now)
+        self._drop(agent_id, now, cancel=False)
+        return view
+
+    def cancel_agent(self, agent_id: str, now: float) -> list[str]:
+        """Cancel an agent: returns the ids of its running requests, to abort in the engine."""
+        return self._drop(agent_id, now, cancel=True)
+
+    def _drop(self, agent_id: str, now: float, cancel: bool) -> list[str]:
+        agent = self._agent(agent_id)
+        running = []
+        for rid in sorted(agent.request_ids, key=lambda r: self.requests[r].seq):
+            req = self.requests[rid]
+            if req.running:
+                running.append(rid)
+                self._release(req)
+            else:
+                self.pending_count -= 1
+            del self.requests[rid]
+        agent.pending.clear()
+        agent.request_ids.clear()
+        agent.running = 0
+        agent.version += 1
+        if cancel:
+            self.clock.remove(agent_id, now)  # its GPS work disappears
+        self.clock.forget(agent_id)
+        del self.agents[agent_id]
+        return running
+
+    # -- requests ---------------------------------------------------------------
+    def submit(self, spec: RequestSpec, now: float) -> None:
+        """Queue a request of a registered agent."""
+        agent = self._agent(spec.agent_id)
+        if spec.request_id in self.requests:
+            raise ValueError(f"request {spec.request_id!r} already submitted")
+        p, d = int(spec.prompt_tokens), spec.expected_tokens
+        req = RequestState(
+            spec=spec,
+            seq=next(self._seq),
+            submitted_at=now,
+            footprint=kv_footprint(p, d),
+            est_cost=self._cost(p, d),
+            est_kv_cost=kv_cost(p, d),
+        )
+        req.order = self.policy.request_order(req)
+        self._ratio_sums[0] += compute_cost(p, d)
+        self._ratio_sums[1] += kv_cost(p, d)
+        if self.policy.cost_model == COMPUTE:
+            self.clock.set_rate(self._rate(), now)
+        self._observed[0] = max(self._observed[0], req.est_kv_cost)
+        self._observed[2] = max(self._observed[2], spec.max_tokens)
+        self.requests[spec.request_id] = req
+        agent.request_ids.add(spec.request_id)
+        agent.requests_total += 1
+        self.pending_count += 1
+        if self.policy.name == "vtc" and not agent.pending:
+            # VTC's counter lift: a newly backlogged agent starts no lower than the
+            # least-served backlogged agent, so idle time earns no credit.
+            top = self._peek()
+            if top is not None:
+                agent.vtc_counter = max(agent.vtc_counter, self.agents[top].vtc_counter)
+        heapq.heappush(agent.pending, (req.order, req.seq, req))
+        self._commit(agent, req.est_cost, now)
+        self._requeue(agent)
+
+    def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int, now: float) -> None:
+        """A request left the engine: release its reservation and account its real cost."""
+        req = self.requests.pop(request_id)
+        agent = self._agent(req.spec.agent_id)
+        agent.request_ids.discard(request_id)
+        if req.running:
+            self._release(req)
+            agent.running -= 1
+        else:  # finished without being admitted (e.g. rejected): just drop it
+            self.pending_count -= 1
+            agent.pending = [e for e in agent.pending if e[2] is not req]
+            heapq.heapify(agent.pending)
+        real = self._cost(prompt_tokens, output_tokens)
+        agent.consumed_cost += real
+        agent.consumed_kv += kv_cost(prompt_tokens, output_tokens)
+        agent.requests_done += 1
+        if self.policy.name == "vtc":
+            agent.vtc_counter += 2.0 * output_tokens
+        self._commit(agent, real - req.est_cost, now)
+        self._requeue(agent)
+
+    def _commit(self, agent: AgentState, delta: float, now: float) -> None:
+        """Add to the agent's committed cost; charge any excess over what it was charged."""
+        agent.committed_cost += delta
+        excess = agent.committed_cost - agent.charged_cost
+        if excess > 1e-9 * max(1.0, agent.charged_cost):
+            agent.virtual_finish = self.clock.extend(agent.agent_id, agent.virtual_finish, excess, now)
+            agent.charged_cost += excess
+            agent.bound = delay_bound(self.limits, agent.shape, self.kv_capacity, self.tau)
+
+    # -- admission --------------------------------------------------------------
+    def admit(
+        self,
+        now: float,
+        engine_free_kv_tokens: int | None = None,
+        engine_free_slots: int | None = None,
+    ) -> list[RequestSpec]:
+        """The requests to hand to the engine now, in order.
+
+        Footprint policies reserve p + expected d against min(M - reserved, engine free) and
+        stop at the first request that does not fit (strict order; optional backfill).
+        Prompt policies admit while the prompt fits in free memory (the engine's report, or M
+        minus admitted prompts) and leave preemption to the engine.
+        """
+        self.clock.advance(now)
+        footprint = self.policy.admission == FOOTPRINT
+        if footprint:
+            free = self.kv_capacity - self.reserved_kv
+        else:
+            free = self.kv_capacity - self.reserved_prompt
+        if engine_free_kv_tokens is not None:
+            free = min(free, engine_free_kv_tokens) if footprint else engine_free_kv_tokens
+        slots = engine_free_slots
+        out: list[RequestSpec] = []
+        skipped: list[str] = []
+        while slots is None or slots > 0:
+            agent_id = self._peek()
+            if agent_id is None:
+                break
+            agent = self.agents[agent_id]
+            req = agent.pending[0][2]
+            need = req.footprint if footprint else req.spec.prompt_tokens + 1
+            idle = self.running_count == 0 and not out
+            if need > free and not idle:
+                if not self.backfill or len(skipped) >= self.backfill_depth:
+                    break
+                # backfill: look past the blocked agent (its entry comes back below)
+                heapq.heappop(self._heap)
+                agent.in_heap = False
+                skipped.append(agent_id)
+                continue
+            heapq.heappop(agent.pending)
+            req.running = True
+            req.admitted_at = now
+            self.pending_count -= 1
+            self.running_count += 1
+            agent.running += 1
+            self.reserved_kv += req.footprint
+            self.reserved_prompt += req.spec.prompt_tokens
+            free -= need
+            if slots is not None:
+                slots -= 1
+            if self.policy.name == "vtc":
+                agent.vtc_counter += req.spec.prompt_tokens
+            agent.version += 1
+            agent.in_heap = False
+            self._requeue(agent)
+            out.append(req.spec)
+        for agent_id in skipped:
+            self._requeue(self.agents[agent_id])
+        return out
+
+    def _release(self, req: RequestState) -> None:
+        self.reserved_kv -= req.footprint
+        self.reserved_prompt -= req.spec.prompt_tokens
+        self.running_count -= 1
+        req.running = False
+
+    def _requeue(self, agent: AgentState) -> None:
+        """(Re)insert the agent in the heap under its current key (old entries go stale)."""
+        agent.version += 1
+        if agent.pending:
+            key = self.policy.agent_key(agent, agent.pending[0][2])
+            heapq.heappush(self._heap, (key, agent.version, agent.seq, agent.agent_id))
+            agent.in_heap = True
+        else:
+            agent.in_heap = False
+
+    def _peek(self) -> str | None:
+        """The agent whose head request is next, dropping stale heap entries."""
+        heap = self._heap
+        while heap:
+            _, version, _, agent_id = heap[0]
+            agent = self.agents.get(agent_id)
+            if agent is not None and agent.version == version and agent.pending and agent.in_heap:
+                return agent_id
+            heapq.heappop(heap)
+        return None
+
+    # -- views ------------------------------------------------------------------
+    def _agent(self, agent_id: str) -> AgentState:
+        try:
+            return self.agents[agent_id]
+        except KeyError:
+            raise KeyError(f"unknown agent {agent_id!r}") from None
+
+    def priority(self, agent_id: str, request_id: str | None = None) -> int:
+        """An int rank for vLLM's priority scheduling; lower runs first."""
+        agent = self._agent(agent_id)
+        req = self.requests.get(request_id) if request_id is not None else None
+        return self.policy.priority(agent, req)
+
+    def fair_finish_time(self, agent_id: str, now: float) -> float:
+        """GPS finish time of the agent projected from now (no further arrivals)."""
+        agent = self._agent(agent_id)
+        self.clock.advance(now)
+        if self.clock.tag(agent_id) is None:
+            return self.clock.departures.get(agent_id, now)
+        return self.clock.projected_time(agent.virtual_finish, now)
+
+    def eta_time(self, agent_id: str, now: float) -> float:
+        """Projected finish under the running policy: the work ordered at or before the
+        agent, served at R, and no sooner than its own remaining critical path."""
+        agent = self._agent(agent_id)
+        key = self.policy.static_key(agent)
+        ahead = 0.0
+        for other in self.agents.values():
+            if other is agent or self.policy.static_key(other) <= key:
+                ahead += max(0.0, other.charged_cost - other.consumed_cost)
+        own = agent.bound.critical_path_s * (1.0 - agent.requests_done / max(1, agent.requests_total))
+        return now + max(ahead / self.rate, own)
+
+    def view(self, agent_id: str, now: float) -> AgentView:
+        """The agent's record: tag, costs and times (seconds from its submission)."""
+        agent = self._agent(agent_id)
+        fair = self.fair_finish_time(agent_id, now) - agent.submitted_at
+        bound = agent.bound.total_s
+        return AgentView(
+            agent_id=agent_id,
+            agent_type=agent.agent_type,
+            predicted_cost=agent.predicted_cost,
+            charged_cost=agent.charged_cost,
+            consumed_cost=agent.consumed_cost,
+            virtual_finish=agent.virtual_finish,
+            fair_finish_s=fair,
+            eta_s=self.eta_time(agent_id, now) - agent.submitted_at,
+            delay_bound_s=bound,
+            deadline_s=fair + bound,
+            requests_total=agent.requests_total,
+            requests_done=agent.requests_done,
+            pending=len(agent.pending),
+            running=agent.running,
+        )
+
+    def snapshot(self, now: float, max_queue: int = 50) -> dict:
+        """Plain-data state: policy, V, M, tau, backlog, queue (head first) with tags."""
+        self.clock.advance(now)
+        queued = sorted(
+            (a for a in self.agents.values() if a.pending),
+            key=lambda a: self.policy.agent_key(a, a.pending[0][2]),
+        )
+        return {
+            "policy": self.policy.name,
+            "now": now,
+            "V": self.clock.V,
+            "M": self.kv_capacity,
+            "tau": self.tau,
+            "rate": self.rate,
+            "backlog": self.clock.backlog,
+            "agents": len(self.agents),
+            "pending_requests": self.pending_count,
+            "running_requests": self.running_count,
+            "reserved_kv": self.reserved_kv,
+            "queue": [
+                {
+                    "agent_id": a.agent_id,
+                    "virtual_finish": a.virtual_finish,
+                    "priority": self.policy.priority(a, a.pending[0][2]),
+                    "pending": len(a.pending),
+                    "running": a.running,
+                }
+                for a in queued[:max_queue]
+            ],
+        }
+
+    def is_idle(self) -> bool:
+        """True when no agent, request or reservation is left (accounting back to zero)."""
+        return (
+            not self.agents
+            and not self.requests
+            and self.reserved_kv == 0
+            and self.reserved_prompt == 0
+            and self.pending_count == 0
+            and self.running_count == 0
+        )

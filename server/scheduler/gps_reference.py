@@ -1,0 +1,59 @@
+"""An exact offline GPS fluid simulation: the reference for fair finish times.
+
+Independent of `VirtualClock` on purpose: it tracks each agent's *remaining work* and
+shares the rate R equally among the agents that still have work, event by event (arrival or
+departure), in O(n^2). Tests compare the two; the simulator reports `gps_finish_s` from it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], rate: float) -> list[float]:
+    """GPS fluid finish time of every agent (same order as the inputs).
+
+    arrivals: arrival times (seconds); costs: total work of each agent (cost units);
+    rate: R, cost units per second shared equally among agents that have work left.
+    """
+    if len(arrivals) != len(costs):
+        raise ValueError("arrivals and costs differ in length")
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
+    finish = [0.0] * len(arrivals)
+    remaining: dict[int, float] = {}
+    t = 0.0
+    k = 0
+    eps = 1e-9
+    while k < len(order) or remaining:
+        next_arrival = arrivals[order[k]] if k < len(order) else float("inf")
+        if not remaining:
+            t = max(t, next_arrival)
+        if remaining:
+            n = len(remaining)
+            j_min = min(remaining, key=lambda j: (remaining[j], j))
+            t_done = t + remaining[j_min] * n / rate
+            if t_done <= next_arrival:
+                served = remaining[j_min]
+                t = t_done
+                for j in list(remaining):
+                    remaining[j] -= served
+                    # every agent with (nearly) as little work left leaves now too
+                    if remaining[j] <= eps * max(1.0, served):
+                        finish[j] = t
+                        del remaining[j]
+                continue
+            served = (next_arrival - t) * rate / n
+            for j in remaining:
+                remaining[j] -= served
+            t = next_arrival
+        # admit every agent arriving at t
+        while k < len(order) and arrivals[order[k]] <= t:
+            i = order[k]
+            k += 1
+            if costs[i] <= 0:
+                finish[i] = max(t, arrivals[i])
+            else:
+                remaining[i] = float(costs[i])
+    return finish

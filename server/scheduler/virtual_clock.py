@@ -1,0 +1,146 @@
+"""The GPS virtual clock: virtual finish tags under ideal fair sharing.
+
+GPS shares the service rate R (cost units per second) equally among the agents backlogged in
+the *reference* system, B(t) = {admitted agents whose tag is still ahead of V}:
+
+    V(0) = 0,   dV/dt = R / |B(t)| while |B(t)| > 0,   V constant while B is empty
+    on arrival of agent j at time a_j with cost C_j:   F_j = V(a_j) + C_j
+
+Advancing V from t0 to t1 processes the GPS departures in order: with the smallest tag F_min
+in B, V reaches it after (F_min - V) * |B| / R seconds; pop it, shrink B, go on. B is a heap
+of tags, so every arrival and departure is O(log n).
+
+The clock never reads a wall clock: every method that depends on time takes `now` (seconds on
+the caller's clock, non-decreasing). The live server passes its monotonic time, the
+simulator its simulated time.
+
+Two operations go beyond the textbook:
+
+* `extend(key, extra, now)` charges an agent more work after its arrival (an over-run). It is
+  WFQ's rule for a new job of the same flow: F = max(F_old, V(now)) + extra. An agent that
+  GPS had already finished re-enters B.
+* `remove(key, now)` drops a cancelled agent from B (its remaining GPS work disappears).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass
+class VirtualClock:
+    """Exact GPS virtual time with a heap of the backlogged agents' finish tags."""
+
+    rate: float  # R: cost units served per second at full memory (M / tau)
+    now: float = 0.0  # last time the clock was advanced to
+    V: float = 0.0
+    _heap: list[tuple[float, int, object]] = field(default_factory=list)
+    _tags: dict[object, float] = field(default_factory=dict)  # key -> live tag (backlogged)
+    _seq: "itertools.count[int]" = field(default_factory=itertools.count)
+    departures: dict[object, float] = field(default_factory=dict)  # key -> GPS finish time
+    _live: set = field(default_factory=set)  # keys whose departure time is worth recording
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0:
+            raise ValueError("rate must be positive")
+
+    # -- queries ---------------------------------------------------------------
+    @property
+    def backlog(self) -> int:
+        """|B|: agents whose tag is still ahead of V."""
+        return len(self._tags)
+
+    def tag(self, key: object) -> float | None:
+        """The live tag of a backlogged agent (None once GPS has finished it)."""
+        return self._tags.get(key)
+
+    def projected_time(self, tag: float, now: float) -> float:
+        """When V will reach `tag` if nothing else arrives (time on the caller's clock).
+
+        O(n log n): walks the backlog in tag order. Used for ETA views, not per decision.
+        """
+        self.advance(now)
+        if tag <= self.V:
+            return now
+        t, v, n = now, self.V, len(self._tags)
+        for f in sorted(self._tags.values()):
+            if f >= tag:
+                break
+            t += (f - v) * n / self.rate
+            v, n = f, n - 1
+        return t + (tag - v) * max(n, 1) / self.rate
+
+    # -- updates ---------------------------------------------------------------
+    def advance(self, now: float) -> float:
+        """Move V to time `now`, processing GPS departures in tag order. Returns V."""
+        if now < self.now:
+            # Callers pass a non-decreasing clock; tolerate tiny float regressions.
+            if self.now - now > 1e-9:
+                raise ValueError(f"time went backwards: {now} < {self.now}")
+            return self.V
+        t = self.now
+        while self._heap:
+            f, _, key = self._heap[0]
+            if self._tags.get(key) != f:  # stale entry (extended or removed agent)
+                heapq.heappop(self._heap)
+                continue
+            n = len(self._tags)
+            t_dep = t + (f - self.V) * n / self.rate
+            if t_dep > now:
+                break
+            heapq.heappop(self._heap)
+            del self._tags[key]
+            if key in self._live:
+                self.departures[key] = t_dep
+            t, self.V = t_dep, f
+        if self._tags:
+            self.V += (now - t) * self.rate / len(self._tags)
+        self.now = now
+        return self.V
+
+    def arrive(self, key: object, cost: float, now: float) -> float:
+        """Agent `key` arrives with `cost`: returns its tag F = V(now) + cost."""
+        if key in self._tags:
+            raise ValueError(f"{key!r} is already backlogged")
+        if cost < 0:
+            raise ValueError("cost must be >= 0")
+        self.advance(now)
+        f = self.V + cost
+        self.departures.pop(key, None)
+        self._live.add(key)
+        if cost == 0:
+            self.departures[key] = now
+            return f
+        self._tags[key] = f
+        heapq.heappush(self._heap, (f, next(self._seq), key))
+        return f
+
+    def extend(self, key: object, old_tag: float, extra: float, now: float) -> float:
+        """Charge `extra` more work to `key`: F = max(F_old, V(now)) + extra. Returns F."""
+        self.advance(now)
+        f = max(old_tag, self.V) + extra
+        if extra <= 0:
+            return max(old_tag, f)
+        self.departures.pop(key, None)
+        self._tags[key] = f
+        heapq.heappush(self._heap, (f, next(self._seq), key))
+        return f
+
+    def remove(self, key: object, now: float) -> None:
+        """Drop a cancelled agent from the backlog (lazy: its heap entry goes stale)."""
+        self.advance(now)
+        self._tags.pop(key, None)
+
+    def set_rate(self, rate: float, now: float) -> None:
+        """Change R (new tau or new capacity) from `now` on: V is piecewise linear."""
+        if rate <= 0:
+            raise ValueError("rate must be positive")
+        self.advance(now)
+        self.rate = rate
+
+    def forget(self, key: object) -> None:
+        """Stop recording the agent's departure (it stays in B until V passes its tag)."""
+        self.departures.pop(key, None)
+        self._live.discard(key)

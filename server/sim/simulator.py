@@ -1,0 +1,250 @@
+"""The discrete-event simulator: a workload, a policy, the engine model, the scheduler core.
+
+The driver plays the part of the live server: it registers each agent when it arrives (with
+its predicted cost), submits a stage's requests when the previous stage has finished, asks
+the dispatcher what to admit whenever something changed, and hands those requests to the
+engine model. The dispatcher is the same class the server uses.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from server.scheduler import AgentShape, BoundLimits, Dispatcher, RequestSpec, get_policy, gps_finish_times
+from server.scheduler.cost import kv_cost
+
+from .engine import EngineModel, SimRequest
+from .profiles import EngineProfile
+from .workload import AgentSpec
+
+
+@dataclass
+class Predictions:
+    """Predicted agent costs, shared by every policy of a run."""
+
+    kv: list[float]
+    compute: list[float | None]
+    label: str = "oracle"
+
+
+def make_predictions(agents: Sequence[AgentSpec], mode: str = "oracle", seed: int = 0,
+                     predictor: Callable[[AgentSpec], float] | None = None) -> Predictions:
+    """oracle: the true costs; noisy:L: true x L^u, u ~ U(-1, 1) per agent (a factor within
+    [1/L, L], log-uniform); model: what `predictor(agent)` says (KV cost)."""
+    true_kv = [a.kv_cost for a in agents]
+    true_c = [a.compute_cost for a in agents]
+    if mode == "oracle":
+        return Predictions(true_kv, list(true_c), "oracle")
+    if mode.startswith("noisy:"):
+        lam = float(mode.split(":", 1)[1])
+        if lam < 1:
+            raise ValueError("noisy:LAMBDA needs LAMBDA >= 1")
+        rng = random.Random(seed)
+        factors = [lam ** rng.uniform(-1.0, 1.0) for _ in agents]
+        return Predictions([c * f for c, f in zip(true_kv, factors)],
+                           [c * f for c, f in zip(true_c, factors)], mode)
+    if mode.startswith("model:"):
+        if predictor is None:
+            raise ValueError("model predictions need a predictor")
+        return Predictions([max(0.0, float(predictor(a))) for a in agents], [None] * len(agents), mode)
+    raise ValueError(f"unknown prediction mode {mode!r}: oracle, noisy:LAMBDA or model:DIR")
+
+
+def gps_tau_s(profile: EngineProfile, kv_tokens: int, agents: Sequence[AgentSpec]) -> float:
+    """The tau of the GPS rate R = M / tau: what the engine sustains on this request mix
+    (see EngineProfile.effective_tau_s). The live server measures it online."""
+    return profile.effective_tau_s(kv_tokens, [(p, d) for a in agents for st in a.stages for p, d in st])
+
+
+def workload_limits(agents: Sequence[AgentSpec]) -> BoundLimits:
+    """c_max, C_max and d_max of a workload (the limits the bound is stated against)."""
+    reqs = [(p, d) for a in agents for st in a.stages for p, d in st]
+    return BoundLimits(
+        max_request_cost=max((kv_cost(p, d) for p, d in reqs), default=0.0),
+        max_agent_cost=max((a.kv_cost for a in agents), default=0.0),
+        max_output_tokens=max((d for _, d in reqs), default=0),
+    )
+
+
+@dataclass
+class AgentResult:
+    id: str
+    type: str
+    arrival_s: float
+    finish_s: float
+    gps_finish_s: float
+    delay_bound_s: float
+
+    @property
+    def jct_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    def as_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "type": self.type,
+            "arrival_s": self.arrival_s,
+            "finish_s": self.finish_s,
+            "jct_s": self.jct_s,
+            "gps_finish_s": self.gps_finish_s,
+            "delay_bound_s": self.delay_bound_s,
+        }
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    agents: list[AgentResult]
+    iterations: int = 0
+    preemptions: int = 0
+    accounting_zero: bool = True
+    sim_wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        jcts = sorted(a.jct_s for a in self.agents)
+        return {
+            "policy": self.policy,
+            "mean_jct_s": statistics.fmean(jcts) if jcts else 0.0,
+            "p50_jct_s": _quantile(jcts, 0.50),
+            "p90_jct_s": _quantile(jcts, 0.90),
+            "p99_jct_s": _quantile(jcts, 0.99),
+            "max_jct_s": jcts[-1] if jcts else 0.0,
+            "makespan_s": max((a.finish_s for a in self.agents), default=0.0),
+            "bound_violations": sum(a.finish_s > a.gps_finish_s + a.delay_bound_s + 1e-6 for a in self.agents),
+            "max_lag_vs_gps_s": max((a.finish_s - a.gps_finish_s for a in self.agents), default=0.0),
+            "iterations": self.iterations,
+            "preemptions": self.preemptions,
+            "accounting_zero": self.accounting_zero,
+            "sim_wall_s": self.sim_wall_s,
+            **self.extra,
+        }
+
+    def as_dict(self) -> dict:
+        return {**self.summary(), "agents": [a.as_dict() for a in self.agents]}
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default)."""
+    if not sorted_xs:
+        return 0.0
+    pos = q * (len(sorted_xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def simulate(
+    agents: Sequence[AgentSpec],
+    policy: str,
+    profile: EngineProfile,
+    kv_tokens: int | None = None,
+    predictions: Predictions | None = None,
+    *,
+    backfill: bool = False,
+    gps_finish: Sequence[float] | None = None,
+) -> PolicyResult:
+    """Run one policy over the workload; returns per-agent finish times and counters."""
+    import time
+
+    wall0 = time.perf_counter()
+    agents = sorted(agents, key=lambda a: a.arrival)
+    m = int(kv_tokens or profile.kv_tokens)
+    tau = gps_tau_s(profile, m, agents)
+    predictions = predictions or make_predictions(agents)
+    limits = workload_limits(agents)
+    if gps_finish is None:
+        gps_finish = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], m / tau)
+    pol = get_policy(policy)
+    disp = Dispatcher(pol, m, tau, limits=limits, backfill=backfill)
+    engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"))
+
+    index = {a.id: i for i, a in enumerate(agents)}
+    stage_of = [0] * len(agents)
+    left_in_stage = [0] * len(agents)
+    finish = [math.nan] * len(agents)
+    bounds = [0.0] * len(agents)
+    t = 0.0
+    nxt = 0
+    done = 0
+
+    def submit_stage(i: int, now: float) -> None:
+        a = agents[i]
+        st = a.stages[stage_of[i]]
+        left_in_stage[i] = len(st)
+        for k, (p, d) in enumerate(st):
+            disp.submit(RequestSpec(f"{a.id}/{stage_of[i]}/{k}", a.id, p, d, d), now)
+
+    while done < len(agents):
+        while nxt < len(agents) and agents[nxt].arrival <= t:
+            a = agents[nxt]
+            view = disp.register_agent(
+                a.id, predictions.kv[nxt], t, agent_type=a.type,
+                predicted_compute_cost=predictions.compute[nxt],
+                shape=AgentShape(len(a.stages), a.critical_path_tokens),
+            )
+            bounds[nxt] = view.delay_bound_s
+            if a.stages:
+                submit_stage(nxt, t)
+            else:
+                disp.finish_agent(a.id, t)
+                finish[nxt] = t
+                done += 1
+            nxt += 1
+        engine.resume()
+        if not engine.waiting:
+            for spec in disp.admit(t, engine.free_kv, engine.free_slots):
+                engine.add(SimRequest(spec.request_id, spec.agent_id, spec.prompt_tokens, spec.max_tokens,
+                                      priority=disp.priority(spec.agent_id, spec.request_id)))
+        if engine.idle():
+            if nxt < len(agents):
+                t = max(t, agents[nxt].arrival)
+                continue
+            if done < len(agents):
+                raise RuntimeError("simulator stalled: requests pending but nothing admitted")
+            break
+        until = agents[nxt].arrival if nxt < len(agents) else math.inf
+        t, finished = engine.step(t, until)
+        for r in finished:
+            i = index[r.agent_id]
+            disp.on_request_finished(r.request_id, r.prompt_tokens, r.output_tokens, t)
+            left_in_stage[i] -= 1
+            if left_in_stage[i] == 0:
+                stage_of[i] += 1
+                if stage_of[i] < len(agents[i].stages):
+                    submit_stage(i, t)
+                else:
+                    disp.finish_agent(r.agent_id, t)
+                    finish[i] = t
+                    done += 1
+    results = [
+        AgentResult(a.id, a.type, a.arrival, finish[i], gps_finish[i], bounds[i]) for i, a in enumerate(agents)
+    ]
+    return PolicyResult(
+        policy=pol.name,
+        agents=results,
+        iterations=engine.iterations,
+        preemptions=engine.preemptions,
+        accounting_zero=disp.is_idle() and engine.kv_used == 0,
+        sim_wall_s=time.perf_counter() - wall0,
+    )
+
+
+def run_comparison(
+    agents: Sequence[AgentSpec],
+    policies: Sequence[str],
+    profile: EngineProfile,
+    kv_tokens: int | None = None,
+    predictions: Predictions | None = None,
+    backfill: bool = False,
+) -> list[PolicyResult]:
+    """Every policy on the same workload, predictions and GPS reference."""
+    agents = sorted(agents, key=lambda a: a.arrival)
+    m = int(kv_tokens or profile.kv_tokens)
+    gps = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], m / gps_tau_s(profile, m, agents))
+    predictions = predictions or make_predictions(agents)
+    return [simulate(agents, p, profile, m, predictions, backfill=backfill, gps_finish=gps) for p in policies]
