@@ -1,0 +1,12 @@
+# The two commands of the README. Both set up .venv first (idempotent: seconds when done).
+.PHONY: setup demo test docs
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/justitia demo
+
+test: setup
+	.venv/bin/python -m pytest -q
+	.venv/bin/mkdocs build --strict --quiet

@@ -1,0 +1,136 @@
+"""The FastAPI application: wiring only. Each concern lives in its own module."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server import errors
+from server.config import ServerConfig
+from server.engine.base import Engine
+from server.openai_api import router as openai_router
+from server.service import InferenceService
+
+log = logging.getLogger("justitia.server")
+
+
+class BodySizeLimit:
+    """Refuse bodies over the limit with 413 before reading them into memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            response = JSONResponse(
+                {"detail": f"the body has {int(length)} bytes; the limit is {self.max_bytes}"},
+                status_code=413,
+            )
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            response = JSONResponse(
+                {"detail": f"the body is over the limit of {self.max_bytes} bytes"},
+                status_code=413,
+            )
+            await response(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def build_engine(config: ServerConfig) -> tuple[Engine, str]:
+    """The in-process vLLM engine for this configuration, and the model's served name."""
+    from server.engine.vllm_local import LocalEngineConfig, LocalVLLMEngine
+    from server.tiny_model import TINY_MODEL_NAME, ensure_default_model
+
+    if config.model is None:
+        path = ensure_default_model()
+        engine_cfg = LocalEngineConfig(
+            model=str(path),
+            kv_tokens=config.kv_tokens,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            dummy_weights=True,
+        )
+        return LocalVLLMEngine(engine_cfg), config.served_model_name or TINY_MODEL_NAME
+    engine_cfg = LocalEngineConfig(
+        model=config.model,
+        kv_tokens=config.kv_tokens,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+    )
+    name = config.served_model_name or Path(config.model).name or config.model
+    return LocalVLLMEngine(engine_cfg), name
+
+
+def create_app(config: ServerConfig, engine: Engine | None = None, model_name: str = "") -> FastAPI:
+    """The server. With no `engine`, the lifespan builds and starts the one `config` names."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal engine, model_name
+        if engine is None:
+            engine, model_name = build_engine(config)
+        await engine.start()
+        app.state.service = InferenceService(engine, model_name)
+        app.state.ready = True
+        log.info("engine ready: %s", engine.info)
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            await engine.close()
+
+    app = FastAPI(
+        title="Justitia",
+        version="0.1.0",
+        description="Fair and fast scheduling of task-parallel LLM agents on vLLM.",
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.ready = False
+    errors.install(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.include_router(openai_router)
+
+    @app.get("/healthz", tags=["operations"])
+    async def healthz(request: Request) -> JSONResponse:
+        service = getattr(request.app.state, "service", None)
+        if service is None or not service.engine.healthy:
+            return JSONResponse({"status": "unhealthy", "detail": "the engine is not running"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz", tags=["operations"])
+    async def readyz(request: Request) -> JSONResponse:
+        service = getattr(request.app.state, "service", None)
+        if not request.app.state.ready or service is None or not service.engine.healthy:
+            return JSONResponse({"status": "not ready", "detail": "the engine is starting"}, 503)
+        return JSONResponse({"status": "ready", "model": service.model_name})
+
+    return app

@@ -1,0 +1,142 @@
+"""`justitia serve` and `justitia model ...`. Heavy imports happen inside the handlers."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from typing import Any
+
+from server.config import POLICIES
+
+TINY_NOTICE = (
+    "Serving the embedded tiny model ({path}). Its weights are random, so the text it "
+    "generates is noise; the engine around it (batching, KV cache, preemption, timing) is "
+    "real vLLM. To serve a real model: justitia serve --model PATH_OR_ID"
+)
+
+
+def register(commands: Any) -> None:
+    from justitia_sdk.cli import formatter
+
+    serve = commands.root.add_parser(
+        "serve",
+        help="Run the Justitia server in front of an in-process vLLM engine.",
+        description=(
+            "Run the Justitia server: the agent API, an OpenAI-compatible API and the "
+            "scheduler, in front of an in-process vLLM engine (the CPU build on machines "
+            "without a GPU). With no --model it serves the embedded tiny model, created "
+            "on first use."
+        ),
+        formatter_class=formatter,
+    )
+    serve.add_argument("--model", default=None, metavar="PATH_OR_ID",
+                       help="model folder or id to serve (default: the embedded tiny model)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients use in the `model` field (default: from --model)")
+    serve.add_argument("--kv-tokens", type=int, default=None, metavar="N",
+                       help="KV cache capacity M in tokens (CPU: sets vLLM's "
+                            "num_gpu_blocks_override; default: what vLLM sizes)")
+    serve.add_argument("--max-model-len", type=int, default=2048, metavar="N",
+                       help="longest prompt + output in tokens")
+    serve.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
+                       help="most requests the engine runs at once")
+    serve.add_argument("--policy", default="justitia", choices=POLICIES,
+                       help="scheduling policy")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (without --api-key only loopback is allowed)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--api-key", action="append", default=[], metavar="TENANT=KEY",
+                       help="accept this bearer key for this tenant (repeatable)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="server log level")
+    serve.set_defaults(handler=run_serve)
+
+    init_tiny = commands.model.add_parser(
+        "init-tiny",
+        help="Write the embedded tiny model (config + tokenizer, no weights) to DIR.",
+        description=(
+            "Write a tiny Llama model folder (config.json, tokenizer.json, "
+            "tokenizer_config.json) that vLLM runs with random weights and no downloads."
+        ),
+        formatter_class=formatter,
+    )
+    init_tiny.add_argument("dir", metavar="DIR", help="folder to create")
+    init_tiny.add_argument("--force", action="store_true", help="overwrite DIR's contents")
+    init_tiny.set_defaults(handler=run_init_tiny)
+
+
+def _parse_api_keys(items: list[str]) -> dict[str, str]:
+    from justitia_sdk.cli import CommandError
+
+    keys: dict[str, str] = {}
+    for item in items:
+        tenant, sep, key = item.partition("=")
+        if not sep or not tenant or not key:
+            raise CommandError(f"--api-key takes TENANT=KEY, got {item!r}")
+        if key in keys:
+            raise CommandError(f"the same key is given to tenants {keys[key]!r} and {tenant!r}")
+        keys[key] = tenant
+    return keys
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from justitia_sdk.cli import CommandError
+    from server.config import ServerConfig
+
+    keys = _parse_api_keys(args.api_key)
+    if not keys and not _is_loopback(args.host):
+        raise CommandError(
+            f"refusing to bind {args.host} without API keys: anyone could use the engine. "
+            "Add --api-key TENANT=KEY, or bind 127.0.0.1"
+        )
+    config = ServerConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        kv_tokens=args.kv_tokens,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        policy=args.policy,
+        host=args.host,
+        port=args.port,
+        api_keys=keys,
+        log_level=args.log_level,
+    )
+    serve(config)
+    return 0
+
+
+def serve(config: Any) -> None:
+    import uvicorn
+
+    from server.app import create_app
+
+    if config.model is None:
+        from server.tiny_model import ensure_default_model
+
+        path = ensure_default_model()
+        print(TINY_NOTICE.format(path=path), file=sys.stderr, flush=True)
+    app = create_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+
+
+def run_init_tiny(args: argparse.Namespace) -> int:
+    from justitia_sdk.cli import CommandError
+    from server.tiny_model import init_tiny
+
+    try:
+        path = init_tiny(args.dir, overwrite=args.force)
+    except FileExistsError as exc:
+        raise CommandError(f"{exc} (or pass --force)") from None
+    print(f"tiny model written to {path}")
+    return 0

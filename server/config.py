@@ -1,0 +1,24 @@
+"""The server's configuration: one pydantic model, filled from the command line."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+POLICIES = ("fcfs", "sjf", "parrot", "srjf", "vtc", "justitia", "justitia-c")
+
+
+class ServerConfig(BaseModel):
+    model: str | None = Field(
+        default=None, description="Model folder or id; None serves the embedded tiny model."
+    )
+    served_model_name: str | None = None
+    kv_tokens: int | None = Field(default=None, ge=1, description="KV cache capacity M in tokens.")
+    max_model_len: int = Field(default=2048, ge=64)
+    max_num_seqs: int = Field(default=256, ge=1)
+    policy: str = "justitia"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_keys: dict[str, str] = Field(default_factory=dict, description="key -> tenant")
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    data_dir: str | None = None
+    log_level: str = "info"

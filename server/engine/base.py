@@ -1,0 +1,101 @@
+"""The engine interface: what the server needs from an inference engine.
+
+Like httpx's transports, backends are swappable behind one small interface: the in-process
+vLLM engine (`LocalVLLMEngine`) and, for scale-out, remote vLLM OpenAI servers. The server
+never talks to vLLM directly; it hands an `EngineRequest` to `Engine.generate` and reads
+`EngineOutput`s until one is `finished`.
+
+Cancellation contract: when the consumer of `generate` stops iterating (the client went
+away, the agent was cancelled, a sibling task failed), the backend aborts the request in
+the engine so that its KV cache is freed. `abort` does the same explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class EngineError(Exception):
+    """The engine failed or is not running; requests fail with a clear message."""
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked (too long, bad sampling parameters)."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    # vLLM's priority scheduling: lower runs first; a Python int (a float hangs vLLM).
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """Cumulative state of one request after an engine step."""
+
+    request_id: str
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    finished: bool
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    delta_text: str = ""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    kv_capacity_tokens: int
+    block_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    running: int = 0
+    waiting: int = 0
+    preemptions_total: int = 0
+    iteration_time_s: float | None = None  # moving average while busy
+    steps_total: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every engine backend provides."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,249 @@
+"""In-process vLLM engine backend (AsyncLLM): the GPU build, or the CPU build here.
+
+vLLM is imported only when the engine starts, so the rest of the server (and the CLI's
+help) never pays for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from server.engine.base import (
+    EngineError,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    InvalidRequestError,
+)
+
+log = logging.getLogger("justitia.engine")
+
+
+@dataclass(frozen=True)
+class LocalEngineConfig:
+    model: str
+    kv_tokens: int | None = None  # None: let vLLM size the cache
+    max_model_len: int = 2048
+    block_size: int | None = None  # None: 32 on CPU (it must be a multiple of 32 there)
+    dummy_weights: bool = False  # random weights: the embedded tiny model has none
+    max_num_seqs: int = 256
+    kv_cache_space_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    seed: int = 0
+
+
+def _on_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except Exception:  # torch missing or broken: the CPU build's own checks will say so
+        return True
+
+
+class _StatsCollector:
+    """Receives vLLM's per-step statistics; keeps what the scheduler needs.
+
+    vLLM calls `record` after every engine step (in the engine client's output loop), so the
+    interval between two calls while requests are running is the iteration time tau.
+    """
+
+    def __init__(self) -> None:
+        self.kv_usage = 0.0
+        self.running = 0
+        self.waiting = 0
+        self.preemptions_total = 0
+        self.steps_total = 0
+        self.iteration_time_s: float | None = None
+        self._last_busy_step: float | None = None
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        now = time.monotonic()
+        if scheduler_stats is not None:
+            self.kv_usage = float(scheduler_stats.kv_cache_usage)
+            self.running = int(scheduler_stats.num_running_reqs)
+            self.waiting = int(scheduler_stats.num_waiting_reqs)
+        if iteration_stats is not None:
+            self.preemptions_total += int(iteration_stats.num_preempted_reqs)
+        self.steps_total += 1
+        busy = self.running > 0
+        if busy and self._last_busy_step is not None:
+            dt = now - self._last_busy_step
+            # Gaps longer than a second are idle periods between bursts, not iterations.
+            if dt < 1.0:
+                prev = self.iteration_time_s
+                self.iteration_time_s = dt if prev is None else 0.9 * prev + 0.1 * dt
+        self._last_busy_step = now if busy else None
+
+    def snapshot(self) -> EngineStats:
+        return EngineStats(
+            kv_usage=self.kv_usage,
+            running=self.running,
+            waiting=self.waiting,
+            preemptions_total=self.preemptions_total,
+            iteration_time_s=self.iteration_time_s,
+            steps_total=self.steps_total,
+        )
+
+
+def _stat_logger_factory(collector: _StatsCollector):
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class JustitiaStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.collector = collector
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            self.collector.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return JustitiaStatLogger
+
+
+class LocalVLLMEngine:
+    """vLLM's AsyncLLM in this process (its engine core runs in a child process)."""
+
+    def __init__(self, config: LocalEngineConfig) -> None:
+        self.config = config
+        self._llm: Any = None
+        self._info: EngineInfo | None = None
+        self._stats = _StatsCollector()
+        self._tokenizer: Any = None
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError("the engine has not started")
+        return self._info
+
+    @property
+    def healthy(self) -> bool:
+        return self._llm is not None and not self._llm.errored
+
+    async def start(self) -> None:
+        cfg = self.config
+        on_cpu = _on_cpu()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        if on_cpu:
+            # Without it the CPU worker claims ~92% of the NUMA node's memory.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_space_gib))
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        block_size = cfg.block_size or (32 if on_cpu else 16)
+        kwargs: dict[str, Any] = dict(
+            model=cfg.model,
+            max_model_len=cfg.max_model_len,
+            block_size=block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            seed=cfg.seed,
+            # The server orders requests itself; vLLM's priority queue keeps engine-side
+            # preemptions on the lowest-ranked agent when they happen anyway.
+            scheduling_policy="priority",
+            enforce_eager=on_cpu,
+        )
+        if cfg.dummy_weights:
+            kwargs["load_format"] = "dummy"
+        if cfg.kv_tokens is not None:
+            # One block is reserved by vLLM: M = (N - 1) * block_size usable tokens.
+            blocks = -(-cfg.kv_tokens // block_size) + 1
+            if (blocks - 1) * block_size < cfg.max_model_len:
+                raise InvalidRequestError(
+                    f"--kv-tokens {cfg.kv_tokens} is below the max model length "
+                    f"{cfg.max_model_len}: vLLM needs room for one full-length request"
+                )
+            kwargs["num_gpu_blocks_override"] = blocks
+        args = AsyncEngineArgs(**kwargs)
+        try:
+            self._llm = AsyncLLM.from_engine_args(
+                args, stat_loggers=[_stat_logger_factory(self._stats)]
+            )
+        except Exception as exc:  # vLLM raises many kinds; the user needs one sentence
+            raise EngineError(f"vLLM failed to start with model {cfg.model!r}: {exc}") from exc
+        vcfg = self._llm.vllm_config
+        blocks = int(vcfg.cache_config.num_gpu_blocks)
+        bs = int(vcfg.cache_config.block_size)
+        self._info = EngineInfo(
+            model=cfg.model,
+            kv_capacity_tokens=(blocks - 1) * bs,
+            block_size=bs,
+            max_model_len=int(vcfg.model_config.max_model_len),
+        )
+        self._tokenizer = self._llm.get_tokenizer()
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def tokenize(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            raise EngineError("the engine has not started")
+        return list(self._tokenizer.encode(text))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+    def stats(self) -> EngineStats:
+        return self._stats.snapshot()
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if not self.healthy:
+            raise EngineError("the engine is not running")
+        from vllm import SamplingParams
+
+        s = request.sampling
+        try:
+            params = SamplingParams(
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                seed=s.seed,
+                stop=list(s.stop) or None,
+                ignore_eos=s.ignore_eos,
+                min_tokens=s.min_tokens,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        sent = 0
+        try:
+            async for out in self._llm.generate(
+                prompt, params, request.request_id, priority=int(request.priority)
+            ):
+                completion = out.outputs[0]
+                text = completion.text
+                metrics = getattr(out, "metrics", None)
+                yield EngineOutput(
+                    request_id=request.request_id,
+                    text=text,
+                    delta_text=text[sent:],
+                    prompt_tokens=len(out.prompt_token_ids or request.prompt_token_ids),
+                    output_tokens=len(completion.token_ids),
+                    finished=out.finished,
+                    finish_reason=completion.finish_reason,
+                    num_preemptions=int(getattr(metrics, "num_preemptions", 0) or 0),
+                )
+                sent = len(text)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        except Exception as exc:
+            if self._llm is not None and self._llm.errored:
+                raise EngineError(f"the engine died: {exc}") from exc
+            raise

@@ -1,0 +1,106 @@
+"""Start the bundled server in a child process and wait until it is ready.
+
+Used by the demo, the live benchmark and the test suite: the server runs exactly as
+`justitia serve` runs it, in its own process, and is stopped (with its engine) on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class EmbeddedServer:
+    """`with EmbeddedServer(["--kv-tokens", "4096"]) as srv: httpx.get(srv.url + "/healthz")`"""
+
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        port: int | None = None,
+        startup_timeout: float = 300.0,
+        log_path: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = list(args)
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else Path(
+            tempfile.mkstemp(prefix="justitia-server-", suffix=".log")[1]
+        )
+        self.env = env
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> EmbeddedServer:
+        cmd = [sys.executable, "-m", "justitia_sdk.cli", "serve", "--port", str(self.port),
+               "--log-level", "warning", *self.args]
+        env = {**os.environ, **(self.env or {})}
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        assert self.process is not None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerStartError(
+                    f"the server exited with status {self.process.returncode}; "
+                    f"log:\n{self.tail_log()}"
+                )
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(f"the server was not ready after {self.startup_timeout:.0f} s; "
+                               f"log:\n{self.tail_log()}")
+
+    def tail_log(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return
+        # SIGTERM lets uvicorn run the lifespan shutdown, which stops the engine process.
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(5)
+        self._log.close()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,192 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from server.disconnect import ClientDisconnected, run_unless_disconnected
+from server.engine.base import EngineOutput, SamplingOptions
+from server.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    Usage,
+    new_id,
+    now_s,
+)
+from server.service import InferenceService, PreparedRequest, render_chat
+
+router = APIRouter()
+
+AGENT_HEADER = "X-Justitia-Agent"
+
+
+def _service(request: Request) -> InferenceService:
+    return request.app.state.service
+
+
+def _sampling(body: SamplingFields) -> SamplingOptions:
+    return SamplingOptions(
+        max_tokens=body.max_tokens or 16,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=body.stop_tuple(),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+    )
+
+
+def _check_model(service: InferenceService, body: SamplingFields) -> None:
+    if body.model is not None and body.model != service.model_name:
+        raise HTTPException(
+            404, f"model {body.model!r} is not served here; this server serves {service.model_name!r}"
+        )
+
+
+def _usage(out: EngineOutput) -> dict:
+    return Usage(
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.output_tokens,
+        total_tokens=out.prompt_tokens + out.output_tokens,
+    ).model_dump()
+
+
+async def _final(service: InferenceService, prepared: PreparedRequest) -> EngineOutput:
+    last: EngineOutput | None = None
+    async for out in service.stream(prepared):
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    service = _service(request)
+    info = service.engine.info
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": service.model_name,
+                "object": "model",
+                "created": now_s(),
+                "owned_by": "justitia",
+                "max_model_len": info.max_model_len,
+            }
+        ],
+    }
+
+
+@router.post("/v1/completions")
+async def completions(
+    body: CompletionRequest,
+    request: Request,
+    x_justitia_agent: str | None = Header(default=None),
+) -> Response:
+    service = _service(request)
+    _check_model(service, body)
+    rid = new_id("cmpl")
+    prepared = service.prepare(rid, body.prompt, _sampling(body))
+    created = now_s()
+
+    def chunk(text: str, finish: str | None, out: EngineOutput | None = None) -> dict:
+        c = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": service.model_name,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
+        if out is not None:
+            c["usage"] = _usage(out)
+        return c
+
+    if body.stream:
+
+        async def chunks() -> AsyncIterator[dict]:
+            async for out in service.stream(prepared):
+                if out.delta_text or out.finished:
+                    yield chunk(out.delta_text, out.finish_reason if out.finished else None,
+                                out if out.finished else None)
+
+        return _sse(chunks())
+
+    try:
+        out = await run_unless_disconnected(request, lambda: _final(service, prepared))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(chunk(out.text, out.finish_reason, out))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    x_justitia_agent: str | None = Header(default=None),
+) -> Response:
+    service = _service(request)
+    _check_model(service, body)
+    rid = new_id("chatcmpl")
+    tokenizer = getattr(service.engine, "_tokenizer", None)
+    prompt = render_chat([m.model_dump() for m in body.messages], tokenizer)
+    prepared = service.prepare(rid, prompt, _sampling(body))
+    created = now_s()
+
+    if body.stream:
+
+        async def chunks() -> AsyncIterator[dict]:
+            first = True
+            async for out in service.stream(prepared):
+                delta: dict = {"content": out.delta_text}
+                if first:
+                    delta["role"] = "assistant"
+                    first = False
+                c = {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": service.model_name,
+                    "choices": [{"index": 0, "delta": delta,
+                                 "finish_reason": out.finish_reason if out.finished else None}],
+                }
+                if out.finished:
+                    c["usage"] = _usage(out)
+                yield c
+
+        return _sse(chunks())
+
+    try:
+        out = await run_unless_disconnected(request, lambda: _final(service, prepared))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": service.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": out.text},
+                    "finish_reason": out.finish_reason,
+                }
+            ],
+            "usage": _usage(out),
+        }
+    )

@@ -1,0 +1,79 @@
+"""The path of one inference request: validate, tokenize, run it on the engine.
+
+The HTTP layer (openai_api.py, agents_api.py) stays thin and calls this module; the
+scheduler sits between `InferenceService.stream` and the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from server.engine.base import (
+    Engine,
+    EngineOutput,
+    EngineRequest,
+    InvalidRequestError,
+    SamplingOptions,
+)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+
+
+def render_chat(messages: Sequence[dict[str, str]], tokenizer: object | None = None) -> str:
+    """The model's chat template when it has one; a plain role-prefixed transcript if not
+    (the embedded tiny model has none)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+class InferenceService:
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling: SamplingOptions,
+    ) -> PreparedRequest:
+        """Tokenize and check that prompt + output fit the model's context."""
+        if isinstance(prompt, str):
+            ids = self.engine.tokenize(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        limit = self.engine.info.max_model_len
+        if len(ids) + sampling.max_tokens > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{len(ids)} tokens and max_tokens asks for {sampling.max_tokens} more: "
+                "shorten the prompt or lower max_tokens"
+            )
+        if sampling.min_tokens > sampling.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens "
+                f"({sampling.max_tokens})"
+            )
+        return PreparedRequest(request_id, tuple(ids), sampling)
+
+    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[EngineOutput]:
+        request = EngineRequest(
+            request_id=prepared.request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=prepared.sampling,
+        )
+        async for out in self.engine.generate(request):
+            yield out

@@ -1,0 +1,38 @@
+"""Shared fixtures. The real vLLM CPU engine with the embedded tiny model is started once
+per test session, in its own process, exactly as `justitia serve` runs it."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+# Small enough that a few dozen concurrent requests contend for KV memory.
+ENGINE_KV_TOKENS = 4096
+ENGINE_MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def justitia_home(tmp_path_factory: pytest.TempPathFactory) -> str:
+    home = os.environ.get("JUSTITIA_TEST_HOME") or str(tmp_path_factory.mktemp("justitia-home"))
+    return home
+
+
+@pytest.fixture(scope="session")
+def server(justitia_home: str):
+    from server.launcher import EmbeddedServer
+
+    srv = EmbeddedServer(
+        ["--kv-tokens", str(ENGINE_KV_TOKENS), "--max-model-len", str(ENGINE_MAX_MODEL_LEN)],
+        env={"JUSTITIA_HOME": justitia_home},
+    )
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def client(server) -> httpx.Client:
+    with httpx.Client(base_url=server.url, timeout=120.0) as c:
+        yield c
