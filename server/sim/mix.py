@@ -1,0 +1,198 @@
+"""The paper's agent mix, built from real public traces (numbers only, see data/README.md).
+
+Nine agent types, each a template of stages of parallel requests whose prompt and output
+lengths are drawn from a real trace that fits the task:
+
+| type | stages | lengths from |
+|---|---|---|
+| mapreduce_summary | n map calls over chunks, then 1 reduce over their outputs | arXiv summarization |
+| doc_merge | n merges, n scores (short), 1 final merge (Graph-of-Thoughts) | arXiv (inputs), ShareGPT (outputs) |
+| code_checking | n parallel checks, 1 summary | MetaGPT usage (ParrotServe) |
+| kqa_verification | 1 answer, n verification questions, 1 revision | ShareGPT |
+| equation_verification | n parallel short checks | ShareGPT (short) |
+| fact_verification | n claims checked against long retrieved context | Mooncake |
+| self_consistency | n samples of one prompt, 1 vote | ShareGPT |
+| alfworld | S sequential single steps with a growing context | ShareGPT |
+| tool_chat | a few sequential turns with long context | Mooncake |
+
+Sizes: 72% small, 26% medium, 2% large; the size sets the fan-out n (2-4 / 8-16 / 32-64) or
+the number of sequential steps. Arrivals are consecutive Mooncake conversation arrivals
+(gaps in ms); the gaps are scaled so that density 1x loads the engine profile to
+`load_1x` of what it sustains on this mix (R = M / tau, see EngineProfile.effective_tau_s),
+then divided by 2 or 3 for the 2x and 3x densities.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from .profiles import EngineProfile
+from .workload import AgentSpec
+
+DATA = Path(__file__).parent / "data"
+AGENT_TYPES = (
+    "mapreduce_summary",
+    "doc_merge",
+    "code_checking",
+    "kqa_verification",
+    "equation_verification",
+    "fact_verification",
+    "self_consistency",
+    "alfworld",
+    "tool_chat",
+)
+SIZES = (("small", 0.72), ("medium", 0.26), ("large", 0.02))
+FAN_OUT = {"small": (2, 4), "medium": (8, 16), "large": (32, 64)}
+STEPS = {"small": (3, 6), "medium": (10, 16), "large": (30, 40)}
+
+
+def _pairs(name: str, a: str, b: str) -> list[tuple[int, int]]:
+    with open(DATA / name, newline="", encoding="utf-8") as fh:
+        return [(int(r[a]), int(r[b])) for r in csv.DictReader(fh)]
+
+
+@dataclass
+class Traces:
+    sharegpt: list[tuple[int, int]]
+    arxiv: list[tuple[int, int]]
+    mooncake: list[tuple[int, int]]
+    metagpt: list[tuple[int, int]]
+    arrivals_ms: list[int]
+
+    @classmethod
+    def load(cls) -> "Traces":
+        moon = []
+        with open(DATA / "mooncake_conversation.csv", newline="", encoding="utf-8") as fh:
+            moon = [(int(r["timestamp_ms"]), int(r["input_length"]), int(r["output_length"])) for r in csv.DictReader(fh)]
+        return cls(
+            sharegpt=_pairs("sharegpt_lengths.csv", "num_prefill_tokens", "num_decode_tokens"),
+            arxiv=_pairs("arxiv_summarization_lengths.csv", "num_prefill_tokens", "num_decode_tokens"),
+            mooncake=[(i, o) for _, i, o in moon],
+            metagpt=_pairs("metagpt_usage.csv", "prompt_tokens", "completion_tokens"),
+            arrivals_ms=sorted(t for t, _, _ in moon),
+        )
+
+
+class _Gen:
+    """Draws requests for one workload; lengths scaled and clipped to the profile."""
+
+    def __init__(self, traces: Traces, rng: random.Random, scale: float, max_len: int) -> None:
+        self.t, self.rng, self.scale, self.max_len = traces, rng, scale, max_len
+
+    def fit(self, p: float, d: float) -> tuple[int, int]:
+        d = max(1, min(int(round(d * self.scale)), self.max_len // 2))
+        p = max(1, min(int(round(p * self.scale)), self.max_len - d))
+        return p, d
+
+    def draw(self, trace: list[tuple[int, int]]) -> tuple[int, int]:
+        return self.rng.choice(trace)
+
+    def n(self, size: str, table=FAN_OUT) -> int:
+        lo, hi = table[size]
+        return self.rng.randint(lo, hi)
+
+    # -- agent templates (lengths before scaling) ---------------------------------------
+    def mapreduce_summary(self, size):
+        maps = [self.draw(self.t.arxiv) for _ in range(self.n(size))]
+        maps = [(min(p, 3000), d) for p, d in maps]
+        rp, rd = self.draw(self.t.arxiv)
+        reduce_p = 150 + sum(d for _, d in maps)
+        return [[self.fit(p, d) for p, d in maps], [self.fit(reduce_p, rd)]]
+
+    def doc_merge(self, size):
+        n = self.n(size)
+        merges = [(self.draw(self.t.arxiv)[0], self.draw(self.t.sharegpt)[1]) for _ in range(n)]
+        scores = [(200 + d, max(8, self.draw(self.t.sharegpt)[1] // 10)) for _, d in merges]
+        best = sorted(d for _, d in merges)[-2:]
+        return [
+            [self.fit(p, d) for p, d in merges],
+            [self.fit(p, d) for p, d in scores],
+            [self.fit(200 + sum(best), self.draw(self.t.sharegpt)[1])],
+        ]
+
+    def code_checking(self, size):
+        checks = [self.draw(self.t.metagpt) for _ in range(self.n(size))]
+        jitter = [(p * self.rng.uniform(0.8, 1.2), d * self.rng.uniform(0.8, 1.2)) for p, d in checks]
+        summary_p = 100 + sum(min(d, 400) for _, d in jitter) // 2
+        return [[self.fit(p, d) for p, d in jitter], [self.fit(summary_p, self.draw(self.t.metagpt)[1] / 2)]]
+
+    def kqa_verification(self, size):
+        ap, ad = self.draw(self.t.sharegpt)
+        qs = [(ad + self.draw(self.t.sharegpt)[0] // 4, max(8, self.draw(self.t.sharegpt)[1] // 4)) for _ in range(self.n(size))]
+        final_p = ap + ad + sum(d for _, d in qs)
+        return [[self.fit(ap, ad)], [self.fit(p, d) for p, d in qs], [self.fit(final_p, ad)]]
+
+    def equation_verification(self, size):
+        reqs = [self.draw(self.t.sharegpt) for _ in range(self.n(size))]
+        return [[self.fit(min(p, 512), max(8, min(d, 1024) // 4)) for p, d in reqs]]
+
+    def fact_verification(self, size):
+        reqs = [self.draw(self.t.mooncake) for _ in range(self.n(size))]
+        return [[self.fit(p, max(8, d // 4)) for p, d in reqs]]
+
+    def self_consistency(self, size):
+        p = self.draw(self.t.sharegpt)[0]
+        samples = [self.draw(self.t.sharegpt)[1] for _ in range(self.n(size))]
+        return [[self.fit(p, d) for d in samples], [self.fit(p + sum(min(d, 200) for d in samples), 16)]]
+
+    def alfworld(self, size):
+        p0 = self.draw(self.t.sharegpt)[0]
+        stages, ctx = [], p0
+        for _ in range(self.n(size, STEPS)):
+            d = max(8, self.draw(self.t.sharegpt)[1] // 8)
+            stages.append([self.fit(ctx, d)])
+            ctx += d + self.rng.randint(40, 160)  # the environment's observation
+        return stages
+
+    def tool_chat(self, size):
+        turns = {"small": 2, "medium": 4, "large": 8}[size]
+        return [[self.fit(*self.draw(self.t.mooncake))] for _ in range(turns)]
+
+
+def make_mix(
+    n_agents: int,
+    profile: EngineProfile,
+    *,
+    kv_tokens: int | None = None,
+    density: float = 1.0,
+    load_1x: float = 0.3,
+    seed: int = 0,
+    length_scale: float | None = None,
+    traces: Traces | None = None,
+) -> list[AgentSpec]:
+    """`n_agents` agents of the nine types with Mooncake arrivals at `density` x."""
+    traces = traces or Traces.load()
+    rng = random.Random(seed)
+    scale = profile.length_scale if length_scale is None else length_scale
+    gen = _Gen(traces, rng, scale, profile.max_model_len)
+    agents = []
+    for i in range(n_agents):
+        size = rng.choices([s for s, _ in SIZES], [w for _, w in SIZES])[0]
+        kind = rng.choice(AGENT_TYPES)
+        stages = getattr(gen, kind)(size)
+        n_inputs = sum(len(st) for st in stages)
+        tokens_in = sum(p for p, _ in stages[0])
+        prompt = f"{kind.replace('_', ' ')} agent: {len(stages)} stages, {n_inputs} calls, {tokens_in} input tokens"
+        agents.append(AgentSpec(f"a{i}", kind, 0.0, stages, prompt, {"size": size}))
+    # Arrivals: consecutive Mooncake arrivals from a seeded offset, gaps rescaled to the load.
+    ts = traces.arrivals_ms
+    start = rng.randrange(0, max(1, len(ts) - n_agents))
+    window = ts[start : start + n_agents]
+    gaps = [(b - a) / 1000.0 for a, b in zip(window, window[1:])] + [0.0]
+    gaps = gaps[: n_agents]
+    while len(gaps) < n_agents:
+        gaps.append(gaps[-1] if gaps else 1.0)
+    m = int(kv_tokens or profile.kv_tokens)
+    reqs = [(p, d) for a in agents for st in a.stages for p, d in st]
+    rate = m / profile.effective_tau_s(m, reqs)
+    total_cost = sum(a.kv_cost for a in agents)
+    span = sum(gaps[:-1]) or 1.0
+    k = total_cost / (rate * load_1x * span)  # stretch so that 1x offers load_1x
+    t = 0.0
+    for a, g in zip(agents, gaps):
+        a.arrival = round(t, 6)
+        t += g * k / density
+    return agents

@@ -1,0 +1,101 @@
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from server.scheduler import VirtualClock, gps_finish_times
+
+
+def test_single_agent_runs_at_full_rate():
+    clock = VirtualClock(rate=10.0)
+    f = clock.arrive("a", 100.0, now=0.0)
+    assert f == 100.0
+    assert clock.advance(5.0) == pytest.approx(50.0)
+    clock.advance(20.0)
+    assert clock.backlog == 0
+    assert clock.departures["a"] == pytest.approx(10.0)
+    assert clock.V == pytest.approx(100.0)  # V stands still while B is empty
+
+
+def test_two_agents_share_the_rate():
+    clock = VirtualClock(rate=10.0)
+    clock.arrive("a", 100.0, now=0.0)
+    clock.arrive("b", 50.0, now=0.0)
+    # both backlogged: dV/dt = 5; b leaves at V=50 (t=10), then a alone: t = 10 + 50/10
+    clock.advance(100.0)
+    assert clock.departures["b"] == pytest.approx(10.0)
+    assert clock.departures["a"] == pytest.approx(15.0)
+
+
+def test_projected_time_matches_the_departure():
+    clock = VirtualClock(rate=4.0)
+    clock.arrive("a", 40.0, 0.0)
+    clock.arrive("b", 10.0, 1.0)
+    projected = clock.projected_time(clock.tag("a"), 2.0)
+    clock.advance(1000.0)
+    assert projected == pytest.approx(clock.departures["a"])
+
+
+def test_extend_re_enters_the_backlog_after_gps_finished():
+    clock = VirtualClock(rate=1.0)
+    f = clock.arrive("a", 5.0, 0.0)
+    clock.advance(10.0)
+    assert clock.backlog == 0
+    f2 = clock.extend("a", f, 3.0, now=10.0)
+    assert f2 == pytest.approx(8.0)  # max(F, V) + extra, V = 5
+    clock.advance(100.0)
+    assert clock.departures["a"] == pytest.approx(13.0)
+
+
+def test_remove_speeds_up_the_others():
+    clock = VirtualClock(rate=2.0)
+    clock.arrive("a", 10.0, 0.0)
+    clock.arrive("b", 10.0, 0.0)
+    clock.remove("b", now=2.0)  # V=2 at t=2; then a alone needs 8 more at rate 2
+    clock.advance(100.0)
+    assert clock.departures["a"] == pytest.approx(6.0)
+
+
+def test_time_must_not_go_backwards():
+    clock = VirtualClock(rate=1.0)
+    clock.advance(5.0)
+    with pytest.raises(ValueError):
+        clock.advance(4.0)
+
+
+jobs = st.lists(
+    st.tuples(st.floats(0, 100, allow_nan=False), st.floats(0.5, 500, allow_nan=False)),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(jobs, st.floats(0.5, 50))
+def test_virtual_clock_matches_the_offline_gps_reference(jobs, rate):
+    arrivals = [a for a, _ in jobs]
+    costs = [c for _, c in jobs]
+    ref = gps_finish_times(arrivals, costs, rate)
+    clock = VirtualClock(rate=rate)
+    for i in sorted(range(len(jobs)), key=lambda i: arrivals[i]):
+        clock.arrive(i, costs[i], arrivals[i])
+    clock.advance(max(arrivals) + sum(costs) / rate + 1.0)
+    assert clock.backlog == 0
+    for i in range(len(jobs)):
+        assert clock.departures[i] == pytest.approx(ref[i], rel=1e-6, abs=1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(jobs, st.floats(0.5, 50))
+def test_gps_reference_is_work_conserving(jobs, rate):
+    arrivals = [a for a, _ in jobs]
+    costs = [c for _, c in jobs]
+    ref = gps_finish_times(arrivals, costs, rate)
+    for a, c, f in zip(arrivals, costs, ref):
+        assert f >= a + c / rate - 1e-6  # no agent beats running alone
+    # the last departure is when a work-conserving server drains everything
+    t, busy_until = 0.0, 0.0
+    for a, c in sorted(jobs):
+        busy_until = max(busy_until, a) + c / rate
+    assert max(ref) == pytest.approx(busy_until, rel=1e-6)
+    assert not any(math.isnan(f) for f in ref)
