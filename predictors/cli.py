@@ -1,0 +1,75 @@
+"""``justitia train-predictor`` and ``justitia predictor eval``.
+
+Only argparse at module level: scikit-learn loads when a handler runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(commands) -> None:
+    from justitia_sdk.cli import formatter
+
+    p = commands.root.add_parser(
+        "train-predictor",
+        help="Train the cost predictor of one agent type (TF-IDF + MLP).",
+        description=(
+            "Train the cost predictor of agent type AGENT from profiled runs, validate it on a "
+            "held-out 20%% against the baselines (training mean, one global model, length-only "
+            "linear, cold start) and write it to --out."
+        ),
+        formatter_class=formatter,
+    )
+    p.add_argument("agent", metavar="AGENT",
+                   help="agent type: the name its @agent registered (selects the samples' agent_type)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--module", metavar="PKG.MOD", help="import this module to resolve AGENT (for --inputs)")
+    where.add_argument("--file", metavar="PATH.py", help="load this Python file to resolve AGENT (for --inputs)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--samples", metavar="FILE",
+                     help="JSON Lines of {agent_type, prompt, cost, features} (.gz allowed)")
+    src.add_argument("--inputs", metavar="FILE",
+                     help="JSON Lines of the agent's arguments: profile it against a running server")
+    src.add_argument("--from-server", metavar="URL", dest="from_server",
+                     help="fetch the completed agents of AGENT from a Justitia server's history")
+    p.add_argument("--out", metavar="DIR", required=True, help="directory to write the trained predictor into")
+    p.add_argument("--alpha", type=float, default=None, help="L2 penalty of the MLP (default: the model's default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split and of the MLP")
+    p.add_argument("--server", metavar="URL", default=None,
+                   help="server to profile against with --inputs (default: $JUSTITIA_URL)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help="bearer token for --from-server / --inputs (default: $JUSTITIA_API_KEY)")
+    p.add_argument("--timeout", type=float, default=30.0, help="HTTP timeout in seconds for --from-server")
+    p.add_argument("--json", metavar="OUT", default=None, help="also write the training report as JSON")
+    p.add_argument("--quiet", action="store_true", help="print only the output directory")
+    p.set_defaults(handler=_train)
+
+    e = commands.predictor.add_parser(
+        "eval",
+        help="Measure a trained predictor's error and latency on samples.",
+        description=(
+            "Evaluate the predictor in DIR on the samples of its agent type: relative error "
+            "|predicted - actual| / actual and the latency of one prediction."
+        ),
+        formatter_class=formatter,
+    )
+    e.add_argument("dir", metavar="DIR", help="predictor directory written by `justitia train-predictor`")
+    e.add_argument("--samples", metavar="FILE", required=True,
+                   help="JSON Lines samples; only those of the predictor's agent type are used")
+    e.add_argument("--json", metavar="OUT", default=None, help="write the results as JSON to this file")
+    e.add_argument("--all-types", action="store_true",
+                   help="use every sample, whatever its agent_type (e.g. to test a global model)")
+    e.set_defaults(handler=_eval)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .cli_impl import train_command
+
+    return train_command(args)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .cli_impl import eval_command
+
+    return eval_command(args)

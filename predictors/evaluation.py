@@ -1,0 +1,98 @@
+"""Accuracy and latency of cost predictors, and the baselines they are compared with."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .features import estimate_tokens
+from .samples import Sample
+
+
+def relative_errors(predicted: Sequence[float], actual: Sequence[float]) -> np.ndarray:
+    """``|predicted - actual| / actual`` element-wise."""
+    p = np.asarray(predicted, dtype=float)
+    a = np.asarray(actual, dtype=float)
+    return np.abs(p - a) / a
+
+
+def error_summary(predicted: Sequence[float], actual: Sequence[float]) -> dict[str, float]:
+    e = relative_errors(predicted, actual)
+    return {
+        "mean_relative_error": float(e.mean()),
+        "median_relative_error": float(np.median(e)),
+        "p90_relative_error": float(np.percentile(e, 90)),
+    }
+
+
+def measure_latency(predict: Callable[[str, dict], float], samples: Sequence[Sample],
+                    min_calls: int = 300, max_seconds: float = 5.0) -> dict[str, float]:
+    """Wall time of single predictions (one agent per call), in milliseconds.
+
+    Cycles over ``samples`` after a warm-up pass until ``min_calls`` calls (or
+    ``max_seconds``) have been timed.
+    """
+    for s in samples[: min(len(samples), 20)]:
+        predict(s.prompt, s.features)
+    times: list[float] = []
+    deadline = time.perf_counter() + max_seconds
+    i = 0
+    while len(times) < max(min_calls, len(samples)) and time.perf_counter() < deadline:
+        s = samples[i % len(samples)]
+        t0 = time.perf_counter_ns()
+        predict(s.prompt, s.features)
+        times.append((time.perf_counter_ns() - t0) / 1e6)
+        i += 1
+    t = np.asarray(times)
+    return {
+        "p50_latency_ms": float(np.percentile(t, 50)),
+        "p99_latency_ms": float(np.percentile(t, 99)),
+        "mean_latency_ms": float(t.mean()),
+        "latency_calls": int(t.size),
+    }
+
+
+def evaluate(predictor, samples: Sequence[Sample], latency: bool = True) -> dict[str, Any]:
+    """Relative error of ``predictor`` on ``samples`` (and its per-call latency)."""
+    actual = [s.cost for s in samples]
+    predicted = [predictor.predict(s.prompt, s.features) for s in samples]
+    out: dict[str, Any] = {"n": len(samples), **error_summary(predicted, actual)}
+    if latency:
+        out.update(measure_latency(predictor.predict, samples))
+    return out
+
+
+# -- baselines ------------------------------------------------------------------------------
+
+class MeanBaseline:
+    """Predicts the mean training cost for every agent."""
+
+    name = "training mean"
+
+    def fit(self, samples: Sequence[Sample]) -> "MeanBaseline":
+        self.mean_ = float(np.mean([s.cost for s in samples]))
+        return self
+
+    def predict(self, prompt: str, features: dict | None = None) -> float:
+        return self.mean_
+
+
+class LengthLinearBaseline:
+    """Least squares ``cost = a + b * prompt_tokens`` (estimated tokens of the prompt)."""
+
+    name = "length-only linear"
+
+    def fit(self, samples: Sequence[Sample]) -> "LengthLinearBaseline":
+        x = np.array([estimate_tokens(s.prompt) for s in samples], dtype=float)
+        y = np.array([s.cost for s in samples], dtype=float)
+        A = np.vstack([np.ones_like(x), x]).T
+        (self.a_, self.b_), *_ = np.linalg.lstsq(A, y, rcond=None)
+        self.floor_ = float(y.min())
+        return self
+
+    def predict(self, prompt: str, features: dict | None = None) -> float:
+        # Clipped at the smallest training cost: a negative or zero prediction is meaningless.
+        return max(self.floor_, float(self.a_ + self.b_ * estimate_tokens(prompt)))

@@ -1,0 +1,101 @@
+"""Per-type predictors for the server: trained models where they exist, cold start elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .cold_start import ColdStartEstimator, ColdStartPredictor
+from .persistence import METADATA_FILE, PredictorLoadError, load_predictor, read_metadata
+
+log = logging.getLogger(__name__)
+
+
+class PredictorRegistry:
+    """Finds the predictor of every agent type under ``models_dir``.
+
+    ``models_dir`` holds one directory per trained predictor (as written by
+    ``justitia train-predictor ... --out models_dir/NAME``; the agent type is read from each
+    directory's metadata, not from its name), or is itself one predictor directory. It may
+    be ``None`` or missing: then every type uses the cold start. Models load lazily on first
+    use; a directory that cannot be loaded is skipped with a warning (see :attr:`errors`) and
+    its type falls back to the cold start.
+    """
+
+    def __init__(self, models_dir: str | Path | None = None, cold_start: ColdStartEstimator | None = None):
+        self.models_dir = Path(models_dir) if models_dir is not None else None
+        self.cold_start = cold_start or ColdStartEstimator()
+        self.errors: dict[str, str] = {}
+        self._paths: dict[str, Path] = {}
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rescan ``models_dir`` (new or retrained predictors are picked up)."""
+        paths: dict[str, Path] = {}
+        errors: dict[str, str] = {}
+        d = self.models_dir
+        if d is not None and d.is_dir():
+            candidates = [d] if (d / METADATA_FILE).is_file() else sorted(p for p in d.iterdir() if p.is_dir())
+            for p in candidates:
+                if not (p / METADATA_FILE).is_file():
+                    continue
+                try:
+                    meta = read_metadata(p)
+                except PredictorLoadError as exc:
+                    errors[str(p)] = str(exc)
+                    log.warning("skipping predictor %s: %s", p, exc)
+                    continue
+                paths[str(meta.get("agent_type"))] = p
+        with self._lock:
+            self._paths = paths
+            self._loaded = {t: m for t, m in self._loaded.items() if t in paths}
+            self.errors = errors
+
+    @property
+    def agent_types(self) -> list[str]:
+        """Agent types with a trained predictor."""
+        return sorted(set(self._paths) | set(self._loaded))
+
+    def add(self, predictor) -> None:
+        """Use ``predictor`` (already loaded) for its ``agent_type``."""
+        with self._lock:
+            self._loaded[predictor.agent_type] = predictor
+
+    def has_model(self, agent_type: str) -> bool:
+        return not getattr(self.get(agent_type), "is_cold_start", False)
+
+    def get(self, agent_type: str):
+        """The trained predictor of ``agent_type``, or a cold-start predictor for it."""
+        p = self._loaded.get(agent_type)
+        if p is not None:
+            return p
+        path = self._paths.get(agent_type)
+        if path is not None:
+            with self._lock:
+                p = self._loaded.get(agent_type)
+                if p is None:
+                    try:
+                        p = load_predictor(path)
+                    except PredictorLoadError as exc:
+                        self.errors[str(path)] = str(exc)
+                        self._paths.pop(agent_type, None)
+                        log.warning("predictor for %r unusable, using cold start: %s", agent_type, exc)
+                        p = None
+                    else:
+                        self._loaded[agent_type] = p
+            if p is not None:
+                return p
+        return ColdStartPredictor(self.cold_start, agent_type)
+
+    def predict(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None = None) -> float:
+        """Predicted total KV token-time cost of an agent of ``agent_type``."""
+        return self.get(agent_type).predict(prompt, features)
+
+    def observe(self, agent_type: str, prompt: str, cost: float, features: Mapping[str, Any] | None = None) -> None:
+        """A completed agent's real cost (improves the cold start of its type)."""
+        self.cold_start.observe(agent_type, prompt, cost, features)
