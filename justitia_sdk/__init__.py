@@ -1,0 +1,96 @@
+"""Justitia SDK: write task-parallel LLM agents; the Justitia server schedules them fairly.
+
+```python
+from justitia_sdk import agent, llm, parallel_map, AsyncClient
+
+@agent
+async def summarize(chunks: list[str]) -> str:
+    parts = await parallel_map(lambda c: llm(f"Summarize: {c}", max_tokens=64), chunks)
+    return await llm("Combine: " + " ".join(parts), max_tokens=128)
+
+async with AsyncClient() as client:          # JUSTITIA_URL, JUSTITIA_API_KEY
+    batch = await client.submit_many(summarize, [chunks_a, chunks_b])
+```
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from justitia_sdk._agent import Agent, agent, chat, complete, current_record, default_prompt, llm
+    from justitia_sdk._batch import AgentHandle, Batch
+    from justitia_sdk._client import AsyncClient, Client, default_url
+    from justitia_sdk._context import AgentRun, current_agent, current_agent_id
+    from justitia_sdk._errors import (
+        AgentClosedError,
+        AgentNotFoundError,
+        APIError,
+        AuthenticationError,
+        JustitiaError,
+        ServerUnavailableError,
+    )
+    from justitia_sdk._models import AgentRecord, Completion, Usage
+    from justitia_sdk._openai import openai_client, tagged_http_client
+    from justitia_sdk._parallel import parallel_map
+
+# Where each public name lives. The package imports lazily so that `justitia --help` (whose
+# command line lives in this package) does not pay for httpx, pydantic and rich.
+_EXPORTS = {
+    "Agent": "_agent", "agent": "_agent", "chat": "_agent", "complete": "_agent",
+    "current_record": "_agent", "default_prompt": "_agent", "llm": "_agent",
+    "AgentHandle": "_batch", "Batch": "_batch",
+    "AsyncClient": "_client", "Client": "_client", "default_url": "_client",
+    "AgentRun": "_context", "current_agent": "_context", "current_agent_id": "_context",
+    "AgentClosedError": "_errors", "AgentNotFoundError": "_errors", "APIError": "_errors",
+    "AuthenticationError": "_errors", "JustitiaError": "_errors",
+    "ServerUnavailableError": "_errors",
+    "AgentRecord": "_models", "Completion": "_models", "Usage": "_models",
+    "openai_client": "_openai", "tagged_http_client": "_openai",
+    "parallel_map": "_parallel",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'justitia_sdk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"justitia_sdk.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = [
+    "APIError",
+    "Agent",
+    "AgentClosedError",
+    "AgentHandle",
+    "AgentNotFoundError",
+    "AgentRecord",
+    "AgentRun",
+    "AsyncClient",
+    "AuthenticationError",
+    "Batch",
+    "Client",
+    "Completion",
+    "JustitiaError",
+    "ServerUnavailableError",
+    "Usage",
+    "agent",
+    "chat",
+    "complete",
+    "current_agent",
+    "current_agent_id",
+    "current_record",
+    "default_prompt",
+    "default_url",
+    "llm",
+    "openai_client",
+    "parallel_map",
+    "tagged_http_client",
+]

@@ -1,0 +1,432 @@
+"""The HTTP clients: `AsyncClient` (httpx + anyio) and `Client`, its synchronous facade.
+
+Every call goes through `AsyncClient._request`, which adds the bearer key, retries what is
+safe to retry (connection refused, 429 and 503, with exponential backoff and jitter, honoring
+`Retry-After`) and turns error statuses into `APIError` subclasses carrying the server's
+`detail`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import httpx
+
+from justitia_sdk._context import current_agent_id, current_client, current_run
+from justitia_sdk._errors import JustitiaError, ServerUnavailableError, error_for
+from justitia_sdk._models import AgentRecord, Completion, Usage
+
+if TYPE_CHECKING:
+    from justitia_sdk._agent import Agent
+    from justitia_sdk._batch import Batch
+
+T = TypeVar("T")
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+AGENT_HEADER = "X-Justitia-Agent"
+RETRY_STATUSES = frozenset({429, 503})
+
+
+def default_url() -> str:
+    """`JUSTITIA_URL`, or the default local server."""
+    return os.environ.get("JUSTITIA_URL") or DEFAULT_URL
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:300] or response.reason_phrase
+    if isinstance(body, dict) and "detail" in body:
+        detail = body["detail"]
+        return detail if isinstance(detail, str) else json.dumps(detail)
+    return json.dumps(body)[:300]
+
+
+def _sampling(**fields: Any) -> dict[str, Any]:
+    """Only the sampling fields the caller set: the server's defaults apply to the rest."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class AsyncClient:
+    """Talks to a Justitia server.
+
+    ```python
+    async with AsyncClient("http://127.0.0.1:8000") as client:
+        summary = await client.run(summarize, doc)
+        batch = await client.submit_many(summarize, docs)
+    ```
+
+    `base_url` defaults to `JUSTITIA_URL` (else http://127.0.0.1:8000), `api_key` to
+    `JUSTITIA_API_KEY`. `timeout` bounds control calls; `request_timeout` bounds one
+    completion, which may legitimately wait a long time behind agents the scheduler serves
+    first. 429 and 503 answers and refused connections are retried `max_retries` times.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        request_timeout: float | None = 900.0,
+        max_retries: int = 6,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = (base_url or default_url()).rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("JUSTITIA_API_KEY")
+        self.timeout = timeout
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # Agents fan out: one connection per in-flight request, plus one event stream per
+        # watched agent. httpx's default pool (100) would queue requests client-side, out of
+        # the scheduler's sight.
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout),
+            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=64),
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None | httpx.Timeout = None,
+    ) -> Any:
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(
+                    method, path, json=json_body, headers=headers,
+                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if attempt >= self.max_retries:
+                    raise ServerUnavailableError(
+                        f"cannot reach the Justitia server at {self.base_url}: {exc}"
+                    ) from exc
+                await anyio.sleep(self._backoff(attempt))
+                attempt += 1
+                continue
+            if response.status_code in RETRY_STATUSES:
+                if attempt >= self.max_retries:
+                    raise ServerUnavailableError(
+                        f"{method} {path}: the server stayed busy ({response.status_code}: "
+                        f"{_detail(response)}) through {self.max_retries} retries"
+                    )
+                await anyio.sleep(_retry_after(response) or self._backoff(attempt))
+                attempt += 1
+                continue
+            if response.status_code >= 400:
+                raise error_for(response.status_code, _detail(response), method=method, url=path)
+            if not response.content:
+                return None
+            return response.json()
+
+    @staticmethod
+    def _backoff(attempt: int) -> float:
+        # Exponential with full jitter, so that many agents refused at once do not retry in
+        # lockstep.
+        return min(8.0, 0.25 * 2**attempt) * (0.5 + random.random())
+
+    # -- the agent API ----------------------------------------------------------------------
+
+    async def register_agent(
+        self, type: str, prompt: str, metadata: Mapping[str, Any] | None = None
+    ) -> AgentRecord:
+        """Register an agent: the server predicts its cost from `prompt` and gives it a tag."""
+        body: dict[str, Any] = {"type": type, "prompt": prompt}
+        if metadata:
+            body["metadata"] = dict(metadata)
+        return AgentRecord.model_validate(await self._request("POST", "/v1/agents", json_body=body))
+
+    async def get_agent(self, agent_id: str) -> AgentRecord:
+        return AgentRecord.model_validate(await self._request("GET", f"/v1/agents/{agent_id}"))
+
+    async def list_agents(self) -> list[AgentRecord]:
+        """The caller's agents (the tenant of the API key)."""
+        body = await self._request("GET", "/v1/agents")
+        return [AgentRecord.model_validate(r) for r in body.get("agents", [])]
+
+    async def finish_agent(self, agent_id: str) -> AgentRecord:
+        """Tell the server the agent is done (its cost is settled, its tag retired)."""
+        return AgentRecord.model_validate(
+            await self._request("POST", f"/v1/agents/{agent_id}/finish")
+        )
+
+    async def cancel_agent(self, agent_id: str) -> AgentRecord:
+        """Cancel the agent: the server aborts its running requests in the engine."""
+        return AgentRecord.model_validate(await self._request("DELETE", f"/v1/agents/{agent_id}"))
+
+    async def watch_agent(self, agent_id: str) -> AsyncIterator[AgentRecord]:
+        """The agent's record each time it changes (server-sent events), until it is terminal."""
+        path = f"/v1/agents/{agent_id}/events"
+        async with self._http.stream(
+            "GET", path, timeout=httpx.Timeout(self.timeout, read=None)
+        ) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                raise error_for(response.status_code, _detail(response), method="GET", url=path)
+            data: list[str] = []
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    data.append(line[5:].removeprefix(" "))
+                elif not line and data:
+                    payload, data = "\n".join(data), []
+                    if payload.strip() in ("", "[DONE]"):
+                        continue
+                    record = AgentRecord.model_validate_json(payload)
+                    yield record
+                    if record.terminal:
+                        return
+
+    async def scheduler(self) -> dict[str, Any]:
+        """The scheduler's snapshot: policy, V, M, tau, backlog, queue."""
+        return await self._request("GET", "/v1/scheduler")
+
+    async def models(self) -> list[dict[str, Any]]:
+        return (await self._request("GET", "/v1/models"))["data"]
+
+    async def ready(self) -> bool:
+        """True when the server answers /readyz with 200 (no retries)."""
+        try:
+            return (await self._http.get("/readyz")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # -- inference ------------------------------------------------------------------------
+
+    def _tag(self, agent_id: str | None) -> tuple[dict[str, str], str | None]:
+        aid = agent_id if agent_id is not None else current_agent_id()
+        return ({AGENT_HEADER: aid} if aid else {}), aid
+
+    async def _inference(self, path: str, body: dict[str, Any], agent_id: str | None,
+                         text_of: Callable[[dict[str, Any]], str]) -> Completion:
+        headers, aid = self._tag(agent_id)
+        timeout = httpx.Timeout(self.timeout, read=self.request_timeout)
+        # If this call is cancelled (a sibling failed, the agent was cancelled), httpx closes
+        # the connection; the server sees the disconnect and aborts the engine request.
+        raw = await self._request("POST", path, json_body=body, headers=headers, timeout=timeout)
+        choice = raw["choices"][0]
+        completion = Completion(
+            id=raw.get("id", ""),
+            text=text_of(choice),
+            finish_reason=choice.get("finish_reason"),
+            usage=Usage.model_validate(raw.get("usage") or {}),
+            agent_id=aid,
+            raw=raw,
+        )
+        run = current_run.get()
+        if run is not None and run.id == aid:
+            run.add_usage(completion.usage)
+        return completion
+
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = 256,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool | None = None,
+        min_tokens: int | None = None,
+        model: str | None = None,
+        agent_id: str | None = None,
+        **extra: Any,
+    ) -> Completion:
+        """One completion. Inside an agent it is tagged with the agent's id (or `agent_id`)."""
+        body = {"prompt": prompt, **_sampling(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=list(stop) if isinstance(stop, (list, tuple)) else stop,
+            ignore_eos=ignore_eos, min_tokens=min_tokens, model=model), **extra}
+        return await self._inference("/v1/completions", body, agent_id, lambda c: c.get("text", ""))
+
+    async def chat(
+        self,
+        messages: str | Sequence[Mapping[str, Any]],
+        *,
+        system: str | None = None,
+        max_tokens: int = 256,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool | None = None,
+        min_tokens: int | None = None,
+        model: str | None = None,
+        agent_id: str | None = None,
+        **extra: Any,
+    ) -> Completion:
+        """One chat completion; `messages` may be a plain string (one user message)."""
+        msgs = [{"role": "user", "content": messages}] if isinstance(messages, str) else [
+            dict(m) for m in messages]
+        if system is not None:
+            msgs.insert(0, {"role": "system", "content": system})
+        body = {"messages": msgs, **_sampling(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=list(stop) if isinstance(stop, (list, tuple)) else stop,
+            ignore_eos=ignore_eos, min_tokens=min_tokens, model=model), **extra}
+        return await self._inference(
+            "/v1/chat/completions", body, agent_id,
+            lambda c: (c.get("message") or {}).get("content") or "")
+
+    # -- running agents -----------------------------------------------------------------------
+
+    async def run(self, agent: Agent[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Submit one agent run on this client and wait for its result."""
+        return await agent.invoke(args, kwargs, client=self)
+
+    async def submit_many(
+        self,
+        agent: Agent[..., Any] | Sequence[Agent[..., Any]],
+        inputs: Iterable[Any],
+        *,
+        concurrency: int | None = None,
+        progress: bool = True,
+        title: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Batch:
+        """Run one agent per input, all at once, showing their live status; returns the batch.
+
+        An input that is a dict is passed as keyword arguments, a tuple as positional
+        arguments, anything else as the single argument. `agent` may be a sequence of
+        agents, one per input (a mixed batch). One agent's failure is recorded on its handle
+        and does not stop the others; the handles are in input order.
+        """
+        from justitia_sdk._batch import run_batch
+
+        return await run_batch(self, agent, inputs, concurrency=concurrency, progress=progress,
+                               title=title, metadata=metadata)
+
+    def as_default(self) -> AbstractContextManager[AsyncClient]:
+        """`with client.as_default():` agents called directly (`await my_agent(x)`) use it."""
+        return _Default(self)
+
+
+class _Default(AbstractContextManager["AsyncClient"]):
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+
+    def __enter__(self) -> AsyncClient:
+        self._token = current_client.set(self.client)
+        return self.client
+
+    def __exit__(self, *exc: object) -> None:
+        current_client.reset(self._token)
+
+
+class Client:
+    """The synchronous facade: the same calls, for scripts without an event loop.
+
+    It runs an `AsyncClient` on an event loop in a background thread (an anyio blocking
+    portal). Close it (or use `with Client() as c:`) to stop that thread.
+    """
+
+    def __init__(self, base_url: str | None = None, **kwargs: Any) -> None:
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+
+        async def make() -> AsyncClient:
+            return AsyncClient(base_url, **kwargs)
+
+        self._async: AsyncClient = self._portal.call(make)
+        self.base_url = self._async.base_url
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._portal.call(functools.partial(fn, *args, **kwargs))
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._portal_cm is None:
+            return
+        try:
+            self._portal.call(self._async.aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+            self._portal_cm = None  # type: ignore[assignment]
+
+    @property
+    def async_client(self) -> AsyncClient:
+        return self._async
+
+    def run(self, agent: Agent[..., T], /, *args: Any, **kwargs: Any) -> T:
+        return self._call(self._async.run, agent, *args, **kwargs)
+
+    def submit_many(self, agent: Any, inputs: Iterable[Any], **kwargs: Any) -> Batch:
+        return self._call(self._async.submit_many, agent, list(inputs), **kwargs)
+
+    def complete(self, prompt: str, **kwargs: Any) -> Completion:
+        return self._call(self._async.complete, prompt, **kwargs)
+
+    def chat(self, messages: Any, **kwargs: Any) -> Completion:
+        return self._call(self._async.chat, messages, **kwargs)
+
+    def register_agent(self, type: str, prompt: str,
+                       metadata: Mapping[str, Any] | None = None) -> AgentRecord:
+        return self._call(self._async.register_agent, type, prompt, metadata)
+
+    def get_agent(self, agent_id: str) -> AgentRecord:
+        return self._call(self._async.get_agent, agent_id)
+
+    def list_agents(self) -> list[AgentRecord]:
+        return self._call(self._async.list_agents)
+
+    def finish_agent(self, agent_id: str) -> AgentRecord:
+        return self._call(self._async.finish_agent, agent_id)
+
+    def cancel_agent(self, agent_id: str) -> AgentRecord:
+        return self._call(self._async.cancel_agent, agent_id)
+
+    def scheduler(self) -> dict[str, Any]:
+        return self._call(self._async.scheduler)
+
+    def models(self) -> list[dict[str, Any]]:
+        return self._call(self._async.models)
+
+    def ready(self) -> bool:
+        return self._call(self._async.ready)
+
+
+__all__ = ["AsyncClient", "Client", "JustitiaError", "default_url"]

@@ -1,0 +1,54 @@
+"""The ambient state of an agent run, carried by contextvars.
+
+A contextvar set when an agent starts is visible in every coroutine it awaits, and in every
+task it spawns (asyncio and anyio copy the context into new tasks), so `llm()` called from a
+nested helper or from inside `parallel_map` tags its request with the right agent without
+the id being passed around. Each agent run sets its own value in its own task, so concurrent
+agents never see each other's.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from justitia_sdk._client import AsyncClient
+    from justitia_sdk._models import AgentRecord, Usage
+
+
+@dataclass
+class AgentRun:
+    """One running agent: its server-side id and what its requests have used so far."""
+
+    id: str
+    type: str
+    prompt: str
+    record: AgentRecord
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    kv_cost: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add_usage(self, usage: Usage) -> None:
+        self.requests += 1
+        self.prompt_tokens += usage.prompt_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.kv_cost += usage.kv_cost
+
+
+current_run: ContextVar[AgentRun | None] = ContextVar("justitia_agent_run", default=None)
+current_client: ContextVar[AsyncClient | None] = ContextVar("justitia_client", default=None)
+
+
+def current_agent() -> AgentRun | None:
+    """The agent run this code executes in, or None outside any agent."""
+    return current_run.get()
+
+
+def current_agent_id() -> str | None:
+    """The id of the agent this code executes in (what its requests are tagged with)."""
+    run = current_run.get()
+    return run.id if run is not None else None

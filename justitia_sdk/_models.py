@@ -1,0 +1,80 @@
+"""Pydantic models of what the server returns."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+AgentState = Literal["queued", "running", "finished", "cancelled", "expired"]
+TERMINAL_STATES: frozenset[str] = frozenset({"finished", "cancelled", "expired"})
+
+
+class AgentRecord(BaseModel):
+    """The server's view of one agent (DESIGN.md section 8).
+
+    `fair_finish_s`, `eta_s`, `delay_bound_s` and `deadline_s` are seconds from
+    `submitted_at`; `submitted_at` and `finished_at` are unix seconds on the server's clock.
+    Unknown fields are kept (a newer server may add some).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    type: str
+    state: str
+    predicted_cost: float | None = None
+    virtual_finish: float | None = None
+    consumed_cost: float | None = None
+    requests_total: int = 0
+    requests_done: int = 0
+    submitted_at: float | None = None
+    fair_finish_s: float | None = None
+    eta_s: float | None = None
+    delay_bound_s: float | None = None
+    deadline_s: float | None = None
+    finished_at: float | None = None
+    tenant: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        """True once the agent is finished, cancelled or expired."""
+        return self.state in TERMINAL_STATES
+
+    @property
+    def jct_s(self) -> float | None:
+        """Job completion time on the server's clock, once the agent has finished."""
+        if self.finished_at is None or self.submitted_at is None:
+            return None
+        return self.finished_at - self.submitted_at
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @property
+    def kv_cost(self) -> float:
+        """KV token-time of the request: p*d + d*(d+1)/2 (DESIGN.md section 2)."""
+        p, d = self.prompt_tokens, self.completion_tokens
+        return float(p * d + d * (d + 1) // 2)
+
+
+class Completion(BaseModel):
+    """One completion (or chat completion): its text, why it stopped, and its token counts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    text: str
+    finish_reason: str | None = None
+    usage: Usage = Usage()
+    agent_id: str | None = None
+    raw: dict[str, Any] = {}
+
+    def __str__(self) -> str:
+        return self.text

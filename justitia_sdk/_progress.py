@@ -1,0 +1,155 @@
+"""The live view of a batch: a rich table refreshed in place, in a terminal or in Jupyter.
+
+In a terminal it is a `rich.live.Live`. In Jupyter it is an HTML rendering of the same table
+in a display updated by id (`IPython.display`), which needs no widget extension and keeps
+the final table in the saved notebook.
+"""
+
+from __future__ import annotations
+
+import io
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from justitia_sdk._batch import AgentHandle, Batch
+
+STATE_STYLE = {
+    "pending": "dim",
+    "queued": "yellow",
+    "running": "cyan",
+    "finished": "green",
+    "cancelled": "magenta",
+    "expired": "red",
+    "failed": "bold red",
+}
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _state(h: AgentHandle) -> Text:
+    return Text(h.status, style=STATE_STYLE.get(h.status, ""))
+
+
+def batch_table(batch: Batch, *, live: bool = False, max_rows: int | None = None) -> Table:
+    """Live: state, requests, elapsed, ETA, fair finish, bound. After: JCT against the
+    first ETA, the fair finish time and the deadline (fair finish + bound). Times are
+    seconds since the agent's submission."""
+    table = Table(title=batch.title, caption=batch.summary(), title_justify="left",
+                  caption_justify="left")
+    table.add_column("#", justify="right", style="dim")
+    table.add_column("agent")
+    table.add_column("state")
+    numeric = (
+        ["requests", "elapsed s", "ETA s", "fair finish s", "bound s"] if live else
+        ["requests", "JCT s", "first ETA s", "fair finish s", "bound s", "deadline s"]
+    )
+    for name in numeric:
+        table.add_column(name, justify="right")
+    if not live:
+        table.add_column("in bound", justify="center")
+
+    handles = list(batch)
+    hidden = 0
+    if max_rows is not None and len(handles) > max_rows:
+        # Show what is still moving first; finished runs are summarized in the caption.
+        handles.sort(key=lambda h: (h.done, h.index))
+        hidden = len(handles) - max_rows
+        handles = sorted(handles[:max_rows], key=lambda h: h.index)
+    for h in handles:
+        done, total = h.progress
+        reqs = f"{done}/{total}" if h.record else "-"
+        if live:
+            cells = [reqs, _s(h.elapsed_s), _s(h.eta_s), _s(h.fair_finish_s), _s(h.delay_bound_s)]
+        else:
+            cells = [reqs, _s(h.jct_s), _s(h.first_eta_s), _s(h.fair_finish_s),
+                     _s(h.delay_bound_s), _s(h.deadline_s)]
+        row: list[Any] = [str(h.index), h.agent.name, _state(h), *cells]
+        if not live:
+            kept = h.kept_promise
+            row.append(Text("yes", "green") if kept else Text("no", "red") if kept is False
+                       else Text("-", "dim"))
+        table.add_row(*row)
+    if hidden:
+        table.caption = f"{batch.summary()} ({hidden} more not shown)"
+    return table
+
+
+def to_html(renderable: Any, width: int = 120) -> str:
+    console = Console(record=True, file=io.StringIO(), width=width, force_jupyter=False,
+                      color_system="truecolor")
+    console.print(renderable)
+    return console.export_html(
+        inline_styles=True,
+        code_format='<pre style="font-family:monospace;line-height:1.2">{code}</pre>',
+    )
+
+
+def in_jupyter() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+class LiveView:
+    """`async with LiveView(batch):` shows the batch's table, refreshed, until the block ends."""
+
+    def __init__(self, batch: Batch, *, refresh_s: float = 0.5, max_rows: int = 30,
+                 console: Console | None = None) -> None:
+        self.batch = batch
+        self.refresh_s = refresh_s
+        self.max_rows = max_rows
+        self.console = console
+        self._stack = AsyncExitStack()
+
+    def _live_table(self) -> Table:
+        return self.batch.table(live=True, max_rows=self.max_rows)
+
+    async def __aenter__(self) -> LiveView:
+        await self._stack.__aenter__()
+        if in_jupyter():
+            from IPython.display import HTML, display
+
+            handle = display(HTML(to_html(self._live_table())), display_id=True)
+
+            async def refresh() -> None:
+                while True:
+                    await anyio.sleep(self.refresh_s)
+                    try:
+                        handle.update(HTML(to_html(self._live_table())))
+                    except Exception:  # noqa: BLE001 - a display hiccup must not stop the batch
+                        pass
+
+            def final() -> None:
+                handle.update(HTML(to_html(self.batch.table(max_rows=200))))
+        else:
+            from rich.live import Live
+
+            live = Live(get_renderable=self._live_table, console=self.console or Console(),
+                        refresh_per_second=1 / self.refresh_s, transient=True)
+            live.start()
+            refresh = None  # type: ignore[assignment]
+
+            def final() -> None:
+                live.stop()
+                live.console.print(self.batch.table(max_rows=200))
+
+        self._stack.callback(final)
+        if refresh is not None:
+            tg = await self._stack.enter_async_context(anyio.create_task_group())
+            tg.start_soon(refresh)
+            self._stack.callback(tg.cancel_scope.cancel)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._stack.__aexit__(*exc)
