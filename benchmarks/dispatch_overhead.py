@@ -1,0 +1,87 @@
+"""Dispatch overhead: time of one admission decision with 10,000 queued requests.
+
+1,000 agents with 10 pending requests each; every step admits one request (engine_free_slots=1),
+finishes it and submits a replacement, so the queue stays at 10,000. Reports the median and
+p99 of the admit() call (one decision) per policy, and the full step (admit + finish +
+submit). Writes benchmarks/results/dispatch_overhead.json.
+
+    .venv/bin/python benchmarks/dispatch_overhead.py [--agents 1000] [--per-agent 10] [--steps 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from server.scheduler import POLICY_NAMES, Dispatcher, RequestSpec, kv_cost  # noqa: E402
+
+
+def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    d = Dispatcher(policy, kv_capacity_tokens=10**9, iteration_time_s=0.025)
+    now = 0.0
+    k = 0
+    lengths = {}
+    for a in range(agents):
+        d.register_agent(f"a{a}", kv_cost(1000, 200) * per_agent * rng.uniform(0.2, 5), now)
+        for _ in range(per_agent):
+            p, o = rng.randint(50, 3000), rng.randint(10, 800)
+            d.submit(RequestSpec(f"r{k}", f"a{a}", p, o, o), now)
+            lengths[f"r{k}"] = (p, o)
+            k += 1
+    decide, step = [], []
+    for _ in range(steps):
+        now += 0.001
+        t0 = time.perf_counter_ns()
+        out = d.admit(now, engine_free_slots=1)
+        t1 = time.perf_counter_ns()
+        spec = out[0]
+        d.on_request_finished(spec.request_id, *lengths.pop(spec.request_id), now)
+        p, o = rng.randint(50, 3000), rng.randint(10, 800)
+        d.submit(RequestSpec(f"r{k}", spec.agent_id, p, o, o), now)
+        lengths[f"r{k}"] = (p, o)
+        k += 1
+        t2 = time.perf_counter_ns()
+        decide.append((t1 - t0) / 1000)
+        step.append((t2 - t0) / 1000)
+    assert d.pending_count == agents * per_agent
+    q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]  # noqa: E731
+    return {
+        "policy": policy,
+        "queued_requests": d.pending_count,
+        "agents": agents,
+        "decisions": steps,
+        "median_decision_us": statistics.median(decide),
+        "p99_decision_us": q(decide, 0.99),
+        "median_step_us": statistics.median(step),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, default=1000)
+    ap.add_argument("--per-agent", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--out", default="benchmarks/results/dispatch_overhead.json")
+    args = ap.parse_args()
+    rows = []
+    for policy in POLICY_NAMES:
+        r = bench(policy, args.agents, args.per_agent, args.steps)
+        rows.append(r)
+        print(f"{policy:11s} median decision {r['median_decision_us']:6.1f} us   p99 {r['p99_decision_us']:6.1f} us   "
+              f"admit+finish+submit {r['median_step_us']:6.1f} us   ({r['queued_requests']} queued)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"python": sys.version.split()[0], "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""`justitia bench sim | make-workload | starvation`: the simulator's commands.
+
+Registered by justitia_sdk.cli; module import stays light (argparse only), the simulator is
+imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+ALL_POLICIES = "fcfs,sjf,vtc,parrot,srjf,justitia,justitia-c"
+
+
+def register(commands) -> None:
+    from justitia_sdk.cli import formatter
+
+    sim = commands.bench.add_parser(
+        "sim",
+        help="Compare scheduling policies on a workload with the discrete-event simulator.",
+        description=(
+            "Replay a workload (JSON Lines, one agent per line) through the simulated engine once "
+            "per policy, with the same scheduler core as the server. Writes the JSON of "
+            "DESIGN section 8 and prints a table."
+        ),
+        formatter_class=formatter,
+    )
+    sim.add_argument("--workload", required=True, metavar="FILE", help="workload file (JSON Lines, DESIGN section 8)")
+    sim.add_argument("--policies", default=ALL_POLICIES, metavar="LIST",
+                     help="comma-separated policies: fcfs, sjf, parrot, srjf, vtc, justitia, justitia-c")
+    sim.add_argument("--kv-tokens", type=int, default=None, metavar="M",
+                     help="KV cache capacity in tokens (default: the profile's)")
+    sim.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
+    sim.add_argument("--prediction", default="oracle", metavar="MODE",
+                     help="agent cost predictions: oracle, noisy:LAMBDA (true x LAMBDA^U(-1,1)), or model:DIR")
+    sim.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile: a100-llama7b or cpu-tiny")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions")
+    sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
+    sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
+    sim.add_argument("--quiet", action="store_true", help="no table on the terminal")
+    sim.set_defaults(handler=_sim)
+
+    mk = commands.bench.add_parser(
+        "make-workload",
+        help="Build the paper's nine-type agent mix from the shipped public traces.",
+        description=(
+            "Nine agent types (72%% small, 26%% medium, 2%% large), lengths drawn from ShareGPT, "
+            "arXiv summarization, Mooncake and MetaGPT token counts, Mooncake arrivals scaled so that "
+            "density 1 offers LOAD of what the profile's engine sustains on the mix."
+        ),
+        formatter_class=formatter,
+    )
+    mk.add_argument("--out", required=True, metavar="FILE", help="workload file to write (JSON Lines)")
+    mk.add_argument("--agents", type=int, default=300, help="number of agents")
+    mk.add_argument("--density", type=float, default=1.0, help="arrival density multiplier (1, 2, 3: gaps divided by it)")
+    mk.add_argument("--load", type=float, default=0.6, help="offered load at density 1, as a fraction of the engine's sustained rate")
+    mk.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile the load and lengths are fitted to")
+    mk.add_argument("--kv-tokens", type=int, default=None, metavar="M", help="KV capacity (default: the profile's)")
+    mk.add_argument("--length-scale", type=float, default=None,
+                    help="multiply trace lengths by this (default: the profile's; cpu-tiny shrinks them)")
+    mk.add_argument("--seed", type=int, default=0, help="random seed (same seed: same agents at every density)")
+    mk.set_defaults(handler=_make_workload)
+
+    st = commands.bench.add_parser(
+        "starvation",
+        help="One large MapReduce agent under a flood of small agents: does it starve?",
+        description=(
+            "A large MapReduce agent arrives with a flood of small agents (Poisson arrivals offering LOAD "
+            "of the engine's rate) that lasts MINUTES; reports the large agent's JCT per flood length and "
+            "policy, with its GPS finish time and delay bound."
+        ),
+        formatter_class=formatter,
+    )
+    st.add_argument("--minutes", default="2,4,6,8,10", metavar="LIST", help="flood lengths in simulated minutes")
+    st.add_argument("--policies", default="srjf,justitia,vtc", metavar="LIST", help="policies to compare")
+    st.add_argument("--load", type=float, default=1.0, help="offered load of the small agents (fraction of the engine's rate)")
+    st.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile")
+    st.add_argument("--kv-tokens", type=int, default=None, metavar="M", help="KV capacity (default: the profile's)")
+    st.add_argument("--seed", type=int, default=0, help="random seed")
+    st.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
+    st.set_defaults(handler=_starvation)
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _profile(name: str):
+    from justitia_sdk.cli import CommandError
+
+    from .profiles import PROFILES
+
+    if name not in PROFILES:
+        raise CommandError(f"unknown profile {name!r}: use one of {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def _predictions(args, agents):
+    from justitia_sdk.cli import CommandError
+
+    from .simulator import make_predictions
+
+    mode = args.prediction
+    if mode == "oracle" or mode.startswith("noisy:"):
+        try:
+            return make_predictions(agents, mode, seed=args.seed)
+        except ValueError as exc:
+            raise CommandError(f"--prediction {mode}: {exc} (e.g. noisy:3)") from None
+    if mode.startswith("model:"):
+        path = mode.split(":", 1)[1]
+        try:
+            from predictors import load_predictor  # the predictors package (lazy: heavy)
+        except ImportError:
+            raise CommandError(
+                "--prediction model:DIR needs predictors.load_predictor, which this install lacks; "
+                "use oracle or noisy:LAMBDA"
+            ) from None
+        try:
+            model = load_predictor(path)
+        except (OSError, ValueError) as exc:
+            raise CommandError(f"cannot load predictor from {path}: {exc}") from None
+        return make_predictions(
+            agents, mode, predictor=lambda a: model.predict(a.prompt or a.type, {"agent_type": a.type, "type": a.type})
+        )
+    raise CommandError(f"unknown --prediction {mode!r}: use oracle, noisy:LAMBDA or model:DIR")
+
+
+def _sim(args: argparse.Namespace) -> int:
+    import time
+
+    from justitia_sdk.cli import CommandError
+
+    from server.scheduler import POLICY_NAMES
+
+    from . import report
+    from .simulator import gps_tau_s, run_comparison, workload_limits
+    from .workload import WorkloadError, load_workload
+
+    policies = _split(args.policies)
+    bad = [p for p in policies if p not in POLICY_NAMES]
+    if bad or not policies:
+        raise CommandError(f"unknown policy {', '.join(bad) or '(none)'}: choose from {', '.join(POLICY_NAMES)}")
+    profile = _profile(args.profile)
+    try:
+        agents = load_workload(args.workload)
+    except FileNotFoundError:
+        raise CommandError(f"no workload file {args.workload}: build one with `justitia bench make-workload`") from None
+    except WorkloadError as exc:
+        raise CommandError(str(exc)) from None
+    if not agents:
+        raise CommandError(f"{args.workload} holds no agents")
+    m = args.kv_tokens or profile.kv_tokens
+    if m <= 0:
+        raise CommandError("--kv-tokens must be positive")
+    predictions = _predictions(args, agents)
+    t0 = time.perf_counter()
+    results = run_comparison(agents, policies, profile, m, predictions, backfill=args.backfill)
+    wall = time.perf_counter() - t0
+    tau = gps_tau_s(profile, m, agents)
+    limits = workload_limits(agents)
+    config = {
+        "workload": str(args.workload),
+        "agents": len(agents),
+        "requests": sum(a.num_requests for a in agents),
+        "policies": policies,
+        "kv_tokens": m,
+        "profile": profile.as_dict(),
+        "gps_tau_s": tau,
+        "gps_rate": m / tau,
+        "prediction": args.prediction,
+        "seed": args.seed,
+        "backfill": args.backfill,
+        "limits": {
+            "max_request_cost": limits.max_request_cost,
+            "max_agent_cost": limits.max_agent_cost,
+            "max_output_tokens": limits.max_output_tokens,
+        },
+        "wall_s": wall,
+    }
+    if args.json:
+        report.write_json(args.json, config, results)
+    if not args.quiet:
+        report.print_table(results, f"{args.workload}  M={m}  {profile.name}  {args.prediction}  ({wall:.1f} s)")
+    if args.plot:
+        report.plot_cdf(results, args.plot, f"{len(agents)} agents, {profile.name}, M={m}")
+    return 0
+
+
+def _make_workload(args: argparse.Namespace) -> int:
+    from justitia_sdk.cli import CommandError
+
+    from .mix import make_mix
+    from .workload import save_workload
+
+    if args.agents <= 0 or args.density <= 0 or not 0 < args.load:
+        raise CommandError("--agents, --density and --load must be positive")
+    profile = _profile(args.profile)
+    agents = make_mix(
+        args.agents, profile, kv_tokens=args.kv_tokens, density=args.density, load_1x=args.load,
+        seed=args.seed, length_scale=args.length_scale,
+    )
+    save_workload(agents, args.out)
+    n_req = sum(a.num_requests for a in agents)
+    print(f"wrote {args.out}: {len(agents)} agents, {n_req} requests, arrivals over {agents[-1].arrival:.0f} s")
+    return 0
+
+
+def _starvation(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from justitia_sdk.cli import CommandError
+
+    from .starvation import run_starvation
+
+    try:
+        minutes = [float(x) for x in _split(args.minutes)]
+    except ValueError:
+        raise CommandError("--minutes takes numbers, e.g. 2,4,6,8,10") from None
+    profile = _profile(args.profile)
+    rows = run_starvation(minutes, _split(args.policies), profile, args.kv_tokens, args.load, args.seed)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="large MapReduce agent under a flood of small agents")
+    for col in ("flood min", "policy", "large JCT s", "GPS finish s", "bound s", "within bound", "small mean JCT s"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(f"{r['flood_minutes']:g}", r["policy"], f"{r['large_jct_s']:.1f}", f"{r['large_gps_finish_s']:.1f}",
+                      f"{r['large_delay_bound_s']:.1f}", "yes" if r["within_bound"] else "NO", f"{r['small_mean_jct_s']:.1f}")
+    Console().print(table)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"config": vars(args) | {"handler": None}, "rows": rows}, indent=1) + "\n")
+    return 0

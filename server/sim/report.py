@@ -1,0 +1,101 @@
+"""Benchmark output: the JSON of DESIGN section 8, comparisons, a terminal table, a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from .simulator import PolicyResult
+
+
+def compare(results: Sequence[PolicyResult], policy: str = "justitia", baseline: str = "vtc") -> dict | None:
+    """Per-agent comparison of two policies of one run: the share of agents that finish no
+    later under `policy` than under `baseline`, and the worst slowdown against it."""
+    by = {r.policy: r for r in results}
+    if policy not in by or baseline not in by:
+        return None
+    a = {x.id: x for x in by[policy].agents}
+    b = {x.id: x for x in by[baseline].agents}
+    ids = [i for i in a if i in b]
+    not_later = sum(a[i].finish_s <= b[i].finish_s + 1e-9 for i in ids)
+    slowdowns = [a[i].jct_s / b[i].jct_s - 1.0 for i in ids if b[i].jct_s > 0]
+    mean = lambda r: sum(x.jct_s for x in r.agents) / max(1, len(r.agents))  # noqa: E731
+    return {
+        "policy": policy,
+        "baseline": baseline,
+        "mean_jct_ratio": mean(by[policy]) / mean(by[baseline]) if mean(by[baseline]) else None,
+        "share_not_later": not_later / max(1, len(ids)),
+        "worst_slowdown": max(slowdowns, default=0.0),
+    }
+
+
+def comparisons(results: Sequence[PolicyResult]) -> list[dict]:
+    pairs = [("justitia", "vtc"), ("justitia", "srjf"), ("justitia-c", "justitia"), ("justitia", "fcfs")]
+    return [c for c in (compare(results, p, b) for p, b in pairs) if c is not None]
+
+
+def write_json(path: str | Path, config: dict, results: Sequence[PolicyResult]) -> dict:
+    doc = {
+        "config": config,
+        "results": [r.as_dict() for r in results],
+        "comparisons": comparisons(results),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return doc
+
+
+def print_table(results: Sequence[PolicyResult], title: str = "") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title or None)
+    for col in ("policy", "mean JCT s", "p50", "p90", "p99", "max", "makespan s", "preempt", "bound viol."):
+        table.add_column(col, justify="right" if col != "policy" else "left")
+    for r in results:
+        s = r.summary()
+        table.add_row(
+            r.policy,
+            f"{s['mean_jct_s']:.1f}",
+            f"{s['p50_jct_s']:.1f}",
+            f"{s['p90_jct_s']:.1f}",
+            f"{s['p99_jct_s']:.1f}",
+            f"{s['max_jct_s']:.1f}",
+            f"{s['makespan_s']:.1f}",
+            str(s["preemptions"]),
+            str(s["bound_violations"]),
+        )
+    console = Console()
+    console.print(table)
+    for c in comparisons(results):
+        console.print(
+            f"{c['policy']} vs {c['baseline']}: mean JCT x{c['mean_jct_ratio']:.3f}, "
+            f"{100 * c['share_not_later']:.0f}% of agents finish no later, "
+            f"worst slowdown {100 * c['worst_slowdown']:+.0f}%"
+        )
+
+
+def plot_cdf(results: Sequence[PolicyResult], path: str | Path, title: str = "") -> None:
+    """JCT CDF of every policy (matplotlib, the `bench` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        xs = sorted(a.jct_s for a in r.agents)
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.step(xs, ys, where="post", label=r.policy, linewidth=1.6 if r.policy.startswith("justitia") else 1.0)
+    ax.set_xscale("log")
+    ax.set_xlabel("job completion time (s, log scale)")
+    ax.set_ylabel("fraction of agents")
+    ax.set_title(title or "JCT CDF")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

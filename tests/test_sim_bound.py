@@ -1,0 +1,53 @@
+"""Property tests of the simulator under Justitia: the delay bound, accounting, GPS."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from server.scheduler import gps_finish_times
+from server.sim.profiles import get_profile
+from server.sim.simulator import gps_tau_s, make_predictions, simulate
+from server.sim.workload import AgentSpec
+
+request = st.tuples(st.integers(1, 1500), st.integers(1, 300))
+stage = st.lists(request, min_size=1, max_size=5)
+agent = st.tuples(st.floats(0, 60, allow_nan=False), st.lists(stage, min_size=1, max_size=4))
+workloads = st.lists(agent, min_size=1, max_size=14)
+
+
+def build(specs):
+    return [AgentSpec(f"a{i}", "t", arr, [list(s) for s in stages]) for i, (arr, stages) in enumerate(specs)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads, st.integers(3000, 12000), st.sampled_from(["a100-llama7b", "cpu-tiny"]))
+def test_justitia_finishes_every_agent_by_gps_finish_plus_bound(specs, m, profile_name):
+    profile = get_profile(profile_name)
+    agents = build(specs)
+    res = simulate(agents, "justitia", profile, m)
+    assert res.accounting_zero
+    assert res.preemptions == 0  # footprints are exact: Justitia never makes the engine preempt
+    for a in res.agents:
+        assert a.finish_s >= a.arrival_s
+        assert a.finish_s <= a.gps_finish_s + a.delay_bound_s + 1e-6, (a, res.summary())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads, st.integers(2000, 8000), st.sampled_from(["fcfs", "sjf", "vtc", "parrot", "srjf", "justitia-c"]))
+def test_every_policy_finishes_everything_and_accounting_returns_to_zero(specs, m, policy):
+    agents = build(specs)
+    res = simulate(agents, policy, get_profile("a100-llama7b"), m, make_predictions(agents, "noisy:3", seed=1))
+    assert res.accounting_zero
+    assert all(a.finish_s >= a.arrival_s for a in res.agents)
+    # the engine can never beat an agent's critical path (one token per iteration)
+    tau_min = get_profile("a100-llama7b").base_s
+    for a, spec in zip(sorted(res.agents, key=lambda x: x.arrival_s), sorted(agents, key=lambda x: x.arrival)):
+        assert a.jct_s >= spec.critical_path_tokens * tau_min - 1e-9
+
+
+def test_gps_finish_in_results_is_the_offline_reference():
+    agents = build([(0.0, [[(500, 100)] * 3]), (1.0, [[(200, 50)], [(300, 80)]]), (1.5, [[(1000, 200)]])])
+    profile = get_profile("a100-llama7b")
+    res = simulate(agents, "justitia", profile, 5000)
+    rate = 5000 / gps_tau_s(profile, 5000, agents)
+    ref = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], rate)
+    assert [a.gps_finish_s for a in res.agents] == pytest.approx(ref)
