@@ -72,7 +72,8 @@ def register(commands) -> None:
     )
     st.add_argument("--minutes", default="2,4,6,8,10", metavar="LIST", help="flood lengths in simulated minutes")
     st.add_argument("--policies", default="srjf,justitia,vtc", metavar="LIST", help="policies to compare")
-    st.add_argument("--load", type=float, default=1.0, help="offered load of the small agents (fraction of the engine's rate)")
+    st.add_argument("--load", type=float, default=1.15,
+                    help="offered load of the small agents, as a fraction of the (conservative) rate the engine sustains on them")
     st.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile")
     st.add_argument("--kv-tokens", type=int, default=None, metavar="M", help="KV capacity (default: the profile's)")
     st.add_argument("--seed", type=int, default=0, help="random seed")

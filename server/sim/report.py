@@ -52,8 +52,8 @@ def print_table(results: Sequence[PolicyResult], title: str = "") -> None:
     from rich.table import Table
 
     table = Table(title=title or None)
-    for col in ("policy", "mean JCT s", "p50", "p90", "p99", "max", "makespan s", "preempt", "bound viol."):
-        table.add_column(col, justify="right" if col != "policy" else "left")
+    for col in ("policy", "mean JCT", "p50", "p90", "p99", "max", "makespan", "preempt", "over bound"):
+        table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
     for r in results:
         s = r.summary()
         table.add_row(

@@ -1,0 +1,75 @@
+"""The issue-3 target table on the simulator, over several workload seeds.
+
+For each seed and density (2x, 3x): builds the 300-agent mix (a100-llama7b, load 0.6 at 1x),
+runs vtc, srjf, justitia, justitia-c with oracle costs and justitia with noisy:3 predictions,
+and prints the ratios. Writes benchmarks/results/sim_targets.json.
+
+    .venv/bin/python benchmarks/sim_targets.py [--seeds 0,1,2,3,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from server.sim.mix import Traces, make_mix  # noqa: E402
+from server.sim.profiles import get_profile  # noqa: E402
+from server.sim.report import compare  # noqa: E402
+from server.sim.simulator import make_predictions, run_comparison  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0,1,2,3,4")
+    ap.add_argument("--load", type=float, default=0.6)
+    ap.add_argument("--out", default="benchmarks/results/sim_targets.json")
+    args = ap.parse_args()
+    profile = get_profile("a100-llama7b")
+    traces = Traces.load()
+    rows = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for density in (2, 3):
+            agents = make_mix(300, profile, density=density, load_1x=args.load, seed=seed, traces=traces)
+            res = run_comparison(agents, ["vtc", "srjf", "justitia", "justitia-c"], profile)
+            noisy = run_comparison(agents, ["justitia"], profile, predictions=make_predictions(agents, "noisy:3", seed=seed))[0]
+            mean = {r.policy: r.summary()["mean_jct_s"] for r in res}
+            vs_vtc = compare(res, "justitia", "vtc")
+            row = {
+                "seed": seed,
+                "density": density,
+                "mean_jct_s": mean,
+                "justitia_over_vtc": mean["justitia"] / mean["vtc"],
+                "justitia_over_srjf": mean["justitia"] / mean["srjf"],
+                "share_not_later_than_vtc": vs_vtc["share_not_later"],
+                "worst_slowdown_vs_vtc": vs_vtc["worst_slowdown"],
+                "justitia_c_over_justitia": mean["justitia-c"] / mean["justitia"],
+                "noisy3_over_oracle": noisy.summary()["mean_jct_s"] / mean["justitia"],
+                "justitia_bound_violations": res[2].summary()["bound_violations"],
+                "justitia_max_lag_vs_gps_s": res[2].summary()["max_lag_vs_gps_s"],
+            }
+            rows.append(row)
+            print(f"seed {seed} {density}x: j/vtc {row['justitia_over_vtc']:.3f}  j/srjf {row['justitia_over_srjf']:.3f}  "
+                  f"not later than vtc {100 * row['share_not_later_than_vtc']:.0f}%  worst vs vtc "
+                  f"{100 * row['worst_slowdown_vs_vtc']:+.0f}%  jc/j {row['justitia_c_over_justitia']:.3f}  "
+                  f"noisy3/oracle {row['noisy3_over_oracle']:.3f}  over bound {row['justitia_bound_violations']}", flush=True)
+    summary = {}
+    for density in (2, 3):
+        sel = [r for r in rows if r["density"] == density]
+        summary[f"{density}x"] = {
+            k: statistics.fmean(r[k] for r in sel)
+            for k in ("justitia_over_vtc", "justitia_over_srjf", "share_not_later_than_vtc", "worst_slowdown_vs_vtc",
+                      "justitia_c_over_justitia", "noisy3_over_oracle")
+        }
+        print(f"mean over seeds {density}x:", {k: round(v, 3) for k, v in summary[f'{density}x'].items()})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"load_1x": args.load, "rows": rows, "mean": summary}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
