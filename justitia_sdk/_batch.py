@@ -97,6 +97,10 @@ class AgentHandle:
 
     @property
     def first_eta_s(self) -> float | None:
+        """The ETA the server gave at submission."""
+        for r in (self.record, self.first_record):
+            if r is not None and r.first_eta_s is not None:
+                return r.first_eta_s
         return self.first_record.eta_s if self.first_record else None
 
     @property

@@ -165,12 +165,23 @@ class AsyncClient:
     # -- the agent API ----------------------------------------------------------------------
 
     async def register_agent(
-        self, type: str, prompt: str, metadata: Mapping[str, Any] | None = None
+        self,
+        type: str,
+        prompt: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        lease_s: float | None = None,
     ) -> AgentRecord:
-        """Register an agent: the server predicts its cost from `prompt` and gives it a tag."""
+        """Register an agent: the server predicts its cost from `prompt` and gives it a tag.
+
+        `lease_s`: the server expires the agent after this many idle seconds without a
+        finish (default: the server's lease).
+        """
         body: dict[str, Any] = {"type": type, "prompt": prompt}
         if metadata:
             body["metadata"] = dict(metadata)
+        if lease_s is not None:
+            body["lease_s"] = lease_s
         return AgentRecord.model_validate(await self._request("POST", "/v1/agents", json_body=body))
 
     async def get_agent(self, agent_id: str) -> AgentRecord:

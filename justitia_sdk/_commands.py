@@ -1,9 +1,24 @@
-"""Client-side commands: `justitia demo` (the README's main job)."""
+"""Client-side commands: `justitia demo` (the README's main job) and `justitia status`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
 from typing import Any
+
+# The example agents the demo runs, one module (and inputs file) each, in examples/.
+DEMO_AGENTS = (
+    "mapreduce_summary",
+    "document_merging",
+    "fact_verification",
+    "self_consistency",
+    "code_checking",
+    "equation_verification",
+)
 
 
 def register(commands: Any) -> None:
@@ -11,48 +26,218 @@ def register(commands: Any) -> None:
 
     demo = commands.root.add_parser(
         "demo",
-        help="Start the embedded server on the vLLM CPU engine and run requests through it.",
+        help="Start the embedded server and run a batch of example agents through it, live.",
         description=(
-            "The main job on the embedded default: start the bundled server (in-process "
-            "vLLM engine, embedded tiny model), send work through it, print what came back, "
-            "and stop the server."
+            "The main job: start the bundled server (in-process vLLM CPU engine, embedded "
+            "tiny model), submit a batch of the example agents (MapReduce summarization, "
+            "document merging, fact verification, self-consistency voting, code checking, "
+            "equation verification) at once, show their progress live, and end with each "
+            "agent's JCT, first ETA, fair finish time and delay bound. The tiny model's "
+            "weights are random, so the text is noise; the engine and the scheduling are real."
         ),
         formatter_class=formatter,
     )
-    demo.add_argument("--kv-tokens", type=int, default=8192, metavar="N",
+    demo.add_argument("--agents", type=int, default=18, metavar="N",
+                      help="how many agents to submit (cycling through the six kinds)")
+    demo.add_argument("--kv-tokens", type=int, default=6144, metavar="N",
                       help="KV cache capacity of the embedded engine in tokens")
-    demo.add_argument("--prompt", default="Summarize: agents fire many requests in parallel.",
-                      help="prompt of the completion")
-    demo.add_argument("--max-tokens", type=int, default=24, metavar="N",
-                      help="tokens to generate")
+    demo.add_argument("--policy", default="justitia",
+                      help="scheduling policy of the embedded server")
+    demo.add_argument("--max-tokens", type=int, default=96, metavar="N",
+                      help="output tokens per request of the example agents' first stage")
+    demo.add_argument("--url", default=None,
+                      help="use this running server instead of starting the embedded one")
+    demo.add_argument("--examples", default=None, metavar="DIR",
+                      help="the examples folder (default: the repository's examples/)")
+    demo.add_argument("--json", default=None, metavar="OUT",
+                      help="also write each agent's JCT, ETA, fair finish and bound here")
     demo.set_defaults(handler=run_demo)
+
+    status = commands.root.add_parser(
+        "status",
+        help="Show a server's scheduler and agents (ETA, fair finish, bound).",
+        description="A table of the caller's agents on a Justitia server, with the "
+                    "scheduler's state.",
+        formatter_class=formatter,
+    )
+    status.add_argument("url", nargs="?", default=None,
+                        help="server URL (default: JUSTITIA_URL, else http://127.0.0.1:8000)")
+    status.add_argument("--api-key", default=None,
+                        help="bearer key (default: JUSTITIA_API_KEY)")
+    status.add_argument("--all", action="store_true",
+                        help="include finished, cancelled and expired agents")
+    status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+    status.set_defaults(handler=run_status)
+
+
+# -- demo ---------------------------------------------------------------------------------
+
+
+def examples_dir(given: str | None) -> Path:
+    from justitia_sdk.cli import CommandError
+
+    candidates = [Path(given)] if given else [
+        Path(__file__).resolve().parent.parent / "examples", Path.cwd() / "examples"]
+    for path in candidates:
+        if (path / "_runner.py").is_file():
+            return path
+    raise CommandError(
+        "cannot find the examples folder (looked in "
+        + ", ".join(str(p) for p in candidates) + "); pass --examples DIR"
+    )
+
+
+def load_example(folder: Path, name: str) -> tuple[Any, list[dict[str, Any]]]:
+    """The agent defined by examples/NAME.py and the rows of examples/inputs/NAME.jsonl."""
+    if str(folder) not in sys.path:
+        # The examples import their shared runner as a sibling module.
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(f"justitia_examples.{name}", folder / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [json.loads(line) for line in (folder / "inputs" / f"{name}.jsonl").read_text()
+            .splitlines() if line.strip()]
+    return getattr(module, name), rows
+
+
+def demo_jobs(folder: Path, n: int, max_tokens: int) -> list[tuple[Any, dict[str, Any]]]:
+    """n (agent, arguments) pairs, cycling through the kinds and through each kind's inputs."""
+    loaded = [load_example(folder, name) for name in DEMO_AGENTS]
+    jobs = []
+    for i in range(n):
+        agent, rows = loaded[i % len(loaded)]
+        args = dict(rows[(i // len(loaded)) % len(rows)])
+        args["max_tokens"] = max_tokens
+        jobs.append((agent, args))
+    return jobs
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import httpx
+    import anyio
     from rich.console import Console
-    from rich.table import Table
 
-    from server.launcher import EmbeddedServer
+    from justitia_sdk._client import AsyncClient
 
     console = Console()
-    with console.status("starting the embedded server (vLLM CPU engine, ~30 s)..."):
-        server = EmbeddedServer(["--kv-tokens", str(args.kv_tokens)]).start()
+    jobs = demo_jobs(examples_dir(args.examples), args.agents, args.max_tokens)
+
+    async def submit(url: str) -> Any:
+        async with AsyncClient(url) as client:
+            return await client.submit_many(
+                [a for a, _ in jobs], [kw for _, kw in jobs],
+                title=f"{len(jobs)} example agents")
+
+    server = None
+    if args.url:
+        url = args.url
+    else:
+        from server.launcher import EmbeddedServer
+
+        with console.status("starting the embedded server (vLLM CPU engine, tiny model, ~30 s)..."):
+            server = EmbeddedServer(["--kv-tokens", str(args.kv_tokens),
+                                     "--policy", args.policy]).start()
+        url = server.url
     try:
-        console.print(f"server ready at {server.url}")
-        r = httpx.post(
-            server.url + "/v1/completions",
-            json={"prompt": args.prompt, "max_tokens": args.max_tokens, "ignore_eos": True},
-            timeout=120,
-        )
-        r.raise_for_status()
-        body = r.json()
-        table = Table(title="completion from the embedded engine")
-        for col in ("prompt", "text (noise: random weights)", "prompt tokens", "output tokens"):
-            table.add_column(col)
-        table.add_row(args.prompt, repr(body["choices"][0]["text"]),
-                      str(body["usage"]["prompt_tokens"]), str(body["usage"]["completion_tokens"]))
-        console.print(table)
+        console.print(f"server ready at {url} (policy {args.policy}, KV {args.kv_tokens} tokens); "
+                      f"submitting {len(jobs)} agents at once")
+        started = time.monotonic()
+        batch = anyio.run(submit, url)
+        wall = time.monotonic() - started
     finally:
-        server.stop()
-    return 0
+        if server is not None:
+            server.stop()
+
+    kept = [h.kept_promise for h in batch]
+    mean = batch.mean_jct_s()
+    console.print(
+        f"{len(batch)} agents in {wall:.1f} s; mean JCT "
+        f"{'-' if mean is None else f'{mean:.2f} s'}; "
+        f"{sum(1 for k in kept if k)} of {sum(1 for k in kept if k is not None)} finished "
+        f"within their deadline (fair finish + bound)."
+    )
+    console.print("[dim]The tiny model's weights are random: its text is noise. The engine, "
+                  "the KV cache and the scheduling are real.[/dim]")
+    if args.json:
+        rows = [{"index": h.index, "type": h.agent.name, "id": h.id, "state": h.status,
+                 "jct_s": h.jct_s, "first_eta_s": h.first_eta_s,
+                 "fair_finish_s": h.fair_finish_s, "delay_bound_s": h.delay_bound_s,
+                 "deadline_s": h.deadline_s, "kept": h.kept_promise,
+                 "error": repr(h.error) if h.error else None} for h in batch]
+        Path(args.json).write_text(json.dumps({"url": url, "policy": args.policy,
+                                               "wall_s": wall, "agents": rows}, indent=1))
+    for index, error in batch.errors:
+        console.print(f"[red]agent #{index} failed: {error!r}[/red]")
+    return 1 if batch.errors else 0
+
+
+# -- status -------------------------------------------------------------------------------
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def status_view(snapshot: dict[str, Any], agents: list[Any], url: str, show_all: bool) -> Any:
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from justitia_sdk._progress import STATE_STYLE
+
+    now = time.time()
+    shown = [a for a in agents if show_all or not a.terminal]
+    engine = snapshot.get("engine") or {}
+    head = Text.assemble(
+        (f"{url}", "bold"), "  policy ", (str(snapshot.get("policy", "?")), "cyan"),
+        f"  M={snapshot.get('M', '?')} tokens  tau={_num(snapshot.get('tau'), '{:.4f}')} s"
+        f"  backlog={snapshot.get('backlog', '?')}  pending={snapshot.get('pending_requests', '?')}"
+        f"  running={snapshot.get('running_requests', '?')}"
+        f"  KV use={_num(engine.get('kv_usage'), '{:.0%}')}",
+    )
+    table = Table(box=box.SIMPLE_HEAD, caption=f"{len(shown)} of {len(agents)} agents shown "
+                  "(seconds since submission; deadline = fair + bound)" + ("" if show_all else "; --all for all"),
+                  caption_justify="left")
+    for col, justify in (("id", "left"), ("type", "left"), ("state", "left"), ("reqs", "right"),
+                         ("age", "right"), ("ETA", "right"), ("fair", "right"),
+                         ("bound", "right"), ("JCT", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for a in shown:
+        age = (a.finished_at or now) - a.submitted_at if a.submitted_at else None
+        table.add_row(a.id, a.type, Text(a.state, STATE_STYLE.get(a.state, "")),
+                      f"{a.requests_done}/{a.requests_total}", _num(age), _num(a.eta_s),
+                      _num(a.fair_finish_s), _num(a.delay_bound_s), _num(a.jct_s))
+    return Group(head, table)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import anyio
+    from rich.console import Console
+
+    from justitia_sdk._client import AsyncClient
+    from justitia_sdk._errors import JustitiaError
+    from justitia_sdk.cli import CommandError
+
+    async def fetch() -> Any:
+        async with AsyncClient(args.url, api_key=args.api_key, max_retries=1) as client:
+            snapshot = await client.scheduler()
+            agents = await client.list_agents()
+            return status_view(snapshot, agents, client.base_url, args.all)
+
+    console = Console()
+    if not console.is_terminal:
+        # Piped or captured: do not squeeze the table into 80 columns.
+        console = Console(width=140)
+    try:
+        if not args.watch:
+            console.print(anyio.run(fetch))
+            return 0
+        from rich.live import Live
+
+        with Live(anyio.run(fetch), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(1.0)
+                live.update(anyio.run(fetch), refresh=True)
+    except JustitiaError as exc:
+        raise CommandError(str(exc)) from None

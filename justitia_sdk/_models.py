@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 AgentState = Literal["queued", "running", "finished", "cancelled", "expired"]
 TERMINAL_STATES: frozenset[str] = frozenset({"finished", "cancelled", "expired"})
@@ -36,18 +36,22 @@ class AgentRecord(BaseModel):
     finished_at: float | None = None
     tenant: str | None = None
     metadata: dict[str, Any] | None = None
+    #: The ETA the server gave when the agent was submitted (seconds from submitted_at).
+    first_eta_s: float | None = None
+    #: Job completion time, once terminal: finished_at - submitted_at.
+    jct_s: float | None = None
+
+    @model_validator(mode="after")
+    def _fill_jct(self) -> AgentRecord:
+        # Older servers do not send jct_s; it follows from the two timestamps.
+        if self.jct_s is None and self.finished_at is not None and self.submitted_at is not None:
+            self.jct_s = self.finished_at - self.submitted_at
+        return self
 
     @property
     def terminal(self) -> bool:
         """True once the agent is finished, cancelled or expired."""
         return self.state in TERMINAL_STATES
-
-    @property
-    def jct_s(self) -> float | None:
-        """Job completion time on the server's clock, once the agent has finished."""
-        if self.finished_at is None or self.submitted_at is None:
-            return None
-        return self.finished_at - self.submitted_at
 
 
 class Usage(BaseModel):

@@ -12,6 +12,7 @@ from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -42,19 +43,20 @@ def batch_table(batch: Batch, *, live: bool = False, max_rows: int | None = None
     """Live: state, requests, elapsed, ETA, fair finish, bound. After: JCT against the
     first ETA, the fair finish time and the deadline (fair finish + bound). Times are
     seconds since the agent's submission."""
-    table = Table(title=batch.title, caption=batch.summary(), title_justify="left",
-                  caption_justify="left")
+    table = Table(title=f"{batch.title} - seconds since each agent's submission",
+                  caption=batch.summary(), title_justify="left", caption_justify="left",
+                  box=box.SIMPLE_HEAD)
     table.add_column("#", justify="right", style="dim")
-    table.add_column("agent")
-    table.add_column("state")
+    table.add_column("agent", no_wrap=True, overflow="ellipsis", max_width=22)
+    table.add_column("state", no_wrap=True)
     numeric = (
-        ["requests", "elapsed s", "ETA s", "fair finish s", "bound s"] if live else
-        ["requests", "JCT s", "first ETA s", "fair finish s", "bound s", "deadline s"]
+        ["reqs", "elapsed", "ETA", "fair", "bound"] if live else
+        ["JCT", "1st ETA", "fair", "bound"]
     )
     for name in numeric:
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", no_wrap=True)
     if not live:
-        table.add_column("in bound", justify="center")
+        table.add_column("kept", justify="center", no_wrap=True)
 
     handles = list(batch)
     hidden = 0
@@ -69,8 +71,8 @@ def batch_table(batch: Batch, *, live: bool = False, max_rows: int | None = None
         if live:
             cells = [reqs, _s(h.elapsed_s), _s(h.eta_s), _s(h.fair_finish_s), _s(h.delay_bound_s)]
         else:
-            cells = [reqs, _s(h.jct_s), _s(h.first_eta_s), _s(h.fair_finish_s),
-                     _s(h.delay_bound_s), _s(h.deadline_s)]
+            # The deadline is fair + bound; "kept" says whether the JCT is within it.
+            cells = [_s(h.jct_s), _s(h.first_eta_s), _s(h.fair_finish_s), _s(h.delay_bound_s)]
         row: list[Any] = [str(h.index), h.agent.name, _state(h), *cells]
         if not live:
             kept = h.kept_promise

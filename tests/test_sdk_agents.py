@@ -1,0 +1,212 @@
+"""The SDK against the real server and engine: agents, tagging, parallel_map, cancellation."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from justitia_sdk import (
+    AgentClosedError,
+    AgentNotFoundError,
+    AsyncClient,
+    Client,
+    ServerUnavailableError,
+    agent,
+    chat,
+    complete,
+    current_agent_id,
+    default_prompt,
+    llm,
+    parallel_map,
+)
+
+pytestmark = pytest.mark.anyio
+
+# Long enough that a request is certainly still decoding when its sibling fails.
+LONG = 900
+
+
+class Boom(Exception):
+    pass
+
+
+async def wait_for(predicate, every_s: float = 0.05):
+    # A bound on polling only, not an assertion on timing.
+    with anyio.fail_after(120):
+        while True:
+            value = await predicate()
+            if value:
+                return value
+            await anyio.sleep(every_s)
+
+
+def test_default_prompt_takes_strs_from_args_lists_and_dicts() -> None:
+    text = default_prompt("claim", 3, ["a", 4, {"k": "b"}], opts={"x": "c", "n": 1.5})
+    assert text.split("\n") == ["claim", "a", "b", "c"]
+
+
+def test_prompt_extractor_and_name() -> None:
+    @agent("verifier", prompt=lambda claim, evidence: claim.upper())
+    async def verify(claim: str, evidence: list[str]) -> bool:
+        return True
+
+    assert verify.name == "verifier"
+    assert verify.extract_prompt("the sky", ["blue"]) == "THE SKY"
+
+    @agent
+    async def plain(x: str) -> str:
+        return x
+
+    assert plain.name == "plain"
+    with pytest.raises(TypeError):
+        agent(lambda x: x)
+
+
+async def test_requests_carry_the_agent_id_through_helpers_and_parallel_map(server) -> None:
+    async def helper(text: str) -> tuple[str | None, str | None]:
+        c = await complete(text, max_tokens=4, ignore_eos=True)
+        return current_agent_id(), c.agent_id
+
+    @agent
+    async def fan_out(items: list[str]) -> tuple[str | None, list]:
+        ids = await parallel_map(helper, items)
+        await chat([{"role": "user", "content": "and now?"}], max_tokens=4)
+        await llm("final", max_tokens=4)
+        return current_agent_id(), ids
+
+    async with AsyncClient(server.url) as client:
+        own_id, ids = await client.run(fan_out, ["one", "two", "three"])
+        assert own_id is not None and current_agent_id() is None
+        assert ids == [(own_id, own_id)] * 3
+        record = await client.get_agent(own_id)
+    assert record.type == "fan_out"
+    assert record.state == "finished"
+    assert (record.requests_total, record.requests_done) == (5, 5)
+    assert record.jct_s is not None and record.jct_s >= 0
+
+
+async def test_concurrent_agents_do_not_share_ids(server) -> None:
+    @agent
+    async def worker(n: int) -> str | None:
+        await parallel_map(lambda i: llm(f"item {i}", max_tokens=2), range(n))
+        return current_agent_id()
+
+    async with AsyncClient(server.url) as client:
+        with client.as_default():
+            ids = await parallel_map(worker, [1, 2, 3])
+        records = [await client.get_agent(i) for i in ids]
+    assert len(set(ids)) == 3
+    assert [r.requests_total for r in records] == [1, 2, 3]
+
+
+async def test_failure_cancels_siblings_and_aborts_their_engine_requests(server) -> None:
+    async with AsyncClient(server.url) as client:
+        seen: list[str] = []
+
+        async def branch(i: int) -> str:
+            if i == 0:
+                aid = current_agent_id()
+                assert aid is not None
+                seen.append(aid)
+                # Fail only once the two long siblings are in the server's hands.
+                await wait_for(lambda: _has_requests(client, aid, 2))
+                raise Boom("branch 0")
+            return await llm("go " * 4, max_tokens=LONG, ignore_eos=True)
+
+        @agent
+        async def fragile() -> list[str]:
+            return await parallel_map(branch, range(3))
+
+        with pytest.raises(Boom):  # the error itself, not an exception group
+            await client.run(fragile)
+        record = await client.get_agent(seen[0])
+        assert record.state == "finished"  # finished when the function raised
+        # Both siblings were aborted long before producing LONG tokens each.
+        full = 2 * (LONG * LONG / 2)
+        await wait_for(lambda: _idle(client))
+        record = await client.get_agent(seen[0])
+        assert record.consumed_cost < full / 2
+
+
+async def test_cancelling_an_agent_cancels_it_on_the_server(server) -> None:
+    async with AsyncClient(server.url) as client:
+        ids: list[str] = []
+
+        @agent
+        async def long_one() -> None:
+            ids.append(current_agent_id() or "")
+            await parallel_map(lambda i: llm("x", max_tokens=LONG, ignore_eos=True), range(2))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.run, long_one)
+            await wait_for(lambda: _has_requests(client, ids[0], 2) if ids else _false())
+            tg.cancel_scope.cancel()
+        record = await client.get_agent(ids[0])
+        assert record.state == "cancelled"
+        await wait_for(lambda: _idle(client))
+
+
+async def test_closed_and_unknown_agents_are_refused(server) -> None:
+    async with AsyncClient(server.url) as client:
+        rec = await client.register_agent("probe", "some text", {"purpose": "test"})
+        assert rec.state == "queued" and rec.metadata == {"purpose": "test"}
+        done = await client.finish_agent(rec.id)
+        assert done.state == "finished"
+        with pytest.raises(AgentClosedError) as closed:
+            await client.complete("late", max_tokens=2, agent_id=rec.id)
+        assert closed.value.status_code == 409
+        with pytest.raises(AgentNotFoundError):
+            await client.complete("who?", max_tokens=2, agent_id="agt-does-not-exist")
+        with pytest.raises(AgentNotFoundError):
+            await client.get_agent("agt-does-not-exist")
+        assert rec.id in {r.id for r in await client.list_agents()}
+
+
+async def test_watch_agent_streams_until_terminal(server) -> None:
+    async with AsyncClient(server.url) as client:
+        rec = await client.register_agent("watched", "text")
+        states: list[str] = []
+
+        async def watch() -> None:
+            async for r in client.watch_agent(rec.id):
+                states.append(r.state)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            await client.complete("hi", max_tokens=2, agent_id=rec.id)
+            await client.finish_agent(rec.id)
+    assert states[-1] == "finished"
+
+
+async def test_unreachable_server_is_reported_after_retries() -> None:
+    from server.launcher import free_port
+
+    async with AsyncClient(f"http://127.0.0.1:{free_port()}", max_retries=1) as client:
+        with pytest.raises(ServerUnavailableError):
+            await client.list_agents()
+
+
+def test_sync_client(server) -> None:
+    @agent
+    async def twice(text: str) -> list[str]:
+        return await parallel_map(lambda t: llm(t, max_tokens=3), [text, text])
+
+    with Client(server.url) as client:
+        out = client.run(twice, "hello")
+        assert len(out) == 2
+        batch = client.submit_many(twice, ["a", "b"], progress=False)
+        assert batch.done and [h.status for h in batch] == ["finished", "finished"]
+        assert client.complete("x", max_tokens=2).usage.completion_tokens <= 2
+
+
+async def _has_requests(client: AsyncClient, agent_id: str, n: int) -> bool:
+    return (await client.get_agent(agent_id)).requests_total >= n
+
+
+async def _idle(client: AsyncClient) -> bool:
+    snap = await client.scheduler()
+    return snap["running_requests"] == 0 and snap["pending_requests"] == 0
+
+
+async def _false() -> bool:
+    return False
