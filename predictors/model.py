@@ -25,6 +25,7 @@ microseconds instead of about a millisecond.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,6 +41,9 @@ from .features import NumericFeatures, PromptText, as_record
 
 #: Default L2 penalty of the MLP.
 DEFAULT_ALPHA = 1.0
+#: Vocabulary cap of the TF-IDF (most frequent terms). It also bounds the MLP's first weight
+#: matrix, hence the training time of L-BFGS.
+MAX_TFIDF_FEATURES = 500
 
 
 def hidden_layers_for(avg_prompt_tokens: float) -> tuple[int, int, int]:
@@ -54,6 +58,11 @@ def hidden_layers_for(avg_prompt_tokens: float) -> tuple[int, int, int]:
     return (h1, max(16, h1 // 2), max(8, h1 // 4))
 
 
+def shifted_expm1(y, shift: float = 0.0):
+    """Inverse of the log1p target with a log-space shift (the relative-error calibration)."""
+    return np.expm1(np.asarray(y) + shift)
+
+
 def build_model(
     numeric_names: Sequence[str],
     avg_prompt_tokens: float,
@@ -61,12 +70,14 @@ def build_model(
     alpha: float = DEFAULT_ALPHA,
     random_state: int = 0,
     max_iter: int = 300,
+    max_features: int = MAX_TFIDF_FEATURES,
+    log_shift: float = 0.0,
 ) -> TransformedTargetRegressor:
     """An unfitted cost model (see the module docstring)."""
     tfidf = TfidfVectorizer(
         sublinear_tf=True,
         min_df=2 if n_samples >= 40 else 1,
-        max_features=2000,
+        max_features=max_features,
         lowercase=True,
         dtype=np.float64,
     )
@@ -90,7 +101,7 @@ def build_model(
     return TransformedTargetRegressor(
         regressor=Pipeline([("features", features), ("mlp", mlp)]),
         func=np.log1p,
-        inverse_func=np.expm1,
+        inverse_func=functools.partial(shifted_expm1, shift=log_shift),
         check_inverse=False,
     )
 

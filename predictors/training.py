@@ -12,7 +12,7 @@ import numpy as np
 
 from .cold_start import ColdStartEstimator
 from .evaluation import LengthLinearBaseline, MeanBaseline, error_summary
-from .features import as_record, estimate_tokens, numeric_feature_names
+from .features import NumericFeatures, as_record, estimate_tokens, numeric_feature_names
 from .model import DEFAULT_ALPHA, CostPredictor, build_model, hidden_layers_for
 from .samples import Sample, SampleError
 
@@ -21,6 +21,8 @@ MIN_SAMPLES = 20
 #: Below this many samples the report warns that the model will be rough.
 RECOMMENDED_SAMPLES = 100
 VALIDATION_FRACTION = 0.2
+#: Largest calibration shift in log space (a factor of exp(-0.7) ~ 0.5).
+MAX_LOG_SHIFT = 0.7
 
 
 @dataclass
@@ -38,14 +40,42 @@ def split(samples: Sequence[Sample], fraction: float = VALIDATION_FRACTION, seed
     return train, val
 
 
+def log_residual_variance(records: Sequence[dict], y: np.ndarray, names: Sequence[str], ridge: float = 1e-2) -> float:
+    """Leave-one-out residual variance of a log-linear ridge model on the numeric features.
+
+    A cheap (closed-form, no refitting) estimate of how uncertain a log-cost prediction of
+    this agent type is.
+    """
+    derive = NumericFeatures(tuple(names)).fit(records)
+    Z = derive.transform(records)
+    Z = np.hstack([np.ones((len(Z), 1)), (Z - Z.mean(0)) / np.where(Z.std(0) > 0, Z.std(0), 1.0)])
+    t = np.log1p(y)
+    R = ridge * np.eye(Z.shape[1])
+    R[0, 0] = 0.0
+    G = np.linalg.pinv(Z.T @ Z + R)
+    h = np.einsum("ij,jk,ik->i", Z, G, Z)
+    resid = t - Z @ (G @ (Z.T @ t))
+    loo = resid / np.clip(1.0 - h, 1e-3, None)
+    return float(np.mean(loo**2))
+
+
 def fit_predictor(samples: Sequence[Sample], agent_type: str, alpha: float = DEFAULT_ALPHA,
-                  seed: int = 0, extra_metadata: dict[str, Any] | None = None) -> CostPredictor:
-    """Fit the model on ``samples`` (no validation) and wrap it as a predictor."""
+                  seed: int = 0, calibrate: bool = True,
+                  extra_metadata: dict[str, Any] | None = None) -> CostPredictor:
+    """Fit the model on ``samples`` (no validation) and wrap it as a predictor.
+
+    With ``calibrate``, predictions are multiplied by ``exp(-s2)``, ``s2`` the log-cost
+    residual variance (:func:`log_residual_variance`, capped at :data:`MAX_LOG_SHIFT`): under
+    log-normal noise this turns the model's geometric-mean prediction into the value that
+    minimises the expected relative error ``|pred - actual| / actual``.
+    """
     records = [s.record() for s in samples]
     y = np.array([s.cost for s in samples], dtype=float)
     names = numeric_feature_names(records)
     avg_tokens = float(np.mean([estimate_tokens(s.prompt) for s in samples]))
-    model = build_model(names, avg_tokens, len(samples), alpha=alpha, random_state=seed)
+    s2 = log_residual_variance(records, y, names) if calibrate else 0.0
+    shift = -min(MAX_LOG_SHIFT, s2)
+    model = build_model(names, avg_tokens, len(samples), alpha=alpha, random_state=seed, log_shift=shift)
     t0 = time.perf_counter()
     import warnings
 
@@ -72,6 +102,7 @@ def fit_predictor(samples: Sequence[Sample], agent_type: str, alpha: float = DEF
         "target": "log1p(cost), cost = sum over requests of p*d + d*(d+1)/2",
         "hidden_layers": list(hidden_layers_for(avg_tokens)),
         "alpha": alpha,
+        "calibration": {"log_residual_variance": s2, "log_shift": shift, "factor": float(np.exp(shift))},
         "avg_prompt_tokens": avg_tokens,
         "train_count": len(samples),
         "sample_count": len(samples),

@@ -1,0 +1,178 @@
+"""`justitia train-predictor` and `justitia predictor eval`: contract, sources, bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from justitia_sdk.cli import main
+from predictors.samples import write_samples
+from predictors.synthetic import synthesize
+
+
+@pytest.fixture(scope="module")
+def samples_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("samples") / "samples.jsonl"
+    write_samples(synthesize("fact_verification", 50, seed=1) + synthesize("doc_merge", 25, seed=1), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(samples_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "fv"
+    assert main(["train-predictor", "fact_verification", "--samples", str(samples_file), "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("justitia: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_train_writes_model_and_report(samples_file, tmp_path, capsys):
+    out, report = tmp_path / "m", tmp_path / "report.json"
+    rc = main(["train-predictor", "fact_verification", "--samples", str(samples_file), "--out", str(out),
+               "--json", str(report)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for word in ("fact_verification", "MLP", "training mean", "global", "length-only linear", "cold start"):
+        assert word in text
+    assert (out / "model.joblib").is_file() and (out / "metadata.json").is_file()
+    rep = json.loads(report.read_text())
+    assert rep["samples"] == 50 and rep["validation"] == 10
+    assert rep["mlp"]["mean_relative_error"] < rep["baselines"]["mean"]["mean_relative_error"]
+
+
+def test_eval_contract(model_dir, samples_file, tmp_path):
+    out = tmp_path / "eval.json"
+    assert main(["predictor", "eval", str(model_dir), "--samples", str(samples_file), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for key in ("n", "mean_relative_error", "median_relative_error", "p50_latency_ms", "p99_latency_ms"):
+        assert isinstance(res[key], (int, float)), key
+    assert res["n"] == 50  # only the predictor's agent type
+    assert 0 < res["p50_latency_ms"] <= res["p99_latency_ms"]
+
+
+def _write(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+GOOD = {"agent_type": "t", "prompt": "a prompt", "cost": 10.0, "features": {}}
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ([dict(GOOD, prompt="")], "prompt is empty"),
+        ([{k: v for k, v in GOOD.items() if k != "prompt"}], "prompt: missing"),
+        ([dict(GOOD, cost=-1)], "cost must be a positive"),
+        ([dict(GOOD, cost="lots")], "cost must be a number"),
+        (["{broken json"], "not valid JSON"),
+        ([GOOD] * 5, "only 5 samples"),
+        ([dict(GOOD, agent_type="other")] * 30, "no samples of agent type 't'"),
+    ],
+)
+def test_bad_samples_are_one_line_errors(tmp_path, capsys, rows, match):
+    f = _write(tmp_path / "s.jsonl", rows)
+    rc = main(["train-predictor", "t", "--samples", str(f), "--out", str(tmp_path / "m")])
+    assert rc == 2
+    assert match in _error(capsys)
+
+
+def test_missing_samples_file(tmp_path, capsys):
+    rc = main(["train-predictor", "t", "--samples", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "m")])
+    assert rc == 2 and "does not exist" in _error(capsys)
+
+
+def test_eval_unreadable_model(tmp_path, samples_file, capsys):
+    (tmp_path / "metadata.json").write_text("garbage")
+    rc = main(["predictor", "eval", str(tmp_path), "--samples", str(samples_file), "--json", str(tmp_path / "o.json")])
+    assert rc == 2 and "corrupt" in _error(capsys)
+    rc = main(["predictor", "eval", str(tmp_path / "none"), "--samples", str(samples_file)])
+    assert rc == 2 and "not a directory" in _error(capsys)
+
+
+def test_eval_wrong_agent_type(model_dir, tmp_path, capsys):
+    f = _write(tmp_path / "s.jsonl", [dict(GOOD, agent_type="other")])
+    rc = main(["predictor", "eval", str(model_dir), "--samples", str(f)])
+    assert rc == 2 and "no samples of agent type 'fact_verification'" in _error(capsys)
+
+
+def test_inputs_needs_the_sdk_or_a_resolvable_agent(tmp_path, capsys):
+    inputs = _write(tmp_path / "in.jsonl", [{"x": 1}])
+    rc = main(["train-predictor", "no_such_agent", "--inputs", str(inputs), "--out", str(tmp_path / "m")])
+    assert rc == 2
+    err = _error(capsys)
+    assert "no_such_agent" in err or "SDK" in err
+
+
+def test_unresolvable_module(tmp_path, samples_file, capsys):
+    rc = main(["train-predictor", "fact_verification", "--module", "no_such_pkg.agents",
+               "--samples", str(samples_file), "--out", str(tmp_path / "m")])
+    assert rc == 2 and "no_such_pkg.agents" in _error(capsys)
+
+
+class _History(BaseHTTPRequestHandler):
+    rows: list = []
+
+    def do_GET(self):  # noqa: N802
+        url = urlparse(self.path)
+        if url.path != "/v1/history":
+            self.send_response(404)
+            self.end_headers()
+            return
+        t = parse_qs(url.query).get("agent_type", [""])[0]
+        body = json.dumps({"samples": [r for r in self.rows if r["agent_type"] == t]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_from_server(tmp_path, capsys):
+    _History.rows = [s.model_dump() for s in synthesize("code_checking", 30, seed=2)]
+    server = HTTPServer(("127.0.0.1", 0), _History)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = tmp_path / "m"
+        assert main(["train-predictor", "code_checking", "--from-server", url, "--out", str(out), "--quiet"]) == 0
+        assert json.loads((out / "metadata.json").read_text())["sample_count"] == 30
+        capsys.readouterr()
+        rc = main(["train-predictor", "unknown", "--from-server", url, "--out", str(out)])
+        assert rc == 2 and "no samples of agent type 'unknown'" in _error(capsys)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_from_server_unreachable(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = main(["train-predictor", "x", "--from-server", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "m"),
+               "--timeout", "2"])
+    assert rc == 2 and "cannot reach server" in _error(capsys)
+
+
+def test_help_is_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, argparse, predictors, predictors.cli as c; "
+            "print('sklearn' in sys.modules or 'numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

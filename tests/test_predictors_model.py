@@ -1,0 +1,221 @@
+"""Cost predictor: model, persistence, cold start, registry (real training on small data)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from predictors import (
+    ColdStartEstimator,
+    PredictorLoadError,
+    PredictorRegistry,
+    estimate_tokens,
+    load_predictor,
+    read_samples,
+    save_predictor,
+    train_predictor,
+)
+from predictors.agent_models import AGENT_TYPES
+from predictors.model import hidden_layers_for
+from predictors.samples import Sample, agent_cost, request_cost
+from predictors.synthetic import synthesize
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "predictors" / "data" / "example_samples.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def samples() -> list[Sample]:
+    return synthesize("self_consistency", 60, seed=3) + synthesize("code_checking", 30, seed=3)
+
+
+@pytest.fixture(scope="module")
+def trained(samples):
+    return train_predictor(samples, "self_consistency", seed=0)
+
+
+@pytest.fixture(scope="module")
+def saved(trained, tmp_path_factory):
+    d = tmp_path_factory.mktemp("models") / "sc"
+    save_predictor(trained.predictor, d)
+    return d
+
+
+def test_request_cost_is_kv_token_time():
+    # p*d + d*(d+1)/2: sum over the decode steps of the tokens held.
+    assert request_cost(10, 3) == sum(10 + k for k in range(1, 4))
+    assert agent_cost([[{"p": 10, "d": 3}, {"p": 5, "d": 1}], [{"p": 2, "d": 2}]]) == 36 + 6 + 7
+
+
+def test_estimate_tokens_is_deterministic_and_sane():
+    assert estimate_tokens("") == 0
+    assert estimate_tokens("a I") == 2
+    assert estimate_tokens("hello, world") == 5  # hell|o , worl|d
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    assert estimate_tokens(text) == estimate_tokens(text)
+    assert 0.8 * len(text.split()) < estimate_tokens(text) < 2.5 * len(text.split())
+
+
+def test_hidden_layers_scale_with_input_size():
+    small, large = hidden_layers_for(50), hidden_layers_for(5000)
+    assert len(small) == 3 and small[0] < large[0]
+    assert large[1] == large[0] // 2 and large[2] == large[0] // 4
+
+
+def test_example_file_is_valid_and_covers_the_agent_types():
+    rows = read_samples(EXAMPLE)
+    counts = {t: sum(1 for s in rows if s.agent_type == t) for t in AGENT_TYPES}
+    assert all(n >= 100 for n in counts.values()), counts
+
+
+def test_training_report_has_errors_and_baselines(trained):
+    rep = trained.report
+    assert rep["samples"] == 60 and rep["validation"] == 12 and rep["train"] == 48
+    for key in ("mean_relative_error", "median_relative_error"):
+        assert 0 <= rep["mlp"][key] < 10
+    assert set(rep["baselines"]) == {"mean", "global", "length_linear"}
+    assert rep["baselines"]["global"] is not None  # code_checking samples feed the global model
+    assert rep["cold_start"]["mean_relative_error"] >= 0
+    # n_items (the number of reasoning paths) drives the cost: the model must beat the mean.
+    assert rep["mlp"]["mean_relative_error"] < rep["baselines"]["mean"]["mean_relative_error"]
+
+
+def test_fast_path_matches_the_sklearn_pipeline(trained, samples):
+    p = trained.predictor
+    own = [s for s in samples if s.agent_type == "self_consistency"]
+    batch = p.predict_many([s.record() for s in own])
+    single = np.array([p.predict(s.prompt, s.features) for s in own])
+    np.testing.assert_allclose(single, batch, rtol=1e-9)
+    # unknown words, no features, extra features: all accepted
+    assert p.predict("zzz qqq never seen") > 0
+    assert p.predict(own[0].prompt, {"n_items": 5, "unrelated": "x"}) > 0
+
+
+def test_more_items_cost_more(trained, samples):
+    p = trained.predictor
+    prompt = samples[0].prompt
+    assert p.predict(prompt, {"n_items": 16}) > p.predict(prompt, {"n_items": 3})
+
+
+def test_save_and_load_round_trip(trained, saved, samples):
+    meta = json.loads((saved / "metadata.json").read_text())
+    for key in ("agent_type", "feature_set", "sample_count", "versions", "format_version", "validation",
+                "hidden_layers", "alpha", "model_sha256"):
+        assert key in meta
+    assert meta["versions"]["sklearn"]
+    loaded = load_predictor(saved)
+    assert loaded.agent_type == "self_consistency"
+    assert loaded.metadata["sample_count"] == 60
+    for s in samples[:10]:
+        assert loaded.predict(s.prompt, s.features) == pytest.approx(trained.predictor.predict(s.prompt, s.features))
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_load_refuses_corrupt_model(saved, tmp_path):
+    d = _copy(saved, tmp_path / "bad")
+    data = bytearray((d / "model.joblib").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (d / "model.joblib").write_bytes(bytes(data))
+    with pytest.raises(PredictorLoadError, match="corrupt"):
+        load_predictor(d)
+
+
+def test_load_refuses_truncated_model_even_with_matching_checksum(saved, tmp_path):
+    d = _copy(saved, tmp_path / "trunc")
+    (d / "model.joblib").write_bytes(b"not a pickle")
+    meta = json.loads((d / "metadata.json").read_text())
+    import hashlib
+
+    meta["model_sha256"] = hashlib.sha256(b"not a pickle").hexdigest()
+    (d / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(PredictorLoadError, match="cannot be loaded"):
+        load_predictor(d)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m.update(format_version=99), "format version"),
+        (lambda m: m["versions"].update(sklearn="0.24.2"), "scikit-learn 0.24.2"),
+    ],
+)
+def test_load_refuses_other_versions(saved, tmp_path, edit, match):
+    d = _copy(saved, tmp_path / "v")
+    meta = json.loads((d / "metadata.json").read_text())
+    edit(meta)
+    (d / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(PredictorLoadError, match=match):
+        load_predictor(d)
+
+
+def test_load_refuses_non_predictor_dirs(tmp_path):
+    with pytest.raises(PredictorLoadError, match="not a directory"):
+        load_predictor(tmp_path / "missing")
+    with pytest.raises(PredictorLoadError, match="no metadata.json"):
+        load_predictor(tmp_path)
+    (tmp_path / "metadata.json").write_text("{not json")
+    with pytest.raises(PredictorLoadError, match="corrupt"):
+        load_predictor(tmp_path)
+
+
+def test_cold_start_prior_and_online_improvement():
+    cold = ColdStartEstimator(default_output_tokens=100)
+    prompt = "word " * 50
+    p_tokens = estimate_tokens(prompt)
+    assert cold.predict("new", prompt) == pytest.approx(p_tokens * 100 + 100 * 101 / 2)
+    # agents of this type cost 1000 per prompt token: the estimate converges to it
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        n = int(rng.integers(10, 400))
+        text = "tok " * n
+        cold.observe("new", text, 1000.0 * estimate_tokens(text))
+    assert cold.observations("new") == 30
+    assert cold.predict("new", prompt) == pytest.approx(1000.0 * p_tokens, rel=0.05)
+    # other types are untouched; reported output lengths refine their prior
+    cold.observe("other", "x", 10.0, {"output_tokens": 40, "n_requests": 2})
+    assert cold.output_tokens_per_request() == 20
+    assert cold.predict("third", prompt) == pytest.approx(p_tokens * 20 + 20 * 21 / 2)
+    # bad observations are ignored
+    cold.observe("new", prompt, -5.0)
+    cold.observe("new", prompt, float("nan"))
+    assert cold.observations("new") == 30
+
+
+def test_registry_uses_models_and_falls_back_to_cold_start(saved, tmp_path, samples):
+    models = tmp_path / "models"
+    _copy(saved, models / "whatever-name")
+    (models / "junk").mkdir()
+    reg = PredictorRegistry(models)
+    assert reg.agent_types == ["self_consistency"]
+    s = samples[0]
+    assert reg.has_model("self_consistency")
+    assert reg.predict("self_consistency", s.prompt, s.features) == pytest.approx(
+        load_predictor(saved).predict(s.prompt, s.features)
+    )
+    unseen = reg.get("unseen_type")
+    assert getattr(unseen, "is_cold_start", False) and not reg.has_model("unseen_type")
+    before = reg.predict("unseen_type", "some prompt text")
+    for _ in range(3):
+        reg.observe("unseen_type", "some prompt text", 1234.0)
+    assert reg.predict("unseen_type", "some prompt text") == pytest.approx(1234.0)
+    assert before != pytest.approx(1234.0)
+    assert math.isfinite(PredictorRegistry(None).predict("x", "y"))
+
+
+def test_registry_skips_unloadable_model(saved, tmp_path):
+    d = _copy(saved, tmp_path / "m")
+    meta = json.loads((d / "metadata.json").read_text())
+    meta["format_version"] = 0
+    (d / "metadata.json").write_text(json.dumps(meta))
+    reg = PredictorRegistry(tmp_path)
+    assert reg.agent_types == [] and reg.errors
+    assert reg.get("self_consistency").predict("text") > 0
