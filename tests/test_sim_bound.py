@@ -18,7 +18,7 @@ def build(specs):
     return [AgentSpec(f"a{i}", "t", arr, [list(s) for s in stages]) for i, (arr, stages) in enumerate(specs)]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads, st.integers(3000, 12000), st.sampled_from(["a100-llama7b", "cpu-tiny"]))
 def test_justitia_finishes_every_agent_by_gps_finish_plus_bound(specs, m, profile_name):
     profile = get_profile(profile_name)
