@@ -60,6 +60,7 @@ def test_make_workload_command(tmp_path, capsys):
         (["--prediction", "noisy:x"], "noisy"),
         (["--prediction", "magic"], "unknown --prediction"),
         (["--profile", "h100"], "unknown profile"),
+        (["--prediction", "model:/nonexistent/predictor"], "predictor"),
     ],
 )
 def test_user_errors_are_one_line(workload, capsys, argv, needle):

@@ -107,7 +107,9 @@ def _predictions(args, agents):
         except ValueError as exc:
             raise CommandError(f"--prediction {mode}: {exc} (e.g. noisy:3)") from None
     if mode.startswith("model:"):
-        path = mode.split(":", 1)[1]
+        from pathlib import Path
+
+        root = Path(mode.split(":", 1)[1])
         try:
             from predictors import load_predictor  # the predictors package (lazy: heavy)
         except ImportError:
@@ -115,13 +117,17 @@ def _predictions(args, agents):
                 "--prediction model:DIR needs predictors.load_predictor, which this install lacks; "
                 "use oracle or noisy:LAMBDA"
             ) from None
-        try:
-            model = load_predictor(path)
-        except (OSError, ValueError) as exc:
-            raise CommandError(f"cannot load predictor from {path}: {exc}") from None
-        return make_predictions(
-            agents, mode, predictor=lambda a: model.predict(a.prompt or a.type, {"agent_type": a.type, "type": a.type})
-        )
+        if not root.is_dir():
+            raise CommandError(f"no predictor directory {root}: train one with `justitia train-predictor`")
+        # DIR is one predictor for every agent, or holds one sub-directory per agent type.
+        models: dict[str, object] = {}
+        for t in sorted({a.type for a in agents}):
+            path = root / t if (root / t).is_dir() else root
+            try:
+                models[t] = load_predictor(path)
+            except (OSError, ValueError) as exc:
+                raise CommandError(f"cannot load a predictor for agent type {t!r} from {path}: {exc}") from None
+        return make_predictions(agents, mode, predictor=lambda a: models[a.type].predict(a.prompt or a.type, None))
     raise CommandError(f"unknown --prediction {mode!r}: use oracle, noisy:LAMBDA or model:DIR")
 
 

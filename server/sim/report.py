@@ -68,6 +68,8 @@ def print_table(results: Sequence[PolicyResult], title: str = "") -> None:
             str(s["bound_violations"]),
         )
     console = Console()
+    if not console.is_terminal and console.width < 110:
+        console = Console(width=110)  # piped output: do not squeeze the columns
     console.print(table)
     for c in comparisons(results):
         console.print(
