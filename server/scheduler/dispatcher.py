@@ -102,6 +102,7 @@ class AgentView:
 
     agent_id: str
     agent_type: str | None
+    submitted_at: float  # on the caller's clock
     predicted_cost: float
     charged_cost: float
     consumed_cost: float
@@ -110,6 +111,7 @@ class AgentView:
     eta_s: float
     delay_bound_s: float
     deadline_s: float
+    bound: DelayBound  # the three terms of delay_bound_s
     requests_total: int
     requests_done: int
     pending: int
@@ -293,9 +295,15 @@ class Dispatcher:
         self._commit(agent, req.est_cost, now)
         self._requeue(agent)
 
-    def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int, now: float) -> None:
-        """A request left the engine: release its reservation and account its real cost."""
-        req = self.requests.pop(request_id)
+    def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int, now: float) -> bool:
+        """A request left the engine: release its reservation and account its real cost.
+
+        Returns False (and does nothing) for an id the dispatcher no longer knows: a request
+        of a cancelled agent whose abort raced with its completion.
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
         agent = self._agent(req.spec.agent_id)
         agent.request_ids.discard(request_id)
         if req.running:
@@ -313,6 +321,7 @@ class Dispatcher:
             agent.vtc_counter += 2.0 * output_tokens
         self._commit(agent, real - req.est_cost, now)
         self._requeue(agent)
+        return True
 
     def _commit(self, agent: AgentState, delta: float, now: float) -> None:
         """Add to the agent's committed cost; charge any excess over what it was charged."""
@@ -453,6 +462,7 @@ class Dispatcher:
         return AgentView(
             agent_id=agent_id,
             agent_type=agent.agent_type,
+            submitted_at=agent.submitted_at,
             predicted_cost=agent.predicted_cost,
             charged_cost=agent.charged_cost,
             consumed_cost=agent.consumed_cost,
@@ -461,6 +471,7 @@ class Dispatcher:
             eta_s=self.eta_time(agent_id, now) - agent.submitted_at,
             delay_bound_s=bound,
             deadline_s=fair + bound,
+            bound=agent.bound,
             requests_total=agent.requests_total,
             requests_done=agent.requests_done,
             pending=len(agent.pending),
