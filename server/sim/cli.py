@@ -19,19 +19,20 @@ def register(commands) -> None:
         help="Compare scheduling policies on a workload with the discrete-event simulator.",
         description=(
             "Replay a workload (JSON Lines, one agent per line) through the simulated engine once "
-            "per policy, with the same scheduler core as the server. Writes the JSON of "
-            "DESIGN section 8 and prints a table."
+            "per policy, with the same scheduler core as the server. Prints a table; --json writes "
+            "every agent's arrival, finish, GPS finish time and delay bound per policy."
         ),
         formatter_class=formatter,
     )
-    sim.add_argument("--workload", required=True, metavar="FILE", help="workload file (JSON Lines, DESIGN section 8)")
+    sim.add_argument("--workload", required=True, metavar="FILE", help='workload file: JSON Lines, one agent per line, {"id", "arrival", "stages": [[{"p", "d"}, ...], ...]}')
     sim.add_argument("--policies", default=ALL_POLICIES, metavar="LIST",
                      help="comma-separated policies: fcfs, sjf, parrot, srjf, vtc, justitia, justitia-c")
     sim.add_argument("--kv-tokens", type=int, default=None, metavar="M",
                      help="KV cache capacity in tokens (default: the profile's)")
     sim.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
     sim.add_argument("--prediction", default="oracle", metavar="MODE",
-                     help="agent cost predictions: oracle, noisy:LAMBDA (true x LAMBDA^U(-1,1)), or model:DIR")
+                     help="agent cost predictions: oracle, noisy:LAMBDA (true x LAMBDA^U(-1,1)), or model:DIR "
+                          "(a trained predictor, or a folder with one per agent type)")
     sim.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile: a100-llama7b or cpu-tiny")
     sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions")
     sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
@@ -43,7 +44,7 @@ def register(commands) -> None:
         "make-workload",
         help="Build the paper's nine-type agent mix from the shipped public traces.",
         description=(
-            "Nine agent types (72%% small, 26%% medium, 2%% large), lengths drawn from ShareGPT, "
+            "Nine agent types (72% small, 26% medium, 2% large), lengths drawn from ShareGPT, "
             "arXiv summarization, Mooncake and MetaGPT token counts, Mooncake arrivals scaled so that "
             "density 1 offers LOAD of what the profile's engine sustains on the mix."
         ),
