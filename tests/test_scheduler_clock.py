@@ -99,3 +99,24 @@ def test_gps_reference_is_work_conserving(jobs, rate):
         busy_until = max(busy_until, a) + c / rate
     assert max(ref) == pytest.approx(busy_until, rel=1e-6)
     assert not any(math.isnan(f) for f in ref)
+
+
+def test_tau_estimator_scales_steps_to_a_full_cache():
+    from server.scheduler import TauEstimator
+
+    est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.05, half_life_s=10.0)
+    assert est.tau_s == 0.05
+    est.observe_step(0.02, kv_in_use=100)  # too empty to say anything: skipped
+    assert est.tau_s == 0.05
+    for _ in range(50):
+        est.observe_step(0.02, kv_in_use=800)  # cache used as full as it is filled: the step time
+    assert est.tau_s == pytest.approx(0.02)
+    est2 = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.05)
+    for _ in range(50):
+        # reservations fill 90% but only 600 tokens are in use: full reservations would serve
+        # 600/0.9 units per 0.02 s step, i.e. 1000 units per 0.03 s
+        est2.observe_step(0.02, kv_in_use=600, kv_reserved=900)
+    assert est2.tau_s == pytest.approx(0.03)
+    for _ in range(5000):  # the engine slows down: the estimate follows
+        est.observe_step(0.04, kv_in_use=1000)
+    assert est.tau_s == pytest.approx(0.04, rel=1e-3)

@@ -7,6 +7,7 @@
   justitia-c.
 - `bounds`: the per-agent delay bound in seconds.
 - `dispatcher`: pending requests, admission into the engine, per-agent views.
+- `rate`: the online estimate of tau (the GPS rate's iteration time) for the live server.
 """
 
 from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
@@ -14,6 +15,7 @@ from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprin
 from .dispatcher import AgentState, AgentView, Dispatcher, RequestSpec, RequestState
 from .gps_reference import gps_finish_times
 from .policies import POLICIES, POLICY_NAMES, Policy, get_policy
+from .rate import TauEstimator
 from .virtual_clock import VirtualClock
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "Policy",
     "RequestSpec",
     "RequestState",
+    "TauEstimator",
     "VirtualClock",
     "compute_cost",
     "cost_function",
