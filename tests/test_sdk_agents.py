@@ -135,7 +135,7 @@ async def test_cancelling_an_agent_cancels_it_on_the_server(server) -> None:
         @agent
         async def long_one() -> None:
             ids.append(current_agent_id() or "")
-            await parallel_map(lambda i: llm("x", max_tokens=LONG, ignore_eos=True), range(2))
+            await parallel_map(lambda i: llm("keep on writing", max_tokens=LONG, ignore_eos=True), range(2))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.run, long_one)
@@ -189,14 +189,14 @@ async def test_unreachable_server_is_reported_after_retries() -> None:
 def test_sync_client(server) -> None:
     @agent
     async def twice(text: str) -> list[str]:
-        return await parallel_map(lambda t: llm(t, max_tokens=3), [text, text])
+        return await parallel_map(lambda t: llm(f"echo {t} back", max_tokens=3), [text, text])
 
     with Client(server.url) as client:
         out = client.run(twice, "hello")
         assert len(out) == 2
         batch = client.submit_many(twice, ["a", "b"], progress=False)
         assert batch.done and [h.status for h in batch] == ["finished", "finished"]
-        assert client.complete("x", max_tokens=2).usage.completion_tokens <= 2
+        assert client.complete("say something short", max_tokens=2).usage.completion_tokens <= 2
 
 
 async def _has_requests(client: AsyncClient, agent_id: str, n: int) -> bool:
