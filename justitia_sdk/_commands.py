@@ -95,6 +95,7 @@ def load_example(folder: Path, name: str) -> tuple[Any, list[dict[str, Any]]]:
     spec = importlib.util.spec_from_file_location(f"justitia_examples.{name}", folder / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     rows = [json.loads(line) for line in (folder / "inputs" / f"{name}.jsonl").read_text()
             .splitlines() if line.strip()]

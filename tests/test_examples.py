@@ -1,0 +1,89 @@
+"""The example agents and the notebook, run against the real server and engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from justitia_sdk import AsyncClient
+from justitia_sdk._commands import DEMO_AGENTS, load_example
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("name", DEMO_AGENTS)
+async def test_example_agent_runs_on_its_first_input(server, name: str) -> None:
+    agent, rows = load_example(EXAMPLES, name)
+    assert agent.name == name and len(rows) >= 3
+    async with AsyncClient(server.url) as client:
+        batch = await client.submit_many(agent, [dict(rows[0], max_tokens=8)], progress=False)
+    handle = batch[0]
+    assert handle.ok, handle.error
+    assert handle.record is not None and handle.record.state == "finished"
+    assert handle.record.type == name
+    assert handle.run is not None and handle.run.requests >= 2  # a parallel stage, then more
+    assert handle.record.requests_total == handle.run.requests
+
+
+def test_inputs_files_are_json_lines_of_keyword_arguments() -> None:
+    for name in DEMO_AGENTS:
+        lines = (EXAMPLES / "inputs" / f"{name}.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+        assert rows and all(isinstance(r, dict) and r for r in rows)
+
+
+def test_example_script_runs_with_one_command(server, tmp_path) -> None:
+    samples = tmp_path / "samples.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "equation_verification.py"), "--url", server.url,
+         "--limit", "2", "--no-progress", "--samples", str(samples)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "#0 finished" in proc.stdout and "#1 finished" in proc.stdout
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:  # the shape `justitia train-predictor` reads
+        assert row["agent_type"] == "equation_verification"
+        assert row["prompt"].strip() and row["cost"] > 0
+
+
+def test_local_checks_of_the_examples() -> None:
+    equations, _ = load_example(EXAMPLES, "equation_verification")
+    module = sys.modules[equations.fn.__module__]
+    assert module.arithmetic_holds("3 * 2.50 = 7.50") is True
+    assert module.arithmetic_holds("36 / 2 = 16") is False
+    assert module.arithmetic_holds("4x = 20") is None
+    assert module.arithmetic_holds("2 ** 1000 = 1") is None  # refused, not computed
+    code, _ = load_example(EXAMPLES, "code_checking")
+    functions_of = sys.modules[code.fn.__module__].functions_of
+    ok, _, funcs = functions_of("def f(x):\n    return x\n\ndef g():\n    pass\n")
+    assert ok and [n for n, _ in funcs] == ["f", "g"]
+    assert functions_of("def broken(:\n")[0] is False
+    votes, _ = load_example(EXAMPLES, "self_consistency")
+    final_answer = sys.modules[votes.fn.__module__].final_answer
+    assert final_answer("so 3 + 4 = 7.\nAnswer: 7") == "7"
+    assert final_answer("it takes 165 minutes") == "165"
+
+
+def test_notebook_executes(server, monkeypatch) -> None:
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("JUSTITIA_URL", server.url)
+    nb = nbformat.read(EXAMPLES / "notebook.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(EXAMPLES)}}).execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    html = "\n".join(o.get("data", {}).get("text/html", "") for o in outputs)
+    # The live tables (display updates end on the final table) and the batch's own repr.
+    assert "notebook_summary" in html and "fact_verification" in html and "kept" in html
+    texts = "\n".join(o.get("data", {}).get("text/plain", "") for o in outputs)
+    assert "ValueError('no notes to summarize')" in texts
