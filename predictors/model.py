@@ -40,7 +40,7 @@ from sklearn.preprocessing import StandardScaler
 from .features import NumericFeatures, PromptText, as_record
 
 #: Default L2 penalty of the MLP.
-DEFAULT_ALPHA = 1.0
+DEFAULT_ALPHA = 3.0
 #: Vocabulary cap of the TF-IDF (most frequent terms). It also bounds the MLP's first weight
 #: matrix, hence the training time of L-BFGS.
 MAX_TFIDF_FEATURES = 500
@@ -69,7 +69,7 @@ def build_model(
     n_samples: int,
     alpha: float = DEFAULT_ALPHA,
     random_state: int = 0,
-    max_iter: int = 300,
+    max_iter: int = 200,
     max_features: int = MAX_TFIDF_FEATURES,
     log_shift: float = 0.0,
 ) -> TransformedTargetRegressor:

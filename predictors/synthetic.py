@@ -163,11 +163,11 @@ def synthesize(agent_type: str, n: int, seed: int = 0) -> list[Sample]:
     return out
 
 
-def synthesize_all(n_per_type: int = 120, seed: int = 0) -> list[Sample]:
+def synthesize_all(n_per_type: int = 125, seed: int = 0) -> list[Sample]:
     return [s for t in am.AGENT_TYPES for s in synthesize(t, n_per_type, seed)]
 
 
 if __name__ == "__main__":  # pragma: no cover
     path = sys.argv[1] if len(sys.argv) > 1 else "predictors/data/example_samples.jsonl.gz"
-    n = write_samples(synthesize_all(int(sys.argv[2]) if len(sys.argv) > 2 else 120), path)
+    n = write_samples(synthesize_all(int(sys.argv[2]) if len(sys.argv) > 2 else 125), path)
     print(f"wrote {n} samples to {path}")

@@ -177,8 +177,18 @@ def train_predictor(samples: Sequence[Sample], agent_type: str, *, alpha: float 
         "baselines": baselines,
         "cold_start": cold_start,
         "hidden_layers": predictor.metadata["hidden_layers"],
-        "warning": (
-            f"only {len(own)} samples; >= {RECOMMENDED_SAMPLES} recommended" if len(own) < RECOMMENDED_SAMPLES else None
-        ),
+        "warning": None,
     }
+    warnings_ = []
+    if len(own) < RECOMMENDED_SAMPLES:
+        warnings_.append(f"only {len(own)} samples; >= {RECOMMENDED_SAMPLES} recommended")
+    beaten = [k for k, v in {**baselines, "cold_start": cold_start}.items()
+              if v is not None and v["mean_relative_error"] < mlp["mean_relative_error"]]
+    if beaten:
+        warnings_.append(
+            f"on these {len(val)} held-out runs the MLP's mean error is above that of: {', '.join(beaten)} "
+            "(costs of this type may follow the prompt length closely, or the held-out set is small); "
+            "profile more runs"
+        )
+    report["warning"] = "; ".join(warnings_) or None
     return TrainResult(predictor, report)

@@ -1,0 +1,179 @@
+"""Benchmark of the cost predictors: held-out error vs baselines, latency, training time.
+
+    python benchmarks/predictor_bench.py                       # committed synthetic examples
+    python benchmarks/predictor_bench.py --data ../shared/data # + samples built from public data
+
+For every dataset and agent type, ``--splits`` random splits of (up to) 125 samples into
+100 training / 25 held-out (doc_merge, 100 inputs: 80 / 20). On each split: the per-type MLP
+(calibrated, and without calibration as an ablation), the training-mean baseline, one global
+MLP trained on every type's training samples, a length-only linear model, and the cold
+start fed the same training runs (plus the cold start before any observation). Errors are
+pooled over the held-out samples of all splits. Latency: single predictions on the held-out
+samples. Training time: fitting the per-type model on its 100 training samples.
+
+Prints a table and writes ``benchmarks/results/predictors.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from predictors.cold_start import ColdStartEstimator  # noqa: E402
+from predictors.evaluation import LengthLinearBaseline, MeanBaseline, measure_latency, relative_errors  # noqa: E402
+from predictors.persistence import library_versions  # noqa: E402
+from predictors.samples import read_samples  # noqa: E402
+from predictors.training import fit_predictor  # noqa: E402
+
+EXAMPLE = ROOT / "predictors" / "data" / "example_samples.jsonl.gz"
+PREDICTORS = ("mlp", "mlp_uncalibrated", "mean", "global", "length_linear", "cold_start", "cold_start_prior")
+
+
+def _summ(errors: list[float]) -> dict[str, float]:
+    e = np.asarray(errors)
+    return {"mean_relative_error": float(e.mean()), "median_relative_error": float(np.median(e)),
+            "p90_relative_error": float(np.percentile(e, 90))}
+
+
+def bench_dataset(samples, splits: int, per_type: int, ablation: bool) -> dict:
+    types = sorted({s.agent_type for s in samples})
+    by_type = {t: [s for s in samples if s.agent_type == t] for t in types}
+    errs = {t: {k: [] for k in PREDICTORS} for t in types}
+    train_s = {t: [] for t in types}
+    train_n = {t: 0 for t in types}
+    lat = {t: [] for t in types}
+    for seed in range(splits):
+        rng = np.random.default_rng(seed)
+        split = {}
+        for t in types:
+            own = [by_type[t][i] for i in rng.permutation(len(by_type[t]))[:per_type]]
+            n_val = max(1, round(0.2 * len(own)))
+            split[t] = (own[n_val:], own[:n_val])
+        glob = fit_predictor([s for t in types for s in split[t][0]], "*", seed=seed)
+        for t in types:
+            train, val = split[t]
+            y = [s.cost for s in val]
+            p = fit_predictor(train, t, seed=seed)
+            train_s[t].append(p.metadata["train_seconds"])
+            train_n[t] = len(train)
+            preds = {
+                "mlp": p.predict,
+                "mean": MeanBaseline().fit(train).predict,
+                "global": glob.predict,
+                "length_linear": LengthLinearBaseline().fit(train).predict,
+            }
+            if ablation:
+                preds["mlp_uncalibrated"] = fit_predictor(train, t, seed=seed, calibrate=False).predict
+            cold = ColdStartEstimator()
+            preds["cold_start_prior"] = lambda q, f, c=cold, t=t: c.predict(t, q, f)
+            errs[t]["cold_start_prior"] += list(relative_errors([preds["cold_start_prior"](s.prompt, s.features) for s in val], y))
+            for s in train:
+                cold.observe(t, s.prompt, s.cost, s.features)
+            preds["cold_start"] = lambda q, f, c=cold, t=t: c.predict(t, q, f)
+            for name, fn in preds.items():
+                if name == "cold_start_prior":
+                    continue
+                errs[t][name] += list(relative_errors([fn(s.prompt, s.features) for s in val], y))
+            lat[t].append(measure_latency(p.predict, val, min_calls=300))
+    out = {"per_type": {}, "overall": {}}
+    for t in types:
+        row = {"train_samples": train_n[t], "heldout_samples": len(errs[t]["mlp"]),
+               "train_seconds_mean": float(np.mean(train_s[t])), "train_seconds_max": float(np.max(train_s[t])),
+               "p50_latency_ms": float(np.median([x["p50_latency_ms"] for x in lat[t]])),
+               "p99_latency_ms": float(np.max([x["p99_latency_ms"] for x in lat[t]]))}
+        for k in PREDICTORS:
+            if errs[t][k]:
+                row[k] = _summ(errs[t][k])
+        out["per_type"][t] = row
+    for k in PREDICTORS:
+        pooled = [e for t in types for e in errs[t][k]]
+        if pooled:
+            out["overall"][k] = _summ(pooled)
+    out["overall"]["p50_latency_ms"] = float(np.median([r["p50_latency_ms"] for r in out["per_type"].values()]))
+    out["overall"]["p99_latency_ms"] = float(np.max([r["p99_latency_ms"] for r in out["per_type"].values()]))
+    hundred = [s for t in types if train_n[t] == 100 for s in train_s[t]]
+    out["overall"]["train_seconds_100_samples_max"] = float(max(hundred)) if hundred else None
+    out["overall"]["train_seconds_100_samples_mean"] = float(np.mean(hundred)) if hundred else None
+    return out
+
+
+def print_dataset(name: str, res: dict) -> None:
+    cols = ("mlp", "mlp_uncalibrated", "mean", "global", "length_linear", "cold_start", "cold_start_prior")
+    print(f"\n== {name}: mean relative error on held-out samples (median in brackets)")
+    head = f"{'agent type':18s} " + " ".join(f"{c:>17s}" for c in cols) + f" {'p50 ms':>7s} {'p99 ms':>7s} {'train s':>7s}"
+    print(head)
+    rows = list(res["per_type"].items()) + [("OVERALL", res["overall"])]
+    for t, r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(f"{v['mean_relative_error']:7.3f} ({v['median_relative_error']:5.3f})" if v else f"{'-':>17s}")
+        tr = r.get("train_seconds_max", r.get("train_seconds_100_samples_max"))
+        print(f"{t:18s} " + " ".join(f"{c:>17s}" for c in cells)
+              + f" {r['p50_latency_ms']:7.3f} {r['p99_latency_ms']:7.3f} {tr if tr is None else round(tr, 2)!s:>7s}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Benchmark the cost predictors.")
+    ap.add_argument("--samples", action="append", default=[], metavar="FILE",
+                    help="extra samples file(s) to benchmark (JSON Lines)")
+    ap.add_argument("--data", default=None, metavar="DIR",
+                    help="../shared/data: also build samples from the public data in memory (not written)")
+    ap.add_argument("--no-example", action="store_true", help="skip the committed synthetic example samples")
+    ap.add_argument("--splits", type=int, default=3, help="random train/held-out splits per dataset")
+    ap.add_argument("--per-type", type=int, default=125, help="samples per type used (80%% train)")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the uncalibrated MLP")
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "predictors.json"), help="output JSON")
+    args = ap.parse_args()
+
+    datasets = {}
+    if not args.no_example:
+        datasets["synthetic-example"] = (read_samples(EXAMPLE), "predictors/data/example_samples.jsonl.gz")
+    for f in args.samples:
+        datasets[Path(f).name] = (read_samples(f), f)
+    if args.data:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from make_predictor_samples import build
+
+        datasets["public-data"] = (build(Path(args.data), 150, 0), f"make_predictor_samples.build({args.data}, 150, seed 0)")
+    results = {
+        "config": {"splits": args.splits, "per_type": args.per_type, "validation_fraction": 0.2,
+                   "command": "python " + " ".join(sys.argv)},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **library_versions()},
+        "datasets": {},
+    }
+    t0 = time.perf_counter()
+    for name, (samples, source) in datasets.items():
+        res = bench_dataset(samples, args.splits, args.per_type, not args.no_ablation)
+        res["source"] = source
+        results["datasets"][name] = res
+        print_dataset(name, res)
+    ok = {}
+    for name, res in results["datasets"].items():
+        o = res["overall"]
+        ok[name] = {
+            "mean_relative_error<=0.5": o["mlp"]["mean_relative_error"] <= 0.5,
+            "below_mean_baseline": o["mlp"]["mean_relative_error"] < o["mean"]["mean_relative_error"],
+            "p50_latency<=1ms": o["p50_latency_ms"] <= 1.0,
+            "train_100_samples<=10s": (o["train_seconds_100_samples_max"] or 0) <= 10.0,
+        }
+    results["targets"] = ok
+    results["bench_seconds"] = time.perf_counter() - t0
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    print("\ntargets:", json.dumps(ok, indent=1))
+    print(f"wrote {args.json} ({results['bench_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
