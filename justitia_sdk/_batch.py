@@ -130,7 +130,7 @@ class AgentHandle:
     def kept_promise(self) -> bool | None:
         """Whether the agent finished by its deadline (fair finish + delay bound)."""
         jct, deadline = self.jct_s, self.deadline_s
-        if jct is None or deadline is None or not self.done:
+        if jct is None or deadline is None or not self.done or self.status != "finished":
             return None
         return jct <= deadline + 1e-6
 
@@ -185,7 +185,8 @@ class Batch(Sequence[AgentHandle]):
         return all(h.done for h in self.handles)
 
     def mean_jct_s(self) -> float | None:
-        jcts = [h.jct_s for h in self.handles if h.jct_s is not None]
+        """Mean JCT of the runs that finished (failed and cancelled runs excluded)."""
+        jcts = [h.jct_s for h in self.handles if h.status == "finished" and h.jct_s is not None]
         return sum(jcts) / len(jcts) if jcts else None
 
     def summary(self) -> str:
