@@ -21,8 +21,16 @@ DEMO_AGENTS = (
 )
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def register(commands: Any) -> None:
     from justitia_sdk.cli import formatter
+    from server.config import POLICIES
 
     demo = commands.root.add_parser(
         "demo",
@@ -37,13 +45,13 @@ def register(commands: Any) -> None:
         ),
         formatter_class=formatter,
     )
-    demo.add_argument("--agents", type=int, default=18, metavar="N",
+    demo.add_argument("--agents", type=_positive, default=18, metavar="N",
                       help="how many agents to submit (cycling through the six kinds)")
     demo.add_argument("--kv-tokens", type=int, default=6144, metavar="N",
                       help="KV cache capacity of the embedded engine in tokens")
-    demo.add_argument("--policy", default="justitia",
+    demo.add_argument("--policy", default="justitia", choices=POLICIES,
                       help="scheduling policy of the embedded server")
-    demo.add_argument("--max-tokens", type=int, default=96, metavar="N",
+    demo.add_argument("--max-tokens", type=_positive, default=96, metavar="N",
                       help="output tokens per request of the example agents' first stage")
     demo.add_argument("--url", default=None,
                       help="use this running server instead of starting the embedded one")
@@ -123,14 +131,18 @@ def run_demo(args: argparse.Namespace) -> int:
     console = Console()
     jobs = demo_jobs(examples_dir(args.examples), args.agents, args.max_tokens)
 
-    async def submit(url: str) -> Any:
+    async def submit(url: str) -> tuple[Any, dict[str, Any]]:
         async with AsyncClient(url) as client:
             # The engine's first step is slow (kernels and caches warm up); one small request
             # first keeps that out of the agents' JCTs and out of the server's tau estimate.
             await client.complete("Warm up the engine before the demo begins.", max_tokens=8)
-            return await client.submit_many(
+            snapshot = await client.scheduler()
+            console.print(f"server ready at {url}: policy {snapshot.get('policy')}, KV "
+                          f"{snapshot.get('M')} tokens; submitting {len(jobs)} agents at once")
+            batch = await client.submit_many(
                 [a for a, _ in jobs], [kw for _, kw in jobs],
                 title=f"{len(jobs)} example agents")
+            return batch, snapshot
 
     server = None
     if args.url:
@@ -143,10 +155,8 @@ def run_demo(args: argparse.Namespace) -> int:
                                      "--policy", args.policy]).start()
         url = server.url
     try:
-        console.print(f"server ready at {url} (policy {args.policy}, KV {args.kv_tokens} tokens); "
-                      f"submitting {len(jobs)} agents at once")
         started = time.monotonic()
-        batch = anyio.run(submit, url)
+        batch, snapshot = anyio.run(submit, url)
         wall = time.monotonic() - started
     finally:
         if server is not None:
@@ -160,6 +170,9 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{sum(1 for k in kept if k)} of {sum(1 for k in kept if k is not None)} finished "
         f"within their deadline (fair finish + bound)."
     )
+    console.print("[dim]JCT: submission to finish. 1st ETA: the server's ETA at submission. "
+                  "fair: the finish time under an ideal fair share (GPS). bound: how late after "
+                  "fair the agent may finish at worst; kept: JCT <= fair + bound.[/dim]")
     console.print("[dim]The tiny model's weights are random: its text is noise. The engine, "
                   "the KV cache and the scheduling are real.[/dim]")
     if args.json:
@@ -168,7 +181,7 @@ def run_demo(args: argparse.Namespace) -> int:
                  "fair_finish_s": h.fair_finish_s, "delay_bound_s": h.delay_bound_s,
                  "deadline_s": h.deadline_s, "kept": h.kept_promise,
                  "error": repr(h.error) if h.error else None} for h in batch]
-        Path(args.json).write_text(json.dumps({"url": url, "policy": args.policy,
+        Path(args.json).write_text(json.dumps({"url": url, "policy": snapshot.get("policy"),
                                                "wall_s": wall, "agents": rows}, indent=1))
     for index, error in batch.errors:
         console.print(f"[red]agent #{index} failed: {error!r}[/red]")
