@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from justitia_sdk import Agent, AsyncClient, Batch
+from justitia_sdk import Agent, AsyncClient, Batch, samples_of
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,17 +39,6 @@ def load_inputs(path: str | Path, limit: int | None = None) -> list[dict[str, An
             except json.JSONDecodeError as exc:
                 raise SystemExit(f"{path}:{n}: not JSON: {exc}") from None
     return rows[:limit] if limit else rows
-
-
-def samples_of(batch: Batch) -> list[dict[str, Any]]:
-    """Training samples for `justitia train-predictor`: the prompt the server saw at
-    submission and the KV token-time the run actually used (from the servers' usage)."""
-    out = []
-    for h in batch:
-        if h.ok and h.run is not None and h.run.kv_cost > 0:
-            out.append({"agent_type": h.agent.name, "prompt": h.run.prompt, "cost": h.run.kv_cost,
-                        "features": {"requests": h.run.requests}})
-    return out
 
 
 @contextmanager

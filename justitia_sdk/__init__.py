@@ -19,7 +19,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from justitia_sdk._agent import Agent, agent, chat, complete, current_record, default_prompt, llm
+    from justitia_sdk._agent import (
+        Agent,
+        agent,
+        chat,
+        complete,
+        current_record,
+        default_prompt,
+        get_agent,
+        llm,
+        registered_agents,
+    )
     from justitia_sdk._batch import AgentHandle, Batch
     from justitia_sdk._client import AsyncClient, Client, default_url
     from justitia_sdk._context import AgentRun, current_agent, current_agent_id
@@ -34,12 +44,15 @@ if TYPE_CHECKING:
     from justitia_sdk._models import AgentRecord, Completion, Usage
     from justitia_sdk._openai import openai_client, tagged_http_client
     from justitia_sdk._parallel import parallel_map
+    from justitia_sdk._profile import profile_agent, samples_of
 
 # Where each public name lives. The package imports lazily so that `justitia --help` (whose
 # command line lives in this package) does not pay for httpx, pydantic and rich.
 _EXPORTS = {
     "Agent": "_agent", "agent": "_agent", "chat": "_agent", "complete": "_agent",
     "current_record": "_agent", "default_prompt": "_agent", "llm": "_agent",
+    "get_agent": "_agent", "registered_agents": "_agent",
+    "profile_agent": "_profile", "samples_of": "_profile",
     "AgentHandle": "_batch", "Batch": "_batch",
     "AsyncClient": "_client", "Client": "_client", "default_url": "_client",
     "AgentRun": "_context", "current_agent": "_context", "current_agent_id": "_context",
@@ -89,8 +102,12 @@ __all__ = [
     "current_record",
     "default_prompt",
     "default_url",
+    "get_agent",
     "llm",
     "openai_client",
     "parallel_map",
+    "profile_agent",
+    "registered_agents",
+    "samples_of",
     "tagged_http_client",
 ]

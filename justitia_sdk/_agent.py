@@ -24,6 +24,10 @@ from justitia_sdk._models import AgentRecord, Completion
 P = ParamSpec("P")
 R = TypeVar("R")
 
+# Every @agent by its type name (the last definition of a name wins), so that tools can
+# find an agent by the name the server knows it by (`justitia train-predictor --inputs`).
+_REGISTRY: dict[str, Agent[..., Any]] = {}
+
 # Finishing or cancelling an agent must happen even while its task is being cancelled, but
 # must not hang a shutdown if the server is gone.
 _CLOSE_TIMEOUT_S = 15.0
@@ -71,6 +75,7 @@ class Agent(Generic[P, R]):
         self.prompt_extractor = prompt
         self.metadata = dict(metadata or {})
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        _REGISTRY[self.name] = self
 
     def __repr__(self) -> str:
         return f"<agent {self.name!r}>"
@@ -128,6 +133,16 @@ class Agent(Generic[P, R]):
             current_run.reset(run_token)
         await _close(client, run, cancel=False)
         return result
+
+
+def get_agent(name: str) -> Agent[..., Any] | None:
+    """The `@agent` registered under this type name in this process, if any."""
+    return _REGISTRY.get(name)
+
+
+def registered_agents() -> dict[str, Agent[..., Any]]:
+    """Every `@agent` defined in this process, by type name."""
+    return dict(_REGISTRY)
 
 
 async def _close(client: AsyncClient, run: AgentRun, *, cancel: bool) -> None:

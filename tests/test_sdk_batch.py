@@ -107,3 +107,15 @@ def test_demo_against_a_running_server(server, tmp_path, capsys) -> None:
             assert r[key] is not None and r[key] >= 0
     printed = capsys.readouterr().out
     assert "JCT" in printed and "1st ETA" in printed and "bound" in printed
+
+
+def test_profile_agent_gives_training_samples_and_the_registry_finds_agents(server) -> None:
+    from justitia_sdk import get_agent, profile_agent, registered_agents
+
+    assert get_agent("batch_worker") is worker
+    assert "batch_worker" in registered_agents()
+    samples = profile_agent(worker, [{"text": "one two"}, {"text": "x", "fail": True},
+                                     {"text": "three four five"}], server=server.url)
+    assert [s["features"]["requests"] for s in samples] == [2, 3]  # the failed run is left out
+    for s in samples:
+        assert s["agent_type"] == "batch_worker" and s["cost"] > 0 and s["prompt"]
