@@ -21,7 +21,7 @@ import anyio.from_thread
 import httpx
 
 from justitia_sdk._context import current_agent_id, current_client, current_run
-from justitia_sdk._errors import JustitiaError, ServerUnavailableError, error_for
+from justitia_sdk._errors import ServerUnavailableError, error_for
 from justitia_sdk._models import AgentRecord, Completion, Usage
 
 if TYPE_CHECKING:
@@ -440,4 +440,4 @@ class Client:
         return self._call(self._async.ready)
 
 
-__all__ = ["AsyncClient", "Client", "JustitiaError", "default_url"]
+__all__ = ["AsyncClient", "Client", "default_url"]
