@@ -1,0 +1,70 @@
+"""Parts of the SDK that need no server: the batch table, input splitting, lazy imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from justitia_sdk import AgentRecord, Batch, agent
+from justitia_sdk._batch import AgentHandle, split_input
+from justitia_sdk._progress import batch_table, to_html
+
+
+@agent("unit_agent")
+async def unit_agent(text: str) -> str:
+    return text
+
+
+def record(state: str, **kw) -> AgentRecord:
+    base = dict(id="agt-1", type="unit_agent", state=state, submitted_at=100.0,
+                fair_finish_s=2.0, eta_s=2.5, delay_bound_s=1.0, first_eta_s=2.2)
+    return AgentRecord.model_validate({**base, **kw})
+
+
+def handle(i: int, rec: AgentRecord | None, *, done: bool = False,
+           error: BaseException | None = None) -> AgentHandle:
+    h = AgentHandle(i, unit_agent, f"input {i}")
+    h.record = h.first_record = rec
+    h.done, h.error = done, error
+    return h
+
+
+def test_split_input() -> None:
+    assert split_input({"a": 1}) == ((), {"a": 1})
+    assert split_input((1, 2)) == ((1, 2), {})
+    assert split_input([1, 2]) == (([1, 2],), {})
+
+
+def test_promises_and_summary() -> None:
+    on_time = handle(0, record("finished", finished_at=102.5), done=True)
+    late = handle(1, record("finished", finished_at=104.0), done=True)
+    failed = handle(2, record("finished", finished_at=100.5), done=True, error=ValueError("x"))
+    cancelled = handle(3, record("cancelled", finished_at=101.0), done=True)
+    waiting = handle(4, None)
+    batch = Batch([on_time, late, failed, cancelled, waiting], "units")
+    assert on_time.jct_s == 2.5 and on_time.deadline_s == 3.0 and on_time.kept_promise is True
+    assert late.kept_promise is False
+    assert failed.status == "failed" and failed.kept_promise is None
+    assert cancelled.kept_promise is None and waiting.status == "pending"
+    assert on_time.first_eta_s == 2.2
+    assert batch.mean_jct_s() == (2.5 + 4.0) / 2  # failed and cancelled runs left out
+    assert batch.results(return_exceptions=True)[2].args == ("x",)
+    text = to_html(batch_table(batch))
+    for word in ("units", "JCT", "1st ETA", "fair", "bound", "kept", "pending", "failed"):
+        assert word in text
+
+
+def test_live_table_shows_unfinished_runs_first_when_long() -> None:
+    handles = [handle(i, record("finished", finished_at=101.0), done=True) for i in range(8)]
+    handles.append(handle(8, record("running")))
+    table = batch_table(Batch(handles, "long"), live=True, max_rows=3)
+    assert table.row_count == 3
+    assert "6 more not shown" in str(table.caption)
+    assert "running" in to_html(table)
+
+
+def test_the_command_line_does_not_import_the_sdk_stack() -> None:
+    code = ("import sys; from justitia_sdk.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('httpx', 'rich', 'justitia_sdk._client') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "justitia_sdk._client" not in out.stdout
