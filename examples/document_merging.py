@@ -13,7 +13,7 @@ MERGE_PROMPT = ("Merge these two drafts into one coherent text. Keep every fact,
                 "repetitions.\n\nDraft A:\n{a}\n\nDraft B:\n{b}\n\nMerged text:")
 
 
-def clip(text: str, words: int = 120) -> str:
+def clip(text: str, words: int = 80) -> str:
     return " ".join(text.split()[:words])
 
 
