@@ -6,7 +6,8 @@ The output embeds text from corpora (WikiText-2, FEVER, GSM8K, HumanEval, GoT do
 must not be committed. How each sample's cost is obtained (no LLM is run):
 
 * the agent's *structure* follows from its real input text (predictors/agent_models.py):
-  MapReduce summarization chunks a WikiText-2 document into ~1024-token pieces, fact
+  MapReduce summarization chunks a WikiText-2 document (a run of sections of one article,
+  at least 256 tokens) into ~1024-token pieces, fact
   verification issues a query and a verdict request per FEVER claim, self-consistency samples
   several chain-of-thought paths per GSM8K question, code checking writes and reviews
   candidate solutions of a HumanEval problem, document merging merges / scores / aggregates a
@@ -35,7 +36,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from predictors import agent_models as am  # noqa: E402
+from predictors.features import estimate_tokens  # noqa: E402
 from predictors.samples import Sample, agent_cost, write_samples  # noqa: E402
+
+#: Documents (runs of WikiText-2 sections) shorter than this are not summarization inputs.
+MIN_DOC_TOKENS = 256
 
 
 class TraceLengths:
@@ -82,13 +87,14 @@ def wikitext_documents(path: Path, n: int, rng: np.random.Generator) -> list[str
     text = path.read_text(encoding="utf-8")
     articles = [a for a in re.split(r"\n (?== [^=].* = \n)", text) if a.strip()]
     docs = []
-    for _ in range(n):
+    while len(docs) < n:
         art = articles[int(rng.integers(len(articles)))]
         sections = re.split(r"\n (?== = )", art)
         start = int(rng.integers(len(sections)))
         k = int(rng.integers(1, len(sections) - start + 1))
         doc = "\n".join(sections[start : start + k]).strip()
-        docs.append(doc)
+        if estimate_tokens(doc) >= MIN_DOC_TOKENS:  # nobody runs a summarizer on a lone heading
+            docs.append(doc)
     return docs
 
 

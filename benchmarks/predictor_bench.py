@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--data", default=None, metavar="DIR",
                     help="../shared/data: also build samples from the public data in memory (not written)")
     ap.add_argument("--no-example", action="store_true", help="skip the committed synthetic example samples")
-    ap.add_argument("--splits", type=int, default=3, help="random train/held-out splits per dataset")
+    ap.add_argument("--splits", type=int, default=5, help="random train/held-out splits per dataset")
     ap.add_argument("--per-type", type=int, default=125, help="samples per type used (80%% train)")
     ap.add_argument("--no-ablation", action="store_true", help="skip the uncalibrated MLP")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "predictors.json"), help="output JSON")
@@ -166,6 +166,12 @@ def main() -> None:
             "below_mean_baseline": o["mlp"]["mean_relative_error"] < o["mean"]["mean_relative_error"],
             "p50_latency<=1ms": o["p50_latency_ms"] <= 1.0,
             "train_100_samples<=10s": (o["train_seconds_100_samples_max"] or 0) <= 10.0,
+            # per type: the baselines (and cold start) whose mean error is below the MLP's
+            "mlp_beaten_by": {
+                t: [k for k in ("mean", "global", "length_linear", "cold_start")
+                    if r[k]["mean_relative_error"] < r["mlp"]["mean_relative_error"]]
+                for t, r in res["per_type"].items()
+            },
         }
     results["targets"] = ok
     results["bench_seconds"] = time.perf_counter() - t0

@@ -16,7 +16,7 @@ def register(commands) -> None:
         help="Train the cost predictor of one agent type (TF-IDF + MLP).",
         description=(
             "Train the cost predictor of agent type AGENT from profiled runs, validate it on a "
-            "held-out 20%% against the baselines (training mean, one global model, length-only "
+            "held-out 20% against the baselines (training mean, one global model, length-only "
             "linear, cold start) and write it to --out."
         ),
         formatter_class=formatter,
@@ -34,7 +34,7 @@ def register(commands) -> None:
     src.add_argument("--from-server", metavar="URL", dest="from_server",
                      help="fetch the completed agents of AGENT from a Justitia server's history")
     p.add_argument("--out", metavar="DIR", required=True, help="directory to write the trained predictor into")
-    p.add_argument("--alpha", type=float, default=None, help="L2 penalty of the MLP (default: the model's default)")
+    p.add_argument("--alpha", type=float, default=None, help="L2 penalty of the MLP (unset: the model default, 3.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split and of the MLP")
     p.add_argument("--server", metavar="URL", default=None,
                    help="server to profile against with --inputs (default: $JUSTITIA_URL)")
