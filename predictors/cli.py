@@ -37,7 +37,9 @@ def register(commands) -> None:
     p.add_argument("--alpha", type=float, default=None, help="L2 penalty of the MLP (unset: the model default, 3.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split and of the MLP")
     p.add_argument("--server", metavar="URL", default=None,
-                   help="server to profile against with --inputs (default: $JUSTITIA_URL)")
+                   help="server to profile against with --inputs (unset: $JUSTITIA_URL or http://127.0.0.1:8000)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="with --inputs: runs in flight at once (unset: all; 1 gives each run the whole engine)")
     p.add_argument("--api-key", metavar="KEY", default=None,
                    help="bearer token for --from-server / --inputs (default: $JUSTITIA_API_KEY)")
     p.add_argument("--timeout", type=float, default=30.0, help="HTTP timeout in seconds for --from-server")

@@ -56,6 +56,20 @@ def samples_from_server(url: str, agent_type: str, api_key: str | None = None, t
         raise CommandError(str(exc)) from None
 
 
+def _check_reachable(url: str, timeout: float = 5.0) -> None:
+    """Fail fast, before profiling retries for a long time, when nothing answers at ``url``."""
+    import httpx
+
+    if not url.startswith(("http://", "https://")):
+        raise CommandError(f"--server needs an http(s) URL, got {url!r} (e.g. http://127.0.0.1:8000)")
+    try:
+        httpx.get(url.rstrip("/") + "/healthz", timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise CommandError(
+            f"cannot reach server {url} ({exc.__class__.__name__}); start it with `justitia serve` or pass --server URL"
+        ) from None
+
+
 def resolve_agent(name: str, module: str | None, file: str | None) -> Any:
     """Import ``--module``/``--file`` and find the agent registered under ``name``."""
     if file:
@@ -108,19 +122,16 @@ def samples_from_inputs(args: argparse.Namespace) -> list[Sample]:
     if not inputs.is_file():
         raise CommandError(f"--inputs {inputs}: no such file")
     fn = resolve_agent(args.agent, args.module, args.file)
-    profile = None
-    try:
-        from justitia_sdk import profile_agent as profile  # type: ignore[attr-defined]
-    except ImportError:
-        pass
+    import justitia_sdk
+
+    profile = getattr(justitia_sdk, "profile_agent", None)
     if profile is None:
         raise CommandError(
             "--inputs profiling needs the SDK's profiler (justitia_sdk.profile_agent), which this "
-            "installation does not have yet; use --samples or --from-server"
+            "installation does not have; use --samples or --from-server"
         )
-    url = args.server or os.environ.get("JUSTITIA_URL")
-    if not url:
-        raise CommandError("--inputs needs a running server: pass --server URL or set JUSTITIA_URL")
+    url = args.server or justitia_sdk.default_url()
+    _check_reachable(url)
     rows = []
     for lineno, line in enumerate(inputs.read_text(encoding="utf-8").splitlines(), start=1):
         if line.strip():
@@ -128,12 +139,22 @@ def samples_from_inputs(args: argparse.Namespace) -> list[Sample]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 raise CommandError(f"{inputs}:{lineno}: not valid JSON") from None
+    if not rows:
+        raise CommandError(f"--inputs {inputs} holds no inputs")
     try:
-        records = profile(fn, rows, server=url, api_key=args.api_key or os.environ.get("JUSTITIA_API_KEY"))
+        records = profile(fn, rows, server=url, api_key=args.api_key or os.environ.get("JUSTITIA_API_KEY"),
+                          concurrency=args.concurrency)
     except CommandError:
         raise
+    except justitia_sdk.ServerUnavailableError:
+        raise CommandError(f"cannot reach server {url}; start it with `justitia serve` or pass --server URL") from None
+    except justitia_sdk.AuthenticationError:
+        raise CommandError(f"server {url} refused the API key; pass a valid --api-key") from None
     except Exception as exc:
-        raise CommandError(f"profiling {args.agent} failed ({exc.__class__.__name__}: {exc})") from None
+        msg = " ".join(str(exc).split())
+        raise CommandError(f"profiling {args.agent} failed ({exc.__class__.__name__}: {msg})") from None
+    if not records:
+        raise CommandError(f"no run of {args.agent} over {inputs} finished; check the server log and the inputs")
     try:
         return parse_samples(list(records), source=f"profiling {args.agent}")
     except SampleError as exc:

@@ -3,7 +3,7 @@
 Before any agent of a type has finished, the estimate treats the agent as one request whose
 prompt is the agent's prompt text (``P`` estimated tokens) and whose output is ``d0`` tokens:
 ``P*d0 + d0*(d0+1)/2``. ``d0`` is the mean output length per request that the server has
-reported so far over all types (``features["output_tokens"] / features["n_requests"]`` passed
+reported so far over all types (``features["output_tokens"] / features["requests"]`` passed
 to :meth:`ColdStartEstimator.observe`), or ``default_output_tokens`` before any report.
 
 As agents of the type complete, :meth:`ColdStartEstimator.observe` adds ``(P, cost)`` to a
@@ -87,7 +87,8 @@ class ColdStartEstimator:
         """Record a completed agent of ``agent_type`` whose real cost was ``cost``.
 
         ``features`` may carry ``output_tokens`` (total output tokens of the agent) and
-        ``n_requests``; they refine the output length assumed for types never seen.
+        ``requests`` (or ``n_requests``, its number of requests), as the SDK's profiler and
+        the server record them; they refine the output length assumed for types never seen.
         """
         if not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0):
             return
@@ -96,7 +97,8 @@ class ColdStartEstimator:
         with self._lock:
             self._stats.setdefault(agent_type, _Stats()).add(x, y)
             if features:
-                out, nreq = features.get("output_tokens"), features.get("n_requests")
+                out = features.get("output_tokens")
+                nreq = features.get("n_requests", features.get("requests"))
                 if _positive(out) and _positive(nreq):
                     self._out_tokens += float(out)
                     self._out_requests += float(nreq)
@@ -132,6 +134,6 @@ def _positive(v: Any) -> bool:
 
 
 def _prompt_tokens(prompt: str, features: Mapping[str, Any] | None) -> float:
-    if features and _positive(features.get("prompt_tokens")):
-        return float(features["prompt_tokens"])
+    # Always the text's own estimate: features["prompt_tokens"], where the server or the
+    # profiler records it, is the sum over the agent's requests, known only afterwards.
     return float(estimate_tokens(prompt or ""))

@@ -46,14 +46,26 @@ def text_features(text: str) -> dict[str, float]:
     }
 
 
+#: Features that describe how a run went, not what was submitted: profiling and the server's
+#: history record them (the cold start uses some), but a model must not learn from them,
+#: since they are unknown when an agent is submitted.
+OUTCOME_FEATURES = frozenset({
+    "requests", "n_requests", "prompt_tokens", "output_tokens", "completion_tokens",
+    "total_tokens", "cost", "kv_cost", "consumed_cost", "jct_s", "duration_s", "elapsed_s",
+})
+
+
 def numeric_feature_names(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Sorted names of the caller-supplied numeric features present in ``records``."""
+    """Sorted names of the submission-time numeric features present in ``records``.
+
+    Booleans, non-numbers and :data:`OUTCOME_FEATURES` are left out.
+    """
     names: set[str] = set()
     for r in records:
         for k, v in (r.get("features") or {}).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 names.add(str(k))
-    return sorted(names - set(TEXT_FEATURES))
+    return sorted(names - set(TEXT_FEATURES) - OUTCOME_FEATURES)
 
 
 def as_record(prompt: str, features: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -106,12 +106,36 @@ def test_eval_wrong_agent_type(model_dir, tmp_path, capsys):
     assert rc == 2 and "no samples of agent type 'fact_verification'" in _error(capsys)
 
 
-def test_inputs_needs_the_sdk_or_a_resolvable_agent(tmp_path, capsys):
-    inputs = _write(tmp_path / "in.jsonl", [{"x": 1}])
-    rc = main(["train-predictor", "no_such_agent", "--inputs", str(inputs), "--out", str(tmp_path / "m")])
+AGENT_FILE = """
+from justitia_sdk import agent, llm
+
+@agent("probe_agent")
+async def probe_agent(text: str) -> str:
+    return await llm(text, max_tokens=4)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_inputs_resolves_the_agent_by_name(tmp_path, capsys):
+    agent_file = tmp_path / "probe_agents.py"
+    agent_file.write_text(AGENT_FILE)
+    inputs = _write(tmp_path / "in.jsonl", [{"text": "hello"}])
+    rc = main(["train-predictor", "no_such_agent", "--file", str(agent_file), "--inputs", str(inputs),
+               "--out", str(tmp_path / "m")])
     assert rc == 2
     err = _error(capsys)
-    assert "no_such_agent" in err or "SDK" in err
+    assert "no agent named 'no_such_agent'" in err and "probe_agent" in err
+    rc = main(["train-predictor", "probe_agent", "--file", str(agent_file), "--inputs", str(inputs),
+               "--server", f"http://127.0.0.1:{_free_port()}", "--out", str(tmp_path / "m")])
+    assert rc == 2 and "cannot reach server" in _error(capsys)
+    rc = main(["train-predictor", "probe_agent", "--file", str(tmp_path / "missing.py"), "--inputs", str(inputs),
+               "--out", str(tmp_path / "m")])
+    assert rc == 2 and "no such file" in _error(capsys)
 
 
 def test_unresolvable_module(tmp_path, samples_file, capsys):
@@ -160,9 +184,7 @@ def test_from_server(tmp_path, capsys):
 
 
 def test_from_server_unreachable(tmp_path, capsys):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     rc = main(["train-predictor", "x", "--from-server", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "m"),
                "--timeout", "2"])
     assert rc == 2 and "cannot reach server" in _error(capsys)

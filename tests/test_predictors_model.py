@@ -219,3 +219,14 @@ def test_registry_skips_unloadable_model(saved, tmp_path):
     reg = PredictorRegistry(tmp_path)
     assert reg.agent_types == [] and reg.errors
     assert reg.get("self_consistency").predict("text") > 0
+
+
+def test_outcome_features_are_not_model_inputs():
+    # The server's history and the SDK's profiler record how a run went (requests, tokens):
+    # unknown at submission, so a model must not learn from them.
+    rows = synthesize("code_checking", 30, seed=5)
+    for s in rows:
+        s.features.update(n_requests=7, requests=7, output_tokens=int(s.cost) % 997, prompt_tokens=123)
+    res = train_predictor(rows, "code_checking", global_baseline=False)
+    assert res.predictor.metadata["feature_set"]["numeric_features"] == ["n_items"]
+    assert res.predictor.predict(rows[0].prompt, {"n_items": 3}) > 0
