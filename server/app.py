@@ -8,12 +8,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import errors
 from server.config import ServerConfig
 from server.engine.base import Engine
+from server.agents_api import router as agents_router
+from server.history import History
+from server.live import LiveConfig, LiveScheduler
+from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import router as openai_router
 from server.service import InferenceService
 
@@ -77,6 +81,9 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             dummy_weights=True,
+            # bfloat16 on CPUs with AMX dies with SIGILL on batches of one or two tokens
+            # (vLLM CPU 0.32, measured here); the tiny model loses nothing in float32.
+            dtype="float32",
         )
         return LocalVLLMEngine(engine_cfg), config.served_model_name or TINY_MODEL_NAME
     engine_cfg = LocalEngineConfig(
@@ -89,6 +96,30 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
     return LocalVLLMEngine(engine_cfg), name
 
 
+async def _warm_up(engine: Engine) -> None:
+    """One short generation before /readyz turns green: the first steps of a fresh engine
+    are slow (lazy initialisation), and agents admitted then would miss promises that the
+    measured steady-state speed makes."""
+    from server.engine.base import EngineRequest, SamplingOptions
+
+    ids = tuple(engine.tokenize("Justitia warms up the engine before serving agents."))
+    request = EngineRequest("justitia-warmup", ids, SamplingOptions(max_tokens=8, ignore_eos=True))
+    async for _ in engine.generate(request):
+        pass
+
+
+def _data_dir(config: ServerConfig) -> Path:
+    from server.tiny_model import justitia_home
+
+    return Path(config.data_dir).expanduser() if config.data_dir else justitia_home() / "data"
+
+
+def _predictors(config: ServerConfig):
+    from predictors import PredictorRegistry
+
+    return PredictorRegistry(config.predictors_dir)
+
+
 def create_app(config: ServerConfig, engine: Engine | None = None, model_name: str = "") -> FastAPI:
     """The server. With no `engine`, the lifespan builds and starts the one `config` names."""
 
@@ -98,14 +129,36 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         if engine is None:
             engine, model_name = build_engine(config)
         await engine.start()
-        app.state.service = InferenceService(engine, model_name)
+        await _warm_up(engine)
+        history = History(_data_dir(config) / "history.sqlite3")
+        metrics = Metrics()
+        scheduler = LiveScheduler(
+            engine,
+            LiveConfig(
+                policy=config.policy,
+                initial_tau_s=config.initial_tau_s,
+                lease_s=config.agent_lease_s,
+                max_num_seqs=config.max_num_seqs,
+            ),
+            predictors=_predictors(config),
+            history=history,
+            metrics=metrics,
+        )
+        metrics.bind(scheduler)
+        await scheduler.start()
+        app.state.history = history
+        app.state.metrics = metrics
+        app.state.scheduler = scheduler
+        app.state.service = InferenceService(engine, model_name, scheduler)
         app.state.ready = True
-        log.info("engine ready: %s", engine.info)
+        log.info("engine ready: %s; policy %s", engine.info, config.policy)
         try:
             yield
         finally:
             app.state.ready = False
+            await scheduler.close()
             await engine.close()
+            history.close()
 
     app = FastAPI(
         title="Justitia",
@@ -118,6 +171,13 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     app.include_router(openai_router)
+    app.include_router(agents_router)
+
+    @app.get("/metrics", tags=["operations"])
+    async def metrics(request: Request) -> Response:
+        m = getattr(request.app.state, "metrics", None)
+        body = m.render() if m is not None else b""
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/healthz", tags=["operations"])
     async def healthz(request: Request) -> JSONResponse:

@@ -48,6 +48,14 @@ def register(commands: Any) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
     serve.add_argument("--api-key", action="append", default=[], metavar="TENANT=KEY",
                        help="accept this bearer key for this tenant (repeatable)")
+    serve.add_argument("--predictors", default=None, metavar="DIR",
+                       help="trained cost predictors, one folder per agent type (from "
+                            "`justitia train-predictor`); other types use the cold start")
+    serve.add_argument("--data-dir", default=None, metavar="DIR",
+                       help="where the history of finished agents is kept "
+                            "(default: $JUSTITIA_HOME/data, ~/.cache/justitia/data)")
+    serve.add_argument("--agent-lease", type=float, default=600.0, metavar="SECONDS",
+                       help="an agent with no request in flight for this long (and no finish) expires")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="server log level")
@@ -110,6 +118,9 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_keys=keys,
+        predictors_dir=args.predictors,
+        data_dir=args.data_dir,
+        agent_lease_s=args.agent_lease,
         log_level=args.log_level,
     )
     serve(config)

@@ -20,5 +20,12 @@ class ServerConfig(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     api_keys: dict[str, str] = Field(default_factory=dict, description="key -> tenant")
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    data_dir: str | None = None
+    data_dir: str | None = Field(
+        default=None, description="Where the history database lives (default: JUSTITIA_HOME/data)."
+    )
+    predictors_dir: str | None = Field(
+        default=None, description="Trained predictors, one folder per agent type."
+    )
+    agent_lease_s: float = Field(default=600.0, gt=0)
+    initial_tau_s: float = Field(default=0.01, gt=0)
     log_level: str = "info"

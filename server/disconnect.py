@@ -31,18 +31,25 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def run_unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
     result: list[T] = []
 
-    async with anyio.create_task_group() as tg:
+    try:
+        async with anyio.create_task_group() as tg:
 
-        async def run_work() -> None:
-            result.append(await work())
-            tg.cancel_scope.cancel()
+            async def run_work() -> None:
+                result.append(await work())
+                tg.cancel_scope.cancel()
 
-        async def watch() -> None:
-            await _wait_for_disconnect(request)
-            tg.cancel_scope.cancel()
+            async def watch() -> None:
+                await _wait_for_disconnect(request)
+                tg.cancel_scope.cancel()
 
-        tg.start_soon(run_work)
-        tg.start_soon(watch)
+            tg.start_soon(run_work)
+            tg.start_soon(watch)
+    except BaseExceptionGroup as group:
+        # Only the work can fail; surface its error as itself so that the app's handlers
+        # turn it into the right status code.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     if not result:
         raise ClientDisconnected()
     return result[0]

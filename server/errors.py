@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine.base import EngineError, InvalidRequestError
+from server.live import AgentConflict, AgentNotFound
 
 
 def _describe(error: dict) -> str:
@@ -37,6 +38,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(AgentNotFound)
+    async def _not_found(_: Request, exc: AgentNotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(AgentConflict)
+    async def _conflict(_: Request, exc: AgentConflict) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> JSONResponse:

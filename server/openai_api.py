@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Header, HTTPException, Request
+from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from server.agents import AgentEntry
+from server.auth import tenant_of
 from server.disconnect import ClientDisconnected, run_unless_disconnected
 from server.engine.base import EngineOutput, SamplingOptions
 from server.openai_schemas import (
@@ -57,9 +59,9 @@ def _usage(out: EngineOutput) -> dict:
     ).model_dump()
 
 
-async def _final(service: InferenceService, prepared: PreparedRequest) -> EngineOutput:
+async def _final(service: InferenceService, prepared: PreparedRequest, agent: AgentEntry) -> EngineOutput:
     last: EngineOutput | None = None
-    async for out in service.stream(prepared):
+    async for out in service.stream(prepared, agent):
         last = out
     assert last is not None and last.finished
     return last
@@ -67,15 +69,25 @@ async def _final(service: InferenceService, prepared: PreparedRequest) -> Engine
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as exc:  # headers are sent: report the error in the stream
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+def _agent_id(header: str | None, body: SamplingFields) -> str | None:
+    if header and body.agent_id and header != body.agent_id:
+        raise HTTPException(400, f"the {AGENT_HEADER} header ({header}) and the body's agent_id "
+                                 f"({body.agent_id}) name different agents")
+    return header or body.agent_id
+
+
 @router.get("/v1/models")
-async def list_models(request: Request) -> dict:
+async def list_models(request: Request, tenant: str = Depends(tenant_of)) -> dict:
     service = _service(request)
     info = service.engine.info
     return {
@@ -97,11 +109,14 @@ async def completions(
     body: CompletionRequest,
     request: Request,
     x_justitia_agent: str | None = Header(default=None),
+    tenant: str = Depends(tenant_of),
 ) -> Response:
     service = _service(request)
     _check_model(service, body)
     rid = new_id("cmpl")
     prepared = service.prepare(rid, body.prompt, _sampling(body))
+    text = body.prompt if isinstance(body.prompt, str) else ""
+    agent = service.agent_for(_agent_id(x_justitia_agent, body), tenant, prepared, text)
     created = now_s()
 
     def chunk(text: str, finish: str | None, out: EngineOutput | None = None) -> dict:
@@ -119,7 +134,7 @@ async def completions(
     if body.stream:
 
         async def chunks() -> AsyncIterator[dict]:
-            async for out in service.stream(prepared):
+            async for out in service.stream(prepared, agent):
                 if out.delta_text or out.finished:
                     yield chunk(out.delta_text, out.finish_reason if out.finished else None,
                                 out if out.finished else None)
@@ -127,7 +142,7 @@ async def completions(
         return _sse(chunks())
 
     try:
-        out = await run_unless_disconnected(request, lambda: _final(service, prepared))
+        out = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(chunk(out.text, out.finish_reason, out))
@@ -138,6 +153,7 @@ async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     x_justitia_agent: str | None = Header(default=None),
+    tenant: str = Depends(tenant_of),
 ) -> Response:
     service = _service(request)
     _check_model(service, body)
@@ -145,13 +161,14 @@ async def chat_completions(
     tokenizer = getattr(service.engine, "_tokenizer", None)
     prompt = render_chat([m.model_dump() for m in body.messages], tokenizer)
     prepared = service.prepare(rid, prompt, _sampling(body))
+    agent = service.agent_for(_agent_id(x_justitia_agent, body), tenant, prepared, prompt)
     created = now_s()
 
     if body.stream:
 
         async def chunks() -> AsyncIterator[dict]:
             first = True
-            async for out in service.stream(prepared):
+            async for out in service.stream(prepared, agent):
                 delta: dict = {"content": out.delta_text}
                 if first:
                     delta["role"] = "assistant"
@@ -171,7 +188,7 @@ async def chat_completions(
         return _sse(chunks())
 
     try:
-        out = await run_unless_disconnected(request, lambda: _final(service, prepared))
+        out = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(

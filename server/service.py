@@ -6,16 +6,24 @@ scheduler sits between `InferenceService.stream` and the engine.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from server.engine.base import (
     Engine,
     EngineOutput,
-    EngineRequest,
     InvalidRequestError,
     SamplingOptions,
 )
+from server.scheduler import kv_cost
+
+if TYPE_CHECKING:
+    from server.agents import AgentEntry
+    from server.live import LiveScheduler
+
+DEFAULT_AGENT_TYPE = "default"
 
 
 @dataclass(frozen=True)
@@ -38,9 +46,10 @@ def render_chat(messages: Sequence[dict[str, str]], tokenizer: object | None = N
 
 
 class InferenceService:
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, scheduler: LiveScheduler) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.scheduler = scheduler
 
     def prepare(
         self,
@@ -69,11 +78,27 @@ class InferenceService:
             )
         return PreparedRequest(request_id, tuple(ids), sampling)
 
-    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[EngineOutput]:
-        request = EngineRequest(
-            request_id=prepared.request_id,
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling=prepared.sampling,
+    def agent_for(
+        self, agent_id: str | None, tenant: str, prepared: PreparedRequest, prompt_text: str
+    ) -> AgentEntry:
+        """The agent a request belongs to. An untagged request becomes a one-request agent
+        of type `default`, charged exactly what the request can cost, so that any OpenAI
+        client is scheduled fairly without knowing about agents."""
+        if agent_id is not None:
+            entry = self.scheduler.get(agent_id, tenant)
+            self.scheduler.require_live(entry)
+            return entry
+        p, d = len(prepared.prompt_token_ids), prepared.sampling.max_tokens
+        return self.scheduler.register(
+            DEFAULT_AGENT_TYPE, prompt_text, tenant, predicted_cost=kv_cost(p, d), auto=True
         )
-        async for out in self.engine.generate(request):
-            yield out
+
+    async def stream(self, prepared: PreparedRequest, agent: AgentEntry) -> AsyncIterator[EngineOutput]:
+        """The request's outputs, after the scheduler admits it."""
+        run = self.scheduler.run(agent, prepared.request_id, prepared.prompt_token_ids,
+                                 prepared.sampling)
+        # aclosing: if our consumer stops early, the scheduler's generator is closed now
+        # (aborting the engine request) rather than whenever it is garbage collected.
+        async with contextlib.aclosing(run) as outputs:
+            async for out in outputs:
+                yield out

@@ -137,11 +137,16 @@ def is_tiny_model(folder: Path) -> bool:
         return False
 
 
-def default_cache_dir() -> Path:
-    """Where `justitia serve` keeps the embedded model (JUSTITIA_HOME overrides)."""
+def justitia_home() -> Path:
+    """Justitia's own folder: models, history (JUSTITIA_HOME overrides ~/.cache/justitia)."""
     home = os.environ.get("JUSTITIA_HOME")
     base = Path(home) if home else Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "justitia"
-    return base.expanduser() / "models" / TINY_MODEL_NAME
+    return base.expanduser()
+
+
+def default_cache_dir() -> Path:
+    """Where `justitia serve` keeps the embedded model."""
+    return justitia_home() / "models" / TINY_MODEL_NAME
 
 
 def ensure_default_model() -> Path:

@@ -19,8 +19,18 @@ def justitia_home(tmp_path_factory: pytest.TempPathFactory) -> str:
     return home
 
 
+class _External:
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+
 @pytest.fixture(scope="session")
 def server(justitia_home: str):
+    # Developers may point the suite at a server they already run (same KV settings):
+    # JUSTITIA_TEST_URL=http://127.0.0.1:8122 pytest ...
+    if os.environ.get("JUSTITIA_TEST_URL"):
+        yield _External(os.environ["JUSTITIA_TEST_URL"])
+        return
     from server.launcher import EmbeddedServer
 
     srv = EmbeddedServer(

@@ -12,7 +12,7 @@ the engine so that its KV cache is freed. `abort` does the same explicitly.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -99,3 +99,8 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def add_step_listener(self, listener: Callable[[float, float], None]) -> None:
+        """Call `listener(step_seconds, kv_tokens_in_use)` after every busy engine step
+        (the scheduler measures its service rate from these)."""
+        ...

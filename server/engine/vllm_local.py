@@ -36,6 +36,7 @@ class LocalEngineConfig:
     max_num_seqs: int = 256
     kv_cache_space_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     seed: int = 0
+    dtype: str = "auto"
 
 
 def _on_cpu() -> bool:
@@ -62,6 +63,8 @@ class _StatsCollector:
         self.steps_total = 0
         self.iteration_time_s: float | None = None
         self._last_busy_step: float | None = None
+        self.kv_capacity_tokens = 0
+        self.listeners: list = []
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         now = time.monotonic()
@@ -79,6 +82,8 @@ class _StatsCollector:
             if dt < 1.0:
                 prev = self.iteration_time_s
                 self.iteration_time_s = dt if prev is None else 0.9 * prev + 0.1 * dt
+                for listener in self.listeners:
+                    listener(dt, self.kv_usage * self.kv_capacity_tokens)
         self._last_busy_step = now if busy else None
 
     def snapshot(self) -> EngineStats:
@@ -146,6 +151,7 @@ class LocalVLLMEngine:
             block_size=block_size,
             max_num_seqs=cfg.max_num_seqs,
             seed=cfg.seed,
+            dtype=cfg.dtype,
             # The server orders requests itself; vLLM's priority queue keeps engine-side
             # preemptions on the lowest-ranked agent when they happen anyway.
             scheduling_policy="priority",
@@ -179,6 +185,11 @@ class LocalVLLMEngine:
             max_model_len=int(vcfg.model_config.max_model_len),
         )
         self._tokenizer = self._llm.get_tokenizer()
+        self._stats.kv_capacity_tokens = self._info.kv_capacity_tokens
+
+    def add_step_listener(self, listener) -> None:
+        """Call `listener(step_seconds, kv_tokens_in_use)` after every busy engine step."""
+        self._stats.listeners.append(listener)
 
     async def close(self) -> None:
         if self._llm is not None:

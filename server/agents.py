@@ -1,0 +1,103 @@
+"""Agents as the server tracks them: the live entry and the record the API returns.
+
+An agent moves one way through its states:
+
+    queued ──(first request admitted)──▶ running ──▶ finished
+       │                                   │
+       └──────────────┬────────────────────┴──▶ cancelled (DELETE) / expired (lease ran out)
+
+The scheduler core (server/scheduler) owns the agent's tag, costs and ETA while it is live;
+this module owns identity, tenancy, lifecycle and the request log written to the history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+AgentStateName = Literal["queued", "running", "finished", "cancelled", "expired"]
+TERMINAL: frozenset[str] = frozenset({"finished", "cancelled", "expired"})
+
+
+def new_agent_id() -> str:
+    return f"agt-{uuid.uuid4().hex[:16]}"
+
+
+@dataclass
+class RequestLog:
+    """One finished request of an agent, as the history keeps it."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    submitted_s: float  # seconds since the agent's submission
+    admitted_s: float | None
+    finished_s: float
+    finish_reason: str | None
+    preemptions: int = 0
+
+
+@dataclass
+class AgentEntry:
+    id: str
+    type: str
+    tenant: str
+    prompt: str
+    metadata: dict[str, Any]
+    submitted_at: float  # unix seconds
+    submitted_mono: float  # the scheduler's clock (seconds since server start)
+    predicted_cost: float
+    auto: bool = False  # a one-request agent made for an untagged OpenAI request
+    lease_s: float | None = None  # None: the server's lease
+    state: AgentStateName = "queued"
+    finished_at: float | None = None
+    last_activity_mono: float = 0.0
+    in_flight: int = 0
+    requests: list[RequestLog] = field(default_factory=list)
+    consumed_kv_cost: float = 0.0
+    first_eta_s: float | None = None
+    # Frozen at the end so that a finished agent's record stays readable after the
+    # dispatcher forgets it.
+    final_view: dict[str, Any] | None = None
+    version: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def touch(self) -> None:
+        """Something about the agent changed: wake its event streams."""
+        self.version += 1
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class AgentRecord(BaseModel):
+    """The agent record of the HTTP API (DESIGN section 8). Times ending in `_s` are
+    seconds from `submitted_at`; `submitted_at` and `finished_at` are unix seconds."""
+
+    id: str
+    type: str
+    tenant: str
+    state: AgentStateName
+    predicted_cost: float = Field(description="Predicted total KV token-time cost.")
+    virtual_finish: float = Field(description="The agent's GPS virtual finish tag.")
+    consumed_cost: float = Field(description="KV token-time of its finished requests.")
+    charged_cost: float = Field(description="Cost charged to the virtual clock (over-runs add to it).")
+    requests_total: int
+    requests_done: int
+    requests_in_flight: int
+    submitted_at: float
+    fair_finish_s: float = Field(description="GPS finish projected from now, no further arrivals.")
+    eta_s: float = Field(description="Projected finish under the running policy.")
+    delay_bound_s: float = Field(description="Promise: finish by fair_finish_s + delay_bound_s.")
+    deadline_s: float
+    first_eta_s: float | None = Field(default=None, description="ETA given at registration.")
+    finished_at: float | None
+    jct_s: float | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,120 @@
+"""The agent API: register, inspect, watch, finish and cancel agents."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.agents import AgentEntry, AgentRecord
+from server.auth import tenant_of
+from server.live import LiveScheduler
+
+router = APIRouter(tags=["agents"])
+
+MAX_PROMPT_CHARS = 1_000_000
+
+
+class AgentCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:\-]+$",
+                      description="Agent type: selects the cost predictor.")
+    prompt: str = Field(default="", max_length=MAX_PROMPT_CHARS,
+                        description="The text the cost predictor sees.")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    predicted_cost: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
+        description=("The agent's total KV token-time cost, when the caller knows it (trace "
+                     "replays, oracle benchmarks). Default: the server's predictor. Declaring "
+                     "too little gains nothing: over-runs are charged as requests arrive."))
+    lease_s: float | None = Field(
+        default=None, gt=0, le=86_400,
+        description="Expire the agent after this many idle seconds (default: the server's lease).")
+
+
+class AgentList(BaseModel):
+    agents: list[AgentRecord]
+
+
+def _scheduler(request: Request) -> LiveScheduler:
+    return request.app.state.scheduler
+
+
+def _entry(agent_id: str, request: Request, tenant: str) -> AgentEntry:
+    return _scheduler(request).get(agent_id, tenant)
+
+
+@router.post("/v1/agents", status_code=201, response_model=AgentRecord)
+async def register_agent(body: AgentCreate, request: Request,
+                         tenant: str = Depends(tenant_of)) -> AgentRecord:
+    s = _scheduler(request)
+    entry = s.register(body.type, body.prompt, tenant, body.metadata,
+                       predicted_cost=body.predicted_cost, lease_s=body.lease_s)
+    return s.record(entry)
+
+
+@router.get("/v1/agents", response_model=AgentList)
+async def list_agents(request: Request, tenant: str = Depends(tenant_of),
+                      state: str | None = Query(default=None)) -> AgentList:
+    s = _scheduler(request)
+    entries = [e for e in s.list(tenant) if state is None or e.state == state]
+    return AgentList(agents=[s.record(e) for e in entries])
+
+
+@router.get("/v1/agents/{agent_id}", response_model=AgentRecord)
+async def get_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
+    return _scheduler(request).record(_entry(agent_id, request, tenant))
+
+
+@router.get("/v1/agents/{agent_id}/events")
+async def agent_events(agent_id: str, request: Request,
+                       tenant: str = Depends(tenant_of)) -> StreamingResponse:
+    s = _scheduler(request)
+    entry = _entry(agent_id, request, tenant)
+
+    async def stream() -> AsyncIterator[str]:
+        async for record in s.events(entry):
+            if record is None:
+                yield ": keep-alive\n\n"
+            else:
+                yield f"event: agent\ndata: {json.dumps(record.model_dump())}\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+@router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord)
+async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
+    s = _scheduler(request)
+    return s.record(s.finish(_entry(agent_id, request, tenant)))
+
+
+@router.delete("/v1/agents/{agent_id}", response_model=AgentRecord)
+async def cancel_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
+    s = _scheduler(request)
+    return s.record(await s.cancel(_entry(agent_id, request, tenant)))
+
+
+@router.get("/v1/scheduler", tags=["operations"])
+async def scheduler_snapshot(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    snap = _scheduler(request).snapshot()
+    # Other tenants' agents appear in the queue by position only, not by id.
+    own = {e.id for e in _scheduler(request).list(tenant)}
+    for item in snap["queue"]:
+        if item["agent_id"] not in own:
+            item["agent_id"] = None
+    return snap
+
+
+@router.get("/v1/history", tags=["operations"])
+async def history_samples(request: Request, tenant: str = Depends(tenant_of),
+                          agent_type: str | None = Query(default=None),
+                          limit: int = Query(default=10_000, ge=1, le=100_000)) -> dict:
+    """Finished agents of the caller's tenant as predictor training samples."""
+    history = request.app.state.history
+    return {"samples": history.samples(agent_type, tenant=tenant, limit=limit)}

@@ -1,0 +1,106 @@
+"""The history of completed agents: an embedded SQLite file that survives restarts.
+
+Every finished agent is written once, with its prompt, the p and d of each of its
+requests, its real cost and its timings. `justitia train-predictor --from-server URL`
+reads it back as training samples (`GET /v1/history`).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from server.agents import AgentEntry
+from server.scheduler.cost import kv_cost
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS agents (
+    id TEXT PRIMARY KEY,
+    type TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    state TEXT NOT NULL,
+    prompt TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    submitted_at REAL NOT NULL,
+    finished_at REAL,
+    predicted_cost REAL NOT NULL,
+    cost REAL NOT NULL,
+    n_requests INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    requests TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS agents_type ON agents(type, state);
+"""
+
+
+class History:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def record(self, entry: AgentEntry) -> None:
+        reqs = entry.requests
+        cost = sum(kv_cost(r.prompt_tokens, r.output_tokens) for r in reqs)
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO agents VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    entry.id, entry.type, entry.tenant, entry.state, entry.prompt,
+                    json.dumps(entry.metadata), entry.submitted_at, entry.finished_at,
+                    entry.predicted_cost, cost, len(reqs),
+                    sum(r.prompt_tokens for r in reqs), sum(r.output_tokens for r in reqs),
+                    json.dumps([asdict(r) for r in reqs]),
+                ),
+            )
+
+    def samples(self, agent_type: str | None = None, tenant: str | None = None,
+                limit: int = 100_000) -> list[dict[str, Any]]:
+        """Finished agents as predictor training samples (the samples file format)."""
+        sql = ("SELECT type, prompt, cost, n_requests, prompt_tokens, output_tokens, id "
+               "FROM agents WHERE state = 'finished' AND n_requests > 0")
+        args: list[Any] = []
+        if agent_type is not None:
+            sql += " AND type = ?"
+            args.append(agent_type)
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            args.append(tenant)
+        sql += " ORDER BY submitted_at LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [
+            {
+                "agent_type": t, "prompt": prompt, "cost": cost, "agent_id": agent_id,
+                "features": {"n_requests": n, "prompt_tokens": p, "output_tokens": d},
+            }
+            for t, prompt, cost, n, p, d, agent_id in rows
+        ]
+
+    def get(self, agent_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            cur = self._db.execute("SELECT * FROM agents WHERE id = ?", (agent_id,))
+            row = cur.fetchone()
+            names = [c[0] for c in cur.description]
+        if row is None:
+            return None
+        rec = dict(zip(names, row))
+        rec["metadata"] = json.loads(rec["metadata"])
+        rec["requests"] = json.loads(rec["requests"])
+        return rec
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM agents").fetchone()[0])

@@ -1,0 +1,428 @@
+"""The live scheduler: the scheduler core driven by real time, in front of a real engine.
+
+Requests wait here, not in the engine. Each submitted request holds a ticket; after every
+event (a request submitted, a request finished, an agent cancelled) the dispatcher is asked
+which requests to admit now, and their tickets open. An admitted request goes to the engine
+with an int priority from its agent's rank, so that if the engine must preempt anyway it
+preempts the lowest-ranked agent.
+
+Everything here runs on the server's single event loop, so the dispatcher (which is not
+thread-safe) is only touched from there and needs no lock. The clock is read here and only
+here; the dispatcher gets `now` as an argument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.agents import AgentEntry, AgentRecord, RequestLog, new_agent_id
+from server.engine.base import Engine, EngineError, EngineOutput, EngineRequest
+from server.scheduler import AgentShape, Dispatcher, RequestSpec, kv_cost
+from server.scheduler.policies import FOOTPRINT
+from server.scheduler.rate import TauEstimator
+
+log = logging.getLogger("justitia.live")
+
+
+class AgentNotFound(LookupError):
+    pass
+
+
+class AgentConflict(Exception):
+    """The agent's state does not allow the call (finished, cancelled, requests in flight)."""
+
+
+@dataclass
+class _Ticket:
+    request_id: str
+    agent: AgentEntry
+    prompt_tokens: int
+    submitted: float
+    opened: asyncio.Event = field(default_factory=asyncio.Event)
+    admitted: float | None = None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    policy: str = "justitia"
+    initial_tau_s: float = 0.01
+    lease_s: float = 600.0  # an agent idle this long without finish expires
+    retention_s: float = 3600.0  # terminal agents stay readable this long
+    max_num_seqs: int = 256
+    housekeeping_s: float = 1.0
+
+
+class LiveScheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        config: LiveConfig,
+        *,
+        predictors: Any = None,
+        history: Any = None,
+        metrics: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.predictors = predictors
+        self.history = history
+        self.metrics = metrics
+        self._clock = clock
+        self._wall = wall
+        self._t0 = clock()
+        self.agents: dict[str, AgentEntry] = {}
+        self._tickets: dict[str, _Ticket] = {}
+        self._task: asyncio.Task | None = None
+        self.dispatcher = Dispatcher(
+            config.policy,
+            kv_capacity_tokens=engine.info.kv_capacity_tokens,
+            iteration_time_s=config.initial_tau_s,
+            now=0.0,
+        )
+        # R = M / tau must be the rate the engine really serves with the memory it fills,
+        # not M over the raw step time (see server/scheduler/rate.py).
+        self.tau = TauEstimator(engine.info.kv_capacity_tokens, config.initial_tau_s)
+        add_listener = getattr(engine, "add_step_listener", None)
+        if add_listener is not None:
+            add_listener(self._on_engine_step)
+
+    def _on_engine_step(self, duration_s: float, kv_in_use: float) -> None:
+        footprint = self.dispatcher.policy.admission == FOOTPRINT
+        reserved = self.dispatcher.reserved_kv if footprint else None
+        self.tau.observe_step(duration_s, kv_in_use, reserved)
+
+    # -- time ---------------------------------------------------------------------
+    def now(self) -> float:
+        """The scheduler's clock: seconds since the server started."""
+        return self._clock() - self._t0
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._housekeeping(), name="justitia-housekeeping")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_waiting(EngineError("the server is shutting down"))
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.housekeeping_s)
+            try:
+                self._update_tau()
+                await self._expire_idle_agents()
+                self._prune()
+                if not self.engine.healthy:
+                    self._fail_waiting(EngineError("the engine is not running"))
+            except Exception:  # housekeeping must survive anything one round throws
+                log.exception("housekeeping round failed")
+
+    def _update_tau(self) -> None:
+        tau = self.tau.tau_s
+        if abs(tau - self.dispatcher.tau) > 0.02 * self.dispatcher.tau:
+            self.dispatcher.set_iteration_time(tau, self.now())
+
+    def _fail_waiting(self, error: Exception) -> None:
+        for ticket in self._tickets.values():
+            if ticket.admitted is None and not ticket.opened.is_set():
+                ticket.error = error
+                ticket.opened.set()
+
+    # -- agents -------------------------------------------------------------------
+    def register(
+        self,
+        agent_type: str,
+        prompt: str,
+        tenant: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        predicted_cost: float | None = None,
+        auto: bool = False,
+        lease_s: float | None = None,
+    ) -> AgentEntry:
+        now = self.now()
+        metadata = dict(metadata or {})
+        if predicted_cost is None:
+            predicted_cost = self._predict(agent_type, prompt, metadata)
+        agent_id = new_agent_id()
+        view = self.dispatcher.register_agent(
+            agent_id, predicted_cost, now, agent_type=agent_type, shape=_shape(metadata)
+        )
+        entry = AgentEntry(
+            id=agent_id,
+            type=agent_type,
+            tenant=tenant,
+            prompt=prompt,
+            metadata=metadata,
+            submitted_at=self._wall(),
+            submitted_mono=now,
+            predicted_cost=predicted_cost,
+            auto=auto,
+            lease_s=lease_s,
+            last_activity_mono=now,
+            first_eta_s=view.eta_s,
+        )
+        self.agents[agent_id] = entry
+        if self.metrics:
+            self.metrics.agent_registered(entry)
+        return entry
+
+    def _predict(self, agent_type: str, prompt: str, metadata: dict[str, Any]) -> float:
+        features = metadata.get("features") if isinstance(metadata.get("features"), dict) else None
+        if self.predictors is not None:
+            try:
+                return float(self.predictors.predict(agent_type, prompt, features))
+            except Exception:
+                log.exception("predictor for %r failed; using the request-size fallback", agent_type)
+        # No predictor: a one-request agent of the prompt's size with 256 output tokens.
+        p = max(1, len(prompt) // 4)
+        return kv_cost(p, 256)
+
+    def get(self, agent_id: str, tenant: str) -> AgentEntry:
+        entry = self.agents.get(agent_id)
+        # Another tenant's agent is reported as unknown: its existence is not theirs to learn.
+        if entry is None or entry.tenant != tenant:
+            raise AgentNotFound(f"no agent {agent_id!r}")
+        return entry
+
+    def list(self, tenant: str) -> list[AgentEntry]:
+        return [a for a in self.agents.values() if a.tenant == tenant]
+
+    def record(self, entry: AgentEntry) -> AgentRecord:
+        if entry.final_view is not None:
+            view = entry.final_view
+        else:
+            view = self._view(entry)
+        jct = entry.finished_at - entry.submitted_at if entry.state == "finished" and entry.finished_at else None
+        return AgentRecord(
+            id=entry.id,
+            type=entry.type,
+            tenant=entry.tenant,
+            state=entry.state,
+            predicted_cost=entry.predicted_cost,
+            consumed_cost=entry.consumed_kv_cost,
+            requests_in_flight=entry.in_flight,
+            submitted_at=entry.submitted_at,
+            finished_at=entry.finished_at,
+            first_eta_s=entry.first_eta_s,
+            jct_s=jct,
+            metadata=entry.metadata,
+            **view,
+        )
+
+    def _view(self, entry: AgentEntry) -> dict[str, Any]:
+        v = self.dispatcher.view(entry.id, self.now())
+        return {
+            "virtual_finish": v.virtual_finish,
+            "charged_cost": v.charged_cost,
+            "requests_total": v.requests_total,
+            "requests_done": v.requests_done,
+            "fair_finish_s": v.fair_finish_s,
+            "eta_s": v.eta_s,
+            "delay_bound_s": v.delay_bound_s,
+            "deadline_s": v.deadline_s,
+        }
+
+    def finish(self, entry: AgentEntry) -> AgentEntry:
+        self.require_live(entry)
+        if entry.in_flight:
+            raise AgentConflict(
+                f"agent {entry.id} has {entry.in_flight} requests in flight; wait for them "
+                "or cancel the agent"
+            )
+        self._close(entry, "finished")
+        return entry
+
+    async def cancel(self, entry: AgentEntry) -> AgentEntry:
+        self.require_live(entry)
+        await self._cancel(entry, "cancelled")
+        return entry
+
+    async def _cancel(self, entry: AgentEntry, state: str) -> None:
+        entry.final_view = self._view(entry)
+        running = self.dispatcher.cancel_agent(entry.id, self.now())
+        self._close(entry, state, forget=False)
+        for ticket in list(self._tickets.values()):
+            if ticket.agent is entry and ticket.admitted is None:
+                ticket.error = AgentConflict(f"agent {entry.id} was {state}")
+                ticket.opened.set()
+        for request_id in running:
+            # The engine ends the request with finish_reason "abort" and frees its KV.
+            await self.engine.abort(request_id)
+        self._pump()
+
+    def require_live(self, entry: AgentEntry) -> None:
+        if entry.terminal:
+            raise AgentConflict(f"agent {entry.id} is {entry.state}")
+
+    def _close(self, entry: AgentEntry, state: str, forget: bool = True) -> None:
+        if forget:
+            entry.final_view = self._view(entry)
+            self.dispatcher.finish_agent(entry.id, self.now())
+        entry.state = state  # type: ignore[assignment]
+        entry.finished_at = self._wall()
+        entry.last_activity_mono = self.now()
+        if self.history is not None:
+            try:
+                self.history.record(entry)
+            except Exception:
+                log.exception("could not write agent %s to the history", entry.id)
+        if state == "finished" and entry.requests:
+            features = {
+                "n_requests": len(entry.requests),
+                "output_tokens": sum(r.output_tokens for r in entry.requests),
+                "prompt_tokens": sum(r.prompt_tokens for r in entry.requests),
+            }
+            if self.predictors is not None:
+                self.predictors.observe(entry.type, entry.prompt, entry.consumed_kv_cost, features)
+        if self.metrics:
+            self.metrics.agent_closed(entry)
+        entry.touch()
+
+    async def _expire_idle_agents(self) -> None:
+        now = self.now()
+        for entry in list(self.agents.values()):
+            lease = entry.lease_s or self.config.lease_s
+            if not entry.terminal and entry.in_flight == 0 and now - entry.last_activity_mono > lease:
+                log.info("agent %s expired after %.0f s without activity", entry.id,
+                         now - entry.last_activity_mono)
+                await self._cancel(entry, "expired")
+
+    def _prune(self) -> None:
+        now = self.now()
+        for agent_id, entry in list(self.agents.items()):
+            if entry.terminal and now - entry.last_activity_mono > self.config.retention_s:
+                del self.agents[agent_id]
+
+    # -- requests -----------------------------------------------------------------
+    async def run(
+        self,
+        entry: AgentEntry,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: Any,
+    ) -> AsyncIterator[EngineOutput]:
+        """Queue one request of `entry`, wait for admission, then stream it from the engine.
+
+        Whatever ends the request (completion, a cancelled consumer, the agent's cancel,
+        an engine error) its real usage is accounted and the next requests are admitted.
+        """
+        self.require_live(entry)
+        now = self.now()
+        p = len(prompt_token_ids)
+        spec = RequestSpec(request_id, entry.id, prompt_tokens=p, max_tokens=sampling.max_tokens)
+        ticket = _Ticket(request_id, entry, p, submitted=now)
+        self._tickets[request_id] = ticket
+        self.dispatcher.submit(spec, now)
+        entry.in_flight += 1
+        entry.last_activity_mono = now
+        entry.touch()
+        last: EngineOutput | None = None
+        try:
+            self._pump()
+            await ticket.opened.wait()
+            if ticket.error is not None:
+                raise ticket.error
+            if entry.state == "queued":
+                entry.state = "running"
+                entry.touch()
+            request = EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling=sampling,
+                priority=self.dispatcher.priority(entry.id, request_id),
+            )
+            async for out in self.engine.generate(request):
+                last = out
+                yield out
+            if entry.state == "cancelled" or entry.state == "expired":
+                raise AgentConflict(f"agent {entry.id} was {entry.state}")
+        finally:
+            self._settle(ticket, last)
+
+    def _settle(self, ticket: _Ticket, last: EngineOutput | None) -> None:
+        entry = ticket.agent
+        now = self.now()
+        self._tickets.pop(ticket.request_id, None)
+        d = last.output_tokens if last is not None else 0
+        if ticket.request_id in self.dispatcher.requests:
+            self.dispatcher.on_request_finished(ticket.request_id, ticket.prompt_tokens, d, now)
+        entry.in_flight -= 1
+        entry.last_activity_mono = now
+        if ticket.admitted is not None:
+            entry.requests.append(RequestLog(
+                request_id=ticket.request_id,
+                prompt_tokens=ticket.prompt_tokens,
+                output_tokens=d,
+                submitted_s=ticket.submitted - entry.submitted_mono,
+                admitted_s=ticket.admitted - entry.submitted_mono,
+                finished_s=now - entry.submitted_mono,
+                finish_reason=last.finish_reason if last is not None else None,
+                preemptions=last.num_preemptions if last is not None else 0,
+            ))
+            entry.consumed_kv_cost += kv_cost(ticket.prompt_tokens, d)
+        if self.metrics and last is not None:
+            self.metrics.request_finished(last)
+        entry.touch()
+        if entry.auto and not entry.terminal and entry.in_flight == 0:
+            self._close(entry, "finished")
+        self._pump()
+
+    def _pump(self) -> None:
+        """Admit what the policy allows now and open those tickets."""
+        d = self.dispatcher
+        slots = self.config.max_num_seqs - d.running_count
+        if slots <= 0 or d.pending_count == 0:
+            return
+        now = self.now()
+        for spec in d.admit(now, engine_free_slots=slots):
+            ticket = self._tickets.get(spec.request_id)
+            if ticket is not None:
+                ticket.admitted = now
+                ticket.opened.set()
+
+    # -- observation ----------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        snap = self.dispatcher.snapshot(self.now())
+        stats = self.engine.stats()
+        snap["engine"] = {
+            "kv_usage": stats.kv_usage,
+            "running": stats.running,
+            "waiting": stats.waiting,
+            "preemptions_total": stats.preemptions_total,
+            "iteration_time_s": stats.iteration_time_s,
+        }
+        return snap
+
+    async def events(self, entry: AgentEntry, heartbeat_s: float = 15.0) -> AsyncIterator[AgentRecord | None]:
+        """The record now and after every change, until the agent ends (None: heartbeat)."""
+        while True:
+            changed = entry.changed
+            yield self.record(entry)
+            if entry.terminal:
+                return
+            try:
+                await asyncio.wait_for(changed.wait(), heartbeat_s)
+            except asyncio.TimeoutError:
+                yield None
+
+
+def _shape(metadata: dict[str, Any]) -> AgentShape | None:
+    """An agent may declare its structure (`stages`, `critical_path_tokens`) in its
+    metadata; the bound then covers its own critical path instead of a one-stage guess."""
+    stages = metadata.get("stages")
+    cp = metadata.get("critical_path_tokens")
+    if isinstance(stages, int) and stages >= 1:
+        return AgentShape(stages=stages, critical_path_tokens=cp if isinstance(cp, int) else None)
+    return None

@@ -1,0 +1,108 @@
+"""Prometheus metrics (`GET /metrics`).
+
+Counters and histograms are updated as events happen; gauges of the scheduler's state
+(queue depth, V, reserved KV...) are read from the live scheduler at scrape time, so they
+are never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from server.agents import AgentEntry
+    from server.engine.base import EngineOutput
+    from server.live import LiveScheduler
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _SchedulerCollector:
+    def __init__(self) -> None:
+        self.scheduler: LiveScheduler | None = None
+
+    def collect(self):
+        s = self.scheduler
+        if s is None:
+            return
+        d = s.dispatcher
+        d.clock.advance(s.now())
+        stats = s.engine.stats()
+        values = {
+            "justitia_pending_requests": ("Requests waiting in the scheduler.", d.pending_count),
+            "justitia_running_requests": ("Requests admitted to the engine.", d.running_count),
+            "justitia_reserved_kv_tokens": ("KV tokens reserved by admitted requests.", d.reserved_kv),
+            "justitia_kv_capacity_tokens": ("KV capacity M in tokens.", d.kv_capacity),
+            "justitia_virtual_time": ("The GPS virtual clock V.", d.clock.V),
+            "justitia_gps_backlog": ("Agents backlogged in the GPS reference system.", d.clock.backlog),
+            "justitia_iteration_time_seconds": ("Measured engine iteration time tau.", d.tau),
+            "justitia_engine_kv_usage": ("Engine KV cache usage (0-1).", stats.kv_usage),
+            "justitia_engine_preemptions": ("Engine preemptions so far.", stats.preemptions_total),
+        }
+        for name, (doc, value) in values.items():
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g
+        states = GaugeMetricFamily("justitia_agents", "Agents known to the server.", labels=["state"])
+        counts: dict[str, int] = {}
+        for a in s.agents.values():
+            counts[a.state] = counts.get(a.state, 0) + 1
+        for state in ("queued", "running", "finished", "cancelled", "expired"):
+            states.add_metric([state], counts.get(state, 0))
+        yield states
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._collector = _SchedulerCollector()
+        self.registry.register(self._collector)
+        self.agents_total = Counter("justitia_agents_registered", "Agents registered.",
+                                    ["type"], registry=self.registry)
+        self.requests_total = Counter("justitia_requests", "Requests finished, by reason.",
+                                      ["finish_reason"], registry=self.registry)
+        self.tokens_total = Counter("justitia_tokens", "Tokens processed.", ["kind"],
+                                    registry=self.registry)
+        self.jct = Histogram("justitia_agent_jct_seconds", "Job completion time of finished agents.",
+                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000),
+                             registry=self.registry)
+        self.prediction_error = Histogram(
+            "justitia_prediction_relative_error", "|predicted - actual| / actual per finished agent.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=self.registry)
+
+    def bind(self, scheduler: LiveScheduler) -> None:
+        self._collector.scheduler = scheduler
+
+    def agent_registered(self, entry: AgentEntry) -> None:
+        self.agents_total.labels(entry.type).inc()
+
+    def agent_closed(self, entry: AgentEntry) -> None:
+        if entry.state != "finished" or entry.finished_at is None:
+            return
+        self.jct.observe(entry.finished_at - entry.submitted_at)
+        actual = entry.consumed_kv_cost
+        if actual > 0:
+            self.prediction_error.observe(abs(entry.predicted_cost - actual) / actual)
+
+    def request_finished(self, out: EngineOutput) -> None:
+        self.requests_total.labels(out.finish_reason or "error").inc()
+        self.tokens_total.labels("prompt").inc(out.prompt_tokens)
+        self.tokens_total.labels("output").inc(out.output_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def metric_value(text: str, name: str, labels: dict[str, Any] | None = None) -> float | None:
+    """Read one sample from an exposition text (used by tests and the CLI)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and (labels is None or all(
+                    sample.labels.get(k) == str(v) for k, v in labels.items())):
+                return float(sample.value)
+    return None

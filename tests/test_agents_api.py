@@ -1,0 +1,289 @@
+"""The agent API and live scheduling on the real vLLM CPU engine (tiny model, small KV)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from server.metrics import metric_value
+from server.scheduler import kv_cost
+from tests.conftest import ENGINE_KV_TOKENS
+
+RECORD_FIELDS = {
+    "id", "type", "state", "predicted_cost", "virtual_finish", "consumed_cost", "requests_total",
+    "requests_done", "submitted_at", "fair_finish_s", "eta_s", "delay_bound_s", "deadline_s",
+    "finished_at",
+}
+
+
+def register(client: httpx.Client, type_: str = "test_agent", prompt: str = "check this claim",
+             **extra) -> dict:
+    r = client.post("/v1/agents", json={"type": type_, "prompt": prompt, **extra})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def complete(client: httpx.Client, agent_id: str | None, max_tokens: int, prompt: str = "hello",
+             **extra) -> httpx.Response:
+    headers = {"X-Justitia-Agent": agent_id} if agent_id else {}
+    return client.post("/v1/completions", headers=headers,
+                       json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                             **extra})
+
+
+def wait_until(predicate, limit_s: float = 60.0, every_s: float = 0.05, show=None):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"condition not reached; state: {show() if show else None}")
+
+
+def scheduler_idle(client: httpx.Client) -> bool:
+    snap = client.get("/v1/scheduler").json()
+    return snap["pending_requests"] == 0 and snap["running_requests"] == 0 and snap["reserved_kv"] == 0
+
+
+def test_register_returns_a_complete_record(client: httpx.Client) -> None:
+    rec = register(client, prompt="verify: the river flows through three countries")
+    assert RECORD_FIELDS <= rec.keys()
+    assert rec["state"] == "queued"
+    assert rec["predicted_cost"] > 0
+    assert rec["virtual_finish"] > 0
+    assert rec["fair_finish_s"] > 0 and rec["eta_s"] > 0 and rec["delay_bound_s"] > 0
+    assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"])
+    assert rec["finished_at"] is None
+    assert client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
+    assert rec["id"] in {a["id"] for a in client.get("/v1/agents").json()["agents"]}
+    client.delete(f"/v1/agents/{rec['id']}")
+
+
+def test_agent_lifecycle_accounts_every_request(client: httpx.Client) -> None:
+    rec = register(client, type_="lifecycle_agent")
+    sizes = [(5, 8), (9, 3), (20, 12)]
+    prompt_tokens = []
+    for words, n in sizes:
+        r = complete(client, rec["id"], n, prompt="word " * words)
+        assert r.status_code == 200, r.text
+        prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
+    mid = client.get(f"/v1/agents/{rec['id']}").json()
+    assert mid["state"] == "running"
+    assert mid["requests_total"] == mid["requests_done"] == 3
+    expected = sum(kv_cost(p, d) for p, (_, d) in zip(prompt_tokens, sizes))
+    assert mid["consumed_cost"] == pytest.approx(expected)
+
+    done = client.post(f"/v1/agents/{rec['id']}/finish").json()
+    assert done["state"] == "finished"
+    assert done["finished_at"] >= done["submitted_at"]
+    assert done["jct_s"] == pytest.approx(done["finished_at"] - done["submitted_at"])
+
+    samples = client.get("/v1/history", params={"agent_type": "lifecycle_agent"}).json()["samples"]
+    mine = [s for s in samples if s["agent_id"] == rec["id"]]
+    assert len(mine) == 1
+    assert mine[0]["cost"] == pytest.approx(expected)
+    assert mine[0]["features"]["n_requests"] == 3
+    assert mine[0]["features"]["output_tokens"] == sum(d for _, d in sizes)
+
+
+def test_unknown_and_closed_agents_are_refused(client: httpx.Client) -> None:
+    r = complete(client, "agt-doesnotexist", 2)
+    assert r.status_code == 404 and "agt-doesnotexist" in r.json()["detail"]
+    assert client.get("/v1/agents/agt-doesnotexist").status_code == 404
+    assert client.post("/v1/agents/agt-doesnotexist/finish").status_code == 404
+
+    rec = register(client)
+    assert client.post(f"/v1/agents/{rec['id']}/finish").status_code == 200
+    r = complete(client, rec["id"], 2)
+    assert r.status_code == 409 and "finished" in r.json()["detail"]
+    assert client.post(f"/v1/agents/{rec['id']}/finish").status_code == 409
+    assert client.delete(f"/v1/agents/{rec['id']}").status_code == 409
+
+
+def test_bad_registrations_are_400(client: httpx.Client) -> None:
+    for body in ({"prompt": "no type"}, {"type": "", "prompt": "x"},
+                 {"type": "has space", "prompt": "x"}, {"type": "t", "prompt": 5},
+                 {"type": "t", "lease_s": -1}):
+        r = client.post("/v1/agents", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert isinstance(r.json()["detail"], str)
+
+
+def test_header_and_body_agent_ids_must_agree(client: httpx.Client) -> None:
+    a, b = register(client), register(client)
+    r = client.post("/v1/completions", headers={"X-Justitia-Agent": a["id"]},
+                    json={"prompt": "x", "max_tokens": 2, "agent_id": b["id"]})
+    assert r.status_code == 400
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "agent_id": b["id"]})
+    assert r.status_code == 200
+    assert client.get(f"/v1/agents/{b['id']}").json()["requests_done"] == 1
+    for x in (a, b):
+        client.delete(f"/v1/agents/{x['id']}")
+
+
+def test_untagged_request_becomes_a_default_agent(client: httpx.Client) -> None:
+    before = {a["id"] for a in client.get("/v1/agents").json()["agents"]}
+    assert complete(client, None, 4).status_code == 200
+    new = [a for a in client.get("/v1/agents").json()["agents"] if a["id"] not in before]
+    assert len(new) == 1
+    assert new[0]["type"] == "default" and new[0]["state"] == "finished"
+    assert new[0]["requests_done"] == 1
+
+
+def test_smaller_tag_is_admitted_first_under_contention(client: httpx.Client, server) -> None:
+    """Four streaming blocker requests fill the KV cache (footprint p + max_tokens = 1000
+    tokens each, of 4096). A large agent, then a small one, queue behind them. Closing one
+    blocker frees room for exactly one request: the small agent (smaller virtual finish tag)
+    must get it although it arrived last, so it finishes first."""
+    blocker = register(client, prompt="blocker")
+    request_cost = kv_cost(900, 100)
+    big = register(client, prompt="long document", predicted_cost=10 * request_cost)
+    small = register(client, prompt="short", predicted_cost=request_cost)
+    assert small["virtual_finish"] < big["virtual_finish"]
+    finished: list[str] = []
+    lock = threading.Lock()
+    release = [threading.Event() for _ in range(4)]
+
+    def hold(ev: threading.Event) -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            body = {"prompt": [5] * 100, "max_tokens": 900, "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body,
+                          headers={"X-Justitia-Agent": blocker["id"]}) as r:
+                assert r.status_code == 200, r.read()
+                for _ in r.iter_lines():
+                    if ev.is_set():
+                        break
+
+    def run(agent: dict, name: str) -> None:
+        r = complete(client, agent["id"], 100, prompt=[5] * 900)
+        assert r.status_code == 200, r.text
+        with lock:
+            finished.append(name)
+
+    def snapshot() -> dict:
+        return client.get("/v1/scheduler").json()
+
+    with ThreadPoolExecutor(6) as pool:
+        holders = [pool.submit(hold, ev) for ev in release]
+        wait_until(lambda: snapshot()["running_requests"] == 4, show=snapshot)
+        runs = [pool.submit(run, big, "big")]
+        wait_until(lambda: snapshot()["pending_requests"] == 1, show=snapshot)
+        runs.append(pool.submit(run, small, "small"))
+        wait_until(lambda: snapshot()["pending_requests"] == 2, show=snapshot)
+        release[0].set()  # one blocker leaves: room for one request
+        wait_until(lambda: finished, 120)
+        for ev in release:
+            ev.set()
+        for f in holders + runs:
+            f.result(timeout=300)
+    assert finished == ["small", "big"]
+    for a in (blocker, big, small):
+        client.post(f"/v1/agents/{a['id']}/finish")
+    wait_until(lambda: scheduler_idle(client))
+
+
+def test_justitia_keeps_the_engine_free_of_preemptions(client: httpx.Client) -> None:
+    """Accurate footprints (ignore_eos: d = max_tokens) and non-preemptive admission: many
+    agents over-subscribe the KV cache several times, and vLLM never has to preempt."""
+    before = metric_value(client.get("/metrics").text, "justitia_engine_preemptions")
+    agents = [register(client, prompt=f"agent {i} " * (i + 1)) for i in range(6)]
+
+    def run(agent: dict) -> int:
+        total = 0
+        for _ in range(2):
+            r = complete(client, agent["id"], 150, prompt=[7] * 300)
+            assert r.status_code == 200, r.text
+            total += r.json()["usage"]["completion_tokens"]
+        return total
+
+    with ThreadPoolExecutor(12) as pool:
+        totals = list(pool.map(run, agents + agents))
+    assert totals == [300] * 12
+    after = metric_value(client.get("/metrics").text, "justitia_engine_preemptions")
+    assert after == before
+    for a in agents:
+        assert client.post(f"/v1/agents/{a['id']}/finish").json()["requests_done"] == 4
+    wait_until(lambda: scheduler_idle(client))
+
+
+def test_cancel_aborts_running_and_queued_requests(client: httpx.Client) -> None:
+    rec = register(client)
+    results: list[httpx.Response] = []
+
+    def run() -> None:
+        results.append(complete(client, rec["id"], 900, prompt=[5] * 100))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["requests_total"] == 3)
+    wait_until(lambda: client.get("/v1/scheduler").json()["running_requests"] >= 1)
+    r = client.delete(f"/v1/agents/{rec['id']}")
+    assert r.status_code == 200 and r.json()["state"] == "cancelled"
+    for t in threads:
+        t.join(120)
+    assert [x.status_code for x in results] == [409, 409, 409]
+    wait_until(lambda: scheduler_idle(client))
+    wait_until(lambda: client.get("/v1/scheduler").json()["engine"]["running"] == 0, 30)
+
+
+def test_client_disconnect_aborts_its_request(client: httpx.Client, server) -> None:
+    rec = register(client)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", headers={"X-Justitia-Agent": rec["id"]},
+                   json={"prompt": "x " * 50, "max_tokens": 900, "ignore_eos": True},
+                   timeout=httpx.Timeout(120, read=0.5))
+    # The request is gone from the scheduler and the engine long before 900 tokens.
+    wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["requests_in_flight"] == 0, 20)
+    done = client.get(f"/v1/agents/{rec['id']}").json()
+    assert done["requests_done"] == 1
+    hist_cost = done["consumed_cost"]
+    assert hist_cost < kv_cost(60, 900)
+    wait_until(lambda: scheduler_idle(client))
+    client.post(f"/v1/agents/{rec['id']}/finish")
+
+
+def test_events_stream_follows_the_agent_to_its_end(client: httpx.Client, server) -> None:
+    rec = register(client)
+    events: list[dict] = []
+
+    def listen() -> None:
+        with httpx.stream("GET", f"{server.url}/v1/agents/{rec['id']}/events", timeout=60) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+
+    t = threading.Thread(target=listen)
+    t.start()
+    wait_until(lambda: events)
+    assert complete(client, rec["id"], 3).status_code == 200
+    client.post(f"/v1/agents/{rec['id']}/finish")
+    t.join(30)
+    assert not t.is_alive()
+    assert events[0]["state"] == "queued"
+    assert events[-1]["state"] == "finished"
+    assert max(e["requests_done"] for e in events) == 1
+
+
+def test_idle_agent_expires_after_its_lease(client: httpx.Client) -> None:
+    rec = register(client, lease_s=1.0)
+    assert complete(client, rec["id"], 2).status_code == 200
+    wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["state"] == "expired", 30)
+    assert complete(client, rec["id"], 2).status_code == 409
+
+
+def test_scheduler_snapshot_and_metrics(client: httpx.Client) -> None:
+    snap = client.get("/v1/scheduler").json()
+    assert snap["policy"] == "justitia"
+    assert snap["M"] == ENGINE_KV_TOKENS
+    assert snap["tau"] > 0 and snap["V"] >= 0
+    text = client.get("/metrics").text
+    assert metric_value(text, "justitia_kv_capacity_tokens") == ENGINE_KV_TOKENS
+    assert metric_value(text, "justitia_agents", {"state": "finished"}) is not None
