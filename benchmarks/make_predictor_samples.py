@@ -2,6 +2,13 @@
 
     python benchmarks/make_predictor_samples.py --data /work/shared/data --out /tmp/predictor_samples.jsonl
 
+or profile the SDK's example agents on a live server (what made the committed
+predictors/data/example_agents_profiled.jsonl.gz; their inputs are project-written texts):
+
+    justitia serve --port 8765 --kv-tokens 16384 &
+    python benchmarks/make_predictor_samples.py --profile-examples http://127.0.0.1:8765 \
+        --per-type 125 --out predictors/data/example_agents_profiled.jsonl.gz
+
 The output embeds text from corpora (WikiText-2, FEVER, GSM8K, HumanEval, GoT doc_merge) and
 must not be committed. How each sample's cost is obtained (no LLM is run):
 
@@ -138,14 +145,50 @@ def build(data: Path, n: int, seed: int) -> list[Sample]:
     return out
 
 
+def profile_examples(server: str, per_type: int, seed: int, concurrency: int = 8) -> list[Sample]:
+    """Run the SDK's example agents (examples/) on a live server and measure their costs.
+
+    Inputs come from examples/generate_inputs.py's generators (texts written for the
+    project, recombined with ``seed``); costs are what the server measured (the token counts
+    of every request the engine ran). Output lengths are whatever the served model wrote.
+    """
+    import random
+
+    import justitia_sdk
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import importlib
+
+    gen = importlib.import_module("generate_inputs")
+    out: list[Sample] = []
+    for name, make in gen.GENERATORS.items():
+        module = importlib.import_module(name)  # registers the @agent
+        del module
+        agent = justitia_sdk.get_agent(name)
+        rng = random.Random(f"profile-{seed}-{name}")
+        inputs = [make(rng) for _ in range(per_type)]
+        rows = justitia_sdk.profile_agent(agent, inputs, server=server, concurrency=concurrency)
+        for r in rows:
+            feats = {k: v for k, v in (r.get("features") or {}).items()}
+            out.append(Sample(agent_type=r["agent_type"], prompt=r["prompt"], cost=r["cost"], features=feats))
+        print(f"{name}: {len(rows)} of {per_type} runs finished", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="../shared/data", help="folder of the public data (see its README)")
     ap.add_argument("--out", required=True, help="JSON Lines to write (do not commit it: it embeds corpus text)")
     ap.add_argument("--per-type", type=int, default=150, help="agents per type (doc_merge has at most 100 inputs)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the input choice and output-length draws")
+    ap.add_argument("--profile-examples", metavar="URL", default=None,
+                    help="instead: profile the SDK's example agents on the server at URL "
+                         "(their inputs are project-written texts: the output may be committed)")
     args = ap.parse_args()
-    samples = build(Path(args.data), args.per_type, args.seed)
+    if args.profile_examples:
+        samples = profile_examples(args.profile_examples, args.per_type, args.seed)
+    else:
+        samples = build(Path(args.data), args.per_type, args.seed)
     n = write_samples(samples, args.out)
     counts: dict[str, int] = {}
     for s in samples:

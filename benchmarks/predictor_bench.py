@@ -1,6 +1,6 @@
 """Benchmark of the cost predictors: held-out error vs baselines, latency, training time.
 
-    python benchmarks/predictor_bench.py                       # committed synthetic examples
+    python benchmarks/predictor_bench.py                       # the committed sample files
     python benchmarks/predictor_bench.py --data ../shared/data # + samples built from public data
 
 For every dataset and agent type, ``--splits`` random splits of (up to) 125 samples into
@@ -36,6 +36,7 @@ from predictors.samples import read_samples  # noqa: E402
 from predictors.training import fit_predictor  # noqa: E402
 
 EXAMPLE = ROOT / "predictors" / "data" / "example_samples.jsonl.gz"
+PROFILED = ROOT / "predictors" / "data" / "example_agents_profiled.jsonl.gz"
 PREDICTORS = ("mlp", "mlp_uncalibrated", "mean", "global", "length_linear", "cold_start", "cold_start_prior")
 
 
@@ -129,7 +130,7 @@ def main() -> None:
                     help="extra samples file(s) to benchmark (JSON Lines)")
     ap.add_argument("--data", default=None, metavar="DIR",
                     help="../shared/data: also build samples from the public data in memory (not written)")
-    ap.add_argument("--no-example", action="store_true", help="skip the committed synthetic example samples")
+    ap.add_argument("--no-example", action="store_true", help="skip the committed sample files")
     ap.add_argument("--splits", type=int, default=5, help="random train/held-out splits per dataset")
     ap.add_argument("--per-type", type=int, default=125, help="samples per type used (80%% train)")
     ap.add_argument("--no-ablation", action="store_true", help="skip the uncalibrated MLP")
@@ -139,6 +140,7 @@ def main() -> None:
     datasets = {}
     if not args.no_example:
         datasets["synthetic-example"] = (read_samples(EXAMPLE), "predictors/data/example_samples.jsonl.gz")
+        datasets["example-agents-profiled"] = (read_samples(PROFILED), "predictors/data/example_agents_profiled.jsonl.gz")
     for f in args.samples:
         datasets[Path(f).name] = (read_samples(f), f)
     if args.data:

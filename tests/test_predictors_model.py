@@ -71,6 +71,17 @@ def test_example_file_is_valid_and_covers_the_agent_types():
     assert all(n >= 100 for n in counts.values()), counts
 
 
+def test_profiled_example_agents_file():
+    # Runs of examples/*.py measured on the embedded server (project-written inputs).
+    rows = read_samples(EXAMPLE.with_name("example_agents_profiled.jsonl.gz"))
+    types = {s.agent_type for s in rows}
+    assert {"mapreduce_summary", "self_consistency", "code_checking"} <= types
+    assert all(sum(1 for s in rows if s.agent_type == t) >= 100 for t in types)
+    res = train_predictor(rows, "mapreduce_summary", global_baseline=False)
+    assert res.report["mlp"]["mean_relative_error"] < res.report["baselines"]["mean"]["mean_relative_error"]
+    assert res.predictor.metadata["feature_set"]["numeric_features"] == []  # outcome features only
+
+
 def test_training_report_has_errors_and_baselines(trained):
     rep = trained.report
     assert rep["samples"] == 60 and rep["validation"] == 12 and rep["train"] == 48
