@@ -36,6 +36,8 @@ def register(commands) -> None:
     p.add_argument("--out", metavar="DIR", required=True, help="directory to write the trained predictor into")
     p.add_argument("--alpha", type=float, default=None, help="L2 penalty of the MLP (unset: the model default, 3.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split and of the MLP")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="predict the median cost instead of scaling it down to minimise the mean relative error")
     p.add_argument("--server", metavar="URL", default=None,
                    help="server to profile against with --inputs (unset: $JUSTITIA_URL or http://127.0.0.1:8000)")
     p.add_argument("--concurrency", type=int, default=None,

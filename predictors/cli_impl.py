@@ -232,7 +232,8 @@ def train_command(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise CommandError(f"--out {out} exists and is not a directory")
     try:
-        result = train_predictor(samples, args.agent, alpha=args.alpha or DEFAULT_ALPHA, seed=args.seed)
+        result = train_predictor(samples, args.agent, alpha=args.alpha or DEFAULT_ALPHA, seed=args.seed,
+                                 calibrate=getattr(args, "calibrate", True))
     except SampleError as exc:
         raise CommandError(str(exc)) from None
     result.predictor.metadata["source"] = source

@@ -120,7 +120,7 @@ def _score(predict, samples: Sequence[Sample]) -> dict[str, float]:
 
 def train_predictor(samples: Sequence[Sample], agent_type: str, *, alpha: float = DEFAULT_ALPHA,
                     seed: int = 0, validation_fraction: float = VALIDATION_FRACTION,
-                    global_baseline: bool = True) -> TrainResult:
+                    global_baseline: bool = True, calibrate: bool = True) -> TrainResult:
     """Train the predictor of ``agent_type`` on its samples and validate it on a held-out 20%.
 
     ``samples`` may hold several agent types: the predictor uses only ``agent_type``'s; the
@@ -138,7 +138,7 @@ def train_predictor(samples: Sequence[Sample], agent_type: str, *, alpha: float 
             f"(>= {RECOMMENDED_SAMPLES} recommended): profile more runs"
         )
     train, val = split(own, validation_fraction, seed)
-    predictor = fit_predictor(train, agent_type, alpha=alpha, seed=seed)
+    predictor = fit_predictor(train, agent_type, alpha=alpha, seed=seed, calibrate=calibrate)
     train_seconds = predictor.metadata["train_seconds"]
 
     mlp = _score(predictor.predict, val)
@@ -149,7 +149,7 @@ def train_predictor(samples: Sequence[Sample], agent_type: str, *, alpha: float 
     if global_baseline and others:
         # One model for all types: same architecture, trained on every type's samples
         # except this type's held-out ones, blind to the agent type.
-        glob = fit_predictor(train + others, "*", alpha=alpha, seed=seed)
+        glob = fit_predictor(train + others, "*", alpha=alpha, seed=seed, calibrate=calibrate)
         baselines["global"] = _score(glob.predict, val)
     else:
         baselines["global"] = None

@@ -198,3 +198,11 @@ def test_help_is_light():
             "print('sklearn' in sys.modules or 'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_no_calibrate(samples_file, tmp_path):
+    out = tmp_path / "m"
+    assert main(["train-predictor", "fact_verification", "--samples", str(samples_file), "--out", str(out),
+                 "--no-calibrate", "--quiet"]) == 0
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["calibration"]["factor"] == 1.0
