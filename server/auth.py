@@ -13,7 +13,7 @@ from fastapi import HTTPException, Request
 DEFAULT_TENANT = "default"
 
 
-def tenant_of(request: Request) -> str:
+async def tenant_of(request: Request) -> str:
     """The caller's tenant (a FastAPI dependency)."""
     keys: dict[str, str] = request.app.state.config.api_keys
     if not keys:

@@ -138,7 +138,10 @@ def serve(config: Any) -> None:
         path = ensure_default_model()
         print(TINY_NOTICE.format(path=path), file=sys.stderr, flush=True)
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    # Keep-alive longer than uvicorn's 5 s default: agents pause between stages, and a
+    # client that reuses a connection the server just closed sees a spurious disconnect.
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                timeout_keep_alive=30)
 
 
 def run_init_tiny(args: argparse.Namespace) -> int:

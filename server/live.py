@@ -87,6 +87,7 @@ class LiveScheduler:
             kv_capacity_tokens=engine.info.kv_capacity_tokens,
             iteration_time_s=config.initial_tau_s,
             now=0.0,
+            block_size=engine.info.block_size,
         )
         # R = M / tau must be the rate the engine really serves with the memory it fills,
         # not M over the raw step time (see server/scheduler/rate.py).

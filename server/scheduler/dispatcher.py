@@ -131,6 +131,7 @@ class Dispatcher:
         backfill: bool = False,
         backfill_depth: int = 32,
         now: float = 0.0,
+        block_size: int = 1,
     ) -> None:
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
         if kv_capacity_tokens <= 0 or iteration_time_s <= 0:
@@ -138,6 +139,9 @@ class Dispatcher:
         self.kv_capacity = int(kv_capacity_tokens)
         self.tau = float(iteration_time_s)
         self.backfill = backfill
+        # A paged engine allocates whole blocks: a request holds ceil((p + d) / block) blocks,
+        # so footprints are rounded up to blocks, or the engine runs out before M does.
+        self.block_size = max(1, int(block_size))
         self.backfill_depth = backfill_depth
         self._declared_limits = limits
         self._observed = [0.0, 0.0, 0]  # c_max, C_max, d_max seen so far
@@ -270,7 +274,7 @@ class Dispatcher:
             spec=spec,
             seq=next(self._seq),
             submitted_at=now,
-            footprint=kv_footprint(p, d),
+            footprint=-(-kv_footprint(p, d) // self.block_size) * self.block_size,
             est_cost=self._cost(p, d),
             est_kv_cost=kv_cost(p, d),
         )

