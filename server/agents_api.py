@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -91,7 +91,7 @@ async def agent_events(agent_id: str, request: Request,
 @router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord)
 async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
     s = _scheduler(request)
-    return s.record(s.finish(_entry(agent_id, request, tenant)))
+    return s.record(await s.finish(_entry(agent_id, request, tenant)))
 
 
 @router.delete("/v1/agents/{agent_id}", response_model=AgentRecord)
@@ -109,6 +109,26 @@ async def scheduler_snapshot(request: Request, tenant: str = Depends(tenant_of))
         if item["agent_id"] not in own:
             item["agent_id"] = None
     return snap
+
+
+def _require_admin(request: Request, tenant: str) -> None:
+    if request.app.state.config.api_keys and tenant != "admin":
+        raise HTTPException(403, "admin calls need the key of the tenant named 'admin'")
+
+
+@router.post("/v1/admin/pause", tags=["operations"])
+async def pause_admission(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """Stop admitting requests (they queue; running ones finish): drain before maintenance."""
+    _require_admin(request, tenant)
+    _scheduler(request).pause()
+    return {"paused": True}
+
+
+@router.post("/v1/admin/resume", tags=["operations"])
+async def resume_admission(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    _require_admin(request, tenant)
+    _scheduler(request).resume()
+    return {"paused": False}
 
 
 @router.get("/v1/history", tags=["operations"])

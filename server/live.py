@@ -82,6 +82,7 @@ class LiveScheduler:
         self.agents: dict[str, AgentEntry] = {}
         self._tickets: dict[str, _Ticket] = {}
         self._task: asyncio.Task | None = None
+        self.paused = False
         self.dispatcher = Dispatcher(
             config.policy,
             kv_capacity_tokens=engine.info.kv_capacity_tokens,
@@ -235,14 +236,14 @@ class LiveScheduler:
             "deadline_s": v.deadline_s,
         }
 
-    def finish(self, entry: AgentEntry) -> AgentEntry:
+    async def finish(self, entry: AgentEntry) -> AgentEntry:
+        """The agent is done. Requests of it still in flight are orphans (the agent's code
+        has returned or raised without them), so they are aborted, as on cancel."""
         self.require_live(entry)
         if entry.in_flight:
-            raise AgentConflict(
-                f"agent {entry.id} has {entry.in_flight} requests in flight; wait for them "
-                "or cancel the agent"
-            )
-        self._close(entry, "finished")
+            await self._cancel(entry, "finished")
+        else:
+            self._close(entry, "finished")
         return entry
 
     async def cancel(self, entry: AgentEntry) -> AgentEntry:
@@ -252,7 +253,14 @@ class LiveScheduler:
 
     async def _cancel(self, entry: AgentEntry, state: str) -> None:
         entry.final_view = self._view(entry)
-        running = self.dispatcher.cancel_agent(entry.id, self.now())
+        now = self.now()
+        if state == "finished":
+            # Its GPS work stays charged (the agent ran); only its requests go.
+            running = [rid for rid, r in self.dispatcher.requests.items()
+                       if r.spec.agent_id == entry.id and r.running]
+            self.dispatcher.finish_agent(entry.id, now)
+        else:
+            running = self.dispatcher.cancel_agent(entry.id, now)
         self._close(entry, state, forget=False)
         for ticket in list(self._tickets.values()):
             if ticket.agent is entry and ticket.admitted is None:
@@ -380,8 +388,18 @@ class LiveScheduler:
             self._close(entry, "finished")
         self._pump()
 
+    def pause(self) -> None:
+        """Stop admitting: requests queue, running ones finish (drain, maintenance)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self._pump()
+
     def _pump(self) -> None:
         """Admit what the policy allows now and open those tickets."""
+        if self.paused:
+            return
         d = self.dispatcher
         slots = self.config.max_num_seqs - d.running_count
         if slots <= 0 or d.pending_count == 0:
@@ -396,6 +414,7 @@ class LiveScheduler:
     # -- observation ----------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         snap = self.dispatcher.snapshot(self.now())
+        snap["paused"] = self.paused
         stats = self.engine.stats()
         snap["engine"] = {
             "kv_usage": stats.kv_usage,

@@ -136,53 +136,47 @@ def test_untagged_request_becomes_a_default_agent(client: httpx.Client) -> None:
     assert new[0]["requests_done"] == 1
 
 
-def test_smaller_tag_is_admitted_first_under_contention(client: httpx.Client, server) -> None:
-    """Four streaming blocker requests fill the KV cache (footprint p + max_tokens = 1000
-    tokens each, of 4096). A large agent, then a small one, queue behind them. Closing one
-    blocker frees room for exactly one request: the small agent (smaller virtual finish tag)
-    must get it although it arrived last, so it finishes first."""
-    blocker = register(client, prompt="blocker")
-    request_cost = kv_cost(900, 100)
-    big = register(client, prompt="long document", predicted_cost=10 * request_cost)
-    small = register(client, prompt="short", predicted_cost=request_cost)
-    assert small["virtual_finish"] < big["virtual_finish"]
+def test_smaller_tag_is_admitted_first_under_contention(client: httpx.Client) -> None:
+    """With admission paused, four blocker requests (footprint p + max_tokens = 1000 tokens,
+    rounded to 1024 = a quarter of the KV cache), then a large agent's request, then a small
+    agent's, all queue. On resume the blockers fill the cache. The shortest blocker ends
+    first and frees room for exactly one request: the small agent (smaller virtual finish
+    tag) must get it although it arrived last, and finish before the large one, which only
+    gets the small one's room. Engine steps advance every running request in lockstep, so
+    the order does not depend on timing."""
+    blocker_cost = kv_cost(800, 200) + 3 * kv_cost(100, 900)  # exactly what it will use
+    blocker = register(client, prompt="blocker", predicted_cost=blocker_cost)
+    big = register(client, prompt="long document", predicted_cost=20 * blocker_cost)
+    small = register(client, prompt="short", predicted_cost=2 * blocker_cost)
+    assert blocker["virtual_finish"] < small["virtual_finish"] < big["virtual_finish"]
     finished: list[str] = []
     lock = threading.Lock()
-    release = [threading.Event() for _ in range(4)]
 
-    def hold(ev: threading.Event) -> None:
-        with httpx.Client(base_url=server.url, timeout=120) as c:
-            body = {"prompt": [5] * 100, "max_tokens": 900, "ignore_eos": True, "stream": True}
-            with c.stream("POST", "/v1/completions", json=body,
-                          headers={"X-Justitia-Agent": blocker["id"]}) as r:
-                assert r.status_code == 200, r.read()
-                for _ in r.iter_lines():
-                    if ev.is_set():
-                        break
-
-    def run(agent: dict, name: str) -> None:
-        r = complete(client, agent["id"], 100, prompt=[5] * 900)
+    def run(agent: dict, name: str, p: int, d: int) -> None:
+        r = complete(client, agent["id"], d, prompt=[5 + len(name)] * p)
         assert r.status_code == 200, r.text
         with lock:
             finished.append(name)
 
-    def snapshot() -> dict:
-        return client.get("/v1/scheduler").json()
+    def pending() -> int:
+        return client.get("/v1/scheduler").json()["pending_requests"]
 
-    with ThreadPoolExecutor(6) as pool:
-        holders = [pool.submit(hold, ev) for ev in release]
-        wait_until(lambda: snapshot()["running_requests"] == 4, show=snapshot)
-        runs = [pool.submit(run, big, "big")]
-        wait_until(lambda: snapshot()["pending_requests"] == 1, show=snapshot)
-        runs.append(pool.submit(run, small, "small"))
-        wait_until(lambda: snapshot()["pending_requests"] == 2, show=snapshot)
-        release[0].set()  # one blocker leaves: room for one request
-        wait_until(lambda: finished, 120)
-        for ev in release:
-            ev.set()
-        for f in holders + runs:
-            f.result(timeout=300)
-    assert finished == ["small", "big"]
+    assert client.post("/v1/admin/pause").json() == {"paused": True}
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(run, blocker, f"blocker{d}", 1000 - d, d)
+                       for d in (200, 900, 900, 900)]
+            wait_until(lambda: pending() == 4)
+            futures.append(pool.submit(run, big, "big", 900, 100))
+            wait_until(lambda: pending() == 5)
+            futures.append(pool.submit(run, small, "small", 900, 100))
+            wait_until(lambda: pending() == 6)
+            client.post("/v1/admin/resume")
+            for f in futures:
+                f.result(timeout=300)
+    finally:
+        client.post("/v1/admin/resume")
+    assert finished.index("blocker200") < finished.index("small") < finished.index("big"), finished
     for a in (blocker, big, small):
         client.post(f"/v1/agents/{a['id']}/finish")
     wait_until(lambda: scheduler_idle(client))
@@ -212,23 +206,45 @@ def test_justitia_keeps_the_engine_free_of_preemptions(client: httpx.Client) -> 
     wait_until(lambda: scheduler_idle(client))
 
 
-def test_cancel_aborts_running_and_queued_requests(client: httpx.Client) -> None:
+def test_cancel_fails_queued_requests_and_aborts_running_ones(client: httpx.Client, server) -> None:
     rec = register(client)
+    # queued: admission paused, three requests wait; cancelling fails each with 409
     results: list[httpx.Response] = []
 
     def run() -> None:
-        results.append(complete(client, rec["id"], 900, prompt=[5] * 100))
+        results.append(complete(client, rec["id"], 50, prompt=[5] * 20))
 
-    threads = [threading.Thread(target=run) for _ in range(3)]
-    for t in threads:
-        t.start()
-    wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["requests_total"] == 3)
-    wait_until(lambda: client.get("/v1/scheduler").json()["running_requests"] >= 1)
-    r = client.delete(f"/v1/agents/{rec['id']}")
-    assert r.status_code == 200 and r.json()["state"] == "cancelled"
-    for t in threads:
-        t.join(120)
+    client.post("/v1/admin/pause")
+    try:
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["requests_total"] == 3)
+        r = client.delete(f"/v1/agents/{rec['id']}")
+        assert r.status_code == 200 and r.json()["state"] == "cancelled"
+        for t in threads:
+            t.join(60)
+    finally:
+        client.post("/v1/admin/resume")
     assert [x.status_code for x in results] == [409, 409, 409]
+    assert "cancelled" in results[0].json()["detail"]
+
+    # running: a streaming request has produced its first token when the agent is cancelled;
+    # the engine aborts it long before its 1000 tokens
+    rec = register(client)
+    chunks: list[dict] = []
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        body = {"prompt": [6] * 10, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body,
+                      headers={"X-Justitia-Agent": rec["id"]}) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) == 1:
+                        assert client.delete(f"/v1/agents/{rec['id']}").status_code == 200
+    assert "error" in chunks[-1] and "cancelled" in chunks[-1]["error"]["message"]
+    text = "".join(ch["choices"][0]["text"] for ch in chunks if "choices" in ch)
+    assert len(text) < 1000 * 3  # far fewer than 1000 tokens were streamed
     wait_until(lambda: scheduler_idle(client))
     wait_until(lambda: client.get("/v1/scheduler").json()["engine"]["running"] == 0, 30)
 
@@ -237,14 +253,14 @@ def test_client_disconnect_aborts_its_request(client: httpx.Client, server) -> N
     rec = register(client)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", headers={"X-Justitia-Agent": rec["id"]},
-                   json={"prompt": "x " * 50, "max_tokens": 900, "ignore_eos": True},
-                   timeout=httpx.Timeout(120, read=0.5))
+                   json={"prompt": [5] * 10, "max_tokens": 1000, "ignore_eos": True},
+                   timeout=httpx.Timeout(120, read=0.3))
     # The request is gone from the scheduler and the engine long before 900 tokens.
     wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["requests_in_flight"] == 0, 20)
     done = client.get(f"/v1/agents/{rec['id']}").json()
     assert done["requests_done"] == 1
     hist_cost = done["consumed_cost"]
-    assert hist_cost < kv_cost(60, 900)
+    assert hist_cost < kv_cost(10, 1000)
     wait_until(lambda: scheduler_idle(client))
     client.post(f"/v1/agents/{rec['id']}/finish")
 
