@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,12 +40,21 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 async def measure(url: str, concurrency: int, n: int, max_tokens: int) -> list[float]:
-    limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    # aiohttp, not httpx: at 128 in flight httpx's own pool adds hundreds of ms per call
+    # (docs/benchmarks.md), which would drown what is measured here.
+    connector = aiohttp.TCPConnector(limit=concurrency + 8, keepalive_timeout=10)
+    async with aiohttp.ClientSession(url, connector=connector) as client:
         body = {"prompt": "Justitia measures its overhead per request.", "max_tokens": max_tokens,
                 "ignore_eos": True, "temperature": 0.0}
+
+        async def call() -> None:
+            async with client.post("/v1/completions", json=body) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"status {r.status}")
+
         for _ in range(8):  # warm the connection pool and the engine
-            (await client.post("/v1/completions", json=body)).raise_for_status()
+            await call()
         lat: list[float] = []
         queue = list(range(n))
 
@@ -52,9 +62,8 @@ async def measure(url: str, concurrency: int, n: int, max_tokens: int) -> list[f
             while queue:
                 queue.pop()
                 t = time.perf_counter()
-                r = await client.post("/v1/completions", json=body)
+                await call()
                 lat.append(time.perf_counter() - t)
-                r.raise_for_status()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return lat
