@@ -115,6 +115,34 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _policies(text: str) -> list[str]:
+    from justitia_sdk.cli import CommandError
+
+    from server.scheduler import POLICY_NAMES
+
+    policies = _split(text)
+    bad = [p for p in policies if p not in POLICY_NAMES]
+    if bad or not policies:
+        raise CommandError(f"unknown policy {', '.join(bad) or '(none)'}: choose from {', '.join(POLICY_NAMES)}")
+    return policies
+
+
+def _workload(path: str, hint: str = "`justitia bench make-workload`"):
+    from justitia_sdk.cli import CommandError
+
+    from .workload import WorkloadError, load_workload
+
+    try:
+        agents = load_workload(path)
+    except FileNotFoundError:
+        raise CommandError(f"no workload file {path}: build one with {hint}") from None
+    except WorkloadError as exc:
+        raise CommandError(str(exc)) from None
+    if not agents:
+        raise CommandError(f"{path} holds no agents")
+    return agents
+
+
 def _profile(name: str):
     from justitia_sdk.cli import CommandError
 
@@ -166,25 +194,12 @@ def _sim(args: argparse.Namespace) -> int:
 
     from justitia_sdk.cli import CommandError
 
-    from server.scheduler import POLICY_NAMES
-
     from . import report
     from .simulator import gps_tau_s, run_comparison, workload_limits
-    from .workload import WorkloadError, load_workload
 
-    policies = _split(args.policies)
-    bad = [p for p in policies if p not in POLICY_NAMES]
-    if bad or not policies:
-        raise CommandError(f"unknown policy {', '.join(bad) or '(none)'}: choose from {', '.join(POLICY_NAMES)}")
+    policies = _policies(args.policies)
     profile = _profile(args.profile)
-    try:
-        agents = load_workload(args.workload)
-    except FileNotFoundError:
-        raise CommandError(f"no workload file {args.workload}: build one with `justitia bench make-workload`") from None
-    except WorkloadError as exc:
-        raise CommandError(str(exc)) from None
-    if not agents:
-        raise CommandError(f"{args.workload} holds no agents")
+    agents = _workload(args.workload)
     m = args.kv_tokens or profile.kv_tokens
     if m <= 0:
         raise CommandError("--kv-tokens must be positive")
@@ -229,27 +244,13 @@ def _live(args: argparse.Namespace) -> int:
 
     from justitia_sdk.cli import CommandError
 
-    from server.scheduler import POLICY_NAMES
-
     from . import report
     from .live_bench import LiveOptions, run_policy
     from .profiles import PROFILES
     from .simulator import make_predictions, run_comparison
-    from .workload import WorkloadError, load_workload
 
-    policies = _split(args.policies)
-    bad = [p for p in policies if p not in POLICY_NAMES]
-    if bad or not policies:
-        raise CommandError(f"unknown policy {', '.join(bad) or '(none)'}: choose from {', '.join(POLICY_NAMES)}")
-    try:
-        agents = load_workload(args.workload)
-    except FileNotFoundError:
-        raise CommandError(f"no workload file {args.workload}: build one with "
-                           "`justitia bench make-workload --profile cpu-tiny`") from None
-    except WorkloadError as exc:
-        raise CommandError(str(exc)) from None
-    if not agents:
-        raise CommandError(f"{args.workload} holds no agents")
+    policies = _policies(args.policies)
+    agents = _workload(args.workload, hint="`justitia bench make-workload --profile cpu-tiny`")
     longest = max(p + d for a in agents for st in a.stages for p, d in st)
     if longest > args.max_model_len:
         raise CommandError(f"a request of the workload needs {longest} tokens of context; raise "
