@@ -10,7 +10,7 @@ import pytest
 
 # Small enough that a few dozen concurrent requests contend for KV memory.
 ENGINE_KV_TOKENS = 4096
-ENGINE_MAX_MODEL_LEN = 1024
+ENGINE_MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="session")
