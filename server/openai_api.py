@@ -79,6 +79,17 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+def _start(request: Request, body: SamplingFields, prompt: str | list[int], text: str,
+           agent_header: str | None, tenant: str, id_prefix: str,
+           ) -> tuple[InferenceService, PreparedRequest, AgentEntry]:
+    """Validate, tokenize and find the request's agent: everything before it may wait."""
+    service = _service(request)
+    _check_model(service, body)
+    prepared = service.prepare(new_id(id_prefix), prompt, _sampling(body))
+    agent = service.agent_for(_agent_id(agent_header, body), tenant, prepared, text)
+    return service, prepared, agent
+
+
 def _agent_id(header: str | None, body: SamplingFields) -> str | None:
     if header and body.agent_id and header != body.agent_id:
         raise HTTPException(400, f"the {AGENT_HEADER} header ({header}) and the body's agent_id "
@@ -111,12 +122,10 @@ async def completions(
     x_justitia_agent: str | None = Header(default=None),
     tenant: str = Depends(tenant_of),
 ) -> Response:
-    service = _service(request)
-    _check_model(service, body)
-    rid = new_id("cmpl")
-    prepared = service.prepare(rid, body.prompt, _sampling(body))
     text = body.prompt if isinstance(body.prompt, str) else ""
-    agent = service.agent_for(_agent_id(x_justitia_agent, body), tenant, prepared, text)
+    service, prepared, agent = _start(request, body, body.prompt, text, x_justitia_agent,
+                                      tenant, "cmpl")
+    rid = prepared.request_id
     created = now_s()
 
     def chunk(text: str, finish: str | None, out: EngineOutput | None = None) -> dict:
@@ -155,13 +164,11 @@ async def chat_completions(
     x_justitia_agent: str | None = Header(default=None),
     tenant: str = Depends(tenant_of),
 ) -> Response:
-    service = _service(request)
-    _check_model(service, body)
-    rid = new_id("chatcmpl")
-    tokenizer = getattr(service.engine, "_tokenizer", None)
+    tokenizer = getattr(_service(request).engine, "_tokenizer", None)
     prompt = render_chat([m.model_dump() for m in body.messages], tokenizer)
-    prepared = service.prepare(rid, prompt, _sampling(body))
-    agent = service.agent_for(_agent_id(x_justitia_agent, body), tenant, prepared, prompt)
+    service, prepared, agent = _start(request, body, prompt, prompt, x_justitia_agent,
+                                      tenant, "chatcmpl")
+    rid = prepared.request_id
     created = now_s()
 
     if body.stream:
