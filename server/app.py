@@ -73,6 +73,12 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
     from server.engine.vllm_local import LocalEngineConfig, LocalVLLMEngine
     from server.tiny_model import TINY_MODEL_NAME, ensure_default_model
 
+    if config.engine_urls:
+        from server.engine.remote import RemoteVLLMEngine
+
+        remote = RemoteVLLMEngine(config.engine_urls, tokenizer=config.tokenizer)
+        return remote, config.served_model_name or ""
+
     if config.model is None:
         path = ensure_default_model()
         engine_cfg = LocalEngineConfig(
@@ -129,6 +135,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         if engine is None:
             engine, model_name = build_engine(config)
         await engine.start()
+        if not model_name:
+            model_name = getattr(engine, "_served_name", "") or engine.info.model
         await _warm_up(engine)
         history = History(_data_dir(config) / "history.sqlite3")
         metrics = Metrics()

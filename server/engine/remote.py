@@ -1,0 +1,293 @@
+"""Remote engine backend: one or more vLLM OpenAI servers (replicas) behind Justitia.
+
+Each replica is a `vllm serve` / `python -m vllm.entrypoints.openai.api_server` process,
+ideally started with `--scheduling-policy priority` so that the int priority Justitia sends
+decides whom vLLM preempts if it must. What the scheduler needs is read from the replicas:
+
+- KV capacity M: the sum over replicas of (num_gpu_blocks - 1) x block_size, from the
+  `vllm:cache_config_info` metric (one block per replica is vLLM's reserve);
+- live usage: `vllm:kv_cache_usage_perc`, running and waiting counts and preemptions, polled
+  from `/metrics`;
+- the iteration time: between two polls a replica that keeps `r` requests running for `dt`
+  seconds and generates `g` tokens took about `dt * r / g` seconds per step.
+
+Requests go out as streaming completions of token ids with `stream_options.include_usage`;
+vLLM streams one chunk per generated token. Closing the stream (our consumer stopped, the
+agent was cancelled) makes vLLM abort the request and free its KV cache.
+
+Token counts must be known before a request is admitted, so the tokenizer is loaded here from
+the replicas' model (`root` in `/v1/models`) or from `tokenizer=`; it must be available
+locally (a folder, or a hub id already in the local cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from server.engine.base import (
+    EngineError,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    InvalidRequestError,
+)
+
+log = logging.getLogger("justitia.engine.remote")
+
+
+@dataclass
+class Replica:
+    url: str
+    model: str = ""
+    kv_capacity_tokens: int = 0
+    block_size: int = 16
+    max_model_len: int = 0
+    reserved: int = 0  # tokens of our in-flight requests routed here (p + max_tokens)
+    healthy: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    last_poll: float | None = None
+
+
+def _parse_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
+    """Sum of each vllm: metric over its label sets, and the cache_config_info labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    cache: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("vllm:"):
+                continue
+            if sample.name == "vllm:cache_config_info":
+                cache = dict(sample.labels)
+            values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    return values, cache
+
+
+class RemoteVLLMEngine:
+    """vLLM OpenAI servers as one engine: M is the sum of their KV capacities."""
+
+    def __init__(self, urls: list[str], *, tokenizer: str | None = None,
+                 poll_interval_s: float = 0.5, send_priority: bool = True) -> None:
+        if not urls:
+            raise ValueError("at least one replica URL is needed")
+        self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.tokenizer_name = tokenizer
+        self.poll_interval_s = poll_interval_s
+        self.send_priority = send_priority
+        self._session: aiohttp.ClientSession | None = None
+        self._tokenizer = None
+        self._info: EngineInfo | None = None
+        self._poller: asyncio.Task | None = None
+        self._listeners: list[Callable[[float, float], None]] = []
+        self._streams: dict[str, aiohttp.ClientResponse] = {}
+        self._preemptions_base = 0.0
+
+    # -- lifecycle --------------------------------------------------------------------
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError("the engine has not started")
+        return self._info
+
+    @property
+    def healthy(self) -> bool:
+        return self._session is not None and any(r.healthy for r in self.replicas)
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=10),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
+        for r in self.replicas:
+            await self._describe(r)
+        models = {r.model for r in self.replicas}
+        if len(models) != 1:
+            raise EngineError(f"the replicas serve different models: {sorted(models)}")
+        self._tokenizer = self._load_tokenizer()
+        self._info = EngineInfo(
+            model=self.replicas[0].model,
+            kv_capacity_tokens=sum(r.kv_capacity_tokens for r in self.replicas),
+            block_size=max(r.block_size for r in self.replicas),
+            max_model_len=min(r.max_model_len for r in self.replicas),
+        )
+        self._poller = asyncio.create_task(self._poll_forever(), name="justitia-remote-metrics")
+
+    async def _describe(self, r: Replica) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(r.url + "/v1/models") as resp:
+                models = (await resp.json())["data"]
+            async with self._session.get(r.url + "/metrics") as resp:
+                values, cache = _parse_metrics(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as exc:
+            raise EngineError(f"replica {r.url} did not answer as a vLLM OpenAI server: {exc}") from exc
+        if not models or "num_gpu_blocks" not in cache:
+            raise EngineError(f"replica {r.url} reports no model or no KV cache configuration (is it running with --disable-log-stats? Justitia reads its /metrics)")
+        r.model = models[0].get("root") or models[0]["id"]
+        r.max_model_len = int(models[0].get("max_model_len") or 0)
+        r.block_size = int(cache.get("block_size", 16))
+        r.kv_capacity_tokens = (int(cache["num_gpu_blocks"]) - 1) * r.block_size
+        r.metrics = values
+        r.healthy = True
+        r.last_poll = time.monotonic()
+        self._served_name = models[0]["id"]
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        name = self.tokenizer_name or self.replicas[0].model
+        try:
+            return AutoTokenizer.from_pretrained(name)
+        except Exception as exc:
+            raise EngineError(
+                f"cannot load the tokenizer {name!r} here (the scheduler counts tokens before "
+                f"admitting a request): {exc}; pass --tokenizer PATH"
+            ) from exc
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- observation ------------------------------------------------------------------
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await asyncio.gather(*(self._poll(r) for r in self.replicas))
+
+    async def _poll(self, r: Replica) -> None:
+        assert self._session is not None
+        now = time.monotonic()
+        try:
+            async with self._session.get(r.url + "/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                values, _ = _parse_metrics(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            if r.healthy:
+                log.warning("replica %s stopped answering", r.url)
+            r.healthy = False
+            return
+        before, then = r.metrics, r.last_poll
+        r.metrics, r.last_poll, r.healthy = values, now, True
+        if then is None:
+            return
+        running = (before.get("vllm:num_requests_running", 0) + values.get("vllm:num_requests_running", 0)) / 2
+        generated = values.get("vllm:generation_tokens_total", 0) - before.get("vllm:generation_tokens_total", 0)
+        if running >= 1 and generated > 0:
+            step_s = (now - then) * running / generated
+            kv_in_use = values.get("vllm:kv_cache_usage_perc", 0.0) * r.kv_capacity_tokens
+            for listener in self._listeners:
+                listener(step_s, kv_in_use)
+
+    def add_step_listener(self, listener: Callable[[float, float], None]) -> None:
+        self._listeners.append(listener)
+
+    def stats(self) -> EngineStats:
+        total = sum(r.kv_capacity_tokens for r in self.replicas) or 1
+        used = sum(r.metrics.get("vllm:kv_cache_usage_perc", 0.0) * r.kv_capacity_tokens
+                   for r in self.replicas)
+        return EngineStats(
+            kv_usage=used / total,
+            running=int(sum(r.metrics.get("vllm:num_requests_running", 0) for r in self.replicas)),
+            waiting=int(sum(r.metrics.get("vllm:num_requests_waiting", 0) for r in self.replicas)),
+            preemptions_total=int(sum(r.metrics.get("vllm:num_preemptions_total", 0)
+                                      for r in self.replicas)),
+        )
+
+    # -- requests ---------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            raise EngineError("the engine has not started")
+        return list(self._tokenizer.encode(text))
+
+    def _route(self, footprint: int) -> Replica:
+        """The healthy replica with the most room left by our own reservations."""
+        live = [r for r in self.replicas if r.healthy]
+        if not live:
+            raise EngineError("no replica is answering")
+        return max(live, key=lambda r: r.kv_capacity_tokens - r.reserved)
+
+    async def abort(self, request_id: str) -> None:
+        resp = self._streams.pop(request_id, None)
+        if resp is not None:
+            resp.close()  # vLLM aborts a request whose client went away
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._session is None:
+            raise EngineError("the engine is not running")
+        s = request.sampling
+        p = len(request.prompt_token_ids)
+        replica = self._route(p + s.max_tokens)
+        body = {
+            "model": self._served_name,
+            "prompt": list(request.prompt_token_ids),
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "seed": s.seed,
+            "stop": list(s.stop) or None,
+            "ignore_eos": s.ignore_eos,
+            "min_tokens": s.min_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "request_id": request.request_id,
+        }
+        if self.send_priority:
+            body["priority"] = int(request.priority)
+        replica.reserved += p + s.max_tokens
+        text, tokens, finish = "", 0, None
+        try:
+            try:
+                resp = await self._session.post(replica.url + "/v1/completions", json=body)
+            except aiohttp.ClientError as exc:
+                replica.healthy = False
+                raise EngineError(f"replica {replica.url} failed: {exc}") from exc
+            self._streams[request.request_id] = resp
+            async with resp:
+                if resp.status >= 400:
+                    detail = await resp.text()
+                    if resp.status < 500:
+                        raise InvalidRequestError(f"the engine refused the request: {detail}")
+                    raise EngineError(f"replica {replica.url} answered {resp.status}: {detail}")
+                try:
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        for choice in chunk.get("choices", []):
+                            tokens += 1
+                            delta = choice.get("text") or ""
+                            text += delta
+                            finish = choice.get("finish_reason") or finish
+                            yield EngineOutput(request.request_id, text, p, tokens, False, None,
+                                               delta_text=delta)
+                        usage = chunk.get("usage")
+                        if usage:
+                            tokens = int(usage["completion_tokens"])
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    if request.request_id in self._streams:  # not our abort: the replica failed
+                        replica.healthy = False
+                        raise EngineError(f"replica {replica.url} failed mid-request: {exc}") from exc
+                    finish = "abort"
+            if request.request_id not in self._streams:
+                finish = "abort"
+            yield EngineOutput(request.request_id, text, p, tokens, True, finish or "abort")
+        finally:
+            replica.reserved -= p + s.max_tokens
+            self._streams.pop(request.request_id, None)
