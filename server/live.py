@@ -14,6 +14,7 @@ here; the dispatcher gets `now` as an argument.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -80,6 +81,11 @@ class LiveScheduler:
         self._wall = wall
         self._t0 = clock()
         self.agents: dict[str, AgentEntry] = {}
+        # Agents that have not ended (scanned for expiry every second) and ended ones in the
+        # order they ended (pruned from the front): housekeeping stays O(live agents) however
+        # many ended agents are kept readable.
+        self._open: set[str] = set()
+        self._ended: collections.deque[str] = collections.deque()
         self._tickets: dict[str, _Ticket] = {}
         self._task: asyncio.Task | None = None
         self.paused = False
@@ -176,6 +182,7 @@ class LiveScheduler:
             first_eta_s=view.eta_s,
         )
         self.agents[agent_id] = entry
+        self._open.add(agent_id)
         if self.metrics:
             self.metrics.agent_registered(entry)
         return entry
@@ -280,6 +287,8 @@ class LiveScheduler:
             entry.final_view = self._view(entry)
             self.dispatcher.finish_agent(entry.id, self.now())
         entry.state = state  # type: ignore[assignment]
+        self._open.discard(entry.id)
+        self._ended.append(entry.id)
         entry.finished_at = self._wall()
         entry.last_activity_mono = self.now()
         if self.history is not None:
@@ -301,7 +310,8 @@ class LiveScheduler:
 
     async def _expire_idle_agents(self) -> None:
         now = self.now()
-        for entry in list(self.agents.values()):
+        for agent_id in list(self._open):
+            entry = self.agents[agent_id]
             lease = entry.lease_s or self.config.lease_s
             if not entry.terminal and entry.in_flight == 0 and now - entry.last_activity_mono > lease:
                 log.info("agent %s expired after %.0f s without activity", entry.id,
@@ -310,9 +320,12 @@ class LiveScheduler:
 
     def _prune(self) -> None:
         now = self.now()
-        for agent_id, entry in list(self.agents.items()):
-            if entry.terminal and now - entry.last_activity_mono > self.config.retention_s:
-                del self.agents[agent_id]
+        while self._ended:
+            entry = self.agents.get(self._ended[0])
+            if entry is not None and now - entry.last_activity_mono <= self.config.retention_s:
+                break
+            self._ended.popleft()
+            self.agents.pop(entry.id if entry else "", None)
 
     # -- requests -----------------------------------------------------------------
     async def run(
@@ -428,7 +441,7 @@ class LiveScheduler:
     async def events(self, entry: AgentEntry, heartbeat_s: float = 15.0) -> AsyncIterator[AgentRecord | None]:
         """The record now and after every change, until the agent ends (None: heartbeat)."""
         while True:
-            changed = entry.changed
+            changed = entry.next_change()
             yield self.record(entry)
             if entry.terminal:
                 return

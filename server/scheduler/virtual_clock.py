@@ -28,6 +28,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from sortedcontainers import SortedList
+
 
 @dataclass
 class VirtualClock:
@@ -41,6 +43,10 @@ class VirtualClock:
     _seq: "itertools.count[int]" = field(default_factory=itertools.count)
     departures: dict[object, float] = field(default_factory=dict)  # key -> GPS finish time
     _live: set = field(default_factory=set)  # keys whose departure time is worth recording
+    # The live tags again, in order, so that projections walk only the tags below theirs
+    # (O(k log n)) instead of sorting the whole backlog for every agent view.
+    _sorted: SortedList = field(default_factory=SortedList)
+    _entry: dict[object, tuple[float, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rate <= 0:
@@ -59,15 +65,13 @@ class VirtualClock:
     def projected_time(self, tag: float, now: float) -> float:
         """When V will reach `tag` if nothing else arrives (time on the caller's clock).
 
-        O(n log n): walks the backlog in tag order. Used for ETA views, not per decision.
+        O(k log n) for the k backlogged tags below `tag`. Used for views, not per decision.
         """
         self.advance(now)
         if tag <= self.V:
             return now
         t, v, n = now, self.V, len(self._tags)
-        for f in sorted(self._tags.values()):
-            if f >= tag:
-                break
+        for f, _ in self._sorted.irange(maximum=(tag, -1)):  # the live tags below `tag`
             t += (f - v) * n / self.rate
             v, n = f, n - 1
         return t + (tag - v) * max(n, 1) / self.rate
@@ -92,6 +96,7 @@ class VirtualClock:
                 break
             heapq.heappop(self._heap)
             del self._tags[key]
+            self._untrack(key)
             if key in self._live:
                 self.departures[key] = t_dep
             t, self.V = t_dep, f
@@ -114,8 +119,20 @@ class VirtualClock:
             self.departures[key] = now
             return f
         self._tags[key] = f
-        heapq.heappush(self._heap, (f, next(self._seq), key))
+        self._track(key, f)
         return f
+
+    def _track(self, key: object, f: float) -> None:
+        seq = next(self._seq)
+        heapq.heappush(self._heap, (f, seq, key))
+        self._untrack(key)
+        self._entry[key] = (f, seq)
+        self._sorted.add((f, seq))
+
+    def _untrack(self, key: object) -> None:
+        entry = self._entry.pop(key, None)
+        if entry is not None:
+            self._sorted.remove(entry)
 
     def extend(self, key: object, old_tag: float, extra: float, now: float) -> float:
         """Charge `extra` more work to `key`: F = max(F_old, V(now)) + extra. Returns F."""
@@ -125,13 +142,14 @@ class VirtualClock:
             return max(old_tag, f)
         self.departures.pop(key, None)
         self._tags[key] = f
-        heapq.heappush(self._heap, (f, next(self._seq), key))
+        self._track(key, f)
         return f
 
     def remove(self, key: object, now: float) -> None:
         """Drop a cancelled agent from the backlog (lazy: its heap entry goes stale)."""
         self.advance(now)
         self._tags.pop(key, None)
+        self._untrack(key)
 
     def set_rate(self, rate: float, now: float) -> None:
         """Change R (new tau or new capacity) from `now` on: V is piecewise linear."""
