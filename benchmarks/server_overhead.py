@@ -38,7 +38,8 @@ def percentile(xs: list[float], q: float) -> float:
 async def measure(url: str, concurrency: int, n: int, max_tokens: int) -> list[float]:
     # aiohttp, not httpx: at 128 in flight httpx's own pool adds hundreds of ms per call
     # (docs/benchmarks.md), which would drown what is measured here.
-    connector = aiohttp.TCPConnector(limit=concurrency + 8, keepalive_timeout=10)
+    # keep-alive under uvicorn's 5 s, so that no request goes out on a closing connection
+    connector = aiohttp.TCPConnector(limit=concurrency + 8, keepalive_timeout=3)
     async with aiohttp.ClientSession(url, connector=connector) as client:
         body = {"prompt": "Justitia measures its overhead per request.", "max_tokens": max_tokens,
                 "ignore_eos": True, "temperature": 0.0}

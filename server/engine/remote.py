@@ -105,7 +105,9 @@ class RemoteVLLMEngine:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=10),
+            # Drop idle connections before the replica does (uvicorn closes them after 5 s):
+            # a request written into a connection the server is closing fails.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )
         for r in self.replicas:
@@ -221,6 +223,22 @@ class RemoteVLLMEngine:
             raise EngineError("no replica is answering")
         return max(live, key=lambda r: r.kv_capacity_tokens - r.reserved)
 
+    async def _post(self, replica: Replica, body: dict) -> aiohttp.ClientResponse:
+        assert self._session is not None
+        for attempt in (1, 2):
+            try:
+                return await self._session.post(replica.url + "/v1/completions", json=body)
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                # Nothing was answered: a pooled connection the replica had just closed.
+                # Sending again is safe; a second failure means the replica is gone.
+                if attempt == 2:
+                    replica.healthy = False
+                    raise EngineError(f"replica {replica.url} failed: {exc}") from exc
+            except aiohttp.ClientError as exc:
+                replica.healthy = False
+                raise EngineError(f"replica {replica.url} failed: {exc}") from exc
+        raise AssertionError("unreachable")
+
     async def abort(self, request_id: str) -> None:
         resp = self._streams.pop(request_id, None)
         if resp is not None:
@@ -252,11 +270,7 @@ class RemoteVLLMEngine:
         replica.reserved += p + s.max_tokens
         text, tokens, finish = "", 0, None
         try:
-            try:
-                resp = await self._session.post(replica.url + "/v1/completions", json=body)
-            except aiohttp.ClientError as exc:
-                replica.healthy = False
-                raise EngineError(f"replica {replica.url} failed: {exc}") from exc
+            resp = await self._post(replica, body)
             self._streams[request.request_id] = resp
             async with resp:
                 if resp.status >= 400:
