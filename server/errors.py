@@ -30,26 +30,29 @@ def validation_message(exc: RequestValidationError) -> str:
     return "; ".join(_describe(e) for e in exc.errors()) or "invalid request"
 
 
+# Our own errors carry a one-sentence message; only the status differs.
+_STATUS: dict[type[Exception], int] = {
+    InvalidRequestError: 400,
+    AgentNotFound: 404,
+    AgentConflict: 409,
+    EngineError: 503,
+}
+
+
+def _as_status(status: int):
+    async def handler(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    return handler
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"detail": validation_message(exc)}, status_code=400)
 
-    @app.exception_handler(InvalidRequestError)
-    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=400)
-
-    @app.exception_handler(AgentNotFound)
-    async def _not_found(_: Request, exc: AgentNotFound) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=404)
-
-    @app.exception_handler(AgentConflict)
-    async def _conflict(_: Request, exc: AgentConflict) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
-
-    @app.exception_handler(EngineError)
-    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=503)
+    for exc_type, status in _STATUS.items():
+        app.add_exception_handler(exc_type, _as_status(status))
 
     @app.exception_handler(json.JSONDecodeError)
     async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:

@@ -90,7 +90,6 @@ class RemoteVLLMEngine:
         self._poller: asyncio.Task | None = None
         self._listeners: list[Callable[[float, float], None]] = []
         self._streams: dict[str, aiohttp.ClientResponse] = {}
-        self._preemptions_base = 0.0
 
     # -- lifecycle --------------------------------------------------------------------
     @property
@@ -225,19 +224,17 @@ class RemoteVLLMEngine:
 
     async def _post(self, replica: Replica, body: dict) -> aiohttp.ClientResponse:
         assert self._session is not None
-        for attempt in (1, 2):
+        url = replica.url + "/v1/completions"
+        try:
             try:
-                return await self._session.post(replica.url + "/v1/completions", json=body)
-            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                return await self._session.post(url, json=body)
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
                 # Nothing was answered: a pooled connection the replica had just closed.
                 # Sending again is safe; a second failure means the replica is gone.
-                if attempt == 2:
-                    replica.healthy = False
-                    raise EngineError(f"replica {replica.url} failed: {exc}") from exc
-            except aiohttp.ClientError as exc:
-                replica.healthy = False
-                raise EngineError(f"replica {replica.url} failed: {exc}") from exc
-        raise AssertionError("unreachable")
+                return await self._session.post(url, json=body)
+        except aiohttp.ClientError as exc:
+            replica.healthy = False
+            raise EngineError(f"replica {replica.url} failed: {exc}") from exc
 
     async def abort(self, request_id: str) -> None:
         resp = self._streams.pop(request_id, None)
