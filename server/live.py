@@ -30,6 +30,8 @@ from server.scheduler.rate import TauEstimator
 
 log = logging.getLogger("justitia.live")
 
+_ABANDONED = ("cancelled", "expired")  # an agent ended under its running requests
+
 
 class AgentNotFound(LookupError):
     pass
@@ -365,10 +367,13 @@ class LiveScheduler:
                 sampling=sampling,
                 priority=self.dispatcher.priority(entry.id, request_id),
             )
-            async for out in self.engine.generate(request):
-                last = out
-                yield out
-            if entry.state == "cancelled" or entry.state == "expired":
+            async with contextlib.aclosing(self.engine.generate(request)) as outputs:
+                async for out in outputs:
+                    if entry.state in _ABANDONED and not out.finished:
+                        continue  # the engine is still flushing outputs; only the end matters
+                    last = out
+                    yield out
+            if entry.state in _ABANDONED:
                 raise AgentConflict(f"agent {entry.id} was {entry.state}")
         finally:
             self._settle(ticket, last)

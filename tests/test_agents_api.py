@@ -158,25 +158,33 @@ def test_smaller_tag_is_admitted_first_under_contention(client: httpx.Client) ->
         with lock:
             finished.append(name)
 
-    def pending() -> int:
-        return client.get("/v1/scheduler").json()["pending_requests"]
+    def queued(agent: dict, n: int):
+        # Each agent's own count, not the global backlog: the order of arrival is the point.
+        return lambda: client.get(f"/v1/agents/{agent['id']}").json()["requests_total"] == n
 
+    def state() -> dict:
+        return {"scheduler": client.get("/v1/scheduler").json(), "finished": finished}
+
+    wait_until(lambda: scheduler_idle(client), show=state)
     assert client.post("/v1/admin/pause").json() == {"paused": True}
     try:
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(run, blocker, f"blocker{d}", 1000 - d, d)
                        for d in (200, 900, 900, 900)]
-            wait_until(lambda: pending() == 4)
+            wait_until(queued(blocker, 4), show=state)
             futures.append(pool.submit(run, big, "big", 900, 100))
-            wait_until(lambda: pending() == 5)
+            wait_until(queued(big, 1), show=state)
             futures.append(pool.submit(run, small, "small", 900, 100))
-            wait_until(lambda: pending() == 6)
+            wait_until(queued(small, 1), show=state)
+            snap = client.get("/v1/scheduler").json()
+            assert snap["pending_requests"] == 6 and snap["running_requests"] == 0, snap
             client.post("/v1/admin/resume")
             for f in futures:
                 f.result(timeout=300)
     finally:
         client.post("/v1/admin/resume")
-    assert finished.index("blocker200") < finished.index("small") < finished.index("big"), finished
+    order = (finished.index("blocker200"), finished.index("small"), finished.index("big"))
+    assert order[0] < order[1] < order[2], state()
     for a in (blocker, big, small):
         client.post(f"/v1/agents/{a['id']}/finish")
     wait_until(lambda: scheduler_idle(client))

@@ -77,9 +77,9 @@ def test_streaming_through_the_replica(jc: httpx.Client) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
-def test_cancel_aborts_the_request_on_the_replica(jc: httpx.Client, front, replica) -> None:
+def _cancel_after_first_chunk(jc: httpx.Client, front) -> list[dict]:
     rec = jc.post("/v1/agents", json={"type": "remote_agent", "prompt": "x"}).json()
-    seen = []
+    seen: list[dict] = []
     with httpx.Client(base_url=front.url, timeout=60) as c:
         body = {"prompt": [6] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with c.stream("POST", "/v1/completions", json=body,
@@ -89,7 +89,20 @@ def test_cancel_aborts_the_request_on_the_replica(jc: httpx.Client, front, repli
                     seen.append(json.loads(line[6:]))
                     if len(seen) == 1:
                         assert jc.delete(f"/v1/agents/{rec['id']}").status_code == 200
-    assert "error" in seen[-1] and "cancelled" in seen[-1]["error"]["message"]
+    return seen
+
+
+def test_cancel_aborts_the_request_on_the_replica(jc: httpx.Client, front, replica) -> None:
+    for _ in range(3):
+        seen = _cancel_after_first_chunk(jc, front)
+        if "error" in seen[-1]:
+            break
+        # The replica generated all 2000 tokens before the cancel was handled (this test
+        # process starved on a loaded machine): that shows nothing either way, try again.
+        assert seen[-1]["choices"][0]["finish_reason"] == "length", seen[-1]
+    else:
+        pytest.fail("the cancel never reached a running request in three tries")
+    assert "cancelled" in seen[-1]["error"]["message"]
     reasons = [ch["choices"][0]["finish_reason"] for ch in seen if "choices" in ch]
     assert reasons[-1] == "abort"
     # the replica freed it: nothing left running there

@@ -276,21 +276,17 @@ class RemoteVLLMEngine:
                         raise InvalidRequestError(f"the engine refused the request: {detail}")
                     raise EngineError(f"replica {replica.url} answered {resp.status}: {detail}")
                 try:
-                    async for raw in resp.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        for choice in chunk.get("choices", []):
-                            tokens += 1
-                            delta = choice.get("text") or ""
-                            text += delta
-                            finish = choice.get("finish_reason") or finish
-                            yield EngineOutput(request.request_id, text, p, tokens, False, None,
-                                               delta_text=delta)
-                        usage = chunk.get("usage")
-                        if usage:
-                            tokens = int(usage["completion_tokens"])
+                    async with contextlib.aclosing(_read_stream(resp)) as updates:
+                        async for delta, new_tokens, reason, usage in updates:
+                            if request.request_id not in self._streams:
+                                break  # aborted: what is still buffered is not relayed
+                            finish = reason or finish
+                            if usage is not None:  # vLLM's own count is the true one
+                                tokens = usage - new_tokens
+                            if new_tokens:
+                                text, tokens = text + delta, tokens + new_tokens
+                                yield EngineOutput(request.request_id, text, p, tokens, False,
+                                                   None, delta_text=delta)
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     if request.request_id in self._streams:  # not our abort: the replica failed
                         replica.healthy = False
@@ -302,3 +298,34 @@ class RemoteVLLMEngine:
         finally:
             replica.reserved -= p + s.max_tokens
             self._streams.pop(request.request_id, None)
+
+
+async def _read_stream(
+    resp: aiohttp.ClientResponse,
+) -> AsyncIterator[tuple[str, int, str | None, int | None]]:
+    """(new text, new tokens, finish reason, usage's token count) once per network read.
+
+    vLLM sends one SSE event per token. Everything already buffered is folded into one
+    update, and the loop is given a turn after each read: a consumer that fell behind
+    catches up in one step instead of replaying thousands of events without yielding to
+    the event loop (which starved every other request and delayed aborts by seconds).
+    """
+    pending = b""
+    async for data in resp.content.iter_any():
+        lines = (pending + data).split(b"\n")
+        pending = lines.pop()
+        delta: list[str] = []
+        tokens, finish, usage = 0, None, None
+        for raw in lines:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                tokens += 1
+                delta.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+            if chunk.get("usage"):
+                usage = int(chunk["usage"]["completion_tokens"])
+        yield "".join(delta), tokens, finish, usage
+        await asyncio.sleep(0)
