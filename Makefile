@@ -9,4 +9,4 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m pytest -q
-	.venv/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
