@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.agents import AgentEntry, AgentRecord
 from server.auth import tenant_of
+from server.engine.base import EngineError
 from server.live import LiveScheduler
 
 router = APIRouter(tags=["agents"])
@@ -129,6 +130,51 @@ async def resume_admission(request: Request, tenant: str = Depends(tenant_of)) -
     _require_admin(request, tenant)
     _scheduler(request).resume()
     return {"paused": False}
+
+
+class ReplicaRef(BaseModel):
+    url: str = Field(min_length=1, max_length=2048, description="A vLLM OpenAI server's base URL.")
+
+
+def _replicas(request: Request):
+    engine = _scheduler(request).engine
+    if not hasattr(engine, "add_replica"):
+        raise HTTPException(409, "this server runs an in-process engine; replicas exist only "
+                                 "with --engine-url")
+    return engine
+
+
+@router.get("/v1/admin/replicas", tags=["operations"])
+async def list_replicas(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """The engine replicas: capacity, reservations, requests in flight, health."""
+    _require_admin(request, tenant)
+    engine = _replicas(request)
+    return {"kv_capacity_tokens": engine.capacity, "replicas": engine.describe_replicas()}
+
+
+@router.post("/v1/admin/replicas", tags=["operations"], status_code=201)
+async def add_replica(body: ReplicaRef, request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """Serve from one more vLLM replica (same model and block size): M grows by its KV
+    capacity and the virtual clock's rate with it."""
+    _require_admin(request, tenant)
+    engine = _replicas(request)
+    try:
+        return await engine.add_replica(body.url)
+    except EngineError as exc:
+        raise HTTPException(400, str(exc)) from exc
+
+
+@router.delete("/v1/admin/replicas", tags=["operations"])
+async def remove_replica(request: Request, tenant: str = Depends(tenant_of),
+                         url: str = Query(min_length=1, max_length=2048)) -> dict:
+    """Stop sending requests to a replica: M shrinks now, the replica leaves once its
+    requests in flight have finished."""
+    _require_admin(request, tenant)
+    engine = _replicas(request)
+    try:
+        return engine.remove_replica(url)
+    except LookupError as exc:
+        raise HTTPException(404, str(exc)) from exc
 
 
 @router.get("/v1/history", tags=["operations"])

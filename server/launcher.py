@@ -160,6 +160,14 @@ class VLLMOpenAIServer:
             proc.wait(5)
         self._log.close()
 
+    def kill(self) -> None:
+        """A crash, not a shutdown: SIGKILL to the server and its engine process."""
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(10)
+            self._log.close()
+
     def __enter__(self) -> VLLMOpenAIServer:
         return self.start()
 

@@ -104,6 +104,18 @@ class LiveScheduler:
         add_listener = getattr(engine, "add_step_listener", None)
         if add_listener is not None:
             add_listener(self._on_engine_step)
+        # Engines of several replicas: requests need a replica with room, and M follows
+        # the replicas that serve (added, removed, failed, back).
+        self._place = getattr(engine, "place", None)
+        self._release = getattr(engine, "release", None)
+        add_capacity_listener = getattr(engine, "add_capacity_listener", None)
+        if add_capacity_listener is not None:
+            add_capacity_listener(self._on_capacity_change)
+
+    def _on_capacity_change(self, kv_capacity_tokens: int) -> None:
+        self.dispatcher.set_kv_capacity(kv_capacity_tokens, self.now())
+        self.tau.set_kv_capacity(kv_capacity_tokens)
+        self._pump()
 
     def _on_engine_step(self, duration_s: float, kv_in_use: float) -> None:
         footprint = self.dispatcher.policy.admission == FOOTPRINT
@@ -382,6 +394,8 @@ class LiveScheduler:
         entry = ticket.agent
         now = self.now()
         self._tickets.pop(ticket.request_id, None)
+        if self._release is not None:
+            self._release(ticket.request_id)  # a placement the request never used
         d = last.output_tokens if last is not None else 0
         if ticket.request_id in self.dispatcher.requests:
             self.dispatcher.on_request_finished(ticket.request_id, ticket.prompt_tokens, d, now)
@@ -423,7 +437,11 @@ class LiveScheduler:
         if slots <= 0 or d.pending_count == 0:
             return
         now = self.now()
-        for spec in d.admit(now, engine_free_slots=slots):
+        place = None
+        if self._place is not None:
+            engine_place = self._place
+            place = lambda spec, footprint: engine_place(spec.request_id, spec.agent_id, footprint)  # noqa: E731
+        for spec in d.admit(now, engine_free_slots=slots, place=place):
             ticket = self._tickets.get(spec.request_id)
             if ticket is not None:
                 ticket.admitted = now

@@ -15,6 +15,15 @@ Requests go out as streaming completions of token ids with `stream_options.inclu
 vLLM streams one chunk per generated token. Closing the stream (our consumer stopped, the
 agent was cancelled) makes vLLM abort the request and free its KV cache.
 
+Several replicas act as one engine. The scheduler admits a request only once `place` found a
+replica with room for its whole footprint (the sum of free memory is not enough: a request
+cannot span replicas), preferring the replica that served the agent before, which holds its
+prompt prefix in vLLM's prefix cache. Replicas can be added and removed while serving
+(`add_replica`, `remove_replica`); a replica that stops answering leaves M until it answers
+again, and capacity listeners hear every change of M. A request whose replica fails before
+it produced a token is sent to another replica (nothing was emitted, so resending is safe);
+one that fails later ends with a clear error.
+
 Token counts must be known before a request is admitted, so the tokenizer is loaded here from
 the replicas' model (`root` in `/v1/models`) or from `tokenizer=`; it must be available
 locally (a folder, or a hub id already in the local cache).
@@ -23,7 +32,9 @@ locally (a folder, or a hub id already in the local cache).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -52,7 +63,26 @@ class Replica:
     block_size: int = 16
     max_model_len: int = 0
     reserved: int = 0  # tokens of our in-flight requests routed here (p + max_tokens)
+    in_flight: int = 0
     healthy: bool = False
+    draining: bool = False  # being removed: takes no new requests, leaves when empty
+
+    @property
+    def serving(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def room(self) -> int:
+        return self.kv_capacity_tokens - self.reserved
+
+    def describe(self) -> dict:
+        return {
+            "url": self.url, "model": self.model, "kv_capacity_tokens": self.kv_capacity_tokens,
+            "block_size": self.block_size, "reserved_tokens": self.reserved,
+            "requests_in_flight": self.in_flight, "healthy": self.healthy,
+            "draining": self.draining,
+            "kv_usage": self.metrics.get("vllm:kv_cache_usage_perc", 0.0),
+        }
     metrics: dict[str, float] = field(default_factory=dict)
     last_poll: float | None = None
 
@@ -73,6 +103,13 @@ def _parse_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
     return values, cache
 
 
+class _ReplicaFailed(Exception):
+    """The replica itself failed (unreachable, 5xx, connection lost mid-stream)."""
+
+
+AFFINITY_ENTRIES = 10_000  # agents remembered for prefix affinity (least recently used go)
+
+
 class RemoteVLLMEngine:
     """vLLM OpenAI servers as one engine: M is the sum of their KV capacities."""
 
@@ -89,7 +126,10 @@ class RemoteVLLMEngine:
         self._info: EngineInfo | None = None
         self._poller: asyncio.Task | None = None
         self._listeners: list[Callable[[float, float], None]] = []
+        self._capacity_listeners: list[Callable[[int], None]] = []
         self._streams: dict[str, aiohttp.ClientResponse] = {}
+        self._placed: dict[str, tuple[Replica, int]] = {}
+        self._affinity: collections.OrderedDict[str, Replica] = collections.OrderedDict()
 
     # -- lifecycle --------------------------------------------------------------------
     @property
@@ -100,7 +140,7 @@ class RemoteVLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._session is not None and any(r.healthy for r in self.replicas)
+        return self._session is not None and any(r.serving for r in self.replicas)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -178,24 +218,121 @@ class RemoteVLLMEngine:
                                          timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 values, _ = _parse_metrics(await resp.text())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            if r.healthy:
-                log.warning("replica %s stopped answering", r.url)
-            r.healthy = False
+            self._set_health(r, False)
             return
         before, then = r.metrics, r.last_poll
-        r.metrics, r.last_poll, r.healthy = values, now, True
+        r.metrics, r.last_poll = values, now
+        self._set_health(r, True)
         if then is None:
             return
         running = (before.get("vllm:num_requests_running", 0) + values.get("vllm:num_requests_running", 0)) / 2
         generated = values.get("vllm:generation_tokens_total", 0) - before.get("vllm:generation_tokens_total", 0)
         if running >= 1 and generated > 0:
             step_s = (now - then) * running / generated
-            kv_in_use = values.get("vllm:kv_cache_usage_perc", 0.0) * r.kv_capacity_tokens
+            # Reported against the whole M, as if every replica were as full as this one:
+            # the estimator's tau is per full cache, and replicas share the load evenly.
+            kv_in_use = values.get("vllm:kv_cache_usage_perc", 0.0) * self.capacity
             for listener in self._listeners:
                 listener(step_s, kv_in_use)
 
     def add_step_listener(self, listener: Callable[[float, float], None]) -> None:
         self._listeners.append(listener)
+
+    # -- capacity and replicas --------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """M: the KV tokens of the replicas taking requests now."""
+        return sum(r.kv_capacity_tokens for r in self.replicas if r.serving)
+
+    def add_capacity_listener(self, listener: Callable[[int], None]) -> None:
+        """`listener(M)` after every change of M (replica added, removed, failed, back)."""
+        self._capacity_listeners.append(listener)
+
+    def _capacity_changed(self) -> None:
+        m = self.capacity
+        if self._info is None or m <= 0 or m == self._info.kv_capacity_tokens:
+            return  # with no replica left M keeps its last value: nothing is admitted anyway
+        self._info = dataclasses.replace(self._info, kv_capacity_tokens=m)
+        log.info("KV capacity is now %d tokens over %d replicas", m,
+                 sum(r.serving for r in self.replicas))
+        for listener in self._capacity_listeners:
+            listener(m)
+
+    def _set_health(self, r: Replica, healthy: bool) -> None:
+        if r.healthy == healthy:
+            return
+        r.healthy = healthy
+        if healthy:
+            log.info("replica %s answers again", r.url)
+        else:
+            log.warning("replica %s stopped answering; its capacity leaves M", r.url)
+        self._capacity_changed()
+
+    def describe_replicas(self) -> list[dict]:
+        return [r.describe() for r in self.replicas]
+
+    async def add_replica(self, url: str) -> dict:
+        """Serve from one more replica; M grows by its capacity."""
+        url = url.rstrip("/")
+        if any(r.url == url for r in self.replicas):
+            raise InvalidRequestError(f"replica {url} is already in use")
+        r = Replica(url)
+        await self._describe(r)
+        first = self.replicas[0]
+        if r.model != first.model or r.block_size != first.block_size:
+            raise InvalidRequestError(
+                f"replica {url} serves {r.model!r} with KV blocks of {r.block_size} tokens; "
+                f"this server's replicas serve {first.model!r} with {first.block_size}"
+            )
+        self.replicas.append(r)
+        self._capacity_changed()
+        return r.describe()
+
+    def remove_replica(self, url: str) -> dict:
+        """Stop sending requests to a replica; it leaves once its requests have finished."""
+        url = url.rstrip("/")
+        r = next((r for r in self.replicas if r.url == url), None)
+        if r is None:
+            raise LookupError(f"no replica {url}")
+        if not any(o.serving for o in self.replicas if o is not r):
+            raise InvalidRequestError(f"replica {url} is the last one serving; add another first")
+        r.draining = True
+        self._capacity_changed()
+        self._retire_if_drained(r)
+        return r.describe()
+
+    def _retire_if_drained(self, r: Replica) -> None:
+        if r.draining and r.in_flight == 0 and r in self.replicas:
+            self.replicas.remove(r)
+            log.info("replica %s removed", r.url)
+
+    def place(self, request_id: str, agent_id: str, footprint: int) -> bool:
+        """Reserve room for an admitted request on one replica, or say there is none.
+
+        The agent's previous replica first (its prefix is cached there), then the replica
+        with the most room.
+        """
+        prev = self._affinity.get(agent_id)
+        if prev is not None and prev.serving and prev in self.replicas and prev.room >= footprint:
+            choice = prev
+        else:
+            fitting = [r for r in self.replicas if r.serving and r.room >= footprint]
+            if not fitting:
+                return False
+            choice = max(fitting, key=lambda r: r.room)
+        choice.reserved += footprint
+        self._placed[request_id] = (choice, footprint)
+        self._affinity[agent_id] = choice
+        self._affinity.move_to_end(agent_id)
+        if len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Drop the placement of a request that never started (its client left first)."""
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            placed[0].reserved -= placed[1]
 
     def stats(self) -> EngineStats:
         total = sum(r.kv_capacity_tokens for r in self.replicas) or 1
@@ -215,12 +352,12 @@ class RemoteVLLMEngine:
             raise EngineError("the engine has not started")
         return list(self._tokenizer.encode(text))
 
-    def _route(self, footprint: int) -> Replica:
-        """The healthy replica with the most room left by our own reservations."""
-        live = [r for r in self.replicas if r.healthy]
+    def _route(self, exclude: list[Replica]) -> Replica:
+        """A request admitted without a placement: the serving replica with the most room."""
+        live = [r for r in self.replicas if r.serving and r not in exclude]
         if not live:
             raise EngineError("no replica is answering")
-        return max(live, key=lambda r: r.kv_capacity_tokens - r.reserved)
+        return max(live, key=lambda r: r.room)
 
     async def _post(self, replica: Replica, body: dict) -> aiohttp.ClientResponse:
         assert self._session is not None
@@ -233,8 +370,8 @@ class RemoteVLLMEngine:
                 # Sending again is safe; a second failure means the replica is gone.
                 return await self._session.post(url, json=body)
         except aiohttp.ClientError as exc:
-            replica.healthy = False
-            raise EngineError(f"replica {replica.url} failed: {exc}") from exc
+            self._set_health(replica, False)
+            raise _ReplicaFailed(f"replica {replica.url} failed: {exc}") from exc
 
     async def abort(self, request_id: str) -> None:
         resp = self._streams.pop(request_id, None)
@@ -244,9 +381,38 @@ class RemoteVLLMEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self._session is None:
             raise EngineError("the engine is not running")
+        footprint = len(request.prompt_token_ids) + request.sampling.max_tokens
+        placed = self._placed.pop(request.request_id, None)
+        failed: list[Replica] = []
+        while True:
+            if placed is not None:
+                replica, held = placed
+                placed = None
+            else:
+                replica, held = self._route(failed), footprint
+                replica.reserved += held
+            replica.in_flight += 1
+            emitted = False
+            try:
+                async for out in self._stream(replica, request):
+                    emitted = True
+                    yield out
+                return
+            except _ReplicaFailed as exc:
+                failed.append(replica)
+                others = [r for r in self.replicas if r.serving and r not in failed]
+                if emitted or not others:
+                    raise EngineError(str(exc)) from exc
+                log.warning("%s before its first token; resending %s to another replica",
+                            exc, request.request_id)
+            finally:
+                replica.reserved -= held
+                replica.in_flight -= 1
+                self._retire_if_drained(replica)
+
+    async def _stream(self, replica: Replica, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         s = request.sampling
         p = len(request.prompt_token_ids)
-        replica = self._route(p + s.max_tokens)
         body = {
             "model": self._served_name,
             "prompt": list(request.prompt_token_ids),
@@ -264,7 +430,6 @@ class RemoteVLLMEngine:
         }
         if self.send_priority:
             body["priority"] = int(request.priority)
-        replica.reserved += p + s.max_tokens
         text, tokens, finish = "", 0, None
         try:
             resp = await self._post(replica, body)
@@ -274,7 +439,7 @@ class RemoteVLLMEngine:
                     detail = await resp.text()
                     if resp.status < 500:
                         raise InvalidRequestError(f"the engine refused the request: {detail}")
-                    raise EngineError(f"replica {replica.url} answered {resp.status}: {detail}")
+                    raise _ReplicaFailed(f"replica {replica.url} answered {resp.status}: {detail}")
                 try:
                     async with contextlib.aclosing(_read_stream(resp)) as updates:
                         async for delta, new_tokens, reason, usage in updates:
@@ -289,14 +454,13 @@ class RemoteVLLMEngine:
                                                    None, delta_text=delta)
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     if request.request_id in self._streams:  # not our abort: the replica failed
-                        replica.healthy = False
-                        raise EngineError(f"replica {replica.url} failed mid-request: {exc}") from exc
+                        self._set_health(replica, False)
+                        raise _ReplicaFailed(f"replica {replica.url} failed mid-request: {exc}") from exc
                     finish = "abort"
             if request.request_id not in self._streams:
                 finish = "abort"
             yield EngineOutput(request.request_id, text, p, tokens, True, finish or "abort")
         finally:
-            replica.reserved -= p + s.max_tokens
             self._streams.pop(request.request_id, None)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
@@ -342,11 +343,14 @@ class Dispatcher:
         now: float,
         engine_free_kv_tokens: int | None = None,
         engine_free_slots: int | None = None,
+        place: Callable[[RequestSpec, int], bool] | None = None,
     ) -> list[RequestSpec]:
         """The requests to hand to the engine now, in order.
 
         Footprint policies reserve p + expected d against min(M - reserved, engine free) and
         stop at the first request that does not fit (strict order; optional backfill).
+        With several engine replicas, room in the sum is not enough (a request cannot span
+        replicas): `place(spec, footprint)` must also find it a replica, and reserves there.
         Prompt policies admit while the prompt fits in free memory (the engine's report, or M
         minus admitted prompts) and leave preemption to the engine.
         """
@@ -369,7 +373,10 @@ class Dispatcher:
             req = agent.pending[0][2]
             need = req.footprint if footprint else req.spec.prompt_tokens + 1
             idle = self.running_count == 0 and not out
-            if need > free and not idle:
+            fits = need <= free
+            if fits and footprint and place is not None:
+                fits = place(req.spec, req.footprint)
+            if not fits and not idle:
                 if not self.backfill or len(skipped) >= self.backfill_depth:
                     break
                 # backfill: look past the blocked agent (its entry comes back below)
