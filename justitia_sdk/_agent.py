@@ -115,9 +115,9 @@ class Agent(Generic[P, R]):
                 return await self.invoke(args, kwargs, client=own, metadata=metadata,
                                          on_start=on_start)
         prompt = self.extract_prompt(*args, **kwargs)
-        record = await client.register_agent(
-            self.name, prompt or self.name, {**self.metadata, **(metadata or {})} or None)
-        run = AgentRun(id=record.id, type=self.name, prompt=prompt, record=record)
+        meta = {**self.metadata, **(metadata or {})} or None
+        record = await client.register_agent(self.name, prompt or self.name, meta)
+        run = AgentRun(id=record.id, type=self.name, prompt=prompt, record=record, metadata=meta)
         if on_start is not None:
             on_start(run)
         run_token = current_run.set(run)

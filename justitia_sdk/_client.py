@@ -21,11 +21,12 @@ import anyio.from_thread
 import httpx
 
 from justitia_sdk._context import current_agent_id, current_client, current_run
-from justitia_sdk._errors import ServerUnavailableError, error_for
+from justitia_sdk._errors import AgentNotFoundError, ServerUnavailableError, error_for
 from justitia_sdk._models import AgentRecord, Completion, Usage
 
 if TYPE_CHECKING:
     from justitia_sdk._agent import Agent
+    from justitia_sdk._context import AgentRun
     from justitia_sdk._batch import Batch
 
 T = TypeVar("T")
@@ -255,6 +256,16 @@ class AsyncClient:
 
     # -- inference ------------------------------------------------------------------------
 
+    async def _reregister(self, run: AgentRun, stale_id: str) -> str:
+        """A new id for `run` after the server forgot `stale_id` (once for all its
+        concurrent requests: the first to get here registers, the others reuse it)."""
+        async with run._reregister_lock:
+            if run.id == stale_id:
+                record = await self.register_agent(run.type, run.prompt or run.type, run.metadata)
+                run.id, run.record = record.id, record
+                run.reregistrations += 1
+        return run.id
+
     def _tag(self, agent_id: str | None) -> tuple[dict[str, str], str | None]:
         aid = agent_id if agent_id is not None else current_agent_id()
         return ({AGENT_HEADER: aid} if aid else {}), aid
@@ -265,7 +276,19 @@ class AsyncClient:
         timeout = httpx.Timeout(self.timeout, read=self.request_timeout)
         # If this call is cancelled (a sibling failed, the agent was cancelled), httpx closes
         # the connection; the server sees the disconnect and aborts the engine request.
-        raw = await self._request("POST", path, json_body=body, headers=headers, timeout=timeout)
+        try:
+            raw = await self._request("POST", path, json_body=body, headers=headers,
+                                      timeout=timeout)
+        except AgentNotFoundError:
+            run = current_run.get()
+            if agent_id is not None or run is None or run.id != aid:
+                raise
+            # The server no longer knows the running agent: it restarted (agents live in
+            # its memory). The refused request ran nothing, so registering the agent again
+            # and resending is safe; its earlier requests are not charged twice.
+            aid = await self._reregister(run, aid)
+            raw = await self._request("POST", path, json_body=body, headers={AGENT_HEADER: aid},
+                                      timeout=timeout)
         choice = raw["choices"][0]
         completion = Completion(
             id=raw.get("id", ""),

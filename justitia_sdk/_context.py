@@ -13,6 +13,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 if TYPE_CHECKING:
     from justitia_sdk._client import AsyncClient
     from justitia_sdk._models import AgentRecord, Usage
@@ -31,6 +33,9 @@ class AgentRun:
     completion_tokens: int = 0
     kv_cost: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] | None = None
+    reregistrations: int = 0  # times the server forgot the agent (a restart) and it re-registered
+    _reregister_lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
 
     def add_usage(self, usage: Usage) -> None:
         self.requests += 1
