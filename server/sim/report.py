@@ -31,7 +31,9 @@ def compare(results: Sequence[PolicyResult], policy: str = "justitia", baseline:
 
 
 def comparisons(results: Sequence[PolicyResult]) -> list[dict]:
-    pairs = [("justitia", "vtc"), ("justitia", "srjf"), ("justitia-c", "justitia"), ("justitia", "fcfs")]
+    pairs = [("justitia", "vtc"), ("justitia", "srjf"), ("justitia-c", "justitia"), ("justitia", "fcfs"),
+             ("ewsjf", "vtc"), ("equinox", "vtc"), ("justitia", "ewsjf"), ("justitia", "equinox"),
+             ("ewsjf", "fcfs")]
     return [c for c in (compare(results, p, b) for p, b in pairs) if c is not None]
 
 
