@@ -13,8 +13,9 @@ assumption):
    exceeds `split` (at the x that removes the most variance); prune merges neighbours whose
    union is still that homogeneous, and groups too small to stand alone.
 2. Dynamic queue routing: each arriving request goes to the FIFO queue of the group its x
-   falls in (edges are snapped to a grid of `edge_grid` in x, so a refit that does not really
-   change the partition leaves the queues alone).
+   falls in. Edges are snapped to a grid of `edge_grid` in x, and a refit keeps the current
+   edges unless the new ones explain the window materially better (`hysteresis`), so that
+   noise does not reroute the queues; a real change reroutes every queued request.
 3. Density-weighted scoring: the next request is the head of the group with the largest
 
        score_g = (wait of its head + tau) * (1 + phi * ln(1 + n_g)) * exp(-alpha * (y_g - y_all))
@@ -36,6 +37,7 @@ most `max_groups` queues; a refit sorts `window` observations.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -57,6 +59,11 @@ class EwsjfConfig:
     min_group: int = 12  # observations a group needs to be split off
     max_groups: int = 8
     edge_grid: float = 0.25  # edges are multiples of this, in ln(work)
+    # A refit adopts new edges only if they explain the window's service times materially
+    # better (squared error down by this fraction), or as well with fewer groups; otherwise
+    # the current edges stay and only the groups' statistics are refreshed, so that noise in
+    # the window does not reroute every queued request.
+    hysteresis: float = 0.1
     # The tuner's grid: 16 points, few enough to converge within a few thousand requests.
     alphas: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)  # urgency: weight of the group's speed
     phis: tuple[float, ...] = (0.0, 0.5)  # density: weight of the group's queue length
@@ -75,6 +82,11 @@ class Partition:
     means: tuple[float, ...] = (0.0,)
     spreads: tuple[float, ...] = (0.0,)  # standard deviation of y in each group
     sizes: tuple[int, ...] = (0,)  # observations in each group
+
+    @property
+    def sse(self) -> float:
+        """Squared error of y around the group means: what the partition leaves unexplained."""
+        return sum(n * s * s for n, s in zip(self.sizes, self.spreads))
 
     def group(self, x: float) -> int:
         return bisect.bisect_right(self.edges, x)
@@ -199,6 +211,20 @@ def _prune_once(edges: list[float], groups: list[tuple[int, int]], sums: _Sums, 
     return False
 
 
+def partition_on(obs: list[tuple[float, float]], edges: tuple[float, ...]) -> Partition:
+    """The statistics of the observations grouped by given edges."""
+    pts = sorted(obs)
+    xs = [x for x, _ in pts]
+    sums = _Sums([y for _, y in pts])
+    groups = _ranges(xs, list(edges))
+    return Partition(
+        edges=tuple(edges),
+        means=tuple(sums.mean(lo, hi) for lo, hi in groups),
+        spreads=tuple(sums.std(lo, hi) for lo, hi in groups),
+        sizes=tuple(hi - lo for lo, hi in groups),
+    )
+
+
 def _snap(x: float, grid: float) -> float:
     return round(x / grid) * grid if grid > 0 else x
 
@@ -320,17 +346,25 @@ class EwsjfState:
     def refit(self) -> None:
         """Refine and prune on the observation window; reroute the queues if the edges moved."""
         cfg = self.config
-        part = refine_and_prune(list(self._obs), self.params[2], cfg.min_group, cfg.max_groups, cfg.edge_grid)
+        obs = list(self._obs)
+        part = refine_and_prune(obs, self.params[2], cfg.min_group, cfg.max_groups, cfg.edge_grid)
         self.refits += 1
-        moved = part.edges != self.partition.edges
+        old = self.partition.edges
+        if part.edges != old:
+            kept = partition_on(obs, old)
+            sse_new, sse_old = part.sse, kept.sse
+            fewer = len(part.edges) < len(old) and sse_new <= (1 + cfg.hysteresis) * sse_old
+            if not (sse_new < (1 - cfg.hysteresis) * sse_old or fewer):
+                part = kept  # not materially better: keep the groups the queues are in
+        moved = part.edges != old
         self.partition = part
         if moved:
             self._reroute()
         self._set_weights()
 
     def _reroute(self) -> None:
-        live = [r for q in self.queues for r in q if r.pstate is not None and not r.running]
-        live.sort(key=lambda r: r.seq)
+        # every queue is in arrival (seq) order already: merge them instead of sorting
+        live = [r for r in heapq.merge(*self.queues, key=lambda r: r.seq) if r.pstate is not None]
         n = len(self.partition.means)
         self.queues = [deque() for _ in range(n)]
         self.counts = [0] * n
