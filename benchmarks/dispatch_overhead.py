@@ -5,6 +5,13 @@ finishes it and submits a replacement, so the queue stays at 10,000. Reports the
 p99 of the admit() call (one decision) per policy, and the full step (admit + finish +
 submit). Writes benchmarks/results/dispatch_overhead.json.
 
+The benchmark's requests finish the moment they are admitted, so ewsjf, which groups requests
+by their measured service time, learns a single group here. The row `ewsjf-8groups` gives it
+a partition of 8 groups first (frozen during the run) to time the decision over 8 queues,
+and `ewsjf_refit` times one refit that moves every edge and reroutes the 10,000 queued
+requests (ewsjf refits every 32 finished requests, and reroutes only when the edges move by more
+than its hysteresis).
+
     .venv/bin/python benchmarks/dispatch_overhead.py [--agents 1000] [--per-agent 10] [--steps 20000]
 """
 
@@ -20,12 +27,34 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dataclasses import replace  # noqa: E402
+
 from server.scheduler import POLICY_NAMES, Dispatcher, RequestSpec, kv_cost  # noqa: E402
+
+
+def _ewsjf_groups(d: Dispatcher, groups: int = 8) -> None:
+    """Teach ewsjf `groups` kinds of request (x = ln work from 7 to 14, each e^0.8 slower
+    than the last), then freeze its partition and tuner for the run."""
+    state = d.policy.state
+    rng = random.Random(1)
+    lo, hi = 7.0, 14.0
+    for g in range(groups):
+        x = lo + (hi - lo) * g / max(1, groups - 1)
+        state._obs.extend((x + rng.uniform(-0.3, 0.3), 0.8 * g + rng.gauss(0, 0.05)) for _ in range(30))
+    state.params = (state.params[0], state.params[1], 0.25)
+    state.refit()
+    state.config = replace(state.config, epoch=10**12)  # no further epochs or refits
+    assert len(state.counts) == groups, state.partition
 
 
 def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
+    name = policy
+    groups = policy.endswith("-8groups")
+    policy = policy.removesuffix("-8groups")
     d = Dispatcher(policy, kv_capacity_tokens=10**9, iteration_time_s=0.025)
+    if groups:
+        _ewsjf_groups(d)
     now = 0.0
     k = 0
     lengths = {}
@@ -53,8 +82,19 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -
         step.append((t2 - t0) / 1000)
     assert d.pending_count == agents * per_agent
     q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]  # noqa: E731
+    extra = {}
+    if policy == "ewsjf":
+        extra["groups"] = len(d.policy.state.counts)
+    if groups:  # one refit that moves the edges: every queued request is rerouted
+        state = d.policy.state
+        state._obs.extend((x + 1.0, y) for x, y in list(state._obs))
+        t0 = time.perf_counter_ns()
+        state.refit()
+        extra["refit_ms"] = (time.perf_counter_ns() - t0) / 1e6
+        extra["rerouted"] = state.queued
     return {
-        "policy": policy,
+        "policy": name,
+        **extra,
         "queued_requests": d.pending_count,
         "agents": agents,
         "decisions": steps,
@@ -72,11 +112,14 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/dispatch_overhead.json")
     args = ap.parse_args()
     rows = []
-    for policy in POLICY_NAMES:
+    for policy in (*POLICY_NAMES, "ewsjf-8groups"):
         r = bench(policy, args.agents, args.per_agent, args.steps)
         rows.append(r)
-        print(f"{policy:11s} median decision {r['median_decision_us']:6.1f} us   p99 {r['p99_decision_us']:6.1f} us   "
-              f"admit+finish+submit {r['median_step_us']:6.1f} us   ({r['queued_requests']} queued)")
+        more = f", {r['groups']} groups" if "groups" in r else ""
+        print(f"{policy:13s} median decision {r['median_decision_us']:6.1f} us   p99 {r['p99_decision_us']:6.1f} us   "
+              f"admit+finish+submit {r['median_step_us']:6.1f} us   ({r['queued_requests']} queued{more})")
+        if "refit_ms" in r:
+            print(f"{'':13s} one refit that moves every edge: {r['refit_ms']:.1f} ms ({r['rerouted']} requests rerouted)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"python": sys.version.split()[0], "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")

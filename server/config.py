@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-POLICIES = ("fcfs", "sjf", "parrot", "srjf", "vtc", "justitia", "justitia-c")
+POLICIES = ("fcfs", "sjf", "parrot", "srjf", "vtc", "justitia", "justitia-c", "ewsjf", "equinox")
 
 
 class ServerConfig(BaseModel):

@@ -4,7 +4,8 @@
 - `virtual_clock`: the GPS virtual clock (virtual finish tags, O(log n) per event).
 - `gps_reference`: an exact offline GPS fluid simulation (the reference in tests).
 - `policies`: ordering keys and admission rules of fcfs, sjf, vtc, parrot, srjf, justitia,
-  justitia-c.
+  justitia-c, and the stateful baselines ewsjf and equinox.
+- `ewsjf`, `tuner`: EWSJF's partitioning, group queues and online (Thompson sampling) tuner.
 - `bounds`: the per-agent delay bound in seconds.
 - `dispatcher`: pending requests, admission into the engine, per-agent views.
 - `rate`: the online estimate of tau (the GPS rate's iteration time) for the live server.

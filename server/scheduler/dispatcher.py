@@ -22,6 +22,13 @@ cost when it finishes. Whenever committed exceeds charged, the excess is charged
 WFQ's rule for new work: F = max(F, V(now)) + excess. So an agent that under-predicts falls
 back in the queue as soon as the excess is visible; it never runs ahead for free. Under-runs
 are not refunded (an agent's GPS share is fixed once charged).
+
+Stateful policies (ewsjf, equinox) get their own instance (`Policy.bind(seed)`) and hear about
+every request through hooks: `on_submit`, `on_admit`, `on_finish` (with the true lengths and
+`now`), `on_drop`. A policy that owns its queue (ewsjf: a score that grows with waiting time
+has no static heap key) holds the pending requests itself and picks the next one
+(`select`); the per-agent heaps stay empty for it. `is_idle()` also asks the policy whether
+its own bookkeeping (queued requests, provisional charges) is back to zero.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
 from .cost import COMPUTE, compute_cost, cost_function, kv_cost, kv_footprint
@@ -66,6 +74,7 @@ class RequestState:
     order: tuple = ()
     running: bool = False
     admitted_at: float | None = None
+    pstate: Any = None  # the policy's own data about this request (ewsjf, equinox)
 
 
 @dataclass
@@ -90,6 +99,13 @@ class AgentState:
     requests_done: int = 0
     version: int = 0  # bumps whenever the agent's key changes (stale heap entries)
     in_heap: bool = False
+    queued: int = 0  # pending requests held by a policy that owns the queue (ewsjf)
+    pstate: Any = None  # the policy's own data about this agent (equinox's counters)
+
+    @property
+    def pending_requests(self) -> int:
+        """Requests submitted and not yet admitted."""
+        return len(self.pending) + self.queued
 
     @property
     def remaining_predicted(self) -> float:
@@ -133,8 +149,12 @@ class Dispatcher:
         backfill_depth: int = 32,
         now: float = 0.0,
         block_size: int = 1,
+        seed: int = 0,
     ) -> None:
-        self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        # A stateful policy (ewsjf, equinox) gets an instance of its own, seeded.
+        self.policy = (get_policy(policy) if isinstance(policy, str) else policy).bind(seed)
+        self._hooked = self.policy.hooked
+        self._owns_queue = self.policy.owns_queue
         if kv_capacity_tokens <= 0 or iteration_time_s <= 0:
             raise ValueError("kv_capacity_tokens and iteration_time_s must be positive")
         self.kv_capacity = int(kv_capacity_tokens)
@@ -164,9 +184,15 @@ class Dispatcher:
     def _rate(self) -> float:
         rate = self.kv_capacity / self.tau
         if self.policy.cost_model == COMPUTE:
-            c, k = self._ratio_sums
-            rate *= c / k if k > 0 else 1.0 / 256.0
+            rate *= self.compute_per_kv
         return rate
+
+    @property
+    def compute_per_kv(self) -> float:
+        """Compute tokens (p + 2d) per unit of KV token-time over the requests submitted so
+        far (1/256 before any): converts one cost model into the other."""
+        c, k = self._ratio_sums
+        return c / k if k > 0 else 1.0 / 256.0
 
     @property
     def rate(self) -> float:
@@ -213,8 +239,7 @@ class Dispatcher:
         charge = predicted_cost
         if self.policy.cost_model == COMPUTE:
             if predicted_compute_cost is None:
-                c, k = self._ratio_sums
-                predicted_compute_cost = predicted_cost * (c / k if k > 0 else 1.0 / 256.0)
+                predicted_compute_cost = predicted_cost * self.compute_per_kv
             charge = max(0.0, float(predicted_compute_cost))
         self._observed[1] = max(self._observed[1], predicted_cost)
         shape = shape or AgentShape()
@@ -248,6 +273,8 @@ class Dispatcher:
         running = []
         for rid in sorted(agent.request_ids, key=lambda r: self.requests[r].seq):
             req = self.requests[rid]
+            if self._hooked:
+                self.policy.on_drop(self, agent, req)
             if req.running:
                 running.append(rid)
                 self._release(req)
@@ -255,6 +282,7 @@ class Dispatcher:
                 self.pending_count -= 1
             del self.requests[rid]
         agent.pending.clear()
+        agent.queued = 0
         agent.request_ids.clear()
         agent.running = 0
         agent.version += 1
@@ -290,13 +318,21 @@ class Dispatcher:
         agent.request_ids.add(spec.request_id)
         agent.requests_total += 1
         self.pending_count += 1
-        if self.policy.name == "vtc" and not agent.pending:
+        if self._owns_queue:  # the policy routes it into its own queues
+            agent.queued += 1
+            self.policy.on_submit(self, agent, req, now, agent.queued == 1)
+            self._commit(agent, req.est_cost, now)
+            return
+        first = not agent.pending
+        if self.policy.name == "vtc" and first:
             # VTC's counter lift: a newly backlogged agent starts no lower than the
             # least-served backlogged agent, so idle time earns no credit.
             top = self._peek()
             if top is not None:
                 agent.vtc_counter = max(agent.vtc_counter, self.agents[top].vtc_counter)
         heapq.heappush(agent.pending, (req.order, req.seq, req))
+        if self._hooked:
+            self.policy.on_submit(self, agent, req, now, first)
         self._commit(agent, req.est_cost, now)
         self._requeue(agent)
 
@@ -314,10 +350,17 @@ class Dispatcher:
         if req.running:
             self._release(req)
             agent.running -= 1
+            if self._hooked:
+                self.policy.on_finish(self, agent, req, prompt_tokens, output_tokens, now)
         else:  # finished without being admitted (e.g. rejected): just drop it
             self.pending_count -= 1
-            agent.pending = [e for e in agent.pending if e[2] is not req]
-            heapq.heapify(agent.pending)
+            if self._hooked:
+                self.policy.on_drop(self, agent, req)
+            if self._owns_queue:
+                agent.queued -= 1
+            else:
+                agent.pending = [e for e in agent.pending if e[2] is not req]
+                heapq.heapify(agent.pending)
         real = self._cost(prompt_tokens, output_tokens)
         agent.consumed_cost += real
         agent.consumed_kv += kv_cost(prompt_tokens, output_tokens)
@@ -365,26 +408,36 @@ class Dispatcher:
         slots = engine_free_slots
         out: list[RequestSpec] = []
         skipped: list[str] = []
+        owns = self._owns_queue
         while slots is None or slots > 0:
-            agent_id = self._peek()
-            if agent_id is None:
-                break
-            agent = self.agents[agent_id]
-            req = agent.pending[0][2]
+            if owns:  # the policy picks the request (ewsjf); no backfill past it
+                req = self.policy.select(self, now)
+                if req is None:
+                    break
+                agent = self.agents[req.spec.agent_id]
+            else:
+                agent_id = self._peek()
+                if agent_id is None:
+                    break
+                agent = self.agents[agent_id]
+                req = agent.pending[0][2]
             need = req.footprint if footprint else req.spec.prompt_tokens + 1
             idle = self.running_count == 0 and not out
             fits = need <= free
             if fits and footprint and place is not None:
                 fits = place(req.spec, req.footprint)
             if not fits and not idle:
-                if not self.backfill or len(skipped) >= self.backfill_depth:
+                if owns or not self.backfill or len(skipped) >= self.backfill_depth:
                     break
                 # backfill: look past the blocked agent (its entry comes back below)
                 heapq.heappop(self._heap)
                 agent.in_heap = False
                 skipped.append(agent_id)
                 continue
-            heapq.heappop(agent.pending)
+            if not owns:
+                heapq.heappop(agent.pending)
+            else:
+                agent.queued -= 1
             req.running = True
             req.admitted_at = now
             self.pending_count -= 1
@@ -397,9 +450,12 @@ class Dispatcher:
                 slots -= 1
             if self.policy.name == "vtc":
                 agent.vtc_counter += req.spec.prompt_tokens
-            agent.version += 1
-            agent.in_heap = False
-            self._requeue(agent)
+            if self._hooked:
+                self.policy.on_admit(self, agent, req, now)
+            if not owns:
+                agent.version += 1
+                agent.in_heap = False
+                self._requeue(agent)
             out.append(req.spec)
         for agent_id in skipped:
             self._requeue(self.agents[agent_id])
@@ -420,6 +476,11 @@ class Dispatcher:
             agent.in_heap = True
         else:
             agent.in_heap = False
+
+    def leader(self) -> AgentState | None:
+        """The agent whose head request is admitted next (agent-keyed policies)."""
+        agent_id = self._peek()
+        return self.agents[agent_id] if agent_id is not None else None
 
     def _peek(self) -> str | None:
         """The agent whose head request is next, dropping stale heap entries."""
@@ -485,17 +546,14 @@ class Dispatcher:
             bound=agent.bound,
             requests_total=agent.requests_total,
             requests_done=agent.requests_done,
-            pending=len(agent.pending),
+            pending=agent.pending_requests,
             running=agent.running,
         )
 
     def snapshot(self, now: float, max_queue: int = 50) -> dict:
         """Plain-data state: policy, V, M, tau, backlog, queue (head first) with tags."""
         self.clock.advance(now)
-        queued = sorted(
-            (a for a in self.agents.values() if a.pending),
-            key=lambda a: self.policy.agent_key(a, a.pending[0][2]),
-        )
+        queued = sorted((a for a in self.agents.values() if a.pending_requests), key=self._queue_key)
         return {
             "policy": self.policy.name,
             "now": now,
@@ -512,13 +570,18 @@ class Dispatcher:
                 {
                     "agent_id": a.agent_id,
                     "virtual_finish": a.virtual_finish,
-                    "priority": self.policy.priority(a, a.pending[0][2]),
-                    "pending": len(a.pending),
+                    "priority": self.policy.priority(a, a.pending[0][2] if a.pending else None),
+                    "pending": a.pending_requests,
                     "running": a.running,
                 }
                 for a in queued[:max_queue]
             ],
         }
+
+    def _queue_key(self, agent: AgentState) -> Any:
+        if agent.pending:
+            return self.policy.agent_key(agent, agent.pending[0][2])
+        return self.policy.static_key(agent)  # a policy that owns the queue (ewsjf)
 
     def is_idle(self) -> bool:
         """True when no agent, request or reservation is left (accounting back to zero)."""
@@ -529,4 +592,5 @@ class Dispatcher:
             and self.reserved_prompt == 0
             and self.pending_count == 0
             and self.running_count == 0
+            and self.policy.is_idle()
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-ALL_POLICIES = "fcfs,sjf,vtc,parrot,srjf,justitia,justitia-c"
+ALL_POLICIES = "fcfs,sjf,vtc,parrot,srjf,justitia,justitia-c,ewsjf,equinox"
 
 
 def register(commands) -> None:
@@ -26,7 +26,7 @@ def register(commands) -> None:
     )
     sim.add_argument("--workload", required=True, metavar="FILE", help='workload file: JSON Lines, one agent per line, {"id", "arrival", "stages": [[{"p", "d"}, ...], ...]}')
     sim.add_argument("--policies", default=ALL_POLICIES, metavar="LIST",
-                     help="comma-separated policies: fcfs, sjf, parrot, srjf, vtc, justitia, justitia-c")
+                     help="comma-separated policies: fcfs, sjf, parrot, srjf, vtc, justitia, justitia-c, ewsjf, equinox")
     sim.add_argument("--kv-tokens", type=int, default=None, metavar="M",
                      help="KV cache capacity in tokens (default: the profile's)")
     sim.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
@@ -34,7 +34,7 @@ def register(commands) -> None:
                      help="agent cost predictions: oracle, noisy:LAMBDA (true x LAMBDA^U(-1,1)), or model:DIR "
                           "(a trained predictor, or a folder with one per agent type)")
     sim.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile: a100-llama7b or cpu-tiny")
-    sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions and of ewsjf's online tuner")
     sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
     sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
     sim.add_argument("--quiet", action="store_true", help="no table on the terminal")
@@ -75,7 +75,8 @@ def register(commands) -> None:
     live.add_argument("--workload", required=True, metavar="FILE",
                       help="workload file (build one with `bench make-workload --profile cpu-tiny`)")
     live.add_argument("--policies", default="fcfs,vtc,justitia", metavar="LIST",
-                      help="comma-separated policies, run one after another")
+                      help="comma-separated policies, run one after another (any of fcfs, sjf, parrot, srjf, "
+                           "vtc, justitia, justitia-c, ewsjf, equinox)")
     live.add_argument("--kv-tokens", type=int, required=True, metavar="M",
                       help="KV cache capacity of the engine in tokens")
     live.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
@@ -101,7 +102,7 @@ def register(commands) -> None:
         formatter_class=formatter,
     )
     st.add_argument("--minutes", default="2,4,6,8,10", metavar="LIST", help="flood lengths in simulated minutes")
-    st.add_argument("--policies", default="srjf,justitia,vtc", metavar="LIST", help="policies to compare")
+    st.add_argument("--policies", default="srjf,justitia,vtc,ewsjf,equinox", metavar="LIST", help="policies to compare")
     st.add_argument("--load", type=float, default=1.15,
                     help="offered load of the small agents, as a fraction of the (conservative) rate the engine sustains on them")
     st.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile")
@@ -205,7 +206,7 @@ def _sim(args: argparse.Namespace) -> int:
         raise CommandError("--kv-tokens must be positive")
     predictions = _predictions(args, agents)
     t0 = time.perf_counter()
-    results = run_comparison(agents, policies, profile, m, predictions, backfill=args.backfill)
+    results = run_comparison(agents, policies, profile, m, predictions, backfill=args.backfill, seed=args.seed)
     wall = time.perf_counter() - t0
     tau = gps_tau_s(profile, m, agents)
     limits = workload_limits(agents)
@@ -339,7 +340,7 @@ def _starvation(args: argparse.Namespace) -> int:
     except ValueError:
         raise CommandError("--minutes takes numbers, e.g. 2,4,6,8,10") from None
     profile = _profile(args.profile)
-    rows = run_starvation(minutes, _split(args.policies), profile, args.kv_tokens, args.load, args.seed)
+    rows = run_starvation(minutes, _policies(args.policies), profile, args.kv_tokens, args.load, args.seed)
     from rich.console import Console
     from rich.table import Table
 

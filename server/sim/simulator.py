@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from server.scheduler import AgentShape, BoundLimits, Dispatcher, RequestSpec, get_policy, gps_finish_times
+from server.scheduler import AgentShape, BoundLimits, Dispatcher, Policy, RequestSpec, get_policy, gps_finish_times
 from server.scheduler.cost import kv_cost
 
 from .engine import EngineModel, SimRequest
@@ -140,15 +140,17 @@ def _quantile(sorted_xs: list[float], q: float) -> float:
 
 def simulate(
     agents: Sequence[AgentSpec],
-    policy: str,
+    policy: "str | Policy",
     profile: EngineProfile,
     kv_tokens: int | None = None,
     predictions: Predictions | None = None,
     *,
     backfill: bool = False,
     gps_finish: Sequence[float] | None = None,
+    seed: int = 0,
 ) -> PolicyResult:
-    """Run one policy over the workload; returns per-agent finish times and counters."""
+    """Run one policy over the workload; returns per-agent finish times and counters.
+    `seed` seeds a policy that learns online (ewsjf's tuner): same seed, same run."""
     import time
 
     wall0 = time.perf_counter()
@@ -159,8 +161,8 @@ def simulate(
     limits = workload_limits(agents)
     if gps_finish is None:
         gps_finish = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], m / tau)
-    pol = get_policy(policy)
-    disp = Dispatcher(pol, m, tau, limits=limits, backfill=backfill)
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    disp = Dispatcher(pol, m, tau, limits=limits, backfill=backfill, seed=seed)
     engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"))
 
     index = {a.id: i for i, a in enumerate(agents)}
@@ -231,6 +233,7 @@ def simulate(
         preemptions=engine.preemptions,
         accounting_zero=disp.is_idle() and engine.kv_used == 0,
         sim_wall_s=time.perf_counter() - wall0,
+        extra={"policy_state": state} if (state := disp.policy.describe()) else {},
     )
 
 
@@ -241,10 +244,12 @@ def run_comparison(
     kv_tokens: int | None = None,
     predictions: Predictions | None = None,
     backfill: bool = False,
+    seed: int = 0,
 ) -> list[PolicyResult]:
     """Every policy on the same workload, predictions and GPS reference."""
     agents = sorted(agents, key=lambda a: a.arrival)
     m = int(kv_tokens or profile.kv_tokens)
     gps = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], m / gps_tau_s(profile, m, agents))
     predictions = predictions or make_predictions(agents)
-    return [simulate(agents, p, profile, m, predictions, backfill=backfill, gps_finish=gps) for p in policies]
+    return [simulate(agents, p, profile, m, predictions, backfill=backfill, gps_finish=gps, seed=seed)
+            for p in policies]

@@ -41,7 +41,7 @@ def run_starvation(minutes: list[float], policies: list[str], profile: EnginePro
     rows = []
     for mins in minutes:
         agents = starvation_workload(mins * 60.0, profile, m, load, seed, traces)
-        for res in run_comparison(agents, policies, profile, m):
+        for res in run_comparison(agents, policies, profile, m, seed=seed):
             large = next(a for a in res.agents if a.id == "large")
             small = [a.jct_s for a in res.agents if a.id != "large"]
             rows.append({
