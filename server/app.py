@@ -146,6 +146,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                 policy=config.policy,
                 initial_tau_s=config.initial_tau_s,
                 lease_s=config.agent_lease_s,
+                retention_s=config.agent_retention_s,
                 max_num_seqs=config.max_num_seqs,
             ),
             predictors=_predictors(config),

@@ -62,6 +62,9 @@ def register(commands: Any) -> None:
                             "(default: $JUSTITIA_HOME/data, ~/.cache/justitia/data)")
     serve.add_argument("--agent-lease", type=float, default=600.0, metavar="SECONDS",
                        help="an agent with no request in flight for this long (and no finish) expires")
+    serve.add_argument("--agent-retention", type=float, default=3600.0, metavar="SECONDS",
+                       help="ended agents stay readable through the API this long, then only "
+                            "in the history (bounds the server's memory under heavy traffic)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="server log level")
@@ -132,6 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
         predictors_dir=args.predictors,
         data_dir=args.data_dir,
         agent_lease_s=args.agent_lease,
+        agent_retention_s=args.agent_retention,
         log_level=args.log_level,
     )
     serve(config)

@@ -31,5 +31,8 @@ class ServerConfig(BaseModel):
     )
     tokenizer: str | None = None
     agent_lease_s: float = Field(default=600.0, gt=0)
+    agent_retention_s: float = Field(
+        default=3600.0, ge=0, description="How long ended agents stay readable (in memory)."
+    )
     initial_tau_s: float = Field(default=0.01, gt=0)
     log_level: str = "info"

@@ -40,6 +40,7 @@ class EmbeddedServer:
         log_path: str | os.PathLike[str] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
+        self._fixed_port = port is not None
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
@@ -51,15 +52,25 @@ class EmbeddedServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EmbeddedServer:
-        cmd = [sys.executable, "-m", "justitia_sdk.cli", "serve", "--port", str(self.port),
-               "--log-level", "warning", *self.args]
-        env = {**os.environ, **(self.env or {})}
-        self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        self._wait_ready()
-        return self
+        for attempt in range(3):
+            cmd = [sys.executable, "-m", "justitia_sdk.cli", "serve", "--port", str(self.port),
+                   "--log-level", "warning", *self.args]
+            env = {**os.environ, **(self.env or {})}
+            self._log = open(self.log_path, "wb")
+            self.process = subprocess.Popen(
+                cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            try:
+                self._wait_ready()
+                return self
+            except ServerStartError:
+                # The free port we picked was taken before the server bound it (another
+                # process on a busy machine, or one of vLLM's own sockets): pick another.
+                if self._fixed_port or attempt == 2 or "address already in use" not in self.tail_log():
+                    raise
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+        raise AssertionError("unreachable")
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -131,6 +142,20 @@ class VLLMOpenAIServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> VLLMOpenAIServer:
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except ServerStartError:
+                log = self.log_path.read_text(errors="replace")
+                if attempt == 2 or "address already in use" not in log:
+                    raise
+                # our free port was taken before vLLM bound it: pick another
+                port = free_port()
+                self.cmd[self.cmd.index("--port") + 1] = str(port)
+                self.port, self.url = port, f"http://127.0.0.1:{port}"
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> VLLMOpenAIServer:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
@@ -138,6 +163,7 @@ class VLLMOpenAIServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self._log.close()
                 raise ServerStartError(f"vLLM's server exited; log: {self.log_path}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
