@@ -94,8 +94,11 @@ async def run_agent(session: aiohttp.ClientSession, i: int, requests: int, max_t
     stats.agents += 1
 
 
+SETTLED = ("pending_requests", "running_requests", "reserved_kv", "agents", "backlog")
+
+
 async def one_round(url: str, agents: int, requests: int, concurrency: int,
-                    max_tokens: int) -> Round:
+                    max_tokens: int, settled_keys: tuple[str, ...] = SETTLED) -> Round:
     stats = Round()
     gate = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=600)
@@ -117,18 +120,18 @@ async def one_round(url: str, agents: int, requests: int, concurrency: int,
                       f"{stats.requests_failed} failed, {time.perf_counter() - started:.0f} s",
                       flush=True)
         stats.wall_s = time.perf_counter() - started
-        stats.after = await settled(session)
+        stats.after = await settled(session, settled_keys)
     return stats
 
 
-async def settled(session: aiohttp.ClientSession, limit_s: float = 120.0) -> dict:
+async def settled(session: aiohttp.ClientSession, keys: tuple[str, ...],
+                  limit_s: float = 120.0) -> dict:
     """The scheduler's accounting once it has drained (the GPS backlog drains in virtual
     time, a little after the last request)."""
     deadline = time.monotonic() + limit_s
     while True:
         async with session.get("/v1/scheduler") as r:
             snap = await r.json()
-        keys = ("pending_requests", "running_requests", "reserved_kv", "agents", "backlog")
         after = {k: snap[k] for k in keys}
         if not any(after.values()) or time.monotonic() > deadline:
             return after

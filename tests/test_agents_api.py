@@ -51,6 +51,39 @@ def scheduler_idle(client: httpx.Client) -> bool:
     return snap["pending_requests"] == 0 and snap["running_requests"] == 0 and snap["reserved_kv"] == 0
 
 
+def test_eta_and_bound_are_the_cores_for_the_same_registrations(client: httpx.Client) -> None:
+    """The promises the server makes (fair finish, ETA, bound, deadline) are what the
+    scheduler core, as the simulator drives it, computes for the same agents registered at
+    the same moments with the server's M, tau and bound limits."""
+    from server.scheduler import BoundLimits, Dispatcher
+
+    costs = [4e5, 1.5e6, 1e5, 8e5]
+    # The bound is stated against the largest agent cost seen so far: one cancelled agent
+    # of the largest cost here fixes it for the registrations that follow.
+    primer = register(client, type_="eta_primer", predicted_cost=max(costs))
+    client.delete(f"/v1/agents/{primer['id']}")
+    wait_until(lambda: client.get("/v1/scheduler").json()["backlog"] == 0, limit_s=120)
+    assert client.post("/v1/admin/pause").json() == {"paused": True}
+    try:
+        before = client.get("/v1/scheduler").json()
+        recs = [register(client, type_=f"eta_agent{i}", predicted_cost=c)
+                for i, c in enumerate(costs)]
+        after = client.get("/v1/scheduler").json()
+    finally:
+        client.post("/v1/admin/resume")
+    assert before["limits"] == after["limits"] and before["tau"] == after["tau"]
+    core = Dispatcher("justitia", kv_capacity_tokens=after["M"], iteration_time_s=after["tau"],
+                      limits=BoundLimits(**after["limits"]), block_size=32)
+    t0 = recs[0]["submitted_at"]
+    for rec, cost in zip(recs, costs):
+        view = core.register_agent(rec["id"], cost, rec["submitted_at"] - t0)
+        for key in ("fair_finish_s", "eta_s", "delay_bound_s", "deadline_s"):
+            assert rec[key] == pytest.approx(getattr(view, key), rel=0.02, abs=0.01), key
+    assert recs[2]["fair_finish_s"] < recs[0]["fair_finish_s"]  # the smallest finishes first
+    for rec in recs:
+        client.delete(f"/v1/agents/{rec['id']}")
+
+
 def test_register_returns_a_complete_record(client: httpx.Client) -> None:
     rec = register(client, prompt="verify: the river flows through three countries")
     assert RECORD_FIELDS <= rec.keys()

@@ -33,6 +33,7 @@ its own bookkeeping (queued requests, provisional charges) is back to zero.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable
@@ -566,6 +567,7 @@ class Dispatcher:
             "pending_requests": self.pending_count,
             "running_requests": self.running_count,
             "reserved_kv": self.reserved_kv,
+            "limits": dataclasses.asdict(self.limits),
             "queue": [
                 {
                     "agent_id": a.agent_id,
