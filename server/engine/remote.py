@@ -51,6 +51,7 @@ from server.engine.base import (
     EngineStats,
     InvalidRequestError,
 )
+from server.engine.tokens import fast_encoder
 
 log = logging.getLogger("justitia.engine.remote")
 
@@ -155,6 +156,7 @@ class RemoteVLLMEngine:
         if len(models) != 1:
             raise EngineError(f"the replicas serve different models: {sorted(models)}")
         self._tokenizer = self._load_tokenizer()
+        self._encode = fast_encoder(self._tokenizer)
         self._info = EngineInfo(
             model=self.replicas[0].model,
             kv_capacity_tokens=sum(r.kv_capacity_tokens for r in self.replicas),
@@ -350,7 +352,7 @@ class RemoteVLLMEngine:
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is None:
             raise EngineError("the engine has not started")
-        return list(self._tokenizer.encode(text))
+        return self._encode(text)
 
     def _route(self, exclude: list[Replica]) -> Replica:
         """A request admitted without a placement: the serving replica with the most room."""

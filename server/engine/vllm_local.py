@@ -22,6 +22,7 @@ from server.engine.base import (
     EngineStats,
     InvalidRequestError,
 )
+from server.engine.tokens import fast_encoder
 
 log = logging.getLogger("justitia.engine")
 
@@ -211,6 +212,7 @@ class LocalVLLMEngine:
             max_model_len=int(vcfg.model_config.max_model_len),
         )
         self._tokenizer = self._llm.get_tokenizer()
+        self._encode = fast_encoder(self._tokenizer)
         self._stats.kv_capacity_tokens = self._info.kv_capacity_tokens
         if on_cpu:
             _deprioritise_engine_core(cfg.engine_core_nice)
@@ -227,7 +229,7 @@ class LocalVLLMEngine:
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is None:
             raise EngineError("the engine has not started")
-        return list(self._tokenizer.encode(text))
+        return self._encode(text)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)
