@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -66,9 +67,15 @@ async def measure(url: str, concurrency: int, n: int, max_tokens: int) -> list[f
     return lat
 
 
-def summarize(lat: list[float]) -> dict:
+def summarize(lat: list[float], cpu_s: float) -> dict:
     return {"p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * percentile(lat, 0.99),
-            "n": len(lat)}
+            "n": len(lat), "cpu_ms_per_request": 1000 * cpu_s / len(lat)}
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time used so far by a server's API process (HTTP, tokenization, vLLM's
+    AsyncLLM front end and, for Justitia, the scheduler; not the engine core or worker)."""
+    return sum(psutil.Process(pid).cpu_times()[:2])
 
 
 def main() -> None:
@@ -86,19 +93,26 @@ def main() -> None:
                           extra_args=["--scheduling-policy", "fcfs"]) as v, \
          EmbeddedServer(["--kv-tokens", str(KV_TOKENS), "--max-model-len", str(MAX_MODEL_LEN)]) as j:
         lat: dict[str, dict[int, list[float]]] = {"direct": {}, "justitia": {}}
+        api_cpu: dict[str, dict[int, float]] = {"direct": {}, "justitia": {}}
         for c in levels:
             for _ in range(args.rounds):
-                for name, url in (("direct", v.url), ("justitia", j.url)):
+                for name, srv in (("direct", v), ("justitia", j)):
                     n = max(args.requests, 2 * c)
-                    lat[name].setdefault(c, []).extend(asyncio.run(measure(url, c, n, args.max_tokens)))
-    direct = {str(c): summarize(x) for c, x in lat["direct"].items()}
-    justitia = {str(c): summarize(x) for c, x in lat["justitia"].items()}
+                    before = cpu_seconds(srv.process.pid)
+                    lat[name].setdefault(c, []).extend(asyncio.run(measure(srv.url, c, n, args.max_tokens)))
+                    after = cpu_seconds(srv.process.pid)
+                    api_cpu[name][c] = api_cpu[name].get(c, 0.0) + after - before
+    # (the warm-up calls of each measure() are inside the CPU window: 8 of n requests)
+    direct = {str(c): summarize(x, api_cpu["direct"][c]) for c, x in lat["direct"].items()}
+    justitia = {str(c): summarize(x, api_cpu["justitia"][c]) for c, x in lat["justitia"].items()}
     overhead = {c: {"p50_ms": justitia[c]["p50_ms"] - direct[c]["p50_ms"],
                     "p99_ms": justitia[c]["p99_ms"] - direct[c]["p99_ms"]} for c in direct}
     for c in direct:
         print(f"concurrency {c:>4}: vLLM p50 {direct[c]['p50_ms']:.2f} / p99 {direct[c]['p99_ms']:.2f} ms; "
               f"Justitia p50 {justitia[c]['p50_ms']:.2f} / p99 {justitia[c]['p99_ms']:.2f} ms; "
-              f"added p50 {overhead[c]['p50_ms']:+.2f}, p99 {overhead[c]['p99_ms']:+.2f} ms")
+              f"added p50 {overhead[c]['p50_ms']:+.2f}, p99 {overhead[c]['p99_ms']:+.2f} ms; "
+              f"API process CPU per request: vLLM {direct[c]['cpu_ms_per_request']:.2f}, "
+              f"Justitia {justitia[c]['cpu_ms_per_request']:.2f} ms")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": vars(args), "direct": direct, "justitia": justitia,
                                           "overhead": overhead}, indent=1) + "\n")

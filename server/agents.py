@@ -13,7 +13,7 @@ this module owns identity, tenancy, lifecycle and the request log written to the
 from __future__ import annotations
 
 import asyncio
-import uuid
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,7 +24,7 @@ TERMINAL: frozenset[str] = frozenset({"finished", "cancelled", "expired"})
 
 
 def new_agent_id() -> str:
-    return f"agt-{uuid.uuid4().hex[:16]}"
+    return f"agt-{secrets.token_hex(8)}"  # 64 random bits, without uuid4's object
 
 
 @dataclass

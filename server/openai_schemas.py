@@ -7,7 +7,7 @@ written for other servers keep working.
 from __future__ import annotations
 
 import time
-import uuid
+import secrets
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -72,7 +72,7 @@ class Usage(BaseModel):
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{secrets.token_hex(16)}"
 
 
 def now_s() -> int:
