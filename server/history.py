@@ -18,6 +18,7 @@ import logging
 import queue
 import sqlite3
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,8 @@ _STOP = None
 
 
 class History:
+    batch_window_s = 0.1
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +87,9 @@ class History:
     def _write_forever(self) -> None:
         while True:
             batch = [self._queue.get()]
+            # A moment for more rows to queue: one commit per ~100 ms under load instead of
+            # one per agent (each commit is a WAL write and a lock round trip).
+            time.sleep(self.batch_window_s)
             while True:  # everything queued meanwhile goes into the same transaction
                 try:
                     batch.append(self._queue.get_nowait())

@@ -7,6 +7,7 @@ written for other servers keep working.
 from __future__ import annotations
 
 import time
+import itertools
 import secrets
 from typing import Literal
 
@@ -71,8 +72,13 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+_ID_PREFIX = secrets.token_hex(6)  # differs per server process: ids stay unique across restarts
+_id_counter = itertools.count(1)
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(16)}"
+    """A request id: unique, not secret (agent ids, not request ids, name what a caller owns)."""
+    return f"{prefix}-{_ID_PREFIX}{next(_id_counter):010x}"
 
 
 def now_s() -> int:
