@@ -8,28 +8,40 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from server import errors
 from server.agents import AgentEntry, AgentRecord
-from server.auth import tenant_of
+from server.auth import rate_limited_tenant, require_admin, tenant_of
 from server.engine.base import EngineError
 from server.live import LiveScheduler
+from server.openai_schemas import SSE_EVENT
+from server.validation import RequestBody
 
 router = APIRouter(tags=["agents"])
 
 MAX_PROMPT_CHARS = 1_000_000
+# Far above any real agent (1e18 is about a million requests of a million tokens each); a
+# larger declared cost let the record's times overflow to infinity, which JSON cannot carry.
+MAX_PREDICTED_COST = 1e18
+# The metadata keys the bound uses (server/live.py:_shape), and the ranges that keep the
+# bound's arithmetic finite.
+_SHAPE_RANGES = {"stages": (1, 1_000_000), "critical_path_tokens": (0, 10**12)}
 
 
-class AgentCreate(BaseModel):
+class AgentCreate(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     type: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:\-]+$",
                       description="Agent type: selects the cost predictor.")
     prompt: str = Field(default="", max_length=MAX_PROMPT_CHARS,
                         description="The text the cost predictor sees.")
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(
+        default_factory=dict,
+        description=("The caller's; `stages` (int, 1 to 1e6) and `critical_path_tokens` (int, "
+                     "0 to 1e12) declare the agent's structure for its delay bound."))
     predicted_cost: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False,
+        default=None, ge=0, le=MAX_PREDICTED_COST, allow_inf_nan=False,
         description=("The agent's total KV token-time cost, when the caller knows it (trace "
                      "replays, oracle benchmarks). Default: the server's predictor. Declaring "
                      "too little gains nothing: over-runs are charged as requests arrive."))
@@ -37,9 +49,25 @@ class AgentCreate(BaseModel):
         default=None, gt=0, le=86_400,
         description="Expire the agent after this many idle seconds (default: the server's lease).")
 
+    @field_validator("metadata")
+    @classmethod
+    def _shape_in_range(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        for key, (low, high) in _SHAPE_RANGES.items():
+            value = metadata.get(key)
+            # Other types are ignored, as before: metadata is the caller's.
+            if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
+                raise ValueError(f"metadata.{key} must be an integer from {low} to {high}")
+        return metadata
+
 
 class AgentList(BaseModel):
     agents: list[AgentRecord]
+
+
+_EVENTS = {200: {"description": "Server-sent events: `event: agent` with the record as `data`, "
+                              "at every change until the agent ends; `: keep-alive` comments "
+                              "every 15 s",
+                 "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def _scheduler(request: Request) -> LiveScheduler:
@@ -50,16 +78,17 @@ def _entry(agent_id: str, request: Request, tenant: str) -> AgentEntry:
     return _scheduler(request).get(agent_id, tenant)
 
 
-@router.post("/v1/agents", status_code=201, response_model=AgentRecord)
+@router.post("/v1/agents", status_code=201, response_model=AgentRecord,
+             responses=errors.responses(400, 401, 413, 429))
 async def register_agent(body: AgentCreate, request: Request,
-                         tenant: str = Depends(tenant_of)) -> AgentRecord:
+                         tenant: str = Depends(rate_limited_tenant)) -> AgentRecord:
     s = _scheduler(request)
     entry = s.register(body.type, body.prompt, tenant, body.metadata,
                        predicted_cost=body.predicted_cost, lease_s=body.lease_s)
     return s.record(entry)
 
 
-@router.get("/v1/agents", response_model=AgentList)
+@router.get("/v1/agents", response_model=AgentList, responses=errors.responses(401))
 async def list_agents(request: Request, tenant: str = Depends(tenant_of),
                       state: str | None = Query(default=None)) -> AgentList:
     s = _scheduler(request)
@@ -67,12 +96,14 @@ async def list_agents(request: Request, tenant: str = Depends(tenant_of),
     return AgentList(agents=[s.record(e) for e in entries])
 
 
-@router.get("/v1/agents/{agent_id}", response_model=AgentRecord)
+@router.get("/v1/agents/{agent_id}", response_model=AgentRecord,
+            responses=errors.responses(401, 404))
 async def get_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
     return _scheduler(request).record(_entry(agent_id, request, tenant))
 
 
-@router.get("/v1/agents/{agent_id}/events")
+@router.get("/v1/agents/{agent_id}/events", response_class=StreamingResponse,
+            responses={**_EVENTS, **errors.responses(401, 404)})
 async def agent_events(agent_id: str, request: Request,
                        tenant: str = Depends(tenant_of)) -> StreamingResponse:
     s = _scheduler(request)
@@ -89,19 +120,21 @@ async def agent_events(agent_id: str, request: Request,
                              headers={"Cache-Control": "no-cache"})
 
 
-@router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord)
+@router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord,
+             responses=errors.responses(401, 404, 409))
 async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
     s = _scheduler(request)
     return s.record(await s.finish(_entry(agent_id, request, tenant)))
 
 
-@router.delete("/v1/agents/{agent_id}", response_model=AgentRecord)
+@router.delete("/v1/agents/{agent_id}", response_model=AgentRecord,
+               responses=errors.responses(401, 404, 409))
 async def cancel_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
     s = _scheduler(request)
     return s.record(await s.cancel(_entry(agent_id, request, tenant)))
 
 
-@router.get("/v1/scheduler", tags=["operations"])
+@router.get("/v1/scheduler", tags=["operations"], responses=errors.responses(401))
 async def scheduler_snapshot(request: Request, tenant: str = Depends(tenant_of)) -> dict:
     snap = _scheduler(request).snapshot()
     # Other tenants' agents appear in the queue by position only, not by id.
@@ -112,27 +145,22 @@ async def scheduler_snapshot(request: Request, tenant: str = Depends(tenant_of))
     return snap
 
 
-def _require_admin(request: Request, tenant: str) -> None:
-    if request.app.state.config.api_keys and tenant != "admin":
-        raise HTTPException(403, "admin calls need the key of the tenant named 'admin'")
-
-
-@router.post("/v1/admin/pause", tags=["operations"])
+@router.post("/v1/admin/pause", tags=["operations"], responses=errors.responses(401, 403))
 async def pause_admission(request: Request, tenant: str = Depends(tenant_of)) -> dict:
     """Stop admitting requests (they queue; running ones finish): drain before maintenance."""
-    _require_admin(request, tenant)
+    require_admin(request, tenant)
     _scheduler(request).pause()
     return {"paused": True}
 
 
-@router.post("/v1/admin/resume", tags=["operations"])
+@router.post("/v1/admin/resume", tags=["operations"], responses=errors.responses(401, 403))
 async def resume_admission(request: Request, tenant: str = Depends(tenant_of)) -> dict:
-    _require_admin(request, tenant)
+    require_admin(request, tenant)
     _scheduler(request).resume()
     return {"paused": False}
 
 
-class ReplicaRef(BaseModel):
+class ReplicaRef(RequestBody):
     url: str = Field(min_length=1, max_length=2048, description="A vLLM OpenAI server's base URL.")
 
 
@@ -144,19 +172,21 @@ def _replicas(request: Request):
     return engine
 
 
-@router.get("/v1/admin/replicas", tags=["operations"])
+@router.get("/v1/admin/replicas", tags=["operations"],
+            responses=errors.responses(401, 403, 409))
 async def list_replicas(request: Request, tenant: str = Depends(tenant_of)) -> dict:
     """The engine replicas: capacity, reservations, requests in flight, health."""
-    _require_admin(request, tenant)
+    require_admin(request, tenant)
     engine = _replicas(request)
     return {"kv_capacity_tokens": engine.capacity, "replicas": engine.describe_replicas()}
 
 
-@router.post("/v1/admin/replicas", tags=["operations"], status_code=201)
+@router.post("/v1/admin/replicas", tags=["operations"], status_code=201,
+             responses=errors.responses(400, 401, 403, 409, 413))
 async def add_replica(body: ReplicaRef, request: Request, tenant: str = Depends(tenant_of)) -> dict:
     """Serve from one more vLLM replica (same model and block size): M grows by its KV
     capacity and the virtual clock's rate with it."""
-    _require_admin(request, tenant)
+    require_admin(request, tenant)
     engine = _replicas(request)
     try:
         return await engine.add_replica(body.url)
@@ -164,12 +194,13 @@ async def add_replica(body: ReplicaRef, request: Request, tenant: str = Depends(
         raise HTTPException(400, str(exc)) from exc
 
 
-@router.delete("/v1/admin/replicas", tags=["operations"])
+@router.delete("/v1/admin/replicas", tags=["operations"],
+               responses=errors.responses(400, 401, 403, 404, 409))
 async def remove_replica(request: Request, tenant: str = Depends(tenant_of),
                          url: str = Query(min_length=1, max_length=2048)) -> dict:
     """Stop sending requests to a replica: M shrinks now, the replica leaves once its
     requests in flight have finished."""
-    _require_admin(request, tenant)
+    require_admin(request, tenant)
     engine = _replicas(request)
     try:
         return engine.remove_replica(url)
@@ -177,7 +208,7 @@ async def remove_replica(request: Request, tenant: str = Depends(tenant_of),
         raise HTTPException(404, str(exc)) from exc
 
 
-@router.get("/v1/history", tags=["operations"])
+@router.get("/v1/history", tags=["operations"], responses=errors.responses(400, 401))
 async def history_samples(request: Request, tenant: str = Depends(tenant_of),
                           agent_type: str | None = Query(default=None),
                           limit: int = Query(default=10_000, ge=1, le=100_000)) -> dict:

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import errors
@@ -16,6 +16,7 @@ from server.config import ServerConfig
 from server.engine.base import Engine
 from server.agents_api import router as agents_router
 from server.history import History
+from server.limits import PerTenant, RateLimiter
 from server.live import LiveConfig, LiveScheduler
 from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import router as openai_router
@@ -177,25 +178,32 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     )
     app.state.config = config
     app.state.ready = False
+    app.state.rate_limiter = RateLimiter(PerTenant(config.rate_limit, config.tenant_rate_limits))
+    app.state.request_size_limits = PerTenant(config.max_request_tokens,
+                                              config.tenant_max_request_tokens)
     errors.install(app)
+    errors.document_errors_as_sent(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     app.include_router(openai_router)
     app.include_router(agents_router)
 
-    @app.get("/metrics", tags=["operations"])
+    @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
     async def metrics(request: Request) -> Response:
         m = getattr(request.app.state, "metrics", None)
         body = m.render() if m is not None else b""
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.get("/healthz", tags=["operations"])
+    unavailable = errors.responses(503)
+
+    @app.get("/healthz", tags=["operations"], responses=unavailable)
     async def healthz(request: Request) -> JSONResponse:
         service = getattr(request.app.state, "service", None)
         if service is None or not service.engine.healthy:
             return JSONResponse({"status": "unhealthy", "detail": "the engine is not running"}, 503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz", tags=["operations"])
+    @app.get("/readyz", tags=["operations"], responses=unavailable)
     async def readyz(request: Request) -> JSONResponse:
         service = getattr(request.app.state, "service", None)
         if not request.app.state.ready or service is None or not service.engine.healthy:

@@ -48,6 +48,20 @@ def register(commands: Any) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
     serve.add_argument("--api-key", action="append", default=[], metavar="TENANT=KEY",
                        help="accept this bearer key for this tenant (repeatable)")
+    serve.add_argument("--rate-limit", action="append", default=[], metavar="[TENANT=]RPS[:BURST]",
+                       help="per-tenant limit on inference (/v1/completions, "
+                            "/v1/chat/completions) and registration (POST /v1/agents) calls: "
+                            "RPS requests per second on average, up to BURST at once (default "
+                            "BURST: one second's worth, at least 1). A bare value applies to "
+                            "every tenant, TENANT=RPS[:BURST] to one, TENANT=off lifts it for "
+                            "one (repeatable). Calls over it get 429 with Retry-After "
+                            "(default: no limit)")
+    serve.add_argument("--max-request-tokens", action="append", default=[],
+                       metavar="[TENANT=]N",
+                       help="per-tenant cap on one request's prompt tokens + max_tokens; "
+                            "larger requests get 400 naming the cap. A bare N applies to every "
+                            "tenant, TENANT=N to one, TENANT=off lifts it for one (repeatable; "
+                            "default: only --max-model-len bounds a request)")
     serve.add_argument("--engine-url", action="append", default=[], metavar="URL",
                        help="use a remote vLLM OpenAI server as the engine (repeatable: "
                             "replicas; M is the sum of their KV capacities) instead of the "
@@ -98,6 +112,30 @@ def _parse_api_keys(items: list[str]) -> dict[str, str]:
     return keys
 
 
+def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]:
+    """The limit options as ServerConfig fields; overrides must name a known tenant."""
+    from justitia_sdk.cli import CommandError
+    from server.auth import DEFAULT_TENANT
+    from server.limits import Rate, parse_per_tenant, parse_tokens
+
+    known = tenants or {DEFAULT_TENANT}
+    parsed = {}
+    for option, items, parse in (("--rate-limit", args.rate_limit, Rate.parse),
+                                 ("--max-request-tokens", args.max_request_tokens, parse_tokens)):
+        try:
+            parsed[option] = limits = parse_per_tenant(items, parse)
+        except ValueError as exc:
+            raise CommandError(f"{option}: {exc}") from None
+        unknown = sorted(set(limits.overrides) - known)
+        if unknown:
+            # A typo in a tenant name would silently leave that tenant on the default.
+            raise CommandError(f"{option} names tenant(s) {', '.join(map(repr, unknown))} that "
+                               f"no --api-key defines (tenants: {', '.join(sorted(known))})")
+    rate, size = parsed["--rate-limit"], parsed["--max-request-tokens"]
+    return {"rate_limit": rate.default, "tenant_rate_limits": rate.overrides,
+            "max_request_tokens": size.default, "tenant_max_request_tokens": size.overrides}
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -112,6 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from server.config import ServerConfig
 
     keys = _parse_api_keys(args.api_key)
+    limits = _parse_limits(args, set(keys.values()))
     if args.engine_url and (args.model or args.kv_tokens):
         raise CommandError("--engine-url serves the replicas' model and KV capacity: "
                            "drop --model and --kv-tokens (set them on the replicas)")
@@ -137,6 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
         agent_lease_s=args.agent_lease,
         agent_retention_s=args.agent_retention,
         log_level=args.log_level,
+        **limits,
     )
     serve(config)
     return 0

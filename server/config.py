@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from server.limits import Rate
+
 POLICIES = ("fcfs", "sjf", "parrot", "srjf", "vtc", "justitia", "justitia-c", "ewsjf", "equinox")
 
 
@@ -36,3 +38,16 @@ class ServerConfig(BaseModel):
     )
     initial_tau_s: float = Field(default=0.01, gt=0)
     log_level: str = "info"
+    # Per-tenant limits (server/limits.py); None everywhere: no limits.
+    rate_limit: Rate | None = Field(
+        default=None, description="Inference and registration calls per tenant (token bucket)."
+    )
+    tenant_rate_limits: dict[str, Rate | None] = Field(
+        default_factory=dict, description="tenant -> its own rate (None: unlimited)"
+    )
+    max_request_tokens: int | None = Field(
+        default=None, ge=1, description="Cap on a request's prompt tokens + max_tokens."
+    )
+    tenant_max_request_tokens: dict[str, int | None] = Field(
+        default_factory=dict, description="tenant -> its own cap (None: no cap)"
+    )

@@ -7,18 +7,78 @@ FastAPI's own validation errors carry a list of dicts in `detail`; the HTTP cont
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine.base import EngineError, InvalidRequestError
 from server.live import AgentConflict, AgentNotFound
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    """Pydantic names the member of a union in the error location ('constrained-str',
+    'list[constrained-int]'); the caller needs the field, not our types."""
+    text = str(part)
+    return isinstance(part, str) and (
+        text in _TYPE_TAGS or "[" in text or text.startswith(("constrained-", "function-")))
+
+
+class ErrorBody(BaseModel):
+    detail: str
+
+
+_MEANING = {
+    400: "Bad input: a malformed body, a bad field, a request over the context or the "
+         "tenant's --max-request-tokens.",
+    401: "Missing or wrong API key (only when the server has keys).",
+    403: "The call needs the key of the tenant named 'admin'.",
+    404: "Unknown agent (or another tenant's), unknown model, or unknown replica.",
+    409: "The agent has ended (finished, cancelled, expired), or the call does not apply to "
+         "this server's engine.",
+    413: "The body is over the server's size limit.",
+    429: "The tenant is over its --rate-limit; retry after Retry-After seconds.",
+    503: "The engine is not running.",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                "schema": {"type": "integer"}}}
+
+
+def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error answers a route can give, for `responses=`."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        out[code] = {"model": ErrorBody, "description": _MEANING[code]}
+        if code == 429:
+            out[code]["headers"] = _RETRY_AFTER
+    return out
+
+
+def document_errors_as_sent(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every route with parameters; this server answers bad
+    input with 400 (`install` below), so the 422 entries are dropped from the schema."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        for path_item in schema.get("paths", {}).values():
+            for operation in path_item.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def _describe(error: dict) -> str:
-    loc = [str(p) for p in error.get("loc", ()) if p not in ("body",)]
+    loc = [str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     where = ".".join(loc)
     if error.get("type") == "json_invalid":
         return f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})"

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from server.live import LiveScheduler
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Agent types are chosen by callers: past this many distinct ones, the rest share the label
+# "other", so that a tenant inventing types cannot grow /metrics (and memory) without end.
+MAX_TYPE_LABELS = 100
+OTHER_TYPE = "other"
 
 
 class _SchedulerCollector:
@@ -72,12 +76,21 @@ class Metrics:
         self.prediction_error = Histogram(
             "justitia_prediction_relative_error", "|predicted - actual| / actual per finished agent.",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=self.registry)
+        self._type_labels: set[str] = set()
 
     def bind(self, scheduler: LiveScheduler) -> None:
         self._collector.scheduler = scheduler
 
+    def _type_label(self, agent_type: str) -> str:
+        if agent_type in self._type_labels:
+            return agent_type
+        if len(self._type_labels) < MAX_TYPE_LABELS:
+            self._type_labels.add(agent_type)
+            return agent_type
+        return OTHER_TYPE
+
     def agent_registered(self, entry: AgentEntry) -> None:
-        self.agents_total.labels(entry.type).inc()
+        self.agents_total.labels(self._type_label(entry.type)).inc()
 
     def agent_closed(self, entry: AgentEntry) -> None:
         if entry.state != "finished" or entry.finished_at is None:

@@ -8,17 +8,22 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from server import errors
 from server.agents import AgentEntry
-from server.auth import tenant_of
+from server.auth import rate_limited_tenant, tenant_of
 from server.disconnect import ClientDisconnected, run_unless_disconnected
 from server.engine.base import EngineOutput, SamplingOptions
+from server.limits import check_request_size
 from server.openai_schemas import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     SamplingFields,
     Usage,
     new_id,
     now_s,
+    streamed_or,
 )
 from server.service import InferenceService, PreparedRequest, render_chat
 
@@ -86,6 +91,8 @@ def _start(request: Request, body: SamplingFields, prompt: str | list[int], text
     service = _service(request)
     _check_model(service, body)
     prepared = service.prepare(new_id(id_prefix), prompt, _sampling(body))
+    check_request_size(request.app.state.request_size_limits, tenant,
+                       len(prepared.prompt_token_ids), prepared.sampling.max_tokens)
     agent = service.agent_for(_agent_id(agent_header, body), tenant, prepared, text)
     return service, prepared, agent
 
@@ -97,7 +104,10 @@ def _agent_id(header: str | None, body: SamplingFields) -> str | None:
     return header or body.agent_id
 
 
-@router.get("/v1/models")
+_INFERENCE_ERRORS = errors.responses(400, 401, 404, 409, 413, 429, 503)
+
+
+@router.get("/v1/models", responses=errors.responses(401))
 async def list_models(request: Request, tenant: str = Depends(tenant_of)) -> dict:
     service = _service(request)
     info = service.engine.info
@@ -115,12 +125,13 @@ async def list_models(request: Request, tenant: str = Depends(tenant_of)) -> dic
     }
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions",
+             responses={**streamed_or(CompletionResponse, "the completion"), **_INFERENCE_ERRORS})
 async def completions(
     body: CompletionRequest,
     request: Request,
     x_justitia_agent: str | None = Header(default=None),
-    tenant: str = Depends(tenant_of),
+    tenant: str = Depends(rate_limited_tenant),
 ) -> Response:
     text = body.prompt if isinstance(body.prompt, str) else ""
     service, prepared, agent = _start(request, body, body.prompt, text, x_justitia_agent,
@@ -157,12 +168,14 @@ async def completions(
     return JSONResponse(chunk(out.text, out.finish_reason, out))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions",
+             responses={**streamed_or(ChatCompletionResponse, "the chat completion"),
+                        **_INFERENCE_ERRORS})
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     x_justitia_agent: str | None = Header(default=None),
-    tenant: str = Depends(tenant_of),
+    tenant: str = Depends(rate_limited_tenant),
 ) -> Response:
     tokenizer = getattr(_service(request).engine, "_tokenizer", None)
     prompt = render_chat([m.model_dump() for m in body.messages], tokenizer)

@@ -38,9 +38,13 @@ def render_chat(messages: Sequence[dict[str, str]], tokenizer: object | None = N
     (the embedded tiny model has none)."""
     template = getattr(tokenizer, "chat_template", None)
     if template:
-        return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
+        try:
+            return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # a template refuses some conversations (roles out of order)
+            raise InvalidRequestError(
+                f"the model's chat template refuses these messages: {exc}") from exc
     lines = [f"{m['role']}: {m['content']}" for m in messages]
     return "\n".join(lines) + "\nassistant:"
 
@@ -58,10 +62,7 @@ class InferenceService:
         sampling: SamplingOptions,
     ) -> PreparedRequest:
         """Tokenize and check that prompt + output fit the model's context."""
-        if isinstance(prompt, str):
-            ids = self.engine.tokenize(prompt)
-        else:
-            ids = list(prompt)
+        ids = self._token_ids(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization")
         limit = self.engine.info.max_model_len
@@ -77,6 +78,21 @@ class InferenceService:
                 f"({sampling.max_tokens})"
             )
         return PreparedRequest(request_id, tuple(ids), sampling)
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            try:
+                return self.engine.tokenize(prompt)
+            except (TypeError, ValueError) as exc:  # text the tokenizer cannot take
+                raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
+        vocab = self.engine.info.vocab_size
+        # Checked here, before the request queues: vLLM refuses such ids only once the
+        # request reaches it, and the refusal used to surface as a 500.
+        if vocab is not None and prompt and not (0 <= min(prompt) and max(prompt) < vocab):
+            bad = next(i for i in prompt if not 0 <= i < vocab)
+            raise InvalidRequestError(
+                f"token id {bad} is not in the model's vocabulary (0 to {vocab - 1})")
+        return list(prompt)
 
     def agent_for(
         self, agent_id: str | None, tenant: str, prepared: PreparedRequest, prompt_text: str

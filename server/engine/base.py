@@ -66,6 +66,8 @@ class EngineInfo:
     kv_capacity_tokens: int
     block_size: int
     max_model_len: int
+    # Token ids a prompt may hold are 0 .. vocab_size - 1; None: the engine checks itself.
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)

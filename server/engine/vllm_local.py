@@ -205,13 +205,17 @@ class LocalVLLMEngine:
         vcfg = self._llm.vllm_config
         blocks = int(vcfg.cache_config.num_gpu_blocks)
         bs = int(vcfg.cache_config.block_size)
+        self._tokenizer = self._llm.get_tokenizer()
         self._info = EngineInfo(
             model=cfg.model,
             kv_capacity_tokens=(blocks - 1) * bs,
             block_size=bs,
             max_model_len=int(vcfg.model_config.max_model_len),
+            # vLLM's own rule (renderers/base.py): an id is in the vocabulary of the
+            # tokenizer or of the model, whichever is larger.
+            vocab_size=max(int(self._tokenizer.max_token_id) + 1,
+                           int(vcfg.model_config.get_vocab_size())),
         )
-        self._tokenizer = self._llm.get_tokenizer()
         self._encode = fast_encoder(self._tokenizer)
         self._stats.kv_capacity_tokens = self._info.kv_capacity_tokens
         if on_cpu:
@@ -245,6 +249,8 @@ class LocalVLLMEngine:
         if not self.healthy:
             raise EngineError("the engine is not running")
         from vllm import SamplingParams
+        # vLLM's "the request is at fault" errors are not ValueErrors in every version.
+        from vllm.exceptions import VLLMClientError
 
         s = request.sampling
         try:
@@ -258,7 +264,7 @@ class LocalVLLMEngine:
                 ignore_eos=s.ignore_eos,
                 min_tokens=s.min_tokens,
             )
-        except ValueError as exc:
+        except (ValueError, VLLMClientError) as exc:
             raise InvalidRequestError(str(exc)) from exc
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         sent = 0
@@ -282,7 +288,7 @@ class LocalVLLMEngine:
                 sent = len(text)
         except (asyncio.CancelledError, GeneratorExit):
             raise
-        except ValueError as exc:
+        except (ValueError, VLLMClientError) as exc:
             raise InvalidRequestError(str(exc)) from exc
         except Exception as exc:
             if self._llm is not None and self._llm.errored:

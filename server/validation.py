@@ -1,0 +1,58 @@
+"""Checks every request body gets before its own fields are validated.
+
+Python's JSON parser accepts two things that are not valid text or JSON, and both used to
+turn into 500s further on (found by fuzzing, docs/reliability.md):
+
+- lone UTF-16 surrogates (`"\\ud800"`): the tokenizer refuses them, and a record that holds
+  one (agent metadata) cannot be encoded as UTF-8 in the response, so one such agent broke
+  its tenant's `GET /v1/agents`;
+- `NaN` and `Infinity`, which JSON does not have, and which no field here means.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from pydantic import BaseModel, model_validator
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_invalid_value(data: Any) -> str | None:
+    """A description of the first string that is not valid Unicode or number that is not
+    finite in `data` (parsed JSON), with its path; None if there is none."""
+    # An explicit stack, not recursion: the JSON parser accepts nesting deeper than
+    # Python's recursion limit would leave room for here.
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            match = _SURROGATE.search(value)
+            if match:
+                return (f"{path or 'the body'}: text must be valid Unicode; it holds a lone "
+                        f"UTF-16 surrogate (\\u{ord(match.group()):04x})")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return f"{path or 'the body'}: {value} is not a JSON number"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                inner = f"{path}.{key}" if path else str(key)
+                stack.append((path or "the body", key))  # keys are text too
+                stack.append((inner, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+class RequestBody(BaseModel):
+    """Base of the request bodies: refuses invalid text and non-finite numbers anywhere."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json_text(cls, data: Any) -> Any:
+        problem = find_invalid_value(data)
+        if problem is not None:
+            raise ValueError(problem)
+        return data
