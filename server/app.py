@@ -87,6 +87,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
             kv_tokens=config.kv_tokens,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
+            engine_core_nice=config.engine_nice,
             dummy_weights=True,
             # bfloat16 on CPUs with AMX dies with SIGILL on batches of one or two tokens
             # (vLLM CPU 0.32, measured here); the tiny model loses nothing in float32.
@@ -98,6 +99,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
         kv_tokens=config.kv_tokens,
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
+        engine_core_nice=config.engine_nice,
     )
     name = config.served_model_name or Path(config.model).name or config.model
     return LocalVLLMEngine(engine_cfg), name

@@ -41,6 +41,10 @@ def register(commands: Any) -> None:
                        help="longest prompt + output in tokens")
     serve.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
                        help="most requests the engine runs at once")
+    serve.add_argument("--engine-nice", type=int, default=10, choices=range(0, 20), metavar="N",
+                       help="CPU build only: niceness of vLLM's EngineCore process, which spins "
+                            "on the core it shares with the API process (0: as vLLM leaves it; "
+                            "see docs/server.md)")
     serve.add_argument("--policy", default="justitia", choices=POLICIES,
                        help="scheduling policy")
     serve.add_argument("--host", default="127.0.0.1",
@@ -165,6 +169,7 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_tokens=args.kv_tokens,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        engine_nice=args.engine_nice,
         policy=args.policy,
         host=args.host,
         port=args.port,

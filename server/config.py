@@ -17,6 +17,8 @@ class ServerConfig(BaseModel):
     kv_tokens: int | None = Field(default=None, ge=1, description="KV cache capacity M in tokens.")
     max_model_len: int = Field(default=2048, ge=64)
     max_num_seqs: int = Field(default=256, ge=1)
+    engine_nice: int = Field(default=10, ge=0, le=19,
+                             description="CPU build: niceness of vLLM's EngineCore process.")
     policy: str = "justitia"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
