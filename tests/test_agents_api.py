@@ -291,17 +291,27 @@ def test_cancel_fails_queued_requests_and_aborts_running_ones(client: httpx.Clie
 
 
 def test_client_disconnect_aborts_its_request(client: httpx.Client, server) -> None:
-    rec = register(client)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", headers={"X-Justitia-Agent": rec["id"]},
-                   json={"prompt": [5] * 10, "max_tokens": 1000, "ignore_eos": True},
-                   timeout=httpx.Timeout(120, read=0.3))
-    # The request is gone from the scheduler and the engine long before 900 tokens.
+    early: list[str] = []
+    for _ in range(3):
+        rec = register(client)
+        try:
+            r = httpx.post(server.url + "/v1/completions", headers={"X-Justitia-Agent": rec["id"]},
+                           json={"prompt": [5] * 10, "max_tokens": 2000, "ignore_eos": True},
+                           timeout=httpx.Timeout(120, read=0.2))
+        except httpx.ReadTimeout:
+            break  # the client gave up while the request ran
+        # An answer before the client's timeout (seen once in CI, cause not recorded): keep
+        # it for the failure message and try again.
+        early.append(f"{r.status_code}: {r.text[:300]}")
+        client.post(f"/v1/agents/{rec['id']}/finish")
+    else:
+        pytest.fail(f"the request was always answered before the client's timeout: {early}")
+    # The request is gone from the scheduler and the engine long before its 2,000 tokens.
     wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["requests_in_flight"] == 0, 20)
     done = client.get(f"/v1/agents/{rec['id']}").json()
     assert done["requests_done"] == 1
     hist_cost = done["consumed_cost"]
-    assert hist_cost < kv_cost(10, 1000)
+    assert hist_cost < kv_cost(10, 2000)
     wait_until(lambda: scheduler_idle(client))
     client.post(f"/v1/agents/{rec['id']}/finish")
 
