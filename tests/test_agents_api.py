@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 from server.metrics import metric_value
 from server.scheduler import kv_cost
 from tests.conftest import ENGINE_KV_TOKENS
+from tests.waiting import wait_until
 
 RECORD_FIELDS = {
     "id", "type", "state", "predicted_cost", "virtual_finish", "consumed_cost", "requests_total",
@@ -35,15 +35,6 @@ def complete(client: httpx.Client, agent_id: str | None, max_tokens: int, prompt
                        json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                              **extra})
 
-
-def wait_until(predicate, limit_s: float = 60.0, every_s: float = 0.05, show=None):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"condition not reached; state: {show() if show else None}")
 
 
 def scheduler_idle(client: httpx.Client) -> bool:

@@ -13,16 +13,7 @@ import psutil
 import pytest
 
 from justitia_sdk import AsyncClient, agent, current_agent, llm
-
-
-def wait_until(predicate, limit_s: float = 60.0):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not reached")
+from tests.waiting import wait_until
 
 
 def engine_core(server) -> psutil.Process:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
 
 from server.metrics import metric_value
+from tests.waiting import wait_until
 
 KV = 2048  # tokens per replica
 
@@ -46,14 +46,6 @@ def generated(replica) -> float:
     """Tokens the replica has generated so far (its own /metrics)."""
     return metric_value(httpx.get(replica.url + "/metrics").text, "vllm:generation_tokens_total") or 0.0
 
-
-def wait_until(predicate, limit_s: float = 60.0, show=None):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"condition not reached; {show() if show else ''}")
 
 
 def agent(jc: httpx.Client, name: str = "replica_agent") -> str:
