@@ -10,6 +10,9 @@ is saturated). Reports p50 and p99 latency per concurrency and
 the differences; writes benchmarks/results/server_overhead.json.
 
     .venv/bin/python benchmarks/server_overhead.py [--requests 400] [--max-tokens 4]
+
+`--variant NAME="SERVE ARGS"` (repeatable) adds more Justitia servers with other `serve`
+options, measured in the same alternation, e.g. `--variant nice0="--engine-nice 0"`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
+import shlex
 import statistics
 import sys
 import time
@@ -27,6 +32,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from contextlib import ExitStack  # noqa: E402
 
 from server.launcher import EmbeddedServer, VLLMOpenAIServer  # noqa: E402
 
@@ -104,46 +111,83 @@ def cpu_seconds(pid: int) -> float:
     return sum(psutil.Process(pid).cpu_times()[:2])
 
 
+def paired(rounds: list[float], direct_rounds: list[float]) -> dict:
+    """The median over rounds of (this server's round p50 - the direct round p50 measured just
+    before it), with a bootstrap 95% interval. Pairing neighbouring rounds cancels the slow
+    drift of this shared machine; the median ignores the rounds that a burst elsewhere hit."""
+    diffs = [a - b for a, b in zip(rounds, direct_rounds)]
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
+    return {"paired_p50_ms": statistics.median(diffs), "paired_ci95_ms": [boot[50], boot[1949]],
+            "paired_round_diffs_ms": diffs}
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, sep, args = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=\"SERVE ARGS\", got {text!r}")
+    return name, shlex.split(args)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=300, help="requests per concurrency level and round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per level")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--concurrency", default="1,16,128")
+    ap.add_argument("--variant", type=parse_variant, action="append", default=[], metavar='NAME="ARGS"',
+                    help="another Justitia server with these extra `serve` options (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server_overhead.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
-    # Both servers run at once (an idle engine sleeps) and are measured in alternation, so
-    # that both see the same machine: these 2 cores are shared and their speed drifts.
-    with VLLMOpenAIServer(kv_tokens=KV_TOKENS, max_model_len=MAX_MODEL_LEN,
-                          extra_args=["--scheduling-policy", "fcfs"]) as v, \
-         EmbeddedServer(["--kv-tokens", str(KV_TOKENS), "--max-model-len", str(MAX_MODEL_LEN)]) as j:
-        lat: dict[str, dict[int, list[float]]] = {"direct": {}, "justitia": {}}
-        api_cpu: dict[str, dict[int, float]] = {"direct": {}, "justitia": {}}
+    base = ["--kv-tokens", str(KV_TOKENS), "--max-model-len", str(MAX_MODEL_LEN)]
+    # All servers run at once (an idle engine sleeps) and are measured in alternation, so
+    # that all see the same machine: these 2 cores are shared and their speed drifts.
+    with ExitStack() as stack:
+        servers = {"direct": stack.enter_context(VLLMOpenAIServer(
+            kv_tokens=KV_TOKENS, max_model_len=MAX_MODEL_LEN, extra_args=["--scheduling-policy", "fcfs"]))}
+        servers["justitia"] = stack.enter_context(EmbeddedServer(base))
+        for name, extra in args.variant:
+            servers[name] = stack.enter_context(EmbeddedServer(base + extra))
+        lat: dict[str, dict[int, list[float]]] = {name: {} for name in servers}
+        round_p50: dict[str, dict[int, list[float]]] = {name: {} for name in servers}
+        api_cpu: dict[str, dict[int, float]] = {name: {} for name in servers}
         for c in levels:
             for _ in range(args.rounds):
-                for name, srv in (("direct", v), ("justitia", j)):
+                for name, srv in servers.items():
                     n = max(args.requests, 2 * c)
                     before = cpu_seconds(srv.process.pid)
-                    lat[name].setdefault(c, []).extend(asyncio.run(measure(srv.url, c, n, args.max_tokens)))
+                    got = asyncio.run(measure(srv.url, c, n, args.max_tokens))
                     after = cpu_seconds(srv.process.pid)
+                    lat[name].setdefault(c, []).extend(got)
+                    round_p50[name].setdefault(c, []).append(1000 * statistics.median(got))
                     api_cpu[name][c] = api_cpu[name].get(c, 0.0) + after - before
                     wait_until_quiet(srv.process.pid)
     # (the warm-up calls of each measure() are inside the CPU window: 8 of n requests)
-    direct = {str(c): summarize(x, api_cpu["direct"][c]) for c, x in lat["direct"].items()}
-    justitia = {str(c): summarize(x, api_cpu["justitia"][c]) for c, x in lat["justitia"].items()}
-    overhead = {c: {"p50_ms": justitia[c]["p50_ms"] - direct[c]["p50_ms"],
-                    "p99_ms": justitia[c]["p99_ms"] - direct[c]["p99_ms"]} for c in direct}
+    results = {name: {str(c): {**summarize(x, api_cpu[name][c]), "round_p50_ms": round_p50[name][c]}
+                      for c, x in lat[name].items()} for name in lat}
+    direct = results["direct"]
+    overhead = {name: {c: {"p50_ms": r[c]["p50_ms"] - direct[c]["p50_ms"],
+                           "p99_ms": r[c]["p99_ms"] - direct[c]["p99_ms"],
+                           **paired(r[c]["round_p50_ms"], direct[c]["round_p50_ms"])} for c in direct}
+                for name, r in results.items() if name != "direct"}
     for c in direct:
-        print(f"concurrency {c:>4}: vLLM p50 {direct[c]['p50_ms']:.2f} / p99 {direct[c]['p99_ms']:.2f} ms; "
-              f"Justitia p50 {justitia[c]['p50_ms']:.2f} / p99 {justitia[c]['p99_ms']:.2f} ms; "
-              f"added p50 {overhead[c]['p50_ms']:+.2f}, p99 {overhead[c]['p99_ms']:+.2f} ms; "
-              f"API process CPU per request: vLLM {direct[c]['cpu_ms_per_request']:.2f}, "
-              f"Justitia {justitia[c]['cpu_ms_per_request']:.2f} ms")
+        print(f"concurrency {c:>4}: vLLM p50 {direct[c]['p50_ms']:.2f} / p99 {direct[c]['p99_ms']:.2f} ms, "
+              f"API CPU {direct[c]['cpu_ms_per_request']:.2f} ms/request")
+        for name in overhead:
+            r = results[name][c]
+            o = overhead[name][c]
+            print(f"  {name:>12}: p50 {r['p50_ms']:.2f} / p99 {r['p99_ms']:.2f} ms; added p50 "
+                  f"{o['p50_ms']:+.2f}, p99 {o['p99_ms']:+.2f} ms; paired rounds: median added p50 "
+                  f"{o['paired_p50_ms']:+.2f} ms (95% CI {o['paired_ci95_ms'][0]:+.2f} to "
+                  f"{o['paired_ci95_ms'][1]:+.2f}); API CPU {r['cpu_ms_per_request']:.2f} ms/request")
+        for name in results:
+            rounds = ", ".join(f"{x:.0f}" for x in results[name][c]["round_p50_ms"])
+            print(f"  {name:>12} p50 per round: {rounds}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": vars(args), "direct": direct, "justitia": justitia,
-                                          "overhead": overhead}, indent=1) + "\n")
-
+    out = {"config": {**vars(args), "variant": [[n, shlex.join(a)] for n, a in args.variant]},
+           **results, "overhead": overhead}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 if __name__ == "__main__":
     main()

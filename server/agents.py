@@ -13,7 +13,7 @@ this module owns identity, tenancy, lifecycle and the request log written to the
 from __future__ import annotations
 
 import asyncio
-import secrets
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,8 +23,23 @@ AgentStateName = Literal["queued", "running", "finished", "cancelled", "expired"
 TERMINAL: frozenset[str] = frozenset({"finished", "cancelled", "expired"})
 
 
-def new_agent_id() -> str:
-    return f"agt-{secrets.token_hex(8)}"  # 64 random bits, without uuid4's object
+class _RandomIds:
+    """Ids of 64 random bits from the OS's CSPRNG, read 4 KiB at a time: one getrandom call
+    per 512 ids instead of one per id (each was ~8% of the event loop's time with every
+    OpenAI request a one-request agent, measured with py-spy at 128 in flight)."""
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._at = 0
+
+    def __call__(self) -> str:
+        if self._at >= len(self._pool):
+            self._pool, self._at = os.urandom(4096), 0
+        at, self._at = self._at, self._at + 8
+        return f"agt-{self._pool[at:at + 8].hex()}"
+
+
+new_agent_id = _RandomIds()
 
 
 @dataclass

@@ -28,6 +28,7 @@ import csv
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from .profiles import EngineProfile
 from .workload import AgentSpec
@@ -81,9 +82,10 @@ class _Gen:
 
     def __init__(self, traces: Traces, rng: random.Random, scale: float, max_len: int) -> None:
         self.t, self.rng, self.scale, self.max_len = traces, rng, scale, max_len
+        self.output_scale = 1.0  # of the agent type being drawn (make_mix's output_scale)
 
     def fit(self, p: float, d: float) -> tuple[int, int]:
-        d = max(1, min(int(round(d * self.scale)), self.max_len // 2))
+        d = max(1, min(int(round(d * self.scale * self.output_scale)), self.max_len // 2))
         p = max(1, min(int(round(p * self.scale)), self.max_len - d))
         return p, d
 
@@ -162,8 +164,14 @@ def make_mix(
     seed: int = 0,
     length_scale: float | None = None,
     traces: Traces | None = None,
+    output_scale: Mapping[str, float] | None = None,
 ) -> list[AgentSpec]:
-    """`n_agents` agents of the nine types with Mooncake arrivals at `density` x."""
+    """`n_agents` agents of the nine types with Mooncake arrivals at `density` x.
+
+    `output_scale` multiplies the output lengths of the named agent types (before clipping to
+    the profile; prompts are left as drawn). It exists for sensitivity studies
+    (benchmarks/cost_model_ablation.py); the paper's mix uses none.
+    """
     traces = traces or Traces.load()
     rng = random.Random(seed)
     scale = profile.length_scale if length_scale is None else length_scale
@@ -172,6 +180,7 @@ def make_mix(
     for i in range(n_agents):
         size = rng.choices([s for s, _ in SIZES], [w for _, w in SIZES])[0]
         kind = rng.choice(AGENT_TYPES)
+        gen.output_scale = (output_scale or {}).get(kind, 1.0)
         stages = getattr(gen, kind)(size)
         n_inputs = sum(len(st) for st in stages)
         tokens_in = sum(p for p, _ in stages[0])
