@@ -57,6 +57,23 @@ def test_density_divides_the_gaps_and_keeps_the_agents():
     assert max(p + d for a in cpu for st in a.stages for p, d in st) <= get_profile("cpu-tiny").max_model_len
 
 
+def test_output_scale_stretches_only_the_named_types_outputs():
+    profile = get_profile("a100-llama7b")
+    plain = make_mix(120, profile, seed=2)
+    stretched = make_mix(120, profile, seed=2, output_scale={"equation_verification": 4.0})
+    assert [a.type for a in plain] == [a.type for a in stretched]  # the same draws
+    for a, b in zip(plain, stretched):
+        pairs = list(zip((r for st in a.stages for r in st), (r for st in b.stages for r in st)))
+        if a.type == "equation_verification":
+            for (p, d), (p2, d2) in pairs:
+                assert d2 == min(4 * d, profile.max_model_len // 2)
+                assert p2 == min(p, profile.max_model_len - d2)
+        else:
+            assert a.stages == b.stages
+    # the same offered load: longer outputs cost more, so arrivals spread out
+    assert stretched[-1].arrival > plain[-1].arrival
+
+
 def test_noisy_predictions_stay_within_the_factor():
     agents = make_mix(40, get_profile("a100-llama7b"), seed=2)
     pred = make_predictions(agents, "noisy:3", seed=5)
