@@ -19,6 +19,7 @@ from server.history import History
 from server.limits import PerTenant, RateLimiter
 from server.live import LiveConfig, LiveScheduler
 from server.metrics import CONTENT_TYPE, Metrics
+from server.openai_api import install_fast_paths
 from server.openai_api import router as openai_router
 from server.service import InferenceService
 
@@ -187,6 +188,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     errors.document_errors_as_sent(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     app.include_router(openai_router)
+    install_fast_paths(app)
     app.include_router(agents_router)
 
     @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse,

@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from fastapi.security.utils import get_authorization_scheme_param
+from fastapi.security import HTTPAuthorizationCredentials
+from pydantic import BaseModel, ValidationError
+from starlette.routing import request_response
 
 from server import errors
 from server.agents import AgentEntry
@@ -227,3 +233,64 @@ async def chat_completions(
             "usage": _usage(out),
         }
     )
+
+
+# -- the inference hot path --------------------------------------------------------------
+# FastAPI's per-call machinery (dependency solving, header parameters, JSON decoding then
+# validation in two passes) cost ~70 us of the ~1.6 ms of CPU the API process spends per
+# completion (measured: 95 us against 23 us for the same body and checks on a plain
+# Starlette handler). At 128 requests in flight the API process shares a saturated core, so
+# that CPU becomes latency. The two inference routes keep their FastAPI declarations (the
+# OpenAPI document, fuzzing, clients see them unchanged) but are served by the handlers
+# below, which do the same steps directly and call the same endpoint functions.
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc
+    if any(e["type"] == "json_invalid" for e in error.errors()):
+        # pydantic's parser refuses some text Python's takes (a lone UTF-16 surrogate);
+        # through Python's, the body validator names the field at fault, as it did before.
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            pass
+        else:
+            try:
+                return model.model_validate(data)
+            except ValidationError as exc:
+                error = exc
+    # the locations FastAPI would give, so that the 400 names the same fields
+    raise RequestValidationError(
+        [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)])
+
+
+async def _tenant(request: Request) -> str:
+    scheme, token = get_authorization_scheme_param(request.headers.get("authorization"))
+    credentials = (HTTPAuthorizationCredentials(scheme=scheme, credentials=token)
+                   if scheme.lower() == "bearer" and token else None)
+    return await rate_limited_tenant(request, await tenant_of(request, credentials))
+
+
+async def _completions_fast(request: Request) -> Response:
+    body = _parse(CompletionRequest, await request.body())
+    tenant = await _tenant(request)
+    return await completions(body, request, request.headers.get(AGENT_HEADER), tenant)
+
+
+async def _chat_completions_fast(request: Request) -> Response:
+    body = _parse(ChatCompletionRequest, await request.body())
+    tenant = await _tenant(request)
+    return await chat_completions(body, request, request.headers.get(AGENT_HEADER), tenant)
+
+
+_FAST = {"/v1/completions": _completions_fast, "/v1/chat/completions": _chat_completions_fast}
+
+
+def install_fast_paths(app: FastAPI) -> None:
+    """Serve the inference routes of `app` with the direct handlers above."""
+    for route in app.router.routes:
+        if isinstance(route, APIRoute) and route.path in _FAST and "POST" in route.methods:
+            route.app = request_response(_FAST[route.path])

@@ -174,3 +174,32 @@ def test_agent_values_that_overflowed_are_refused(admin: httpx.Client) -> None:
     assert rec.status_code == 201, rec.text
     assert all(isinstance(rec.json()[k], float)
                for k in ("fair_finish_s", "eta_s", "delay_bound_s", "deadline_s"))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_inference_routes_refuse_malformed_bodies_with_a_message(admin: httpx.Client,
+                                                                      path: str) -> None:
+    # These two routes parse their bodies directly (server/openai_api.py, the hot path),
+    # not through FastAPI: the answers must stay those of every other route.
+    _assert_400(_raw(admin, path, ""), "not valid JSON")
+    _assert_400(_raw(admin, path, '{"prompt": 5'), "not valid JSON")
+    _assert_400(_raw(admin, path, "[]"), "object")
+    _assert_400(_raw(admin, path, "{}"), "prompt" if path == "/v1/completions" else "messages",
+                "required")
+    _assert_400(_raw(admin, path, '{"prompt": "x", "messages": [], "max_tokens": NaN}'),
+                "max_tokens", "not a JSON number")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_inference_routes_check_the_key_like_the_others(fuzz_server, path: str) -> None:
+    api = fuzz_server.url
+    body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": f"Basic {KEYS['alice']}"},
+                    {"Authorization": "Bearer wrong-key"}):
+        r = httpx.post(api + path, json=body, headers=headers, timeout=TIMEOUT_S)
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", r.text
+        # the same answer as a route that FastAPI's dependencies serve
+        assert httpx.get(api + "/v1/models", headers=headers).status_code == 401
+    ok = httpx.post(api + path, json=body, headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                    timeout=TIMEOUT_S)
+    assert ok.status_code == 200, ok.text
