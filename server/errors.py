@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from server.engine.base import EngineError, InvalidRequestError
 from server.live import AgentConflict, AgentNotFound
@@ -119,6 +120,23 @@ def install(app: FastAPI) -> None:
         return JSONResponse({"detail": f"the body is not valid JSON: {exc}"}, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:
+            allowed = allowed_methods(request)
+            detail = f"{request.method} is not allowed here; allowed: {', '.join(allowed)}"
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path. Starlette's 405 names only the methods of
+    the first route that matched the path, and /v1/agents, say, is one route per method."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        route_methods = getattr(route, "methods", None)
+        # PARTIAL: the path matches and the method does not; FULL: both match
+        if route_methods and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route_methods
+    return sorted(methods)

@@ -203,3 +203,13 @@ def test_the_inference_routes_check_the_key_like_the_others(fuzz_server, path: s
     ok = httpx.post(api + path, json=body, headers={"Authorization": f"Bearer {KEYS['alice']}"},
                     timeout=TIMEOUT_S)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_wrong_method_names_every_allowed_one(admin: httpx.Client) -> None:
+    # /v1/agents is one route per method: Starlette's own 405 named only the first one's.
+    r = admin.put("/v1/agents")
+    assert r.status_code == 405 and r.headers["Allow"] == "GET, POST", r.headers
+    assert "allowed: GET, POST" in r.json()["detail"]
+    r = admin.request("PATCH", "/v1/admin/replicas")
+    assert r.status_code == 405 and r.headers["Allow"] == "DELETE, GET, POST"
+    assert admin.delete("/v1/completions").headers["Allow"] == "POST"
