@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +11,7 @@ import pytest
 from server.metrics import metric_value
 from server.scheduler import kv_cost
 from tests.conftest import ENGINE_KV_TOKENS
+from tests.streams import BackgroundStream, sse_json
 from tests.waiting import wait_until
 
 RECORD_FIELDS = {
@@ -269,11 +269,10 @@ def test_cancel_fails_queued_requests_and_aborts_running_ones(client: httpx.Clie
         body = {"prompt": [6] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with c.stream("POST", "/v1/completions", json=body,
                       headers={"X-Justitia-Agent": rec["id"]}) as stream:
-            for line in stream.iter_lines():
-                if line.startswith("data: {"):
-                    chunks.append(json.loads(line[6:]))
-                    if len(chunks) == 1:
-                        assert client.delete(f"/v1/agents/{rec['id']}").status_code == 200
+            for chunk in sse_json(stream):
+                chunks.append(chunk)
+                if len(chunks) == 1:
+                    assert client.delete(f"/v1/agents/{rec['id']}").status_code == 200
     assert "error" in chunks[-1] and "cancelled" in chunks[-1]["error"]["message"], chunks[-2:]
     reasons = [ch["choices"][0]["finish_reason"] for ch in chunks if "choices" in ch]
     assert reasons[-1] == "abort", reasons[-3:]  # the engine aborted it before its 2000 tokens
@@ -309,22 +308,14 @@ def test_client_disconnect_aborts_its_request(client: httpx.Client, server) -> N
 
 def test_events_stream_follows_the_agent_to_its_end(client: httpx.Client, server) -> None:
     rec = register(client)
-    events: list[dict] = []
-
-    def listen() -> None:
-        with httpx.stream("GET", f"{server.url}/v1/agents/{rec['id']}/events", timeout=60) as r:
-            assert r.headers["content-type"].startswith("text/event-stream")
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(json.loads(line[6:]))
-
-    t = threading.Thread(target=listen)
-    t.start()
+    stream = BackgroundStream(
+        lambda: httpx.stream("GET", f"{server.url}/v1/agents/{rec['id']}/events", timeout=60))
+    events = stream.events
     wait_until(lambda: events)
+    assert stream.content_type.startswith("text/event-stream")
     assert complete(client, rec["id"], 3).status_code == 200
     client.post(f"/v1/agents/{rec['id']}/finish")
-    t.join(30)
-    assert not t.is_alive()
+    stream.join(30)
     assert events[0]["state"] == "queued"
     assert events[-1]["state"] == "finished"
     assert max(e["requests_done"] for e in events) == 1

@@ -4,7 +4,6 @@ client reading slowly. Each test runs its own server (the shared one must stay h
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -13,6 +12,7 @@ import psutil
 import pytest
 
 from justitia_sdk import AsyncClient, agent, current_agent, llm
+from tests.streams import BackgroundStream, sse_json
 from tests.waiting import wait_until
 
 
@@ -32,22 +32,13 @@ def test_engine_death_fails_requests_cleanly(justitia_home: str) -> None:
     with EmbeddedServer(["--kv-tokens", "4096", "--max-model-len", "2048"],
                         env={"JUSTITIA_HOME": justitia_home}) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
-        seen: list[dict] = []
-
-        def stream() -> None:
-            with c.stream("POST", "/v1/completions",
-                          json={"prompt": [5] * 10, "max_tokens": 2000, "ignore_eos": True,
-                                "stream": True}) as s:
-                for line in s.iter_lines():
-                    if line.startswith("data: {"):
-                        seen.append(json.loads(line[6:]))
-
-        t = threading.Thread(target=stream)
-        t.start()
+        stream = BackgroundStream(lambda: c.stream(
+            "POST", "/v1/completions",
+            json={"prompt": [5] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}))
+        seen = stream.events
         wait_until(lambda: seen)
         engine_core(srv).kill()
-        t.join(60)
-        assert not t.is_alive()
+        stream.join(60)
         if "error" not in seen[-1]:
             pytest.skip("the 2000 tokens were generated before the engine was killed")
         assert "engine" in seen[-1]["error"]["message"]
@@ -133,16 +124,11 @@ def test_a_slow_reader_holds_up_nobody(client: httpx.Client, server) -> None:
                 "POST", "/v1/completions",
                 json={"prompt": [3] * 10, "max_tokens": 1500, "ignore_eos": True,
                       "stream": True}) as s:
-            lines = s.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    slow_chunks.append(json.loads(line[6:]))
-                    break
+            events = sse_json(s)
+            slow_chunks.append(next(events))
             paused.set()
             others_done.wait(120)
-            for line in lines:
-                if line.startswith("data: {"):
-                    slow_chunks.append(json.loads(line[6:]))
+            slow_chunks.extend(events)
 
     t = threading.Thread(target=slow)
     t.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
@@ -10,6 +9,7 @@ import pytest
 
 from server.metrics import metric_value
 from server.scheduler import kv_cost
+from tests.streams import sse_json
 
 REPLICA_KV_TOKENS = 4096
 
@@ -71,9 +71,7 @@ def test_streaming_through_the_replica(jc: httpx.Client) -> None:
     with jc.stream("POST", "/v1/completions",
                    json={"prompt": "stream", "max_tokens": 5, "ignore_eos": True,
                          "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunks.append(json.loads(line[6:]))
+        chunks.extend(sse_json(r))
     assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
@@ -84,11 +82,10 @@ def _cancel_after_first_chunk(jc: httpx.Client, front) -> list[dict]:
         body = {"prompt": [6] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with c.stream("POST", "/v1/completions", json=body,
                       headers={"X-Justitia-Agent": rec["id"]}) as stream:
-            for line in stream.iter_lines():
-                if line.startswith("data: {"):
-                    seen.append(json.loads(line[6:]))
-                    if len(seen) == 1:
-                        assert jc.delete(f"/v1/agents/{rec['id']}").status_code == 200
+            for chunk in sse_json(stream):
+                seen.append(chunk)
+                if len(seen) == 1:
+                    assert jc.delete(f"/v1/agents/{rec['id']}").status_code == 200
     return seen
 
 

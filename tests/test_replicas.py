@@ -5,13 +5,13 @@ processes on loopback, each with a small KV cache."""
 
 from __future__ import annotations
 
-import json
 import threading
 
 import httpx
 import pytest
 
 from server.metrics import metric_value
+from tests.streams import BackgroundStream
 from tests.waiting import wait_until
 
 KV = 2048  # tokens per replica
@@ -176,19 +176,11 @@ def test_a_killed_replica_fails_only_its_own_requests(jc: httpx.Client, front, r
         assert jc.post("/v1/admin/replicas", json={"url": doomed.url}).status_code == 201
         assert jc.get("/v1/scheduler").json()["M"] == 6 * KV
         victim = agent(jc, "victim")
-        seen: list[dict] = []
-
-        def stream() -> None:
-            with httpx.Client(base_url=front.url, timeout=120) as c, c.stream(
-                    "POST", "/v1/completions", headers={"X-Justitia-Agent": victim},
-                    json={"prompt": [5] * 10, "max_tokens": 1000, "ignore_eos": True,
-                          "stream": True}) as s:
-                for line in s.iter_lines():
-                    if line.startswith("data: {"):
-                        seen.append(json.loads(line[6:]))
-
-        t = threading.Thread(target=stream)
-        t.start()
+        stream = BackgroundStream(lambda: httpx.stream(
+            "POST", front.url + "/v1/completions", headers={"X-Justitia-Agent": victim},
+            json={"prompt": [5] * 10, "max_tokens": 1000, "ignore_eos": True, "stream": True},
+            timeout=120))
+        seen = stream.events
         wait_until(lambda: len(seen) >= 1)
         doomed.kill()
         survivors = [agent(jc, f"survivor{i}") for i in range(4)]
@@ -197,7 +189,7 @@ def test_a_killed_replica_fails_only_its_own_requests(jc: httpx.Client, front, r
                   for x in survivors]
         for o in others:
             o.start()
-        t.join(120)
+        stream.join(120)
         for o in others:
             o.join(120)
         if "error" not in seen[-1]:

@@ -94,7 +94,7 @@ def test_gps_reference_is_work_conserving(jobs, rate):
     for a, c, f in zip(arrivals, costs, ref):
         assert f >= a + c / rate - 1e-6  # no agent beats running alone
     # the last departure is when a work-conserving server drains everything
-    t, busy_until = 0.0, 0.0
+    busy_until = 0.0
     for a, c in sorted(jobs):
         busy_until = max(busy_until, a) + c / rate
     assert max(ref) == pytest.approx(busy_until, rel=1e-6)

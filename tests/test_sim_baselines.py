@@ -10,18 +10,9 @@ from server.sim.profiles import get_profile
 from server.sim.simulator import make_predictions, simulate
 from server.sim.starvation import run_starvation
 from server.sim.workload import AgentSpec
+from tests.sim_workloads import build, workloads
 
 PROFILE = get_profile("a100-llama7b")
-
-request = st.tuples(st.integers(1, 1500), st.integers(1, 300))
-stage = st.lists(request, min_size=1, max_size=5)
-agent = st.tuples(st.floats(0, 60, allow_nan=False), st.lists(stage, min_size=1, max_size=4))
-workloads = st.lists(agent, min_size=1, max_size=14)
-
-
-def build(specs):
-    return [AgentSpec(f"a{i}", "t", arr, [list(s) for s in stages]) for i, (arr, stages) in enumerate(specs)]
-
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads, st.integers(2000, 8000), st.sampled_from(["ewsjf", "equinox"]), st.integers(0, 3))

@@ -6,17 +6,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from server.scheduler import gps_finish_times
 from server.sim.profiles import get_profile
 from server.sim.simulator import gps_tau_s, make_predictions, simulate
-from server.sim.workload import AgentSpec
-
-request = st.tuples(st.integers(1, 1500), st.integers(1, 300))
-stage = st.lists(request, min_size=1, max_size=5)
-agent = st.tuples(st.floats(0, 60, allow_nan=False), st.lists(stage, min_size=1, max_size=4))
-workloads = st.lists(agent, min_size=1, max_size=14)
-
-
-def build(specs):
-    return [AgentSpec(f"a{i}", "t", arr, [list(s) for s in stages]) for i, (arr, stages) in enumerate(specs)]
-
+from tests.sim_workloads import build, workloads
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads, st.integers(3000, 12000), st.sampled_from(["a100-llama7b", "cpu-tiny"]))
