@@ -14,6 +14,7 @@ from tests.sim_workloads import build, workloads
 
 PROFILE = get_profile("a100-llama7b")
 
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads, st.integers(2000, 8000), st.sampled_from(["ewsjf", "equinox"]), st.integers(0, 3))
 def test_new_baselines_finish_everything_and_accounting_returns_to_zero(specs, m, policy, seed):

@@ -8,6 +8,7 @@ from server.sim.profiles import get_profile
 from server.sim.simulator import gps_tau_s, make_predictions, simulate
 from tests.sim_workloads import build, workloads
 
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads, st.integers(3000, 12000), st.sampled_from(["a100-llama7b", "cpu-tiny"]))
 def test_justitia_finishes_every_agent_by_gps_finish_plus_bound(specs, m, profile_name):
