@@ -28,27 +28,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+from scipy.stats import spearmanr  # noqa: E402
+
 from server.sim.mix import Traces, make_mix  # noqa: E402
 from server.sim.profiles import get_profile  # noqa: E402
 from server.sim.simulator import run_comparison  # noqa: E402
 
 STRETCHED = ("self_consistency", "equation_verification")
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=v.__getitem__)
-        r = [0.0] * len(v)
-        for rank, i in enumerate(order):
-            r[i] = float(rank)
-        return r
-
-    return statistics.correlation(ranks(xs), ranks(ys))
-
-
-def quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[int(q * (len(xs) - 1))]
 
 
 def main() -> int:
@@ -69,12 +56,12 @@ def main() -> int:
                                   output_scale={t: k for t in STRETCHED})
                 kv = [a.kv_cost for a in agents]
                 cc = [a.compute_cost for a in agents]
-                ratio = [x / y for x, y in zip(kv, cc)]
+                p10, p90 = np.quantile(np.divide(kv, cc), [0.1, 0.9], method="lower")
                 res = {r.policy: r.summary()["mean_jct_s"]
                        for r in run_comparison(agents, ["justitia", "justitia-c", "vtc"], profile)}
                 row = {"stretch": k, "seed": seed, "density": density,
-                       "kv_over_compute_p90_p10": quantile(ratio, 0.9) / quantile(ratio, 0.1),
-                       "spearman_kv_compute": spearman(kv, cc), "mean_jct_s": res,
+                       "kv_over_compute_p90_p10": float(p90 / p10),
+                       "spearman_kv_compute": float(spearmanr(kv, cc).statistic), "mean_jct_s": res,
                        "justitia_c_over_justitia": res["justitia-c"] / res["justitia"],
                        "vtc_over_justitia": res["vtc"] / res["justitia"]}
                 rows.append(row)

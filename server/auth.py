@@ -19,7 +19,7 @@ ADMIN_TENANT = "admin"
 
 # Declares the bearer scheme in the OpenAPI document (clients and fuzzers see which calls
 # need a key); auto_error=False keeps the checks and their messages here.
-_bearer = HTTPBearer(auto_error=False, description="An API key given to `--api-key TENANT=KEY`.")
+bearer_scheme = HTTPBearer(auto_error=False, description="An API key given to `--api-key TENANT=KEY`.")
 
 
 def _unauthorized(detail: str) -> HTTPException:
@@ -27,7 +27,7 @@ def _unauthorized(detail: str) -> HTTPException:
 
 
 async def tenant_of(request: Request,
-                    credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str:
+                    credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme)) -> str:
     """The caller's tenant (a FastAPI dependency)."""
     keys: dict[str, str] = request.app.state.config.api_keys
     if not keys:

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from fastapi.security.utils import get_authorization_scheme_param
-from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ValidationError
 from starlette.routing import request_response
 
 from server import errors
 from server.agents import AgentEntry
-from server.auth import rate_limited_tenant, tenant_of
+from server.auth import bearer_scheme, rate_limited_tenant, tenant_of
 from server.disconnect import ClientDisconnected, run_unless_disconnected
 from server.engine.base import EngineOutput, SamplingOptions
 from server.limits import check_request_size
@@ -268,25 +266,21 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
 
 
 async def _tenant(request: Request) -> str:
-    scheme, token = get_authorization_scheme_param(request.headers.get("authorization"))
-    credentials = (HTTPAuthorizationCredentials(scheme=scheme, credentials=token)
-                   if scheme.lower() == "bearer" and token else None)
-    return await rate_limited_tenant(request, await tenant_of(request, credentials))
+    # the same bearer scheme object and checks as the FastAPI dependency, called directly
+    return await rate_limited_tenant(request, await tenant_of(request, await bearer_scheme(request)))
 
 
-async def _completions_fast(request: Request) -> Response:
-    body = _parse(CompletionRequest, await request.body())
-    tenant = await _tenant(request)
-    return await completions(body, request, request.headers.get(AGENT_HEADER), tenant)
+def _direct(model: type[BaseModel], endpoint: Callable[..., Awaitable[Response]]):
+    async def handle(request: Request) -> Response:
+        body = _parse(model, await request.body())
+        tenant = await _tenant(request)
+        return await endpoint(body, request, request.headers.get(AGENT_HEADER), tenant)
+
+    return handle
 
 
-async def _chat_completions_fast(request: Request) -> Response:
-    body = _parse(ChatCompletionRequest, await request.body())
-    tenant = await _tenant(request)
-    return await chat_completions(body, request, request.headers.get(AGENT_HEADER), tenant)
-
-
-_FAST = {"/v1/completions": _completions_fast, "/v1/chat/completions": _chat_completions_fast}
+_FAST = {"/v1/completions": _direct(CompletionRequest, completions),
+         "/v1/chat/completions": _direct(ChatCompletionRequest, chat_completions)}
 
 
 def install_fast_paths(app: FastAPI) -> None:

@@ -4,6 +4,7 @@ per test session, in its own process, exactly as `justitia serve` runs it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -40,6 +41,17 @@ def server(justitia_home: str):
     srv.start()
     yield srv
     srv.stop()
+
+
+def serve_with_keys(args: list[str], keys: dict[str, str], home: str) -> Iterator:
+    """A fixture body: a server of its own with these `serve` options and API keys
+    (tenant -> key), for the tests of tenancy, limits and fuzzing."""
+    from server.launcher import EmbeddedServer
+
+    for tenant, key in keys.items():
+        args = [*args, "--api-key", f"{tenant}={key}"]
+    with EmbeddedServer(args, env={"JUSTITIA_HOME": home}) as srv:
+        yield srv
 
 
 @pytest.fixture()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.conftest import serve_with_keys
 from tests.fuzz_driver import EXCLUDED, fuzz_operation, load_schema, operations
 
 EXAMPLES = 40
@@ -38,17 +39,11 @@ LIVE_AGENT_HEADER = ("POST /v1/completions", "POST /v1/chat/completions")
 
 @pytest.fixture(scope="module")
 def fuzz_server(justitia_home: str):
-    from server.launcher import EmbeddedServer
-
-    args = ["--kv-tokens", "2048", "--max-model-len", str(MAX_MODEL_LEN),
-            # Limits on, so that their code runs under fuzzing; high enough that the
-            # fuzzer's own pace never reaches them.
-            "--max-request-tokens", "400", "--rate-limit", "1000:1000"]
-    for tenant, key in KEYS.items():
-        args += ["--api-key", f"{tenant}={key}"]
-    srv = EmbeddedServer(args, env={"JUSTITIA_HOME": justitia_home}).start()
-    yield srv
-    srv.stop()
+    yield from serve_with_keys(
+        ["--kv-tokens", "2048", "--max-model-len", str(MAX_MODEL_LEN),
+         # Limits on, so that their code runs under fuzzing; high enough that the
+         # fuzzer's own pace never reaches them.
+         "--max-request-tokens", "400", "--rate-limit", "1000:1000"], KEYS, justitia_home)
 
 
 @pytest.fixture(scope="module")

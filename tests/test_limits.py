@@ -21,6 +21,7 @@ from server.limits import (
     parse_per_tenant,
     parse_tokens,
 )
+from tests.conftest import serve_with_keys
 
 # -- the limiter -------------------------------------------------------------------------------
 
@@ -143,16 +144,10 @@ RATE = 0.5  # requests per second, burst 3: refills slowly enough to observe
 
 @pytest.fixture(scope="module")
 def limited_server(justitia_home: str):
-    from server.launcher import EmbeddedServer
-
-    args = ["--kv-tokens", "2048", "--max-model-len", "512",
-            "--rate-limit", f"{RATE}:3", "--rate-limit", "carol=off", "--rate-limit", "dave=off",
-            "--max-request-tokens", "64", "--max-request-tokens", "dave=300"]
-    for tenant, key in KEYS.items():
-        args += ["--api-key", f"{tenant}={key}"]
-    srv = EmbeddedServer(args, env={"JUSTITIA_HOME": justitia_home}).start()
-    yield srv
-    srv.stop()
+    yield from serve_with_keys(
+        ["--kv-tokens", "2048", "--max-model-len", "512",
+         "--rate-limit", f"{RATE}:3", "--rate-limit", "carol=off", "--rate-limit", "dave=off",
+         "--max-request-tokens", "64", "--max-request-tokens", "dave=300"], KEYS, justitia_home)
 
 
 def as_tenant(srv, tenant: str) -> httpx.Client:

@@ -9,20 +9,16 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import serve_with_keys
+
 KEYS = {"alice": "key-alice-0123456789", "bob": "key-bob-9876543210",
         "admin": "key-admin-5555555555"}
 
 
 @pytest.fixture(scope="module")
 def keyed_server(justitia_home: str):
-    from server.launcher import EmbeddedServer
-
-    args = ["--kv-tokens", "2048", "--max-model-len", "512"]
-    for tenant, key in KEYS.items():
-        args += ["--api-key", f"{tenant}={key}"]
-    srv = EmbeddedServer(args, env={"JUSTITIA_HOME": justitia_home}).start()
-    yield srv
-    srv.stop()
+    yield from serve_with_keys(["--kv-tokens", "2048", "--max-model-len", "512"], KEYS,
+                               justitia_home)
 
 
 def as_tenant(srv, tenant: str | None, key: str | None = None) -> httpx.Client:
