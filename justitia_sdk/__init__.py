@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         APIError,
         AuthenticationError,
         JustitiaError,
+        NotJustitiaError,
         ServerUnavailableError,
     )
     from justitia_sdk._models import AgentRecord, Completion, Usage
@@ -57,7 +58,7 @@ _EXPORTS = {
     "AsyncClient": "_client", "Client": "_client", "default_url": "_client",
     "AgentRun": "_context", "current_agent": "_context", "current_agent_id": "_context",
     "AgentClosedError": "_errors", "AgentNotFoundError": "_errors", "APIError": "_errors",
-    "AuthenticationError": "_errors", "JustitiaError": "_errors",
+    "AuthenticationError": "_errors", "JustitiaError": "_errors", "NotJustitiaError": "_errors",
     "ServerUnavailableError": "_errors",
     "AgentRecord": "_models", "Completion": "_models", "Usage": "_models",
     "openai_client": "_openai", "tagged_http_client": "_openai",
@@ -92,6 +93,7 @@ __all__ = [
     "Client",
     "Completion",
     "JustitiaError",
+    "NotJustitiaError",
     "ServerUnavailableError",
     "Usage",
     "agent",

@@ -125,13 +125,17 @@ class Agent(Generic[P, R]):
         try:
             result = await self.fn(*args, **kwargs)
         except BaseException as exc:
-            cancelled = isinstance(exc, (anyio.get_cancelled_exc_class(), KeyboardInterrupt))
-            await _close(client, run, cancel=cancelled)
+            if isinstance(exc, (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit)):
+                await _close(client, run, cancel=True)
+            else:
+                # The run is incomplete: the server records it as failed, not as a
+                # training sample of what this agent costs.
+                await _close(client, run, error=_describe(exc))
             raise
         finally:
             current_client.reset(client_token)
             current_run.reset(run_token)
-        await _close(client, run, cancel=False)
+        await _close(client, run)
         return result
 
 
@@ -145,13 +149,19 @@ def registered_agents() -> dict[str, Agent[..., Any]]:
     return dict(_REGISTRY)
 
 
-async def _close(client: AsyncClient, run: AgentRun, *, cancel: bool) -> None:
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def _close(client: AsyncClient, run: AgentRun, *, cancel: bool = False,
+                 error: str | None = None) -> None:
     with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
         try:
             if cancel:
                 record = await client.cancel_agent(run.id)
             else:
-                record = await client.finish_agent(run.id)
+                record = await client.finish_agent(run.id, error=error)
         except JustitiaError:
             # Already terminal (expired, cancelled by an operator) or the server is gone:
             # the run's outcome is the function's, not this bookkeeping call's.

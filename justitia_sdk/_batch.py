@@ -1,16 +1,27 @@
-"""Batch submission: many agent runs at once, each with a handle that tracks its live status."""
+"""Batch submission: many agent runs at once, each with a handle that tracks its live status.
+
+What a batch promises:
+- At most `concurrency` agents run at once (64 by default); the others wait here, unregistered.
+- The whole batch is watched over one event stream (only while a progress view is shown),
+  so the number of connections is bounded whatever the batch's size.
+- One agent's failure, timeout or retry never stops the others.
+- Cancelling the batch (Ctrl-C, a cancelled task, `Batch.cancel`) cancels its live agents on
+  the server at once (their engine requests are aborted); handles that finished keep their
+  results, the others end with `AgentCancelledError`. `client.last_batch` keeps the batch.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 
 from justitia_sdk._context import AgentRun
-from justitia_sdk._errors import JustitiaError
+from justitia_sdk._errors import AgentCancelledError, AgentTimeoutError, APIError, JustitiaError
 from justitia_sdk._models import AgentRecord
 
 if TYPE_CHECKING:
@@ -45,6 +56,8 @@ class AgentHandle:
         self.result: Any = None
         self.error: BaseException | None = None
         self.done = False
+        #: Runs started for this input (1 + retries used).
+        self.attempts = 0
         self.started_at: float | None = None  # time.time() when registered
         self.ended_at: float | None = None
 
@@ -57,6 +70,9 @@ class AgentHandle:
         self.started_at = time.time()
 
     def _update(self, record: AgentRecord) -> None:
+        # The event stream may deliver a record older than the finish call's answer.
+        if self.record is not None and self.record.terminal and not record.terminal:
+            return
         self.record = record
 
     @property
@@ -65,7 +81,12 @@ class AgentHandle:
 
     @property
     def status(self) -> str:
-        """`pending` before registration, `failed` if the function raised, else the state."""
+        """`pending` before registration; `failed` if the function raised, `timed out`,
+        `cancelled` if the batch was cancelled first; else the server's state."""
+        if isinstance(self.error, AgentTimeoutError):
+            return "timed out"
+        if isinstance(self.error, AgentCancelledError):
+            return "cancelled"
         if self.error is not None:
             return "failed"
         if self.record is None:
@@ -144,11 +165,19 @@ class AgentHandle:
 
 
 class Batch(Sequence[AgentHandle]):
-    """The handles of a `submit_many` call, in input order."""
+    """The handles of a `submit_many` call, in input order; `as_completed()` in the order
+    they end."""
 
     def __init__(self, handles: list[AgentHandle], title: str = "agents") -> None:
         self.handles = handles
         self.title = title
+        self._by_id: dict[str, AgentHandle] = {}
+        self._completed: list[AgentHandle] = []
+        # Made on first use, inside the event loop (a Batch may be built outside one).
+        self._progress: anyio.Event | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._cancel_requested = False
+        self._on_done: Callable[[AgentHandle], None] | None = None
 
     @overload
     def __getitem__(self, i: int) -> AgentHandle: ...
@@ -165,6 +194,39 @@ class Batch(Sequence[AgentHandle]):
 
     def __repr__(self) -> str:
         return f"<Batch of {len(self)}: {self.summary()}>"
+
+    def _started(self, handle: AgentHandle, run: AgentRun) -> None:
+        handle._on_start(run)
+        self._by_id[run.id] = handle
+
+    def _ended(self, handle: AgentHandle) -> None:
+        handle.done = True
+        self._completed.append(handle)
+        if self._progress is not None:
+            self._progress.set()
+            self._progress = None
+        if self._on_done is not None:
+            self._on_done(handle)
+
+    async def as_completed(self) -> AsyncIterator[AgentHandle]:
+        """The handles in the order their runs end (finished, failed, timed out or
+        cancelled), as they end; ends when every handle has."""
+        seen = 0
+        while True:
+            while seen < len(self._completed):
+                seen += 1
+                yield self._completed[seen - 1]
+            if seen >= len(self.handles):
+                return
+            if self._progress is None:
+                self._progress = anyio.Event()
+            await self._progress.wait()
+
+    def cancel(self) -> None:
+        """Cancel the runs still going (their agents are cancelled on the server)."""
+        self._cancel_requested = True
+        if self._scope is not None:
+            self._scope.cancel()
 
     def results(self, *, return_exceptions: bool = False) -> list[Any]:
         """The results in input order. A failed run raises its error, or with
@@ -214,85 +276,162 @@ class Batch(Sequence[AgentHandle]):
         return to_html(self.table())
 
 
-async def _watch(client: AsyncClient, handle: AgentHandle, started: anyio.Event) -> None:
-    """Follow the agent's record; SSE first, polling if the stream is unavailable."""
-    await started.wait()
-    assert handle.run is not None
-    agent_id = handle.run.id
-    try:
-        async for record in client.watch_agent(agent_id):
-            handle._update(record)
-        return
-    except (JustitiaError, OSError, ValueError, Exception):  # noqa: BLE001 - best effort view
-        pass
+#: Agents of one batch running at once unless `concurrency` says otherwise. Each running
+#: agent fans out over its own connections; a bound keeps what the batch sends within the
+#: client's pool, so that every running agent's requests reach the scheduler (an agent whose
+#: requests wait in the client's pool looks idle to the server).
+DEFAULT_CONCURRENCY = 64
+_WATCH_RETRY_S = 1.0
+
+
+async def _watch(client: AsyncClient, batch: Batch) -> None:
+    """Follow every agent of the batch over one event stream (reconnecting when it drops);
+    poll the list of agents on a server that has no such stream."""
+    while True:
+        try:
+            async for record in client.watch_agents():
+                handle = batch._by_id.get(record.id)
+                if handle is not None:
+                    handle._update(record)
+        except APIError as exc:
+            if exc.status_code in (404, 405):  # a server older than the multiplexed stream
+                await _poll(client, batch)
+                return
+        except Exception:  # noqa: BLE001 - a dropped view must not stop the batch
+            pass
+        await anyio.sleep(_WATCH_RETRY_S)
+
+
+async def _poll(client: AsyncClient, batch: Batch) -> None:
     while True:
         await anyio.sleep(1.0)
-        try:
-            record = await client.get_agent(agent_id)
-        except Exception:  # noqa: BLE001
-            continue
-        handle._update(record)
-        if record.terminal:
-            return
+        with contextlib.suppress(Exception):
+            for record in await client.list_agents():
+                handle = batch._by_id.get(record.id)
+                if handle is not None:
+                    handle._update(record)
 
 
-async def _run_one(client: AsyncClient, handle: AgentHandle, limiter: anyio.CapacityLimiter | None,
-                   metadata: Mapping[str, Any] | None, watch: bool) -> None:
-    async with AsyncExitStack() as stack:
-        if limiter is not None:
-            await stack.enter_async_context(limiter)
-        started = anyio.Event()
+async def _run_one(client: AsyncClient, batch: Batch, handle: AgentHandle,
+                   limiter: anyio.CapacityLimiter, metadata: Mapping[str, Any] | None,
+                   timeout: float | None, retries: int) -> None:
+    try:
+        async with limiter:
+            for attempt in range(retries + 1):
+                handle.attempts = attempt + 1
+                handle.error = None
+                try:
+                    with anyio.fail_after(timeout) if timeout else contextlib.nullcontext():
+                        handle.result = await handle.agent.invoke(
+                            handle.args, handle.kwargs, client=client, metadata=metadata,
+                            on_start=lambda run: batch._started(handle, run))
+                    return
+                except TimeoutError:
+                    # fail_after cancelled the run: the agent was cancelled on the server.
+                    handle.error = AgentTimeoutError(
+                        f"agent #{handle.index} ({handle.agent.name}) did not finish within "
+                        f"{timeout:g} s (attempt {attempt + 1} of {retries + 1})")
+                except Exception as exc:  # one agent's failure must not lose the others
+                    handle.error = exc
+    except BaseException:
+        # The batch was cancelled (Ctrl-C, a cancelled task, Batch.cancel): this run's agent,
+        # if it had started, was cancelled on the server by the SDK on its way out.
+        handle.error = AgentCancelledError(
+            f"agent #{handle.index} ({handle.agent.name}) was cancelled with its batch")
+        raise
+    finally:
+        handle.ended_at = time.time()
+        if handle.run is not None:
+            handle._update(handle.run.record)
+        batch._ended(handle)
 
-        def on_start(run: AgentRun) -> None:
-            handle._on_start(run)
-            started.set()
 
-        async with anyio.create_task_group() as tg:
-            if watch:
-                tg.start_soon(_watch, client, handle, started)
-            try:
-                handle.result = await handle.agent.invoke(
-                    handle.args, handle.kwargs, client=client, metadata=metadata,
-                    on_start=on_start)
-            except Exception as exc:  # one agent's failure must not lose the others
-                handle.error = exc
-            finally:
-                handle.ended_at = time.time()
-                if handle.run is not None:
-                    handle._update(handle.run.record)
-                handle.done = True
-                tg.cancel_scope.cancel()
+def resolve_agents(agent: Any, n_inputs: int) -> list[Agent[..., Any]]:
+    """One agent per input from what `submit_many` was given: an @agent, a registered agent
+    type's name, or a sequence of those (one per input)."""
+    from justitia_sdk._agent import Agent, registered_agents
+
+    def one(a: Any) -> Agent[..., Any]:
+        if isinstance(a, Agent):
+            return a
+        if isinstance(a, str):
+            found = registered_agents().get(a)
+            if found is None:
+                known = ", ".join(sorted(registered_agents())) or "none in this process"
+                raise ValueError(f"no @agent named {a!r} (defined: {known})")
+            return found
+        raise TypeError(f"{a!r} is not an agent: decorate the async function with @agent "
+                        f"(from justitia_sdk import agent)")
+
+    if isinstance(agent, (str, Agent)) or not isinstance(agent, Sequence):
+        return [one(agent)] * n_inputs
+    agents = [one(a) for a in agent]
+    if len(agents) != n_inputs:
+        raise ValueError(f"{len(agents)} agents for {n_inputs} inputs: give one agent, or "
+                         f"one per input")
+    return agents
+
+
+def check_inputs(inputs: Any) -> list[Any]:
+    if isinstance(inputs, (str, bytes)):
+        raise TypeError(f"inputs must be a list of inputs (one agent run each), not a "
+                        f"{type(inputs).__name__}: wrap a single input as [value]")
+    if isinstance(inputs, Mapping):
+        raise TypeError("inputs must be a list of inputs, not a dict: for one run with "
+                        "keyword arguments pass [{...}]")
+    try:
+        return list(inputs)
+    except TypeError:
+        raise TypeError(f"inputs must be an iterable of inputs, not "
+                        f"{type(inputs).__name__}") from None
+
+
+def make_batch(agent: Any, inputs: Iterable[Any], title: str | None = None) -> Batch:
+    values = check_inputs(inputs)
+    agents = resolve_agents(agent, len(values))
+    handles = [AgentHandle(i, a, v) for i, (a, v) in enumerate(zip(agents, values))]
+    names = sorted({a.name for a in agents})
+    return Batch(handles, title or f"{len(handles)} agents ({', '.join(names)})")
 
 
 async def run_batch(
     client: AsyncClient,
-    agent: Agent[..., Any] | Sequence[Agent[..., Any]],
-    inputs: Iterable[Any],
+    batch: Batch,
     *,
     concurrency: int | None = None,
     progress: bool = True,
-    title: str | None = None,
     metadata: Mapping[str, Any] | None = None,
-    watch: bool = True,
+    watch: bool | None = None,
+    timeout: float | None = None,
+    retries: int = 0,
 ) -> Batch:
-    values = list(inputs)
-    if isinstance(agent, Sequence):
-        agents = list(agent)
-        if len(agents) != len(values):
-            raise ValueError(f"{len(agents)} agents for {len(values)} inputs")
-    else:
-        agents = [agent] * len(values)
-    handles = [AgentHandle(i, a, v) for i, (a, v) in enumerate(zip(agents, values))]
-    names = sorted({a.name for a in agents})
-    batch = Batch(handles, title or f"{len(handles)} agents ({', '.join(names)})")
-    limiter = anyio.CapacityLimiter(concurrency) if concurrency else None
+    """Run every handle of `batch` (see the module's docstring for what it promises)."""
+    if retries < 0:
+        raise ValueError("retries must be >= 0")
+    if timeout is not None and timeout <= 0:
+        raise ValueError("timeout must be > 0 seconds")
+    limit = DEFAULT_CONCURRENCY if concurrency is None else concurrency
+    if limit < 1:
+        raise ValueError("concurrency must be >= 1")
+    limiter = anyio.CapacityLimiter(limit)
+    client.last_batch = batch
+    watch = progress if watch is None else watch
 
-    async with AsyncExitStack() as stack:
-        if progress:
-            from justitia_sdk._progress import LiveView
+    batch._scope = anyio.CancelScope()
+    if batch._cancel_requested:
+        batch._scope.cancel()
+    with batch._scope:
+        async with AsyncExitStack() as stack:
+            if progress:
+                from justitia_sdk._progress import LiveView
 
-            await stack.enter_async_context(LiveView(batch))
-        async with anyio.create_task_group() as tg:
-            for h in handles:
-                tg.start_soon(_run_one, client, h, limiter, metadata, watch)
+                await stack.enter_async_context(LiveView(batch))
+            async with anyio.create_task_group() as outer:
+                if watch:
+                    outer.start_soon(_watch, client, batch)
+                async with anyio.create_task_group() as runs:
+                    for h in batch.handles:
+                        runs.start_soon(_run_one, client, batch, h, limiter, metadata,
+                                        timeout, retries)
+                outer.cancel_scope.cancel()  # every run ended: stop watching
     return batch

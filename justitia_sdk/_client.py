@@ -8,11 +8,14 @@ safe to retry (connection refused, 429 and 503, with exponential backoff and jit
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import queue
 import random
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,19 +24,31 @@ import anyio.from_thread
 import httpx
 
 from justitia_sdk._context import current_agent_id, current_client, current_run
-from justitia_sdk._errors import AgentNotFoundError, ServerUnavailableError, error_for
+from justitia_sdk._errors import (
+    AgentNotFoundError,
+    NotJustitiaError,
+    ServerUnavailableError,
+    error_for,
+)
 from justitia_sdk._models import AgentRecord, Completion, Usage
 
 if TYPE_CHECKING:
     from justitia_sdk._agent import Agent
     from justitia_sdk._context import AgentRun
-    from justitia_sdk._batch import Batch
+    from justitia_sdk._batch import AgentHandle, Batch
 
 T = TypeVar("T")
+#: After an interrupt, how long the sync client waits for its agents to be cancelled.
+_INTERRUPT_CLEANUP_S = 20.0
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 AGENT_HEADER = "X-Justitia-Agent"
 RETRY_STATUSES = frozenset({429, 503})
+#: Connections one client opens at most. Requests past it wait in the client's pool; no
+#: long-lived stream holds one per agent (a batch watches all its agents over one), so the
+#: pool cannot fill with streams and starve the completions (the 100-agent deadlock). It
+#: stays well under the usual limit of 1,024 open files of a notebook process.
+MAX_CONNECTIONS = 512
 
 
 def default_url() -> str:
@@ -49,6 +64,19 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
+def _not_json(response: httpx.Response, base_url: str) -> NotJustitiaError:
+    kind = response.headers.get("content-type", "no content type").split(";")[0]
+    return NotJustitiaError(
+        response.status_code,
+        f"the server at {base_url} answered with {kind}, not Justitia's JSON: is "
+        f"JUSTITIA_URL (or base_url) the address of a Justitia server?",
+        method=response.request.method, url=response.request.url.path)
+
+
+def _is_json(response: httpx.Response) -> bool:
+    return "json" in response.headers.get("content-type", "")
+
+
 def _detail(response: httpx.Response) -> str:
     try:
         body = response.json()
@@ -57,6 +85,10 @@ def _detail(response: httpx.Response) -> str:
     if isinstance(body, dict) and "detail" in body:
         detail = body["detail"]
         return detail if isinstance(detail, str) else json.dumps(detail)
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):  # OpenAI's shape
+        message = body["error"].get("message")
+        if isinstance(message, str):
+            return message
     return json.dumps(body)[:300]
 
 
@@ -65,7 +97,7 @@ def _sampling(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _default_transport() -> httpx.AsyncBaseTransport | None:
+def _default_transport(limits: httpx.Limits) -> httpx.AsyncBaseTransport | None:
     """httpx's API over aiohttp's connection pool.
 
     With a few hundred requests in flight (a batch of agents fanning out), httpx's own pool
@@ -77,7 +109,8 @@ def _default_transport() -> httpx.AsyncBaseTransport | None:
         from httpx_aiohttp import AiohttpTransport
     except ImportError:
         return None
-    return AiohttpTransport()
+    # Its pool has its own limit (100 by default), whatever the httpx client's says.
+    return AiohttpTransport(limits=limits)
 
 
 class AsyncClient:
@@ -93,6 +126,7 @@ class AsyncClient:
     `JUSTITIA_API_KEY`. `timeout` bounds control calls; `request_timeout` bounds one
     completion, which may legitimately wait a long time behind agents the scheduler serves
     first. 429 and 503 answers and refused connections are retried `max_retries` times.
+    `max_connections` bounds the connections it opens (requests past it wait their turn).
     """
 
     def __init__(
@@ -103,6 +137,7 @@ class AsyncClient:
         timeout: float = 30.0,
         request_timeout: float | None = 900.0,
         max_retries: int = 6,
+        max_connections: int = MAX_CONNECTIONS,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = (base_url or default_url()).rstrip("/")
@@ -111,16 +146,18 @@ class AsyncClient:
         self.request_timeout = request_timeout
         self.max_retries = max_retries
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        # Agents fan out: one connection per in-flight request, plus one event stream per
-        # watched agent. httpx's default pool (100) would queue requests client-side, out of
-        # the scheduler's sight.
+        # Agents fan out: one connection per in-flight request. A bounded pool, large enough
+        # that what a batch sends reaches the scheduler rather than queuing here.
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
             timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=64),
-            transport=transport or _default_transport(),
+            limits=limits,
+            transport=transport or _default_transport(limits),
         )
+        #: The latest batch started on this client: still here after an interrupt.
+        self.last_batch: Batch | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -166,6 +203,8 @@ class AsyncClient:
                 await anyio.sleep(_retry_after(response) or self._backoff(attempt))
                 attempt += 1
                 continue
+            if response.content and not _is_json(response):
+                raise _not_json(response, self.base_url)
             if response.status_code >= 400:
                 raise error_for(response.status_code, _detail(response), method=method, url=path)
             if not response.content:
@@ -208,10 +247,12 @@ class AsyncClient:
         body = await self._request("GET", "/v1/agents")
         return [AgentRecord.model_validate(r) for r in body.get("agents", [])]
 
-    async def finish_agent(self, agent_id: str) -> AgentRecord:
-        """Tell the server the agent is done (its cost is settled, its tag retired)."""
+    async def finish_agent(self, agent_id: str, *, error: str | None = None) -> AgentRecord:
+        """Tell the server the agent is done (its cost is settled, its tag retired). With
+        `error` it ends `failed`: an incomplete run, never a predictor training sample."""
+        body = {"error": error} if error is not None else None
         return AgentRecord.model_validate(
-            await self._request("POST", f"/v1/agents/{agent_id}/finish")
+            await self._request("POST", f"/v1/agents/{agent_id}/finish", json_body=body)
         )
 
     async def cancel_agent(self, agent_id: str) -> AgentRecord:
@@ -220,13 +261,32 @@ class AsyncClient:
 
     async def watch_agent(self, agent_id: str) -> AsyncIterator[AgentRecord]:
         """The agent's record each time it changes (server-sent events), until it is terminal."""
-        path = f"/v1/agents/{agent_id}/events"
+        async for record in self._sse(f"/v1/agents/{agent_id}/events"):
+            yield record
+            if record.terminal:
+                return
+
+    async def watch_agents(self, ids: Iterable[str] | None = None) -> AsyncIterator[AgentRecord]:
+        """Records of the caller's agents as they change, over one connection: first the
+        live ones, then each agent that changed (at most a few updates a second per agent).
+        `ids` (at most 1,000) narrows it to those agents. It ends only when the caller stops
+        iterating."""
+        path = "/v1/agents/events"
+        if ids is not None:
+            path += "?ids=" + ",".join(ids)
+        async for record in self._sse(path):
+            yield record
+
+    async def _sse(self, path: str) -> AsyncIterator[AgentRecord]:
         async with self._http.stream(
             "GET", path, timeout=httpx.Timeout(self.timeout, read=None)
         ) as response:
             if response.status_code >= 400:
                 await response.aread()
                 raise error_for(response.status_code, _detail(response), method="GET", url=path)
+            if "text/event-stream" not in response.headers.get("content-type", ""):
+                await response.aread()
+                raise _not_json(response, self.base_url)
             data: list[str] = []
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
@@ -235,10 +295,7 @@ class AsyncClient:
                     payload, data = "\n".join(data), []
                     if payload.strip() in ("", "[DONE]"):
                         continue
-                    record = AgentRecord.model_validate_json(payload)
-                    yield record
-                    if record.terminal:
-                        return
+                    yield AgentRecord.model_validate_json(payload)
 
     async def scheduler(self) -> dict[str, Any]:
         """The scheduler's snapshot: policy, V, M, tau, backlog, queue."""
@@ -360,29 +417,76 @@ class AsyncClient:
 
     async def run(self, agent: Agent[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Submit one agent run on this client and wait for its result."""
-        return await agent.invoke(args, kwargs, client=self)
+        from justitia_sdk._batch import resolve_agents
+
+        return await resolve_agents(agent, 1)[0].invoke(args, kwargs, client=self)
 
     async def submit_many(
         self,
-        agent: Agent[..., Any] | Sequence[Agent[..., Any]],
+        agent: Agent[..., Any] | str | Sequence[Agent[..., Any] | str],
         inputs: Iterable[Any],
         *,
         concurrency: int | None = None,
         progress: bool = True,
         title: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        retries: int = 0,
     ) -> Batch:
-        """Run one agent per input, all at once, showing their live status; returns the batch.
+        """Run one agent per input and wait for all of them; returns the batch.
 
         An input that is a dict is passed as keyword arguments, a tuple as positional
-        arguments, anything else as the single argument. `agent` may be a sequence of
-        agents, one per input (a mixed batch). One agent's failure is recorded on its handle
-        and does not stop the others; the handles are in input order.
+        arguments, anything else as the single argument. `agent` is an `@agent` (or the
+        name of one), or a sequence of them, one per input (a mixed batch).
+        `concurrency` caps the agents running at once (default 64). `timeout` (seconds)
+        cancels a run that takes longer; `retries` runs a failed or timed-out input again,
+        up to that many times. One agent's failure is recorded on its handle and does not
+        stop the others; the handles are in input order. If the batch is interrupted
+        (Ctrl-C, cancellation) its live agents are cancelled on the server and the batch,
+        with the results that finished, stays in `client.last_batch`.
         """
-        from justitia_sdk._batch import run_batch
+        async with self.batch(agent, inputs, concurrency=concurrency, progress=progress,
+                              title=title, metadata=metadata, timeout=timeout,
+                              retries=retries) as batch:
+            pass
+        return batch
 
-        return await run_batch(self, agent, inputs, concurrency=concurrency, progress=progress,
-                               title=title, metadata=metadata)
+    @contextlib.asynccontextmanager
+    async def batch(
+        self,
+        agent: Agent[..., Any] | str | Sequence[Agent[..., Any] | str],
+        inputs: Iterable[Any],
+        *,
+        concurrency: int | None = None,
+        progress: bool = True,
+        title: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        retries: int = 0,
+    ) -> AsyncIterator[Batch]:
+        """`submit_many` as a context: the batch runs while the block runs, so results can
+        be used as they come; leaving the block waits for the rest, an error in the block
+        cancels them.
+
+        ```python
+        async with client.batch(summarize, docs) as batch:
+            async for handle in batch.as_completed():
+                print(handle.index, handle.status, handle.result)
+        ```
+        """
+        from justitia_sdk._batch import make_batch, run_batch
+
+        batch = make_batch(agent, inputs, title)
+        self.last_batch = batch
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(
+                run_batch, self, batch, concurrency=concurrency, progress=progress,
+                metadata=metadata, timeout=timeout, retries=retries))
+            try:
+                yield batch
+            except BaseException:
+                batch.cancel()
+                raise
 
     def as_default(self) -> AbstractContextManager[AsyncClient]:
         """`with client.as_default():` agents called directly (`await my_agent(x)`) use it."""
@@ -399,6 +503,24 @@ class _Default(AbstractContextManager["AsyncClient"]):
 
     def __exit__(self, *exc: object) -> None:
         current_client.reset(self._token)
+
+
+def _result(future: Any) -> Any:
+    """`future.result()` in short waits, so that Ctrl-C lands at once on any platform."""
+    while True:
+        try:
+            return future.result(timeout=0.2)
+        except TimeoutError:
+            if future.done():
+                raise
+
+
+def _get(items: queue.Queue[Any]) -> Any:
+    while True:
+        try:
+            return items.get(timeout=0.2)
+        except queue.Empty:
+            continue
 
 
 class Client:
@@ -443,8 +565,74 @@ class Client:
     def run(self, agent: Agent[..., T], /, *args: Any, **kwargs: Any) -> T:
         return self._call(self._async.run, agent, *args, **kwargs)
 
+    @property
+    def last_batch(self) -> Batch | None:
+        """The latest batch started on this client: still here after an interrupt."""
+        return self._async.last_batch
+
+    def _run_interruptibly(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the portal's loop. On Ctrl-C, cancel it there (its agents are
+        cancelled on the server) and wait for that before re-raising."""
+        finished = threading.Event()
+
+        async def task() -> Any:
+            try:
+                return await fn()
+            finally:
+                finished.set()
+
+        future = self._portal.start_task_soon(task)
+        try:
+            return _result(future)
+        except KeyboardInterrupt:
+            future.cancel()
+            finished.wait(_INTERRUPT_CLEANUP_S)
+            raise
+
     def submit_many(self, agent: Any, inputs: Iterable[Any], **kwargs: Any) -> Batch:
-        return self._call(self._async.submit_many, agent, list(inputs), **kwargs)
+        """Run one agent per input and wait for all (see `AsyncClient.submit_many`). On
+        Ctrl-C the batch's live agents are cancelled on the server before
+        KeyboardInterrupt propagates; `client.last_batch` keeps what finished."""
+        from justitia_sdk._batch import check_inputs
+
+        values = check_inputs(inputs)
+        return self._run_interruptibly(
+            functools.partial(self._async.submit_many, agent, values, **kwargs))
+
+    def as_completed(self, agent: Any, inputs: Iterable[Any], **kwargs: Any
+                     ) -> Iterator[AgentHandle]:
+        """Run a batch (as `submit_many`) and yield its handles as their runs end. Leaving
+        the loop early, or Ctrl-C, cancels the runs still going; `client.last_batch`
+        keeps the batch."""
+        from justitia_sdk._batch import check_inputs
+
+        values = check_inputs(inputs)
+        ended: queue.Queue[Any] = queue.Queue()
+        stop = object()
+
+        async def run() -> None:
+            async with self._async.batch(agent, values, **kwargs) as batch:
+                async for handle in batch.as_completed():
+                    ended.put(handle)
+
+        finished = threading.Event()
+
+        async def task() -> None:
+            try:
+                await run()
+            finally:
+                ended.put(stop)
+                finished.set()
+
+        future = self._portal.start_task_soon(task)
+        try:
+            while (item := _get(ended)) is not stop:
+                yield item
+            _result(future)
+        finally:
+            if not future.done():
+                future.cancel()
+                finished.wait(_INTERRUPT_CLEANUP_S)
 
     def complete(self, prompt: str, **kwargs: Any) -> Completion:
         return self._call(self._async.complete, prompt, **kwargs)
@@ -462,8 +650,8 @@ class Client:
     def list_agents(self) -> list[AgentRecord]:
         return self._call(self._async.list_agents)
 
-    def finish_agent(self, agent_id: str) -> AgentRecord:
-        return self._call(self._async.finish_agent, agent_id)
+    def finish_agent(self, agent_id: str, *, error: str | None = None) -> AgentRecord:
+        return self._call(self._async.finish_agent, agent_id, error=error)
 
     def cancel_agent(self, agent_id: str) -> AgentRecord:
         return self._call(self._async.cancel_agent, agent_id)

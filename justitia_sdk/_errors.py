@@ -31,6 +31,18 @@ class AuthenticationError(APIError):
     """401/403: missing or wrong API key (set `api_key=` or JUSTITIA_API_KEY)."""
 
 
+class NotJustitiaError(APIError):
+    """The URL answered, but not as a Justitia server (an HTML page, another web server)."""
+
+
+class AgentTimeoutError(JustitiaError, TimeoutError):
+    """A batch's agent did not finish within its `timeout` (it was cancelled on the server)."""
+
+
+class AgentCancelledError(JustitiaError):
+    """A batch's agent was cancelled with its batch (an interrupt, `Batch.cancel`)."""
+
+
 class ServerUnavailableError(JustitiaError):
     """The server could not be reached, or stayed busy (429/503) through every retry."""
 

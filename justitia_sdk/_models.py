@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-AgentState = Literal["queued", "running", "finished", "cancelled", "expired"]
-TERMINAL_STATES: frozenset[str] = frozenset({"finished", "cancelled", "expired"})
+AgentState = Literal["queued", "running", "finished", "failed", "cancelled", "expired"]
+TERMINAL_STATES: frozenset[str] = frozenset({"finished", "failed", "cancelled", "expired"})
 
 
 class AgentRecord(BaseModel):
@@ -40,17 +40,20 @@ class AgentRecord(BaseModel):
     first_eta_s: float | None = None
     #: Job completion time, once terminal: finished_at - submitted_at.
     jct_s: float | None = None
+    #: Why a `failed` agent failed (its code raised), as the SDK reported it.
+    error: str | None = None
 
     @model_validator(mode="after")
     def _fill_jct(self) -> AgentRecord:
         # Older servers do not send jct_s; it follows from the two timestamps.
-        if self.jct_s is None and self.finished_at is not None and self.submitted_at is not None:
+        if (self.jct_s is None and self.state == "finished" and self.finished_at is not None
+                and self.submitted_at is not None):
             self.jct_s = self.finished_at - self.submitted_at
         return self
 
     @property
     def terminal(self) -> bool:
-        """True once the agent is finished, cancelled or expired."""
+        """True once the agent is finished, failed, cancelled or expired."""
         return self.state in TERMINAL_STATES
 
 

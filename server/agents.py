@@ -2,9 +2,11 @@
 
 An agent moves one way through its states:
 
-    queued ──(first request admitted)──▶ running ──▶ finished
+    queued ──(first request admitted)──▶ running ──▶ finished / failed (its code raised)
        │                                   │
        └──────────────┬────────────────────┴──▶ cancelled (DELETE) / expired (lease ran out)
+
+Only `finished` agents are complete runs: they alone become predictor training samples.
 
 The scheduler core (server/scheduler) owns the agent's tag, costs and ETA while it is live;
 this module owns identity, tenancy, lifecycle and the request log written to the history.
@@ -14,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-AgentStateName = Literal["queued", "running", "finished", "cancelled", "expired"]
-TERMINAL: frozenset[str] = frozenset({"finished", "cancelled", "expired"})
+AgentStateName = Literal["queued", "running", "finished", "failed", "cancelled", "expired"]
+TERMINAL: frozenset[str] = frozenset({"finished", "failed", "cancelled", "expired"})
+MAX_ERROR_CHARS = 2000
 
 
 class _RandomIds:
@@ -75,12 +79,15 @@ class AgentEntry:
     requests: list[RequestLog] = field(default_factory=list)
     consumed_kv_cost: float = 0.0
     first_eta_s: float | None = None
+    error: str | None = None  # why a failed agent failed, as its client reported it
     # Frozen at the end so that a finished agent's record stays readable after the
     # dispatcher forgets it.
     final_view: dict[str, Any] | None = None
     version: int = 0
     # Made only while someone watches (SSE): touch() runs several times per request.
     _changed: asyncio.Event | None = None
+    # The scheduler's change feed (multiplexed event streams of the agent's tenant).
+    on_change: Callable[[AgentEntry], None] | None = field(default=None, repr=False)
 
     @property
     def terminal(self) -> bool:
@@ -89,6 +96,8 @@ class AgentEntry:
     def touch(self) -> None:
         """Something about the agent changed: wake its event streams."""
         self.version += 1
+        if self.on_change is not None:
+            self.on_change(self)
         if self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -122,5 +131,6 @@ class AgentRecord(BaseModel):
     deadline_s: float
     first_eta_s: float | None = Field(default=None, description="ETA given at registration.")
     finished_at: float | None
+    error: str | None = Field(default=None, description="Why a `failed` agent failed.")
     jct_s: float | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)

@@ -64,6 +64,20 @@ class AgentList(BaseModel):
     agents: list[AgentRecord]
 
 
+class AgentFinish(RequestBody):
+    model_config = ConfigDict(extra="forbid")
+
+    error: str | None = Field(
+        default=None, max_length=100_000,
+        description=("Set when the agent's code raised: the agent ends `failed` with this "
+                     "message (kept to its first 2,000 characters) and is not a training "
+                     "sample. Without it the agent ends `finished`."))
+
+
+# An `ids` filter longer than this is better served by the unfiltered stream.
+MAX_WATCH_IDS = 1000
+
+
 _EVENTS = {200: {"description": "Server-sent events: `event: agent` with the record as `data`, "
                               "at every change until the agent ends; `: keep-alive` comments "
                               "every 15 s",
@@ -96,6 +110,34 @@ async def list_agents(request: Request, tenant: str = Depends(tenant_of),
     return AgentList(agents=[s.record(e) for e in entries])
 
 
+@router.get("/v1/agents/events", response_class=StreamingResponse,
+            responses={**_EVENTS, **errors.responses(400, 401)})
+async def agents_events(request: Request, tenant: str = Depends(tenant_of),
+                        ids: str | None = Query(
+                            default=None, max_length=MAX_WATCH_IDS * 40,
+                            description="Comma-separated agent ids (at most 1,000); "
+                                        "default: every agent of the caller")) -> StreamingResponse:
+    """One stream for many agents: `event: agent` with a record each time an agent of the
+    caller changes (first the live ones; changes are coalesced to at most 4 updates a second
+    per agent). A client watching a whole batch holds one connection, not one per agent."""
+    wanted = None
+    if ids is not None:
+        wanted = frozenset(i for i in ids.split(",") if i)
+        if not wanted or len(wanted) > MAX_WATCH_IDS:
+            raise HTTPException(400, f"ids must name 1 to {MAX_WATCH_IDS} agents")
+
+    async def stream() -> AsyncIterator[str]:
+        async for records in _scheduler(request).watch(tenant, wanted):
+            if records is None:
+                yield ": keep-alive\n\n"
+            else:
+                yield "".join(f"event: agent\ndata: {json.dumps(r.model_dump())}\n\n"
+                              for r in records)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
 @router.get("/v1/agents/{agent_id}", response_model=AgentRecord,
             responses=errors.responses(401, 404))
 async def get_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
@@ -122,9 +164,13 @@ async def agent_events(agent_id: str, request: Request,
 
 @router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord,
              responses=errors.responses(401, 404, 409))
-async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
+async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of),
+                       body: AgentFinish | None = None) -> AgentRecord:
+    """The agent is done: `finished`, or `failed` with `{"error": "..."}` when its code
+    raised. Only finished agents become predictor training samples."""
     s = _scheduler(request)
-    return s.record(await s.finish(_entry(agent_id, request, tenant)))
+    error = body.error if body is not None else None
+    return s.record(await s.finish(_entry(agent_id, request, tenant), error=error))
 
 
 @router.delete("/v1/agents/{agent_id}", response_model=AgentRecord,

@@ -43,13 +43,15 @@ CREATE TABLE IF NOT EXISTS agents (
     n_requests INTEGER NOT NULL,
     prompt_tokens INTEGER NOT NULL,
     output_tokens INTEGER NOT NULL,
-    requests TEXT NOT NULL
+    requests TEXT NOT NULL,
+    error TEXT
 );
 CREATE INDEX IF NOT EXISTS agents_type ON agents(type, state);
 """
 
-
-_INSERT = "INSERT OR REPLACE INTO agents VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+_COLUMNS = ("id, type, tenant, state, prompt, metadata, submitted_at, finished_at, "
+            "predicted_cost, cost, n_requests, prompt_tokens, output_tokens, requests, error")
+_INSERT = f"INSERT OR REPLACE INTO agents ({_COLUMNS}) VALUES ({','.join('?' * 15)})"
 _STOP = None
 
 
@@ -63,11 +65,18 @@ class History:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a commit is not an fsync
         self._db.executescript(_SCHEMA)
+        self._migrate()
         self._lock = threading.Lock()  # one statement or transaction at a time
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_forever, name="justitia-history",
                                         daemon=True)
         self._writer.start()
+
+    def _migrate(self) -> None:
+        """Histories written before failed agents had an error column gain it (NULL)."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(agents)")}
+        if "error" not in columns:
+            self._db.execute("ALTER TABLE agents ADD COLUMN error TEXT")
 
     def close(self) -> None:
         self._queue.put(_STOP)
@@ -78,7 +87,7 @@ class History:
         """Queue the ended agent's row (the writer thread commits it)."""
         self._queue.put((entry.id, entry.type, entry.tenant, entry.state, entry.prompt,
                          dict(entry.metadata), entry.submitted_at, entry.finished_at,
-                         entry.predicted_cost, list(entry.requests)))
+                         entry.predicted_cost, list(entry.requests), entry.error))
 
     def flush(self) -> None:
         """Return once everything queued so far is committed."""
@@ -159,10 +168,10 @@ class History:
 
 def _row(item: tuple) -> tuple:
     (agent_id, type_, tenant, state, prompt, metadata, submitted_at, finished_at,
-     predicted_cost, reqs) = item
+     predicted_cost, reqs, error) = item
     return (
         agent_id, type_, tenant, state, prompt, json.dumps(metadata), submitted_at, finished_at,
         predicted_cost, sum(kv_cost(r.prompt_tokens, r.output_tokens) for r in reqs), len(reqs),
         sum(r.prompt_tokens for r in reqs), sum(r.output_tokens for r in reqs),
-        json.dumps([asdict(r) for r in reqs]),
+        json.dumps([asdict(r) for r in reqs]), error,
     )

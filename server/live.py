@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.agents import AgentEntry, AgentRecord, RequestLog, new_agent_id
+from server.agents import MAX_ERROR_CHARS, AgentEntry, AgentRecord, RequestLog, new_agent_id
 from server.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, kv_cost
 from server.scheduler.policies import FOOTPRINT
@@ -50,6 +50,17 @@ class _Ticket:
     opened: asyncio.Event = field(default_factory=asyncio.Event)
     admitted: float | None = None
     error: Exception | None = None
+
+
+@dataclass(eq=False)
+class _Feed:
+    """One multiplexed event stream: the ids of its tenant's agents that changed since its
+    last flush. Many changes of one agent between two flushes are sent as one record."""
+
+    tenant: str
+    ids: frozenset[str] | None  # None: every agent of the tenant
+    dirty: set[str] = field(default_factory=set)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class LiveScheduler:
         self._open: set[str] = set()
         self._ended: collections.deque[str] = collections.deque()
         self._tickets: dict[str, _Ticket] = {}
+        self._feeds: dict[str, set[_Feed]] = {}
         self._task: asyncio.Task | None = None
         self.paused = False
         self.dispatcher = Dispatcher(
@@ -194,11 +206,13 @@ class LiveScheduler:
             lease_s=lease_s,
             last_activity_mono=now,
             first_eta_s=view.eta_s,
+            on_change=self._on_agent_change,
         )
         self.agents[agent_id] = entry
         self._open.add(agent_id)
         if self.metrics:
             self.metrics.agent_registered(entry)
+        self._on_agent_change(entry)
         return entry
 
     def _predict(self, agent_type: str, prompt: str, metadata: dict[str, Any]) -> float:
@@ -239,6 +253,7 @@ class LiveScheduler:
             submitted_at=entry.submitted_at,
             finished_at=entry.finished_at,
             first_eta_s=entry.first_eta_s,
+            error=entry.error,
             jct_s=jct,
             metadata=entry.metadata,
             **view,
@@ -257,14 +272,18 @@ class LiveScheduler:
             "deadline_s": v.deadline_s,
         }
 
-    async def finish(self, entry: AgentEntry) -> AgentEntry:
-        """The agent is done. Requests of it still in flight are orphans (the agent's code
+    async def finish(self, entry: AgentEntry, error: str | None = None) -> AgentEntry:
+        """The agent is done: `finished`, or `failed` when its client reports an `error`
+        (its code raised). Requests of it still in flight are orphans (the agent's code
         has returned or raised without them), so they are aborted, as on cancel."""
         self.require_live(entry)
+        state = "finished" if error is None else "failed"
+        if error is not None:
+            entry.error = error[:MAX_ERROR_CHARS]
         if entry.in_flight:
-            await self._cancel(entry, "finished")
+            await self._cancel(entry, state)
         else:
-            self._close(entry, "finished")
+            self._close(entry, state)
         return entry
 
     async def cancel(self, entry: AgentEntry) -> AgentEntry:
@@ -275,7 +294,7 @@ class LiveScheduler:
     async def _cancel(self, entry: AgentEntry, state: str) -> None:
         entry.final_view = self._view(entry)
         now = self.now()
-        if state == "finished":
+        if state in ("finished", "failed"):
             # Its GPS work stays charged (the agent ran); only its requests go.
             running = [rid for rid, r in self.dispatcher.requests.items()
                        if r.spec.agent_id == entry.id and r.running]
@@ -310,6 +329,8 @@ class LiveScheduler:
                 self.history.record(entry)
             except Exception:
                 log.exception("could not write agent %s to the history", entry.id)
+        # Only a complete run is a training sample: a failed or cancelled agent's cost is
+        # that of the part it ran.
         if state == "finished" and entry.requests:
             features = {
                 "n_requests": len(entry.requests),
@@ -460,6 +481,52 @@ class LiveScheduler:
             "iteration_time_s": stats.iteration_time_s,
         }
         return snap
+
+    def _on_agent_change(self, entry: AgentEntry) -> None:
+        for feed in self._feeds.get(entry.tenant, ()):
+            if feed.ids is None or entry.id in feed.ids:
+                feed.dirty.add(entry.id)
+                feed.wake.set()
+
+    async def watch(
+        self,
+        tenant: str,
+        ids: frozenset[str] | None = None,
+        *,
+        interval_s: float = 0.25,
+        heartbeat_s: float = 15.0,
+    ) -> AsyncIterator[list[AgentRecord] | None]:
+        """The records of a tenant's agents (all, or those in `ids`) as they change: first
+        the live ones, then at most one batch per `interval_s` of those that changed (None:
+        heartbeat). One stream serves a whole batch of agents, so a client watching 10,000
+        agents holds one connection, and the records it is sent are bounded by the number
+        of agents that change, not by the number of changes."""
+        feed = _Feed(tenant, ids)
+        self._feeds.setdefault(tenant, set()).add(feed)
+        try:
+            if ids is None:
+                initial = [e for e in self.list(tenant) if not e.terminal]
+            else:
+                initial = [e for i in ids if (e := self.agents.get(i)) and e.tenant == tenant]
+            yield [self.record(e) for e in initial]
+            while True:
+                try:
+                    await asyncio.wait_for(feed.wake.wait(), heartbeat_s)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+                await asyncio.sleep(interval_s)
+                feed.wake.clear()
+                dirty, feed.dirty = feed.dirty, set()
+                records = [self.record(e) for i in dirty if (e := self.agents.get(i)) is not None]
+                if records:
+                    yield records
+        finally:
+            feeds = self._feeds.get(tenant)
+            if feeds is not None:
+                feeds.discard(feed)
+                if not feeds:
+                    del self._feeds[tenant]
 
     async def events(self, entry: AgentEntry, heartbeat_s: float = 15.0) -> AsyncIterator[AgentRecord | None]:
         """The record now and after every change, until the agent ends (None: heartbeat)."""

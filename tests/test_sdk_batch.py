@@ -37,11 +37,14 @@ async def test_submit_many_keeps_input_order_and_survives_a_failure(server) -> N
         batch.results()
     assert batch.errors[0][0] == 1
     for h in batch:
-        assert h.record is not None and h.record.state == "finished"
+        assert h.record is not None
+        assert h.record.state == ("failed" if h.index == 1 else "finished")
         assert h.first_eta_s is not None and h.fair_finish_s is not None
         assert h.delay_bound_s is not None and h.deadline_s is not None
-        assert h.jct_s is not None
+        assert (h.jct_s is None) == (h.index == 1)
         assert h.run is not None and h.run.requests == h.record.requests_total
+    # The server knows why the failed run failed.
+    assert batch[1].record.error == "Refused: d"
     assert "finished" in batch.summary()
     html = batch._repr_html_()
     assert "batch_worker" in html and "kept" in html
