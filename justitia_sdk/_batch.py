@@ -111,7 +111,10 @@ class AgentHandle:
 
     @property
     def jct_s(self) -> float | None:
-        """Job completion time: the server's (finished_at - submitted_at), else measured here."""
+        """Job completion time of a finished run: the server's (finished_at - submitted_at),
+        else measured here. None for runs that failed or were cancelled."""
+        if self.status != "finished":
+            return None
         if self.record is not None and self.record.jct_s is not None:
             return self.record.jct_s
         return self.elapsed_s if self.done else None
