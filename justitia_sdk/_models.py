@@ -40,6 +40,9 @@ class AgentRecord(BaseModel):
     first_eta_s: float | None = None
     #: Job completion time, once terminal: finished_at - submitted_at.
     jct_s: float | None = None
+    #: Where predicted_cost came from: "declared", "request", "model", "cold_start" or
+    #: "fallback" (docs/predictors.md); None from servers that do not say.
+    cost_source: str | None = None
 
     @model_validator(mode="after")
     def _fill_jct(self) -> AgentRecord:

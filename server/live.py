@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.agents import AgentEntry, AgentRecord, RequestLog, new_agent_id
+from server.agents import AgentEntry, AgentRecord, CostSource, RequestLog, new_agent_id
 from server.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, kv_cost
 from server.scheduler.policies import FOOTPRINT
@@ -176,7 +176,9 @@ class LiveScheduler:
         now = self.now()
         metadata = dict(metadata or {})
         if predicted_cost is None:
-            predicted_cost = self._predict(agent_type, prompt, metadata)
+            predicted_cost, cost_source = self._predict(agent_type, prompt, metadata)
+        else:
+            cost_source = "request" if auto else "declared"
         agent_id = new_agent_id()
         view = self.dispatcher.register_agent(
             agent_id, predicted_cost, now, agent_type=agent_type, shape=_shape(metadata)
@@ -192,6 +194,7 @@ class LiveScheduler:
             predicted_cost=predicted_cost,
             auto=auto,
             lease_s=lease_s,
+            cost_source=cost_source,
             last_activity_mono=now,
             first_eta_s=view.eta_s,
         )
@@ -201,16 +204,18 @@ class LiveScheduler:
             self.metrics.agent_registered(entry)
         return entry
 
-    def _predict(self, agent_type: str, prompt: str, metadata: dict[str, Any]) -> float:
+    def _predict(self, agent_type: str, prompt: str, metadata: dict[str, Any]) -> tuple[float, CostSource]:
         features = metadata.get("features") if isinstance(metadata.get("features"), dict) else None
         if self.predictors is not None:
             try:
-                return float(self.predictors.predict(agent_type, prompt, features))
+                predictor = self.predictors.get(agent_type)
+                source: CostSource = "cold_start" if getattr(predictor, "is_cold_start", False) else "model"
+                return float(predictor.predict(prompt, features)), source
             except Exception:
                 log.exception("predictor for %r failed; using the request-size fallback", agent_type)
         # No predictor: a one-request agent of the prompt's size with 256 output tokens.
         p = max(1, len(prompt) // 4)
-        return kv_cost(p, 256)
+        return kv_cost(p, 256), "fallback"
 
     def get(self, agent_id: str, tenant: str) -> AgentEntry:
         entry = self.agents.get(agent_id)
@@ -239,6 +244,7 @@ class LiveScheduler:
             submitted_at=entry.submitted_at,
             finished_at=entry.finished_at,
             first_eta_s=entry.first_eta_s,
+            cost_source=entry.cost_source,
             jct_s=jct,
             metadata=entry.metadata,
             **view,
