@@ -399,3 +399,26 @@ def test_trained_predictor_is_announced_and_named_in_the_record(predictor_server
     assert plain["predicted_cost"] == pytest.approx(predictor.predict(sample.prompt, None), rel=1e-6)
     assert rec["predicted_cost"] != pytest.approx(plain["predicted_cost"], rel=1e-3)
     assert other["cost_source"] == "cold_start"
+    _features_from_the_sdk(srv.url, sample.prompt, sample.features, predictor)
+
+
+def _features_from_the_sdk(url: str, prompt: str, features: dict, predictor) -> None:
+    """The SDK route of docs/predictors.md: `invoke(..., metadata={"features": ...})`."""
+    import anyio
+
+    from justitia_sdk import AsyncClient, agent, llm
+
+    @agent("fact_verification", prompt=lambda claim: claim)
+    async def verify(claim: str) -> str:
+        return await llm(claim[:200], max_tokens=2)
+
+    records = []
+
+    async def go() -> None:
+        async with AsyncClient(url) as client:
+            await verify.invoke([prompt], metadata={"features": features}, client=client,
+                                on_start=lambda run: records.append(run.record))
+
+    anyio.run(go)
+    assert records[0].cost_source == "model"
+    assert records[0].predicted_cost == pytest.approx(predictor.predict(prompt, features), rel=1e-6)
