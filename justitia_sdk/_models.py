@@ -42,6 +42,9 @@ class AgentRecord(BaseModel):
     jct_s: float | None = None
     #: Why a `failed` agent failed (its code raised), as the SDK reported it.
     error: str | None = None
+    #: Where predicted_cost came from: "declared", "request", "model", "cold_start" or
+    #: "fallback" (docs/predictors.md); None from servers that do not say.
+    cost_source: str | None = None
 
     @model_validator(mode="after")
     def _fill_jct(self) -> AgentRecord:

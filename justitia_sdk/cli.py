@@ -108,4 +108,9 @@ def formatter(prog: str) -> argparse.HelpFormatter:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m justitia_sdk.cli`, this file is `__main__`, a second copy of the
+    # module: the command modules raise `justitia_sdk.cli.CommandError`, which the copy's
+    # `except CommandError` would not catch (a traceback instead of the one-line error).
+    from justitia_sdk.cli import main as _main
+
+    sys.exit(_main())

@@ -17,7 +17,10 @@ def register(commands) -> None:
         description=(
             "Train the cost predictor of agent type AGENT from profiled runs, validate it on a "
             "held-out 20% against the baselines (training mean, one global model, length-only "
-            "linear, cold start) and write it to --out."
+            "linear, cold start) and write it to --out, with the held-out samples "
+            "(DIR/heldout.jsonl, what `justitia predictor eval DIR` uses by default). Samples "
+            "profiled (--inputs) or fetched (--from-server) are kept in DIR/samples.jsonl "
+            "(or --save-samples FILE), written before training starts."
         ),
         formatter_class=formatter,
     )
@@ -34,6 +37,10 @@ def register(commands) -> None:
     src.add_argument("--from-server", metavar="URL", dest="from_server",
                      help="fetch the completed agents of AGENT from a Justitia server's history")
     p.add_argument("--out", metavar="DIR", required=True, help="directory to write the trained predictor into")
+    p.add_argument("--save-samples", metavar="FILE", dest="save_samples", default=None,
+                   help="write the samples used (all types, JSON Lines, .gz allowed) to FILE "
+                        "(unset: DIR/samples.jsonl with --inputs or --from-server; not written "
+                        "with --samples, which is already a file)")
     p.add_argument("--alpha", type=float, default=None, help="L2 penalty of the MLP (unset: the model default, 3.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split and of the MLP")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
@@ -54,13 +61,16 @@ def register(commands) -> None:
         help="Measure a trained predictor's error and latency on samples.",
         description=(
             "Evaluate the predictor in DIR on the samples of its agent type: relative error "
-            "|predicted - actual| / actual and the latency of one prediction."
+            "|predicted - actual| / actual and the latency of one prediction. Without "
+            "--samples, on the held-out samples stored with the model (DIR/heldout.jsonl: the "
+            "runs `justitia train-predictor` held out from training and validated it on)."
         ),
         formatter_class=formatter,
     )
     e.add_argument("dir", metavar="DIR", help="predictor directory written by `justitia train-predictor`")
-    e.add_argument("--samples", metavar="FILE", required=True,
-                   help="JSON Lines samples; only those of the predictor's agent type are used")
+    e.add_argument("--samples", metavar="FILE", default=None,
+                   help="JSON Lines samples; only those of the predictor's agent type are used "
+                        "(unset: the held-out samples stored with the model, DIR/heldout.jsonl)")
     e.add_argument("--json", metavar="OUT", default=None, help="write the results as JSON to this file")
     e.add_argument("--all-types", action="store_true",
                    help="use every sample, whatever its agent_type (e.g. to test a global model)")

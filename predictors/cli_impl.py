@@ -13,21 +13,21 @@ from typing import Any
 
 from justitia_sdk.cli import CommandError
 
-from .samples import Sample, SampleError, parse_samples, read_samples
+from .samples import Sample, SampleError, parse_samples, read_samples, write_samples
+
+#: Where ``train-predictor`` keeps the samples it profiled or fetched, inside ``--out``.
+SAMPLES_FILE = "samples.jsonl"
 
 
 # -- sample sources -------------------------------------------------------------------------
 
-def samples_from_server(url: str, agent_type: str, api_key: str | None = None, timeout: float = 30.0) -> list[Sample]:
-    """Completed agents of ``agent_type`` from ``GET {url}/v1/history?agent_type=T``."""
+def _get_history(base: str, params: dict[str, str], api_key: str | None, timeout: float) -> tuple[list[Any], bool]:
+    """The ``samples`` rows of ``GET {base}/v1/history`` and whether more pages follow."""
     import httpx
 
-    base = url.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise CommandError(f"--from-server needs an http(s) URL, got {url!r} (e.g. http://127.0.0.1:8000)")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(f"{base}/v1/history", params={"agent_type": agent_type}, headers=headers, timeout=timeout)
+        r = httpx.get(f"{base}/v1/history", params=params, headers=headers, timeout=timeout)
     except httpx.TimeoutException:
         raise CommandError(f"server {base} did not answer within {timeout:g} s; check it is running or raise --timeout") from None
     except httpx.HTTPError as exc:
@@ -50,6 +50,24 @@ def samples_from_server(url: str, agent_type: str, api_key: str | None = None, t
     rows = body.get("samples") if isinstance(body, dict) else None
     if not isinstance(rows, list):
         raise CommandError(f"server {base} history has no 'samples' list; is it a Justitia server of this version?")
+    return rows, bool(body.get("next_cursor"))
+
+
+def samples_from_server(url: str, agent_type: str, api_key: str | None = None, timeout: float = 30.0) -> list[Sample]:
+    """Completed agents of ``agent_type`` from ``GET {url}/v1/history?agent_type=T``."""
+    base = url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise CommandError(f"--from-server needs an http(s) URL, got {url!r} (e.g. http://127.0.0.1:8000)")
+    rows, _ = _get_history(base, {"agent_type": agent_type}, api_key, timeout)
+    if not rows:
+        # The server filtered by type, so the answer cannot say which types it has: ask again
+        # without the filter (only on this error path) to name them.
+        everything, more = _get_history(base, {}, api_key, timeout)
+        types = sorted({str(r["agent_type"]) for r in everything if isinstance(r, dict) and r.get("agent_type")})
+        among = f" among its first {len(everything)} finished agents" if more else ""
+        present = f"types present{among}: {', '.join(types)}" if types else "it has no finished agent yet"
+        tenant = " for this API key's tenant" if api_key else ""
+        raise CommandError(f"no samples of agent type {agent_type!r} in {base} history{tenant}; {present}")
     try:
         return parse_samples(rows, source=f"{base} history")
     except SampleError as exc:
@@ -199,6 +217,38 @@ def _print_report(report: dict[str, Any], out: Path) -> None:
     console.print(f"wrote {out}")
 
 
+def _collect(args: argparse.Namespace) -> tuple[list[Sample], str, bool]:
+    """The samples of the chosen source, a description of it, and whether they were
+    gathered by this command (profiled or fetched: worth keeping) rather than read."""
+    if args.samples:
+        if args.module or args.file:
+            resolve_agent(args.agent, args.module, args.file)
+        try:
+            return read_samples(args.samples), args.samples, False
+        except SampleError as exc:
+            raise CommandError(str(exc)) from None
+    if args.from_server:
+        if args.module or args.file:
+            resolve_agent(args.agent, args.module, args.file)
+        samples = samples_from_server(args.from_server, args.agent,
+                                      args.api_key or os.environ.get("JUSTITIA_API_KEY"), args.timeout)
+        return samples, f"{args.from_server} history", True
+    return samples_from_inputs(args), f"profiling {args.inputs}", True
+
+
+def _save_samples(samples: list[Sample], args: argparse.Namespace, gathered: bool, out: Path) -> Path | None:
+    """Keep what was profiled or fetched (``--save-samples``, default ``DIR/samples.jsonl``),
+    before training, so that a failed training run does not lose an expensive profile."""
+    target = args.save_samples or (str(out / SAMPLES_FILE) if gathered else None)
+    if target is None:
+        return None
+    try:
+        write_samples(samples, target)
+    except OSError as exc:
+        raise CommandError(f"cannot write samples to {target} ({exc.strerror or exc}); check --save-samples") from None
+    return Path(target)
+
+
 def train_command(args: argparse.Namespace) -> int:
     from .model import DEFAULT_ALPHA
     from .persistence import save_predictor
@@ -206,39 +256,29 @@ def train_command(args: argparse.Namespace) -> int:
 
     if args.alpha is not None and not args.alpha > 0:
         raise CommandError("--alpha must be a positive number")
-    if args.samples:
-        if args.module or args.file:
-            resolve_agent(args.agent, args.module, args.file)
-        try:
-            samples = read_samples(args.samples)
-        except SampleError as exc:
-            raise CommandError(str(exc)) from None
-        source = args.samples
-    elif args.from_server:
-        if args.module or args.file:
-            resolve_agent(args.agent, args.module, args.file)
-        samples = samples_from_server(args.from_server, args.agent,
-                                      args.api_key or os.environ.get("JUSTITIA_API_KEY"), args.timeout)
-        source = f"{args.from_server} history"
-    else:
-        samples = samples_from_inputs(args)
-        source = f"profiling {args.inputs}"
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {out} exists and is not a directory")
+    samples, source, gathered = _collect(args)
+    kept = _save_samples(samples, args, gathered, out)
+    if kept is not None and not args.quiet:
+        print(f"kept the {len(samples)} samples of {source} in {kept}")
     if not any(s.agent_type == args.agent for s in samples):
         types = sorted({s.agent_type for s in samples})
         raise CommandError(
             f"no samples of agent type {args.agent!r} in {source}; types present: {', '.join(types) or 'none'}"
         )
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise CommandError(f"--out {out} exists and is not a directory")
     try:
         result = train_predictor(samples, args.agent, alpha=args.alpha or DEFAULT_ALPHA, seed=args.seed,
                                  calibrate=getattr(args, "calibrate", True))
     except SampleError as exc:
-        raise CommandError(str(exc)) from None
+        where = f" (the samples are kept in {kept})" if kept is not None else ""
+        raise CommandError(f"{exc}{where}") from None
     result.predictor.metadata["source"] = source
+    if kept is not None:
+        result.predictor.metadata["samples_file"] = str(kept)
     try:
-        save_predictor(result.predictor, out)
+        save_predictor(result.predictor, out, heldout=result.heldout)
     except OSError as exc:
         raise CommandError(f"cannot write predictor to {out} ({exc.strerror or exc}); check the path") from None
     if args.json:
@@ -260,6 +300,21 @@ def _write_json(path: str, obj: Any) -> None:
         raise CommandError(f"cannot write {p} ({exc.strerror or exc})") from None
 
 
+def _eval_samples(args: argparse.Namespace) -> tuple[list[Sample], str]:
+    """``--samples FILE``, or else the held-out samples stored with the predictor."""
+    from .persistence import HELDOUT_FILE, PredictorLoadError, load_heldout
+
+    if args.samples:
+        try:
+            return read_samples(args.samples), args.samples
+        except SampleError as exc:
+            raise CommandError(str(exc)) from None
+    try:
+        return load_heldout(args.dir), str(Path(args.dir) / HELDOUT_FILE)
+    except PredictorLoadError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def eval_command(args: argparse.Namespace) -> int:
     from .evaluation import evaluate
     from .persistence import PredictorLoadError, load_predictor
@@ -268,27 +323,25 @@ def eval_command(args: argparse.Namespace) -> int:
         predictor = load_predictor(args.dir)
     except PredictorLoadError as exc:
         raise CommandError(str(exc)) from None
-    try:
-        samples = read_samples(args.samples)
-    except SampleError as exc:
-        raise CommandError(str(exc)) from None
+    samples, source = _eval_samples(args)
     if not args.all_types:
         own = [s for s in samples if s.agent_type == predictor.agent_type]
         if not own:
             types = sorted({s.agent_type for s in samples})
             raise CommandError(
-                f"no samples of agent type {predictor.agent_type!r} (the predictor's) in {args.samples}; "
+                f"no samples of agent type {predictor.agent_type!r} (the predictor's) in {source}; "
                 f"types present: {', '.join(types)}; pass --all-types to use them anyway"
             )
         samples = own
-    result = {"agent_type": predictor.agent_type, **evaluate(predictor, samples)}
+    result = {"agent_type": predictor.agent_type, "samples_file": source, **evaluate(predictor, samples)}
     if args.json:
         _write_json(args.json, result)
     from rich.console import Console
+    from rich.markup import escape
 
     Console().print(
-        f"[bold]{predictor.agent_type}[/]: n={result['n']}  mean rel. error {result['mean_relative_error']:.3f}  "
-        f"median {result['median_relative_error']:.3f}  latency p50 {result['p50_latency_ms']:.3f} ms  "
-        f"p99 {result['p99_latency_ms']:.3f} ms"
+        f"[bold]{escape(predictor.agent_type)}[/] on {escape(source)}: n={result['n']}  mean rel. error "
+        f"{result['mean_relative_error']:.3f}  median {result['median_relative_error']:.3f}  "
+        f"latency p50 {result['p50_latency_ms']:.3f} ms  p99 {result['p99_latency_ms']:.3f} ms"
     )
     return 0

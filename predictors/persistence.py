@@ -1,4 +1,5 @@
-"""Saving and loading predictors: ``DIR/model.joblib`` + ``DIR/metadata.json``.
+"""Saving and loading predictors: ``DIR/model.joblib`` + ``DIR/metadata.json`` (+
+``DIR/heldout.jsonl``, the samples held out from training, for ``justitia predictor eval DIR``).
 
 ``metadata.json`` is plain JSON, readable without unpickling anything: format version,
 agent type, feature set, sample counts, hyper-parameters, validation errors, the versions of
@@ -19,12 +20,14 @@ import json
 import os
 import platform
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.joblib"
 METADATA_FILE = "metadata.json"
+HELDOUT_FILE = "heldout.jsonl"
 
 
 class PredictorLoadError(ValueError):
@@ -63,12 +66,17 @@ def _major_minor(v: str) -> tuple[str, ...]:
     return tuple(v.split(".")[:2])
 
 
-def save_predictor(predictor, directory: str | Path) -> Path:
-    """Write ``predictor`` (a :class:`~predictors.model.CostPredictor`) into ``directory``."""
+def save_predictor(predictor, directory: str | Path, heldout: Sequence[Any] | None = None) -> Path:
+    """Write ``predictor`` (a :class:`~predictors.model.CostPredictor`) into ``directory``,
+    with ``heldout`` (the :class:`~predictors.samples.Sample` s it was validated on, if given)
+    as ``heldout.jsonl``."""
     import joblib
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    heldout_meta: dict[str, Any] = {"heldout_file": None}
+    if heldout:
+        heldout_meta = {"heldout_file": HELDOUT_FILE, "heldout_count": _write_heldout(heldout, d)}
     # Write to temporary names, then rename: a crash never leaves a half-written model
     # next to metadata that vouches for it.
     fd, tmp_model = tempfile.mkstemp(prefix=".model-", dir=d)
@@ -76,6 +84,7 @@ def save_predictor(predictor, directory: str | Path) -> Path:
     joblib.dump(predictor.model, tmp_model, compress=3)
     meta = dict(predictor.metadata)
     meta.update(
+        **heldout_meta,
         format_version=FORMAT_VERSION,
         versions=library_versions(),
         model_file=MODEL_FILE,
@@ -89,6 +98,36 @@ def save_predictor(predictor, directory: str | Path) -> Path:
         f.write("\n")
     os.replace(tmp_meta, d / METADATA_FILE)
     return d
+
+
+def _write_heldout(samples: Sequence[Any], d: Path) -> int:
+    """Write the held-out samples under a temporary name, then rename (written before the
+    metadata that names them, as the model is)."""
+    from .samples import write_samples
+
+    fd, tmp = tempfile.mkstemp(prefix=".heldout-", suffix=".jsonl", dir=d)
+    os.close(fd)
+    n = write_samples(samples, tmp)
+    os.replace(tmp, d / HELDOUT_FILE)
+    return n
+
+
+def load_heldout(directory: str | Path) -> list[Any]:
+    """The samples ``directory``'s predictor was held out from training and validated on."""
+    from .samples import SampleError, read_samples
+
+    d = Path(directory)
+    meta = read_metadata(d)
+    name = meta.get("heldout_file")
+    if not name:
+        raise PredictorLoadError(
+            f"{d} keeps no held-out samples (trained by an older `justitia train-predictor`); "
+            "pass --samples FILE, or retrain it"
+        )
+    try:
+        return read_samples(d / str(name))
+    except SampleError as exc:
+        raise PredictorLoadError(f"held-out samples of {d}: {exc}; pass --samples FILE, or retrain it") from None
 
 
 def read_metadata(directory: str | Path) -> dict[str, Any]:

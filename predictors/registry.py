@@ -14,6 +14,36 @@ from .persistence import METADATA_FILE, PredictorLoadError, load_predictor, read
 log = logging.getLogger(__name__)
 
 
+def scan(models_dir: str | Path | None) -> tuple[dict[str, tuple[Path, dict[str, Any]]], dict[str, str]]:
+    """The predictor directories in ``models_dir`` (itself one, or one per sub-directory) by
+    agent type, with their checked metadata; and why the others cannot be used, by path.
+    Reads metadata only: no model is unpickled."""
+    found: dict[str, tuple[Path, dict[str, Any]]] = {}
+    errors: dict[str, str] = {}
+    d = Path(models_dir) if models_dir is not None else None
+    if d is None or not d.is_dir():
+        return found, errors
+    candidates = [d] if (d / METADATA_FILE).is_file() else sorted(p for p in d.iterdir() if p.is_dir())
+    for p in candidates:
+        if not (p / METADATA_FILE).is_file():
+            continue
+        try:
+            meta = read_metadata(p)
+        except PredictorLoadError as exc:
+            errors[str(p)] = str(exc)
+            continue
+        found[str(meta.get("agent_type"))] = (p, meta)
+    return found, errors
+
+
+def describe(meta: dict[str, Any], path: Path) -> str:
+    """``mlp, 50 samples (40 train / 10 held out), models/fv``: one predictor, for the log."""
+    counts = f"{meta.get('sample_count', '?')} samples"
+    if meta.get("train_count") is not None and meta.get("validation_count") is not None:
+        counts += f" ({meta['train_count']} train / {meta['validation_count']} held out)"
+    return f"{meta.get('kind', 'mlp')}, {counts}, {path}"
+
+
 class PredictorRegistry:
     """Finds the predictor of every agent type under ``models_dir``.
 
@@ -36,24 +66,14 @@ class PredictorRegistry:
 
     def refresh(self) -> None:
         """Rescan ``models_dir`` (new or retrained predictors are picked up)."""
-        paths: dict[str, Path] = {}
-        errors: dict[str, str] = {}
-        d = self.models_dir
-        if d is not None and d.is_dir():
-            candidates = [d] if (d / METADATA_FILE).is_file() else sorted(p for p in d.iterdir() if p.is_dir())
-            for p in candidates:
-                if not (p / METADATA_FILE).is_file():
-                    continue
-                try:
-                    meta = read_metadata(p)
-                except PredictorLoadError as exc:
-                    errors[str(p)] = str(exc)
-                    log.warning("skipping predictor %s: %s", p, exc)
-                    continue
-                paths[str(meta.get("agent_type"))] = p
+        found, errors = scan(self.models_dir)
+        for path, exc in errors.items():
+            log.warning("skipping predictor %s: %s", path, exc)
+        for agent_type, (path, meta) in found.items():
+            log.info("cost predictor for %r: %s", agent_type, describe(meta, path))
         with self._lock:
-            self._paths = paths
-            self._loaded = {t: m for t, m in self._loaded.items() if t in paths}
+            self._paths = {t: path for t, (path, _) in found.items()}
+            self._loaded = {t: m for t, m in self._loaded.items() if t in self._paths}
             self.errors = errors
 
     @property

@@ -29,6 +29,8 @@ MAX_LOG_SHIFT = 0.7
 class TrainResult:
     predictor: CostPredictor
     report: dict[str, Any] = field(default_factory=dict)
+    #: The samples held out from training and validated on (kept with the model).
+    heldout: list[Sample] = field(default_factory=list)
 
 
 def split(samples: Sequence[Sample], fraction: float = VALIDATION_FRACTION, seed: int = 0):
@@ -191,4 +193,4 @@ def train_predictor(samples: Sequence[Sample], agent_type: str, *, alpha: float 
             "profile more runs"
         )
     report["warning"] = "; ".join(warnings_) or None
-    return TrainResult(predictor, report)
+    return TrainResult(predictor, report, heldout=list(val))

@@ -26,6 +26,12 @@ AgentStateName = Literal["queued", "running", "finished", "failed", "cancelled",
 TERMINAL: frozenset[str] = frozenset({"finished", "failed", "cancelled", "expired"})
 MAX_ERROR_CHARS = 2000
 
+#: Where an agent's predicted_cost came from (docs/predictors.md, "Where a cost came from"):
+#: "declared" the caller's predicted_cost; "request" the exact cost of the one request of an
+#: untagged OpenAI call; "model" the trained predictor of its type; "cold_start" the online
+#: estimate of a type without one; "fallback" no predictor (or it failed): the prompt's size.
+CostSource = Literal["declared", "request", "model", "cold_start", "fallback"]
+
 
 class _RandomIds:
     """Ids of 64 random bits from the OS's CSPRNG, read 4 KiB at a time: one getrandom call
@@ -72,6 +78,7 @@ class AgentEntry:
     predicted_cost: float
     auto: bool = False  # a one-request agent made for an untagged OpenAI request
     lease_s: float | None = None  # None: the server's lease
+    cost_source: CostSource = "fallback"
     state: AgentStateName = "queued"
     finished_at: float | None = None
     last_activity_mono: float = 0.0
@@ -130,6 +137,12 @@ class AgentRecord(BaseModel):
     delay_bound_s: float = Field(description="Promise: finish by fair_finish_s + delay_bound_s.")
     deadline_s: float
     first_eta_s: float | None = Field(default=None, description="ETA given at registration.")
+    cost_source: CostSource = Field(
+        default="fallback",
+        description=("Where predicted_cost came from: declared (the caller), request (an "
+                     "untagged OpenAI request's own size), model (a trained predictor of the "
+                     "type), cold_start (the online estimate of a type without one), fallback "
+                     "(no predictor: the prompt's size)."))
     finished_at: float | None
     error: str | None = Field(default=None, description="Why a `failed` agent failed.")
     jct_s: float | None = None

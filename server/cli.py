@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from server.config import POLICIES
@@ -74,7 +76,9 @@ def register(commands: Any) -> None:
                        help="tokenizer for --engine-url (default: the replicas' model)")
     serve.add_argument("--predictors", default=None, metavar="DIR",
                        help="trained cost predictors, one folder per agent type (from "
-                            "`justitia train-predictor`); other types use the cold start")
+                            "`justitia train-predictor`), or one such folder; other types use "
+                            "the cold start. A missing DIR, or one holding no usable "
+                            "predictor, is refused; each one found is printed at startup")
     serve.add_argument("--data-dir", default=None, metavar="DIR",
                        help="where the history of finished agents is kept "
                             "(default: $JUSTITIA_HOME/data, ~/.cache/justitia/data)")
@@ -149,6 +153,34 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _check_predictors(path: str) -> None:
+    """Refuse a --predictors DIR that is missing or holds no usable predictor, and print the
+    ones found, before the engine starts: a typo would otherwise leave every agent type on
+    the cold start without a word."""
+    from justitia_sdk.cli import CommandError
+    from predictors.registry import describe, scan
+
+    d = Path(path)
+    train = f"train one with `justitia train-predictor AGENT --samples FILE --out {path}/AGENT`"
+    if not d.exists():
+        raise CommandError(f"--predictors {path}: no such directory; give the folder that "
+                           f"`justitia train-predictor --out` wrote, or its parent, or {train}")
+    if not d.is_dir():
+        raise CommandError(f"--predictors {path} is not a directory; give the folder that "
+                           "`justitia train-predictor --out` wrote, or its parent")
+    if not os.access(d, os.R_OK | os.X_OK):
+        raise CommandError(f"--predictors {path} cannot be read (permission denied)")
+    found, errors = scan(d)
+    if not found:
+        why = "; ".join(f"{p}: {e}" for p, e in errors.items()) or "no metadata.json in it or its sub-folders"
+        raise CommandError(f"--predictors {path} holds no usable predictor ({why}); {train}")
+    # Printed, not logged: nothing routes the server's own loggers to the console.
+    for agent_type, (p, meta) in sorted(found.items()):
+        print(f"cost predictor for {agent_type!r}: {describe(meta, p)}", file=sys.stderr, flush=True)
+    for p, error in errors.items():
+        print(f"skipping predictor {p}: {error}", file=sys.stderr, flush=True)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from justitia_sdk.cli import CommandError
     from server.config import ServerConfig
@@ -163,6 +195,8 @@ def run_serve(args: argparse.Namespace) -> int:
             f"refusing to bind {args.host} without API keys: anyone could use the engine. "
             "Add --api-key TENANT=KEY, or bind 127.0.0.1"
         )
+    if args.predictors is not None:
+        _check_predictors(args.predictors)
     config = ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,

@@ -22,7 +22,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.agents import MAX_ERROR_CHARS, AgentEntry, AgentRecord, RequestLog, new_agent_id
+from server.agents import (
+    MAX_ERROR_CHARS,
+    AgentEntry,
+    AgentRecord,
+    CostSource,
+    RequestLog,
+    new_agent_id,
+)
 from server.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, kv_cost
 from server.scheduler.policies import FOOTPRINT
@@ -188,7 +195,9 @@ class LiveScheduler:
         now = self.now()
         metadata = dict(metadata or {})
         if predicted_cost is None:
-            predicted_cost = self._predict(agent_type, prompt, metadata)
+            predicted_cost, cost_source = self._predict(agent_type, prompt, metadata)
+        else:
+            cost_source = "request" if auto else "declared"
         agent_id = new_agent_id()
         view = self.dispatcher.register_agent(
             agent_id, predicted_cost, now, agent_type=agent_type, shape=_shape(metadata)
@@ -204,6 +213,7 @@ class LiveScheduler:
             predicted_cost=predicted_cost,
             auto=auto,
             lease_s=lease_s,
+            cost_source=cost_source,
             last_activity_mono=now,
             first_eta_s=view.eta_s,
             on_change=self._on_agent_change,
@@ -215,16 +225,18 @@ class LiveScheduler:
         self._on_agent_change(entry)
         return entry
 
-    def _predict(self, agent_type: str, prompt: str, metadata: dict[str, Any]) -> float:
+    def _predict(self, agent_type: str, prompt: str, metadata: dict[str, Any]) -> tuple[float, CostSource]:
         features = metadata.get("features") if isinstance(metadata.get("features"), dict) else None
         if self.predictors is not None:
             try:
-                return float(self.predictors.predict(agent_type, prompt, features))
+                predictor = self.predictors.get(agent_type)
+                source: CostSource = "cold_start" if getattr(predictor, "is_cold_start", False) else "model"
+                return float(predictor.predict(prompt, features)), source
             except Exception:
                 log.exception("predictor for %r failed; using the request-size fallback", agent_type)
         # No predictor: a one-request agent of the prompt's size with 256 output tokens.
         p = max(1, len(prompt) // 4)
-        return kv_cost(p, 256)
+        return kv_cost(p, 256), "fallback"
 
     def get(self, agent_id: str, tenant: str) -> AgentEntry:
         entry = self.agents.get(agent_id)
@@ -254,6 +266,7 @@ class LiveScheduler:
             finished_at=entry.finished_at,
             first_eta_s=entry.first_eta_s,
             error=entry.error,
+            cost_source=entry.cost_source,
             jct_s=jct,
             metadata=entry.metadata,
             **view,

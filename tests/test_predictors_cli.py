@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from justitia_sdk.cli import main
-from predictors.samples import write_samples
+from predictors.samples import read_samples, write_samples
 from predictors.synthetic import synthesize
 
 
@@ -153,8 +153,9 @@ class _History(BaseHTTPRequestHandler):
             self.send_response(404)
             self.end_headers()
             return
-        t = parse_qs(url.query).get("agent_type", [""])[0]
-        body = json.dumps({"samples": [r for r in self.rows if r["agent_type"] == t]}).encode()
+        # As the real server: filtered by agent_type when given, every type otherwise.
+        t = parse_qs(url.query).get("agent_type", [None])[0]
+        body = json.dumps({"samples": [r for r in self.rows if t is None or r["agent_type"] == t]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -165,22 +166,94 @@ class _History(BaseHTTPRequestHandler):
         pass
 
 
-def test_from_server(tmp_path, capsys):
-    _History.rows = [s.model_dump() for s in synthesize("code_checking", 30, seed=2)]
+@pytest.fixture()
+def history_url():
     server = HTTPServer(("127.0.0.1", 0), _History)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        out = tmp_path / "m"
-        assert main(["train-predictor", "code_checking", "--from-server", url, "--out", str(out), "--quiet"]) == 0
-        assert json.loads((out / "metadata.json").read_text())["sample_count"] == 30
-        capsys.readouterr()
-        rc = main(["train-predictor", "unknown", "--from-server", url, "--out", str(out)])
-        assert rc == 2 and "no samples of agent type 'unknown'" in _error(capsys)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_from_server(tmp_path, capsys, history_url):
+    _History.rows = [s.model_dump() for s in synthesize("code_checking", 30, seed=2)]
+    out = tmp_path / "m"
+    assert main(["train-predictor", "code_checking", "--from-server", history_url, "--out", str(out), "--quiet"]) == 0
+    assert json.loads((out / "metadata.json").read_text())["sample_count"] == 30
+    capsys.readouterr()
+    rc = main(["train-predictor", "unknown", "--from-server", history_url, "--out", str(out)])
+    assert rc == 2 and "no samples of agent type 'unknown'" in _error(capsys)
+
+
+def test_from_server_typo_names_the_types_present(tmp_path, capsys, history_url):
+    """The history endpoint answers only the type asked for; the error used to say 'types
+    present: none' whatever the server held."""
+    _History.rows = [s.model_dump() for t in ("code_checking", "doc_merge", "self_consistency")
+                     for s in synthesize(t, 3, seed=2)]
+    rc = main(["train-predictor", "code_cheking", "--from-server", history_url, "--out", str(tmp_path / "m")])
+    err = _error(capsys)
+    assert rc == 2 and "no samples of agent type 'code_cheking'" in err
+    assert "types present: code_checking, doc_merge, self_consistency" in err
+    _History.rows = []
+    rc = main(["train-predictor", "code_checking", "--from-server", history_url, "--out", str(tmp_path / "m")])
+    assert rc == 2 and "no finished agent yet" in _error(capsys)
+
+
+def test_fetched_samples_are_kept_even_when_training_fails(tmp_path, capsys, history_url):
+    _History.rows = [s.model_dump() for s in synthesize("code_checking", 30, seed=2)]
+    out = tmp_path / "m"
+    assert main(["train-predictor", "code_checking", "--from-server", history_url, "--out", str(out), "--quiet"]) == 0
+    kept = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert kept == _History.rows
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["samples_file"] == str(out / "samples.jsonl")
+    # Too few to train: the fetched samples are still written, where --save-samples says.
+    _History.rows = _History.rows[:5]
+    elsewhere = tmp_path / "keep" / "five.jsonl.gz"
+    rc = main(["train-predictor", "code_checking", "--from-server", history_url, "--out", str(tmp_path / "m2"),
+               "--save-samples", str(elsewhere)])
+    err = _error(capsys)
+    assert rc == 2 and "only 5 samples" in err and str(elsewhere) in err
+    assert len(read_samples(elsewhere)) == 5 and not (tmp_path / "m2" / "samples.jsonl").exists()
+
+
+def test_samples_file_is_not_copied_unless_asked(samples_file, model_dir, tmp_path):
+    assert not (model_dir / "samples.jsonl").exists()
+    copy = tmp_path / "copy.jsonl"
+    assert main(["train-predictor", "fact_verification", "--samples", str(samples_file), "--out", str(tmp_path / "m"),
+                 "--save-samples", str(copy), "--quiet"]) == 0
+    assert copy.read_text() == samples_file.read_text()
+
+
+def test_eval_defaults_to_the_held_out_samples(model_dir, samples_file, tmp_path, capsys):
+    meta = json.loads((model_dir / "metadata.json").read_text())
+    held = read_samples(model_dir / "heldout.jsonl")
+    assert meta["heldout_file"] == "heldout.jsonl" and len(held) == meta["validation_count"] == 10
+    # The held-out runs are samples of the file that training never saw.
+    all_rows = {(s.prompt, s.cost) for s in read_samples(samples_file)}
+    assert {(s.prompt, s.cost) for s in held} <= all_rows
+    out = tmp_path / "eval.json"
+    assert main(["predictor", "eval", str(model_dir), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["n"] == 10 and res["samples_file"] == str(model_dir / "heldout.jsonl")
+    # The same predictor on the same runs: the validation error training reported.
+    assert res["mean_relative_error"] == pytest.approx(meta["validation"]["mean_relative_error"])
+    assert "heldout.jsonl" in capsys.readouterr().out
+
+
+def test_eval_without_samples_of_an_older_predictor(model_dir, tmp_path, capsys):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(model_dir, old)
+    meta = json.loads((old / "metadata.json").read_text())
+    del meta["heldout_file"]
+    (old / "metadata.json").write_text(json.dumps(meta))
+    rc = main(["predictor", "eval", str(old)])
+    assert rc == 2 and "keeps no held-out samples" in _error(capsys)
 
 
 def test_from_server_unreachable(tmp_path, capsys):
@@ -206,3 +279,36 @@ def test_no_calibrate(samples_file, tmp_path):
                  "--no-calibrate", "--quiet"]) == 0
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["calibration"]["factor"] == 1.0
+
+
+def test_serve_refuses_a_missing_predictors_dir(tmp_path):
+    """A typo in --predictors used to start the server on the cold start without a word."""
+    import subprocess
+    import sys
+    import time
+
+    for path, says in ((tmp_path / "nonexistent", "no such directory"),
+                       (tmp_path, "holds no usable predictor")):
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "justitia_sdk.cli", "serve", "--predictors", str(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        err = done.stderr.strip()
+        assert err.startswith("justitia: error: --predictors ") and str(path) in err and says in err, err
+        assert "Traceback" not in err and "tiny model" not in err  # refused before any engine
+        assert time.monotonic() - t0 < 30
+
+
+def test_serve_prints_the_predictors_it_found(model_dir, tmp_path, capsys):
+    from server.cli import _check_predictors
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "metadata.json").write_text("garbage")
+    (tmp_path / "fv").symlink_to(model_dir)
+    _check_predictors(str(tmp_path))
+    err = capsys.readouterr().err
+    assert f"cost predictor for 'fact_verification': mlp, 50 samples (40 train / 10 held out), {tmp_path / 'fv'}" in err
+    assert f"skipping predictor {broken}" in err and "corrupt" in err
+    _check_predictors(str(model_dir))  # one predictor's own folder
+    assert "'fact_verification'" in capsys.readouterr().err
