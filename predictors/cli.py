@@ -48,7 +48,9 @@ def register(commands) -> None:
     p.add_argument("--server", metavar="URL", default=None,
                    help="server to profile against with --inputs (unset: $JUSTITIA_URL or http://127.0.0.1:8000)")
     p.add_argument("--concurrency", type=int, default=None,
-                   help="with --inputs: runs in flight at once (unset: all; 1 gives each run the whole engine)")
+                   help=("with --inputs: runs in flight at once (default 64, the SDK's batch default; "
+                         "1 gives each run the whole engine, as the paper profiles; more runs "
+                         "at once profile faster but share the engine)"))
     p.add_argument("--api-key", metavar="KEY", default=None,
                    help="bearer token for --from-server / --inputs (default: $JUSTITIA_API_KEY)")
     p.add_argument("--timeout", type=float, default=30.0, help="HTTP timeout in seconds for --from-server")
