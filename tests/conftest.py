@@ -20,9 +20,10 @@ from tests.fake_engine import FakeServer
 ENGINE_KV_TOKENS = 4096
 ENGINE_MAX_MODEL_LEN = 2048
 
-# Fixtures that start (or hand out the home of) a real engine: a test using any of them,
-# directly or through another fixture, is an engine test. Servers with options of their own
-# (keys, limits, replicas) take `justitia_home`, so they are covered too.
+# Fixtures of this file that start (or hand out the home of) a real engine: a test using
+# any of them, directly or through another fixture, is an engine test. Servers with options
+# of their own (keys, limits, replicas) take `justitia_home`, so they are covered too. A
+# module that overrides `server` with a fake one (test_fast_sdk.py) is not.
 ENGINE_FIXTURES = frozenset({"server", "justitia_home"})
 # Per-test timeouts (pytest-timeout): a hung test fails instead of stalling the run. An
 # engine test's budget includes starting the engine (20-60 s, more on a busy machine).
@@ -32,10 +33,22 @@ ENGINE_TEST_TIMEOUT_S = 600
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        if _uses_engine_fixtures(item):
             item.add_marker(pytest.mark.engine)
         if item.get_closest_marker("engine") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
+
+
+def _uses_engine_fixtures(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:  # not a Python test function (none in this suite)
+        return False
+    for name in ENGINE_FIXTURES.intersection(info.names_closure):
+        defs = info.name2fixturedefs.get(name, ())
+        # the definition that applies to this test: the closest one, last in the tuple
+        if defs and getattr(defs[-1].func, "__module__", None) == __name__:
+            return True
+    return False
 
 
 def _engine_tests_deselected(config: pytest.Config) -> bool:

@@ -383,14 +383,15 @@ class FakeServer:
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> FakeServer:
+    def start(self, port: int | None = None) -> FakeServer:
+        """Serve on `port` (default: a free one) and return once /readyz answers 200."""
         import uvicorn
 
         from server.app import create_app
         from server.launcher import free_port
 
         app = create_app(self.config, engine=self.engine, model_name=self.engine.info.model)
-        port = free_port()
+        port = port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
