@@ -1,7 +1,7 @@
 """Shared fixtures. The real vLLM CPU engine with the embedded tiny model is started once
 per test session, in its own process, exactly as `justitia serve` runs it.
 
-Two tiers (docs/development.md): tests that need the real engine carry the `engine` marker
+Two tiers (docs/architecture.md, Testing): tests that need the real engine carry the `engine` marker
 (set here for every test using the engine's fixtures, by hand for tests that start a server
 themselves); `make test-fast` runs the others, on `tests.fake_engine.FakeEngine`.
 """
