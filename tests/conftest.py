@@ -1,9 +1,9 @@
 """Shared fixtures. The real vLLM CPU engine with the embedded tiny model is started once
 per test session, in its own process, exactly as `justitia serve` runs it.
 
-Two tiers (docs/architecture.md, Testing): tests that need the real engine carry the `engine` marker
-(set here for every test using the engine's fixtures, by hand for tests that start a server
-themselves); `make test-fast` runs the others, on `tests.fake_engine.FakeEngine`.
+Two tiers (docs/architecture.md, Testing): tests that need the real engine carry the
+`engine` marker (set here for every test using the engine's fixtures, by hand for tests that
+start a server themselves); `make test-fast` runs the others, on `tests.fake_engine`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.fake_engine import FakeServer
+from tests.fake_engine import FakeEngine, FakeServer
 
 # Small enough that a few dozen concurrent requests contend for KV memory.
 ENGINE_KV_TOKENS = 4096
@@ -126,8 +126,6 @@ def client(server) -> httpx.Client:
 def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
     """The app as `justitia serve` builds it, no keys or limits, on a FakeEngine with the
     engine tier's KV capacity and context (a server per test module)."""
-    from tests.fake_engine import FakeEngine
-
     engine = FakeEngine(kv_capacity_tokens=ENGINE_KV_TOKENS, max_model_len=ENGINE_MAX_MODEL_LEN)
     with FakeServer(tmp_path_factory.mktemp("fake-server"), engine=engine) as srv:
         yield srv

@@ -29,7 +29,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ class _Running:
     blocks: int = 0
     preemptions: int = 0
     done: bool = False
-    sent: int = field(default=0)  # characters of `text` already sent as delta_text
+    sent: int = 0  # characters of `text` already sent as delta_text
 
     @property
     def rank(self) -> tuple[int, int]:
