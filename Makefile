@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent: seconds when done).
-.PHONY: setup demo test docs
+.PHONY: setup demo test test-fast docs
 
 setup:
 	@bash scripts/setup.sh
@@ -10,3 +10,7 @@ demo: setup
 test: setup
 	.venv/bin/python -m pytest -q
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+
+# The tests that need no engine (docs/architecture.md, Testing); `test` runs them too.
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not engine"

@@ -111,6 +111,7 @@ def test_cancel_aborts_the_request_on_the_replica(jc: httpx.Client, front, repli
     assert snap["running_requests"] == 0 and snap["reserved_kv"] == 0
 
 
+@pytest.mark.engine  # starts a server process of its own
 def test_unreachable_replica_is_a_clear_startup_error(tmp_path) -> None:
     from server.launcher import EmbeddedServer, ServerStartError, free_port
 

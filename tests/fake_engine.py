@@ -1,0 +1,425 @@
+"""An in-process engine for the fast test tier: the `Engine` contract without vLLM.
+
+`FakeEngine` behaves like a small continuous-batching engine, closely enough that the server
+cannot tell the difference through the contract (server/engine/base.py):
+
+- a byte-level tokenizer (one token per UTF-8 byte after a BOS token), so prompt lengths are
+  exact and text round-trips without a model;
+- one step loop: every `step_s` seconds each running request gets one token, in lockstep, as
+  vLLM's batches do; requests wait while their KV blocks do not fit, lower `priority` first;
+  when a running request cannot grow, the lowest-ranked one is preempted (recomputed later);
+- `max_tokens`, `min_tokens`, `ignore_eos` (an end-of-sequence token after `eos_after`
+  tokens, if set) and `stop` strings end requests with vLLM's finish reasons;
+- `abort` ends a stream with finish_reason "abort"; a consumer that stops iterating aborts
+  its request (the cancellation contract);
+- `stats()` reports KV usage, running/waiting, preemptions and the step time, and step
+  listeners hear every busy step;
+- `kill()` makes it unhealthy and fails every stream with `EngineError`, as a dead engine
+  core does; `revive()` brings it back.
+
+`FakeServer` runs the real application (`create_app(config, engine=FakeEngine())`) under
+uvicorn on a free port in a background thread: real HTTP, real streaming and disconnects,
+for httpx and the SDK alike, in about a tenth of a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from server.engine.base import (
+    EngineError,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    InvalidRequestError,
+)
+
+BOS, EOS = 1, 2
+BYTE_OFFSET = 3  # ids 3..258 are the 256 byte values
+FAKE_MODEL = "justitia-fake"
+# What the fake "generates": readable text, so that stop strings can be tested.
+PHRASE = "the quick brown fox jumps over the lazy dog "
+
+
+def encode(text: str) -> list[int]:
+    """BOS, then one id per UTF-8 byte (text that is not valid UTF-8 raises ValueError)."""
+    return [BOS, *(b + BYTE_OFFSET for b in text.encode("utf-8"))]
+
+
+def decode(ids: list[int]) -> str:
+    data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < BYTE_OFFSET + 256)
+    return data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class _Running:
+    request: EngineRequest
+    arrival: int  # order of submission: ties in priority go first come, first served
+    queue: asyncio.Queue[EngineOutput | BaseException]
+    offset: int  # where in PHRASE this request's text starts (depends on the prompt)
+    text: str = ""
+    generated: int = 0
+    blocks: int = 0
+    preemptions: int = 0
+    done: bool = False
+    sent: int = 0  # characters of `text` already sent as delta_text
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return (self.request.priority, self.arrival)
+
+
+class FakeEngine:
+    """See the module docstring. Everything runs on the event loop that called `start()`."""
+
+    def __init__(
+        self,
+        *,
+        kv_capacity_tokens: int = 4096,
+        block_size: int = 32,
+        max_model_len: int = 2048,
+        vocab_size: int = 512,
+        step_s: float = 0.002,
+        max_num_seqs: int = 256,
+        eos_after: int | None = None,
+        model: str = FAKE_MODEL,
+    ) -> None:
+        if kv_capacity_tokens < max_model_len:
+            raise ValueError("kv_capacity_tokens must hold one request of max_model_len")
+        self._info = EngineInfo(model=model, kv_capacity_tokens=kv_capacity_tokens,
+                                block_size=block_size, max_model_len=max_model_len,
+                                vocab_size=vocab_size)
+        self.step_s = step_s
+        self.max_num_seqs = max_num_seqs
+        self.eos_after = eos_after
+        self._healthy = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._waiting: list[_Running] = []
+        self._running: list[_Running] = []
+        self._arrivals = 0
+        self._listeners: list[Callable[[float, float], None]] = []
+        self._preemptions_total = 0
+        self._steps_total = 0
+        self._iteration_time_s: float | None = None
+        # What tests look at: every request the engine was given, and the aborted ids.
+        self.requests: list[EngineRequest] = []
+        self.aborted: list[str] = []
+        self.peak_running = 0
+
+    # -- the contract: identity and lifecycle ---------------------------------------------
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._healthy = True
+        self._task = asyncio.create_task(self._step_loop(), name="fake-engine-steps")
+
+    async def close(self) -> None:
+        self._die(EngineError("the engine was closed"))
+
+    def tokenize(self, text: str) -> list[int]:
+        return encode(text)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return decode(token_ids)
+
+    def add_step_listener(self, listener: Callable[[float, float], None]) -> None:
+        self._listeners.append(listener)
+
+    def stats(self) -> EngineStats:
+        used = sum(r.blocks for r in self._running) * self._info.block_size
+        return EngineStats(
+            kv_usage=used / self._info.kv_capacity_tokens,
+            running=len(self._running),
+            waiting=len(self._waiting),
+            preemptions_total=self._preemptions_total,
+            iteration_time_s=self._iteration_time_s,
+            steps_total=self._steps_total,
+        )
+
+    # -- the contract: requests -------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if not self._healthy:
+            raise EngineError("the engine is not running")
+        self._check(request)
+        self.requests.append(request)
+        prompt = request.prompt_token_ids
+        run = _Running(request, self._arrivals, asyncio.Queue(),
+                       offset=sum(prompt) % len(PHRASE))
+        self._arrivals += 1
+        self._waiting.append(run)
+        assert self._wake is not None
+        self._wake.set()
+        try:
+            while True:
+                item = await run.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # The consumer stopped early (client gone, agent cancelled): free its KV now.
+            if not run.done:
+                self._drop(run)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        for run in (*self._running, *self._waiting):
+            if run.request.request_id == request_id and not run.done:
+                self._finish(run, "abort")
+
+    def _check(self, request: EngineRequest) -> None:
+        """What vLLM refuses when the request reaches it."""
+        s, ids = request.sampling, request.prompt_token_ids
+        if s.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {s.max_tokens}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if not all(0 <= i < self._info.vocab_size for i in ids):
+            raise InvalidRequestError("a prompt token id is out of vocabulary")
+        if len(ids) + s.max_tokens > self._info.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({s.max_tokens}) exceed the "
+                f"maximum context length {self._info.max_model_len}")
+        if s.min_tokens > s.max_tokens:
+            raise InvalidRequestError("min_tokens must not exceed max_tokens")
+
+    # -- faults -------------------------------------------------------------------------------
+    def kill(self) -> None:
+        """The engine dies: unhealthy, every stream fails with EngineError. Callable from
+        any thread (a test's thread while the server runs on its own)."""
+        self._call_on_loop(lambda: self._die(EngineError("the engine died")))
+
+    def revive(self) -> None:
+        """Back to healthy with a fresh step loop (a restarted engine core)."""
+
+        def back() -> None:
+            self._healthy = True
+            self._task = asyncio.create_task(self._step_loop(), name="fake-engine-steps")
+
+        self._call_on_loop(back)
+
+    def _call_on_loop(self, fn: Callable[[], None]) -> None:
+        assert self._loop is not None, "the engine has not started"
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            fn()
+            return
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                fn()
+            finally:
+                done.set()
+
+        self._loop.call_soon_threadsafe(call)
+        assert done.wait(10), "the engine's event loop did not run the call"
+
+    def _die(self, error: EngineError) -> None:
+        self._healthy = False
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        for run in (*self._running, *self._waiting):
+            run.done = True
+            run.queue.put_nowait(error)
+        self._running.clear()
+        self._waiting.clear()
+
+    # -- the step loop ---------------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        assert self._wake is not None
+        last_busy: float | None = None
+        while True:
+            if not self._running and not self._waiting:
+                last_busy = None
+                self._wake.clear()
+                await self._wake.wait()
+            await asyncio.sleep(self.step_s)
+            self._step()
+            now = time.monotonic()
+            if last_busy is not None and self._running:
+                dt = now - last_busy
+                prev = self._iteration_time_s
+                self._iteration_time_s = dt if prev is None else 0.9 * prev + 0.1 * dt
+                in_use = float(sum(r.blocks for r in self._running) * self._info.block_size)
+                for listener in self._listeners:
+                    listener(dt, in_use)
+            last_busy = now if self._running else None
+
+    def _step(self) -> None:
+        self._steps_total += 1
+        self._admit()
+        for run in sorted(self._running, key=lambda r: r.rank):
+            if run.done or run not in self._running:
+                continue  # preempted by a higher-ranked request's growth in this step
+            if self._grow(run):
+                self._emit_token(run)
+        self.peak_running = max(self.peak_running, len(self._running))
+
+    def _blocks_for(self, run: _Running) -> int:
+        tokens = len(run.request.prompt_token_ids) + run.generated + 1
+        return -(-tokens // self._info.block_size)
+
+    def _free_blocks(self) -> int:
+        total = self._info.kv_capacity_tokens // self._info.block_size
+        return total - sum(r.blocks for r in self._running)
+
+    def _admit(self) -> None:
+        self._waiting.sort(key=lambda r: r.rank)
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            run = self._waiting[0]
+            need = self._blocks_for(run)
+            if need > self._free_blocks():
+                return
+            self._waiting.pop(0)
+            run.blocks = need
+            self._running.append(run)
+
+    def _grow(self, run: _Running) -> bool:
+        """Room for `run`'s next token, preempting the lowest-ranked running requests if
+        needed; False if `run` itself was the one preempted."""
+        need = self._blocks_for(run) - run.blocks
+        while need > self._free_blocks():
+            victim = max(self._running, key=lambda r: r.rank)
+            self._preempt(victim)
+            if victim is run:
+                return False
+        run.blocks += need
+        return True
+
+    def _preempt(self, run: _Running) -> None:
+        self._running.remove(run)
+        run.blocks = 0
+        run.preemptions += 1
+        self._preemptions_total += 1
+        self._waiting.append(run)
+
+    def _emit_token(self, run: _Running) -> None:
+        s = run.request.sampling
+        run.generated += 1
+        eos = (self.eos_after is not None and run.generated >= self.eos_after
+               and not s.ignore_eos and run.generated >= s.min_tokens)
+        if eos:
+            self._finish(run, "stop")
+            return
+        run.text += PHRASE[(run.offset + run.generated - 1) % len(PHRASE)]
+        if run.generated >= s.min_tokens:
+            for stop in s.stop:
+                at = run.text.find(stop)
+                if at >= 0:
+                    run.text = run.text[:at]  # vLLM leaves the stop string out
+                    self._finish(run, "stop")
+                    return
+        if run.generated >= s.max_tokens:
+            self._finish(run, "length")
+        else:
+            self._send(run, finished=False, reason=None)
+
+    def _finish(self, run: _Running, reason: str) -> None:
+        self._send(run, finished=True, reason=reason)
+        self._drop(run)
+
+    def _send(self, run: _Running, finished: bool, reason: str | None) -> None:
+        run.queue.put_nowait(EngineOutput(
+            request_id=run.request.request_id,
+            text=run.text,
+            delta_text=run.text[run.sent:],
+            prompt_tokens=len(run.request.prompt_token_ids),
+            output_tokens=run.generated,
+            finished=finished,
+            finish_reason=reason,
+            num_preemptions=run.preemptions,
+        ))
+        run.sent = len(run.text)
+
+    def _drop(self, run: _Running) -> None:
+        run.done = True
+        run.blocks = 0
+        for queue in (self._running, self._waiting):
+            with contextlib.suppress(ValueError):
+                queue.remove(run)
+
+
+class FakeServer:
+    """The real app on a `FakeEngine`, served by uvicorn on a free port in a thread.
+
+    `FakeServer(tmp_dir, engine=FakeEngine(...), rate_limit=..., api_keys=...)`: keyword
+    arguments are `ServerConfig` fields. Use it as a context manager; `url` and `engine` are
+    what tests need.
+    """
+
+    def __init__(self, data_dir: str | Path, engine: FakeEngine | None = None,
+                 **config: Any) -> None:
+        from server.config import ServerConfig
+
+        self.engine = engine or FakeEngine()
+        self.config = ServerConfig(data_dir=str(data_dir), **config)
+        self.url = ""
+        self._uvicorn: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, port: int | None = None) -> FakeServer:
+        """Serve on `port` (default: a free one) and return once /readyz answers 200."""
+        import uvicorn
+
+        from server.app import create_app
+        from server.launcher import free_port
+
+        app = create_app(self.config, engine=self.engine, model_name=self.engine.info.model)
+        port = port or free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._uvicorn = uvicorn.Server(uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True,
+                                        name=f"fake-server-{port}")
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._ready():
+            assert self._thread.is_alive(), "the fake server's thread died while starting"
+            assert time.monotonic() < deadline, "the fake server did not become ready"
+            time.sleep(0.02)
+        return self
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/readyz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def stop(self) -> None:
+        if self._uvicorn is not None and self._thread is not None:
+            self._uvicorn.should_exit = True
+            self._thread.join(30)
+            assert not self._thread.is_alive(), "the fake server did not stop"
+            self._uvicorn = None
+
+    def __enter__(self) -> FakeServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

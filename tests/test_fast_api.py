@@ -1,0 +1,467 @@
+"""The HTTP layer on the fake engine (fast tier): the OpenAI routes, the agent API, the
+scheduler's view, operations and error answers, through real HTTP to the real app.
+
+The engine-tier twins (test_engine_server.py, test_agents_api.py) run the same calls on
+vLLM; here the engine is `tests.fake_engine.FakeEngine`, whose outputs are exact (a byte
+tokenizer, one token per step), so many answers can be checked to the token.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from server.metrics import metric_value
+from server.scheduler import kv_cost
+from tests.conftest import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN
+from tests.fake_engine import FAKE_MODEL, FakeEngine, FakeServer, encode
+from tests.streams import BackgroundStream, sse_json
+from tests.test_agents_api import RECORD_FIELDS, complete, register, scheduler_idle
+from tests.waiting import wait_until
+
+# -- operations and the OpenAI routes ---------------------------------------------------------
+
+
+def test_health_ready_and_models(fake_client: httpx.Client) -> None:
+    assert fake_client.get("/healthz").json() == {"status": "ok"}
+    assert fake_client.get("/readyz").json() == {"status": "ready", "model": FAKE_MODEL}
+    data = fake_client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [FAKE_MODEL]
+    assert data[0]["max_model_len"] == ENGINE_MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_completion_returns_exactly_max_tokens_with_ignore_eos(fake_client: httpx.Client,
+                                                               n: int) -> None:
+    r = fake_client.post("/v1/completions", json={"prompt": "Summarize: the river flows",
+                                                  "max_tokens": n, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == FAKE_MODEL
+    assert body["usage"] == {"prompt_tokens": len(encode("Summarize: the river flows")),
+                             "completion_tokens": n,
+                             "total_tokens": len(encode("Summarize: the river flows")) + n}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert len(body["choices"][0]["text"]) == n  # one character per fake token
+
+
+def test_prompt_tokens_come_from_the_engines_tokenizer(fake_client: httpx.Client) -> None:
+    text = fake_client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 1}).json()
+    assert text["usage"]["prompt_tokens"] == len(encode("a b"))
+    ids = fake_client.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 2})
+    assert ids.json()["usage"]["prompt_tokens"] == 4
+
+
+def test_chat_completion_and_stop_strings(fake_client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    r = fake_client.post("/v1/chat/completions",
+                         json={"messages": messages, "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] == 5
+    # No chat template on the fake: the server renders the plain transcript.
+    assert body["usage"]["prompt_tokens"] == len(encode("user: hello\nassistant:"))
+    stopped = fake_client.post("/v1/chat/completions",
+                               json={"messages": messages, "max_tokens": 200, "stop": ["fox"]})
+    choice = stopped.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and "fox" not in choice["message"]["content"]
+    assert stopped.json()["usage"]["completion_tokens"] < 200
+
+
+def test_streaming_gives_the_same_text_and_ends_with_usage_and_done(
+        fake_client: httpx.Client) -> None:
+    body = {"prompt": "stream me", "max_tokens": 25, "ignore_eos": True}
+    whole = fake_client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    lines = []
+    with fake_client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 25
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole
+
+
+# -- error answers -------------------------------------------------------------------------------
+
+
+def _assert_4xx(r: httpx.Response, status: int, *needles: str) -> None:
+    assert r.status_code == status, (r.status_code, r.text)
+    detail = r.json()["detail"]
+    assert isinstance(detail, str) and detail
+    for needle in needles:
+        assert needle in detail, detail
+
+
+def test_bad_inference_input_is_400_with_a_message(fake_client: httpx.Client) -> None:
+    post = fake_client.post
+    _assert_4xx(post("/v1/completions", json={"prompt": "x", "max_tokens": -3}), 400,
+                "max_tokens")
+    _assert_4xx(post("/v1/completions", json={"max_tokens": 3}), 400, "prompt")
+    _assert_4xx(post("/v1/completions", json={"prompt": "", "max_tokens": 3}), 400, "prompt")
+    _assert_4xx(post("/v1/completions", json={"prompt": "x", "temperature": -1}), 400,
+                "temperature")
+    _assert_4xx(post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "min_tokens": 5}),
+                400, "min_tokens")
+    _assert_4xx(post("/v1/chat/completions", json={"messages": []}), 400, "messages")
+    _assert_4xx(post("/v1/completions", json={"prompt": [5, 512], "max_tokens": 2}), 400,
+                "512", "vocabulary")
+    _assert_4xx(post("/v1/completions", content=b'{"prompt": "unterminated',
+                     headers={"content-type": "application/json"}), 400, "JSON")
+
+
+def test_requests_over_the_context_are_400(fake_client: httpx.Client) -> None:
+    long = fake_client.post("/v1/completions",
+                            json={"prompt": "w" * ENGINE_MAX_MODEL_LEN, "max_tokens": 4})
+    _assert_4xx(long, 400, "maximum context length", str(ENGINE_MAX_MODEL_LEN))
+    over = fake_client.post("/v1/completions",
+                            json={"prompt": "hi", "max_tokens": ENGINE_MAX_MODEL_LEN})
+    _assert_4xx(over, 400, "max_tokens")
+    # One token under the limit is served.
+    fits = fake_client.post("/v1/completions", json={
+        "prompt": "hi", "max_tokens": ENGINE_MAX_MODEL_LEN - len(encode("hi")), "stop": ["e"]})
+    assert fits.status_code == 200, fits.text
+
+
+def test_unknown_model_is_404_and_a_wrong_method_is_405(fake_client: httpx.Client) -> None:
+    _assert_4xx(fake_client.post("/v1/completions", json={"prompt": "x", "model": "gpt-9"}),
+                404, "gpt-9")
+    r = fake_client.put("/v1/agents")
+    _assert_4xx(r, 405, "GET", "POST")
+    assert {m.strip() for m in r.headers["allow"].split(",")} >= {"GET", "POST"}
+    _assert_4xx(fake_client.get("/v1/no-such-route"), 404)
+
+
+def test_oversized_body_is_413(fake_client: httpx.Client) -> None:
+    r = fake_client.post("/v1/completions", content=b"{" + b" " * (5 * 1024 * 1024) + b"}",
+                         headers={"content-type": "application/json"})
+    _assert_4xx(r, 413, "limit")
+
+
+# -- the agent API -----------------------------------------------------------------------------
+
+
+def test_register_returns_a_complete_record(fake_client: httpx.Client) -> None:
+    rec = register(fake_client, prompt="verify: the river flows through three countries",
+                   metadata={"source": "test"})
+    assert RECORD_FIELDS <= rec.keys()
+    assert rec["state"] == "queued" and rec["metadata"] == {"source": "test"}
+    assert rec["predicted_cost"] > 0 and rec["virtual_finish"] > 0
+    assert rec["fair_finish_s"] > 0 and rec["eta_s"] > 0 and rec["delay_bound_s"] > 0
+    assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"])
+    assert rec["finished_at"] is None
+    assert fake_client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
+    assert rec["id"] in {a["id"] for a in fake_client.get("/v1/agents").json()["agents"]}
+    assert fake_client.delete(f"/v1/agents/{rec['id']}").json()["state"] == "cancelled"
+
+
+def test_agent_lifecycle_accounts_every_request(fake_client: httpx.Client) -> None:
+    rec = register(fake_client, type_="fast_lifecycle_agent")
+    sizes = [(5, 8), (9, 3), (20, 12)]
+    for words, n in sizes:
+        r = complete(fake_client, rec["id"], n, prompt="word " * words)
+        assert r.status_code == 200, r.text
+    mid = fake_client.get(f"/v1/agents/{rec['id']}").json()
+    assert mid["state"] == "running"
+    assert mid["requests_total"] == mid["requests_done"] == 3
+    expected = sum(kv_cost(len(encode("word " * w)), d) for w, d in sizes)
+    assert mid["consumed_cost"] == pytest.approx(expected)
+
+    done = fake_client.post(f"/v1/agents/{rec['id']}/finish").json()
+    assert done["state"] == "finished"
+    assert done["jct_s"] == pytest.approx(done["finished_at"] - done["submitted_at"])
+    samples = fake_client.get("/v1/history",
+                              params={"agent_type": "fast_lifecycle_agent"}).json()["samples"]
+    [mine] = [s for s in samples if s["agent_id"] == rec["id"]]
+    assert mine["cost"] == pytest.approx(expected)
+    assert mine["features"]["n_requests"] == 3
+    assert mine["features"]["output_tokens"] == sum(d for _, d in sizes)
+
+
+def test_unknown_and_closed_agents_are_refused(fake_client: httpx.Client) -> None:
+    r = complete(fake_client, "agt-doesnotexist", 2)
+    assert r.status_code == 404 and "agt-doesnotexist" in r.json()["detail"]
+    assert fake_client.get("/v1/agents/agt-doesnotexist").status_code == 404
+    assert fake_client.post("/v1/agents/agt-doesnotexist/finish").status_code == 404
+    assert fake_client.delete("/v1/agents/agt-doesnotexist").status_code == 404
+
+    rec = register(fake_client)
+    assert fake_client.post(f"/v1/agents/{rec['id']}/finish").status_code == 200
+    r = complete(fake_client, rec["id"], 2)
+    assert r.status_code == 409 and "finished" in r.json()["detail"]
+    assert fake_client.post(f"/v1/agents/{rec['id']}/finish").status_code == 409
+    assert fake_client.delete(f"/v1/agents/{rec['id']}").status_code == 409
+
+
+def test_bad_registrations_are_400(fake_client: httpx.Client) -> None:
+    for body in ({"prompt": "no type"}, {"type": "", "prompt": "x"},
+                 {"type": "has space", "prompt": "x"}, {"type": "t", "prompt": 5},
+                 {"type": "t", "lease_s": -1}, {"type": "t", "predicted_cost": -5}):
+        r = fake_client.post("/v1/agents", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert isinstance(r.json()["detail"], str)
+
+
+def test_header_and_body_agent_ids_must_agree(fake_client: httpx.Client) -> None:
+    a, b = register(fake_client), register(fake_client)
+    r = fake_client.post("/v1/completions", headers={"X-Justitia-Agent": a["id"]},
+                         json={"prompt": "x", "max_tokens": 2, "agent_id": b["id"]})
+    assert r.status_code == 400
+    r = fake_client.post("/v1/completions",
+                         json={"prompt": "x", "max_tokens": 2, "agent_id": b["id"]})
+    assert r.status_code == 200
+    assert fake_client.get(f"/v1/agents/{b['id']}").json()["requests_done"] == 1
+    assert fake_client.get(f"/v1/agents/{a['id']}").json()["requests_done"] == 0
+    for x in (a, b):
+        fake_client.delete(f"/v1/agents/{x['id']}")
+
+
+def test_untagged_request_becomes_a_finished_default_agent(fake_client: httpx.Client) -> None:
+    before = {a["id"] for a in fake_client.get("/v1/agents").json()["agents"]}
+    assert complete(fake_client, None, 4).status_code == 200
+    new = [a for a in fake_client.get("/v1/agents").json()["agents"] if a["id"] not in before]
+    assert len(new) == 1
+    assert new[0]["type"] == "default" and new[0]["state"] == "finished"
+    assert new[0]["requests_done"] == 1
+    assert new[0]["consumed_cost"] == pytest.approx(kv_cost(len(encode("hello")), 4))
+
+
+def test_eta_and_bound_are_the_cores_for_the_same_registrations(tmp_path) -> None:
+    """As in the engine tier: the server's promises are the scheduler core's (on a server
+    of its own, so that no other test's agents are in the backlog)."""
+    from server.scheduler import BoundLimits, Dispatcher
+
+    costs = [4e5, 1.5e6, 1e5, 8e5]
+    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+        primer = register(c, type_="eta_primer", predicted_cost=max(costs))
+        c.delete(f"/v1/agents/{primer['id']}")
+        wait_until(lambda: c.get("/v1/scheduler").json()["backlog"] == 0, limit_s=20)
+        assert c.post("/v1/admin/pause").json() == {"paused": True}
+        recs = [register(c, type_=f"eta_agent{i}", predicted_cost=cost)
+                for i, cost in enumerate(costs)]
+        after = c.get("/v1/scheduler").json()
+    core = Dispatcher("justitia", kv_capacity_tokens=after["M"], iteration_time_s=after["tau"],
+                      limits=BoundLimits(**after["limits"]), block_size=32)
+    t0 = recs[0]["submitted_at"]
+    for rec, cost in zip(recs, costs):
+        view = core.register_agent(rec["id"], cost, rec["submitted_at"] - t0)
+        for key in ("fair_finish_s", "eta_s", "delay_bound_s", "deadline_s"):
+            assert rec[key] == pytest.approx(getattr(view, key), rel=0.02, abs=0.01), key
+    assert recs[2]["fair_finish_s"] < recs[0]["fair_finish_s"]
+
+
+def test_smaller_tag_is_admitted_first_under_contention(fake_client: httpx.Client) -> None:
+    """The engine tier's scenario on the fake: four blockers fill the KV cache, a large
+    agent's request queues before a small agent's; the room the shortest blocker frees goes
+    to the small agent (smaller virtual finish), which finishes before the large one."""
+    blocker_cost = kv_cost(800, 200) + 3 * kv_cost(100, 900)
+    blocker = register(fake_client, prompt="blocker", predicted_cost=blocker_cost)
+    big = register(fake_client, prompt="long document", predicted_cost=20 * blocker_cost)
+    small = register(fake_client, prompt="short", predicted_cost=2 * blocker_cost)
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def run(agent: dict, name: str, p: int, d: int) -> None:
+        r = complete(fake_client, agent["id"], d, prompt=[5 + len(name)] * p)
+        assert r.status_code == 200, r.text
+        with lock:
+            finished.append(name)
+
+    def queued(agent: dict, n: int):
+        return lambda: fake_client.get(f"/v1/agents/{agent['id']}").json()["requests_total"] == n
+
+    wait_until(lambda: scheduler_idle(fake_client), limit_s=20)
+    assert fake_client.post("/v1/admin/pause").json() == {"paused": True}
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(run, blocker, f"blocker{d}", 1000 - d, d)
+                       for d in (200, 900, 900, 900)]
+            wait_until(queued(blocker, 4), limit_s=20)
+            futures.append(pool.submit(run, big, "big", 900, 100))
+            wait_until(queued(big, 1), limit_s=20)
+            futures.append(pool.submit(run, small, "small", 900, 100))
+            wait_until(queued(small, 1), limit_s=20)
+            snap = fake_client.get("/v1/scheduler").json()
+            assert snap["pending_requests"] == 6 and snap["running_requests"] == 0, snap
+            fake_client.post("/v1/admin/resume")
+            for f in futures:
+                f.result(timeout=40)
+    finally:
+        fake_client.post("/v1/admin/resume")
+    assert finished.index("blocker200") < finished.index("small") < finished.index("big")
+    for a in (blocker, big, small):
+        fake_client.post(f"/v1/agents/{a['id']}/finish")
+    wait_until(lambda: scheduler_idle(fake_client), limit_s=20)
+
+
+def test_justitia_keeps_the_engine_free_of_preemptions(fake_client: httpx.Client,
+                                                       fake_server: FakeServer) -> None:
+    """Many agents over-subscribe the cache several times; the fake engine preempts when a
+    running request cannot grow (test_fake_engine.py), and justitia's admission never lets
+    that happen."""
+    before = fake_server.engine.stats().preemptions_total
+    agents = [register(fake_client, prompt=f"agent {i} " * (i + 1)) for i in range(6)]
+
+    def run(agent: dict) -> int:
+        total = 0
+        for _ in range(2):
+            r = complete(fake_client, agent["id"], 150, prompt=[7] * 300)
+            assert r.status_code == 200, r.text
+            total += r.json()["usage"]["completion_tokens"]
+        return total
+
+    with ThreadPoolExecutor(12) as pool:
+        assert list(pool.map(run, agents + agents)) == [300] * 12
+    assert fake_server.engine.stats().preemptions_total == before
+    assert fake_server.engine.peak_running > 1  # they did share the engine
+    text = fake_client.get("/metrics").text
+    assert metric_value(text, "justitia_engine_preemptions") == before
+    for a in agents:
+        assert fake_client.post(f"/v1/agents/{a['id']}/finish").json()["requests_done"] == 4
+    wait_until(lambda: scheduler_idle(fake_client), limit_s=20)
+
+
+def test_cancel_fails_queued_requests_and_aborts_running_ones(
+        fake_client: httpx.Client, fake_server: FakeServer) -> None:
+    rec = register(fake_client)
+    results: list[httpx.Response] = []
+
+    def run() -> None:
+        results.append(complete(fake_client, rec["id"], 50, prompt=[5] * 20))
+
+    fake_client.post("/v1/admin/pause")
+    try:
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: fake_client.get(f"/v1/agents/{rec['id']}").json()
+                   ["requests_total"] == 3, limit_s=20)
+        r = fake_client.delete(f"/v1/agents/{rec['id']}")
+        assert r.status_code == 200 and r.json()["state"] == "cancelled"
+        for t in threads:
+            t.join(20)
+    finally:
+        fake_client.post("/v1/admin/resume")
+    assert [x.status_code for x in results] == [409, 409, 409]
+    assert "cancelled" in results[0].json()["detail"]
+
+    # Running: cancelled after its first token, the engine aborts it.
+    rec = register(fake_client)
+    chunks: list[dict] = []
+    body = {"prompt": [6] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=fake_server.url, timeout=30) as c, c.stream(
+            "POST", "/v1/completions", json=body,
+            headers={"X-Justitia-Agent": rec["id"]}) as stream:
+        for chunk in sse_json(stream):
+            chunks.append(chunk)
+            if len(chunks) == 1:
+                assert fake_client.delete(f"/v1/agents/{rec['id']}").status_code == 200
+    assert "error" in chunks[-1] and "cancelled" in chunks[-1]["error"]["message"]
+    reasons = [ch["choices"][0]["finish_reason"] for ch in chunks if ch.get("choices")]
+    assert reasons[-1] == "abort", reasons[-3:]
+    wait_until(lambda: scheduler_idle(fake_client), limit_s=20)
+    assert fake_server.engine.stats().running == 0
+
+
+def test_client_disconnect_aborts_its_request(fake_client: httpx.Client,
+                                              fake_server: FakeServer) -> None:
+    rec = register(fake_client)
+    with pytest.raises(httpx.ReadTimeout):  # 2000 tokens take 4 s on the fake
+        httpx.post(fake_server.url + "/v1/completions", headers={"X-Justitia-Agent": rec["id"]},
+                   json={"prompt": [5] * 10, "max_tokens": 2000, "ignore_eos": True},
+                   timeout=httpx.Timeout(30, read=0.3))
+    wait_until(lambda: fake_client.get(f"/v1/agents/{rec['id']}").json()
+               ["requests_in_flight"] == 0, limit_s=20)
+    done = fake_client.get(f"/v1/agents/{rec['id']}").json()
+    assert done["requests_done"] == 1
+    assert done["consumed_cost"] < kv_cost(10, 2000)
+    # The engine let go of it too (the fake frees a request whose consumer stops).
+    wait_until(lambda: fake_server.engine.stats().running == 0, limit_s=20)
+    fake_client.post(f"/v1/agents/{rec['id']}/finish")
+
+
+def test_events_stream_follows_the_agent_to_its_end(fake_client: httpx.Client,
+                                                    fake_server: FakeServer) -> None:
+    rec = register(fake_client)
+    stream = BackgroundStream(lambda: httpx.stream(
+        "GET", f"{fake_server.url}/v1/agents/{rec['id']}/events", timeout=30))
+    events = stream.events
+    wait_until(lambda: events, limit_s=20)
+    assert complete(fake_client, rec["id"], 3).status_code == 200
+    fake_client.post(f"/v1/agents/{rec['id']}/finish")
+    stream.join(20)
+    assert stream.error is None and stream.content_type.startswith("text/event-stream")
+    assert events[0]["state"] == "queued" and events[-1]["state"] == "finished"
+    assert max(e["requests_done"] for e in events) == 1
+    assert fake_client.get("/v1/agents/agt-none/events").status_code == 404
+
+
+def test_idle_agent_expires_after_its_lease(fake_client: httpx.Client) -> None:
+    rec = register(fake_client, lease_s=0.5)
+    assert complete(fake_client, rec["id"], 2).status_code == 200
+    wait_until(lambda: fake_client.get(f"/v1/agents/{rec['id']}").json()["state"] == "expired",
+               limit_s=20)
+    r = complete(fake_client, rec["id"], 2)
+    assert r.status_code == 409 and "expired" in r.json()["detail"]
+
+
+def test_scheduler_snapshot_and_metrics(fake_client: httpx.Client) -> None:
+    assert complete(fake_client, None, 3).status_code == 200
+    snap = fake_client.get("/v1/scheduler").json()
+    assert snap["policy"] == "justitia" and snap["paused"] is False
+    assert snap["M"] == ENGINE_KV_TOKENS
+    assert snap["tau"] > 0 and snap["V"] >= 0
+    assert {"kv_usage", "running", "waiting", "preemptions_total"} <= snap["engine"].keys()
+    text = fake_client.get("/metrics").text
+    assert metric_value(text, "justitia_kv_capacity_tokens") == ENGINE_KV_TOKENS
+    assert metric_value(text, "justitia_agents", {"state": "finished"}) >= 1
+
+
+def test_in_process_engine_has_no_replicas(fake_client: httpx.Client) -> None:
+    r = fake_client.get("/v1/admin/replicas")
+    assert r.status_code == 409 and "--engine-url" in r.json()["detail"]
+
+
+# -- faults ----------------------------------------------------------------------------------------
+
+
+def test_engine_death_fails_requests_cleanly(tmp_path) -> None:
+    """The fake engine dies under a streaming request: the stream ends with an error naming
+    the engine, health and readiness turn 503, new requests get a 503 at once."""
+    with FakeServer(tmp_path, engine=FakeEngine(step_s=0.005)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=20) as c:
+        stream = BackgroundStream(lambda: c.stream(
+            "POST", "/v1/completions",
+            json={"prompt": [5] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}))
+        wait_until(lambda: stream.events, limit_s=20)
+        srv.engine.kill()
+        stream.join(20)
+        assert "error" in stream.events[-1] and "engine" in stream.events[-1]["error"]["message"]
+        assert c.get("/healthz").status_code == 503
+        assert c.get("/readyz").status_code == 503
+        r = c.post("/v1/completions", json={"prompt": "after", "max_tokens": 4})
+        assert r.status_code == 503 and "engine" in r.json()["detail"]
+        srv.engine.revive()
+        assert c.get("/healthz").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "back", "max_tokens": 4}).status_code == 200
+
+
+def test_queued_requests_fail_when_the_engine_dies(tmp_path) -> None:
+    """Requests waiting for admission are failed by housekeeping (503), not left hanging."""
+    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+        rec = register(c)
+        assert c.post("/v1/admin/pause").status_code == 200
+        results: list[httpx.Response] = []
+        worker = threading.Thread(target=lambda: results.append(complete(c, rec["id"], 4)))
+        worker.start()
+        wait_until(lambda: c.get("/v1/scheduler").json()["pending_requests"] == 1, limit_s=20)
+        srv.engine.kill()
+        worker.join(20)
+        assert results and results[0].status_code == 503, results
+        assert "engine" in results[0].json()["detail"]

@@ -1,0 +1,162 @@
+"""The SDK in the fast tier: the engine tier's SDK tests (test_sdk_agents.py,
+test_sdk_batch.py, test_examples.py) run unchanged against a FakeServer, which this module
+provides under the fixture name `server`; plus the SDK's retries (503 while the engine is
+down, 429, refused connections) and its in-process transport.
+
+The imported test functions are collected here too; in their own modules they keep running
+on vLLM (conftest.py tells the two `server` fixtures apart by where they are defined).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import anyio
+import httpx
+import pytest
+
+from justitia_sdk import AsyncClient, ServerUnavailableError, llm
+from server.limits import Rate
+from tests.fake_engine import FAKE_MODEL, FakeEngine, FakeServer
+from tests.test_examples import (  # noqa: F401  (collected by pytest from this module)
+    test_example_agent_runs_on_its_first_input,
+    test_example_script_runs_with_one_command,
+)
+from tests.test_sdk_agents import (  # noqa: F401
+    test_cancelling_an_agent_cancels_it_on_the_server,
+    test_closed_and_unknown_agents_are_refused,
+    test_concurrent_agents_do_not_share_ids,
+    test_failure_cancels_siblings_and_aborts_their_engine_requests,
+    test_requests_carry_the_agent_id_through_helpers_and_parallel_map,
+    test_sync_client,
+    test_watch_agent_streams_until_terminal,
+)
+from tests.test_sdk_batch import (  # noqa: F401
+    test_demo_against_a_running_server,
+    test_mixed_batch_with_live_view,
+    test_openai_client_requests_carry_the_agent_tag,
+    test_profile_agent_gives_training_samples_and_the_registry_finds_agents,
+    test_status_command_lists_agents,
+    test_submit_many_keeps_input_order_and_survives_a_failure,
+)
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
+    """The fake twin of conftest's `server` (same KV capacity and context)."""
+    from tests.conftest import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN
+
+    engine = FakeEngine(kv_capacity_tokens=ENGINE_KV_TOKENS, max_model_len=ENGINE_MAX_MODEL_LEN)
+    with FakeServer(tmp_path_factory.mktemp("sdk"), engine=engine) as srv:
+        yield srv
+
+
+# -- retries ---------------------------------------------------------------------------------
+
+
+async def test_503_is_retried_until_the_engine_is_back(tmp_path) -> None:
+    """While the engine is down the server answers 503; the SDK retries with backoff and
+    the call succeeds once the engine is back, without the caller seeing the outage."""
+    with FakeServer(tmp_path) as srv:
+        srv.engine.kill()
+        assert httpx.post(srv.url + "/v1/completions",
+                          json={"prompt": "x", "max_tokens": 2}).status_code == 503
+        async with AsyncClient(srv.url, max_retries=6) as client:
+            async with anyio.create_task_group() as tg:
+                async def revive_soon() -> None:
+                    await anyio.sleep(0.4)
+                    await anyio.to_thread.run_sync(srv.engine.revive)
+
+                tg.start_soon(revive_soon)
+                started = time.monotonic()
+                done = await client.complete("after the outage", max_tokens=3, ignore_eos=True)
+        assert done.usage.completion_tokens == 3
+        assert time.monotonic() - started >= 0.4  # it did wait for the engine
+
+
+async def test_503_through_every_retry_is_server_unavailable(tmp_path) -> None:
+    with FakeServer(tmp_path) as srv:
+        srv.engine.kill()
+        async with AsyncClient(srv.url, max_retries=2) as client:
+            with pytest.raises(ServerUnavailableError, match="503") as info:
+                await client.complete("x", max_tokens=2)
+        assert "engine" in str(info.value) and "2 retries" in str(info.value)
+
+
+async def test_429_through_every_retry_is_server_unavailable(tmp_path) -> None:
+    with FakeServer(tmp_path, rate_limit=Rate(0.2, 1.0)) as srv:
+        async with AsyncClient(srv.url, max_retries=0) as client:
+            await client.register_agent("limited", "p")
+            with pytest.raises(ServerUnavailableError, match="429"):
+                await client.register_agent("limited", "p")
+
+
+async def test_a_refused_connection_is_retried_until_the_server_is_up(tmp_path) -> None:
+    """Connection refused is retried: a client started before its server gets through."""
+    from server.launcher import free_port
+
+    port = free_port()
+    srv = FakeServer(tmp_path)
+    async with AsyncClient(f"http://127.0.0.1:{port}", max_retries=8) as client:
+        async with anyio.create_task_group() as tg:
+            async def start_soon() -> None:
+                await anyio.sleep(0.3)
+                await anyio.to_thread.run_sync(lambda: srv.start(port=port))
+
+            tg.start_soon(start_soon)
+            models = await client.models()
+    srv.stop()
+    assert [m["id"] for m in models] == [FAKE_MODEL]
+
+
+# -- in-process, without a socket ----------------------------------------------------------------
+
+
+@asynccontextmanager
+async def in_process(tmp_path) -> AsyncIterator[tuple[AsyncClient, FakeEngine]]:
+    """The app on this event loop, its lifespan run as a server would, and an SDK client
+    over httpx.ASGITransport (no socket, no thread)."""
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    engine = FakeEngine()
+    app = create_app(ServerConfig(data_dir=str(tmp_path)), engine=engine,
+                     model_name=engine.info.model)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://justitia.test", transport=transport) as client:
+            yield client, engine
+
+
+async def test_the_sdk_runs_agents_in_process_over_asgi(tmp_path) -> None:
+    from justitia_sdk import agent, parallel_map
+
+    @agent("in_process")
+    async def two(text: str) -> list[int]:
+        outs = await parallel_map(lambda n: llm(text, max_tokens=n, ignore_eos=True), [2, 5])
+        return [len(o) for o in outs]
+
+    async with in_process(tmp_path) as (client, engine):
+        assert await client.run(two, "hi") == [2, 5]  # one character per fake token
+        [record] = await client.list_agents()
+        assert record.type == "in_process" and record.state == "finished"
+        assert record.requests_done == 2
+        # the warm-up request, then the agent's two
+        assert [r.sampling.max_tokens for r in engine.requests] == [8, 2, 5]
+
+
+# -- the fake server itself ----------------------------------------------------------------------
+
+
+def test_fake_servers_stop_and_free_their_port(tmp_path) -> None:
+    with FakeServer(tmp_path) as srv:
+        url = srv.url
+        assert httpx.get(url + "/healthz").status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/healthz")
+    wait_until(lambda: not srv.engine.healthy, limit_s=5)  # the lifespan closed the engine
