@@ -45,29 +45,41 @@ class BodySizeLimit:
             )
             await response(scope, receive, send)
             return
+        if length is not None or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            # The server holds a request to its Content-Length; bodiless methods have none.
+            await self.app(scope, receive, send)
+            return
+        # A body of unknown length (chunked) is read here, up to the limit, and replayed:
+        # an exception raised from inside the app's receive() would be caught by FastAPI's
+        # body parser and answered 400 instead of 413.
+        chunks: list[bytes] = []
         received = 0
-
-        async def limited_receive() -> dict:
-            nonlocal received
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge()
-            return message
+            if message["type"] != "http.request":
+                break
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                response = JSONResponse(
+                    {"detail": f"the body is over the limit of {self.max_bytes} bytes"},
+                    status_code=413,
+                )
+                await response(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            response = JSONResponse(
-                {"detail": f"the body is over the limit of {self.max_bytes} bytes"},
-                status_code=413,
-            )
-            await response(scope, receive, send)
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-
-class _BodyTooLarge(Exception):
-    pass
+        await self.app(scope, replay, send)
 
 
 def build_engine(config: ServerConfig) -> tuple[Engine, str]:

@@ -57,9 +57,6 @@ def test_bodies_over_the_limit_are_413(tmp_path) -> None:
         assert c.post("/v1/agents", json={"type": "t", "prompt": "small"}).status_code == 201
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: on routes whose body FastAPI parses "
-                   "(/v1/agents), BodySizeLimit's exception is caught by FastAPI's body "
-                   "reader and answered 400 'There was an error parsing the body'")
 def test_chunked_bodies_over_the_limit_are_413_on_every_route(tmp_path) -> None:
     with FakeServer(tmp_path, max_body_bytes=2048) as srv, \
             httpx.Client(base_url=srv.url, timeout=20) as c:

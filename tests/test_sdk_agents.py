@@ -120,7 +120,8 @@ async def test_failure_cancels_siblings_and_aborts_their_engine_requests(server)
         with pytest.raises(Boom):  # the error itself, not an exception group
             await client.run(fragile)
         record = await client.get_agent(seen[0])
-        assert record.state == "finished"  # finished when the function raised
+        # An incomplete run: failed with its error, never a training sample.
+        assert record.state == "failed" and record.error == "Boom: branch 0"
         # Both siblings were aborted long before producing LONG tokens each.
         full = 2 * (LONG * LONG / 2)
         await wait_for(lambda: _idle(client))
