@@ -57,7 +57,11 @@ class PredictorRegistry:
 
     def __init__(self, models_dir: str | Path | None = None, cold_start: ColdStartEstimator | None = None):
         self.models_dir = Path(models_dir) if models_dir is not None else None
+        #: The cold start of callers that name no tenant.
         self.cold_start = cold_start or ColdStartEstimator()
+        # One cold start per tenant: what one tenant's agents cost never moves another
+        # tenant's estimates (and so never its fair finish time or deadline).
+        self._cold_by_tenant: dict[str, ColdStartEstimator] = {}
         self.errors: dict[str, str] = {}
         self._paths: dict[str, Path] = {}
         self._loaded: dict[str, Any] = {}
@@ -89,8 +93,22 @@ class PredictorRegistry:
     def has_model(self, agent_type: str) -> bool:
         return not getattr(self.get(agent_type), "is_cold_start", False)
 
-    def get(self, agent_type: str):
-        """The trained predictor of ``agent_type``, or a cold-start predictor for it."""
+    def cold_start_of(self, tenant: str | None) -> ColdStartEstimator:
+        """The cold-start estimator that learns from ``tenant``'s agents only."""
+        if tenant is None:
+            return self.cold_start
+        estimator = self._cold_by_tenant.get(tenant)
+        if estimator is None:
+            with self._lock:
+                estimator = self._cold_by_tenant.setdefault(
+                    tenant, ColdStartEstimator(self.cold_start.default_output_tokens,
+                                               self.cold_start.prior_strength,
+                                               self.cold_start.max_log_slope))
+        return estimator
+
+    def get(self, agent_type: str, tenant: str | None = None):
+        """The trained predictor of ``agent_type`` (an operator's, shared by every tenant),
+        or a cold-start predictor for it that learns from ``tenant``'s agents only."""
         p = self._loaded.get(agent_type)
         if p is not None:
             return p
@@ -110,12 +128,15 @@ class PredictorRegistry:
                         self._loaded[agent_type] = p
             if p is not None:
                 return p
-        return ColdStartPredictor(self.cold_start, agent_type)
+        return ColdStartPredictor(self.cold_start_of(tenant), agent_type)
 
-    def predict(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None = None) -> float:
+    def predict(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None = None,
+                tenant: str | None = None) -> float:
         """Predicted total KV token-time cost of an agent of ``agent_type``."""
-        return self.get(agent_type).predict(prompt, features)
+        return self.get(agent_type, tenant).predict(prompt, features)
 
-    def observe(self, agent_type: str, prompt: str, cost: float, features: Mapping[str, Any] | None = None) -> None:
-        """A completed agent's real cost (improves the cold start of its type)."""
-        self.cold_start.observe(agent_type, prompt, cost, features)
+    def observe(self, agent_type: str, prompt: str, cost: float, features: Mapping[str, Any] | None = None,
+                tenant: str | None = None) -> None:
+        """A completed agent's real cost (improves the cold start of its type, for its
+        tenant only)."""
+        self.cold_start_of(tenant).observe(agent_type, prompt, cost, features)

@@ -195,7 +195,7 @@ class LiveScheduler:
         now = self.now()
         metadata = dict(metadata or {})
         if predicted_cost is None:
-            predicted_cost, cost_source = self._predict(agent_type, prompt, metadata)
+            predicted_cost, cost_source = self._predict(agent_type, prompt, tenant, metadata)
         else:
             cost_source = "request" if auto else "declared"
         agent_id = new_agent_id()
@@ -225,11 +225,12 @@ class LiveScheduler:
         self._on_agent_change(entry)
         return entry
 
-    def _predict(self, agent_type: str, prompt: str, metadata: dict[str, Any]) -> tuple[float, CostSource]:
+    def _predict(self, agent_type: str, prompt: str, tenant: str,
+                 metadata: dict[str, Any]) -> tuple[float, CostSource]:
         features = metadata.get("features") if isinstance(metadata.get("features"), dict) else None
         if self.predictors is not None:
             try:
-                predictor = self.predictors.get(agent_type)
+                predictor = self.predictors.get(agent_type, tenant)
                 source: CostSource = "cold_start" if getattr(predictor, "is_cold_start", False) else "model"
                 return float(predictor.predict(prompt, features)), source
             except Exception:
@@ -351,7 +352,8 @@ class LiveScheduler:
                 "prompt_tokens": sum(r.prompt_tokens for r in entry.requests),
             }
             if self.predictors is not None:
-                self.predictors.observe(entry.type, entry.prompt, entry.consumed_kv_cost, features)
+                self.predictors.observe(entry.type, entry.prompt, entry.consumed_kv_cost, features,
+                                        tenant=entry.tenant)
         if self.metrics:
             self.metrics.agent_closed(entry)
         entry.touch()
