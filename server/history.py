@@ -19,7 +19,8 @@ import queue
 import sqlite3
 import threading
 import time
-from dataclasses import asdict
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,16 @@ _INSERT = f"INSERT OR REPLACE INTO agents ({_COLUMNS}) VALUES ({','.join('?' * 1
 _STOP = None
 
 
+@dataclass
+class _Row:
+    values: tuple
+    done: Future[None]
+    urgent: bool = True
+
+
 class History:
-    batch_window_s = 0.1
+    batch_window_s = 0.1  # rows nobody waits for (untagged requests' agents)
+    urgent_window_s = 0.002  # a row whose finish call waits for it
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -83,11 +92,16 @@ class History:
         self._writer.join()
         self._db.close()
 
-    def record(self, entry: AgentEntry) -> None:
-        """Queue the ended agent's row (the writer thread commits it)."""
-        self._queue.put((entry.id, entry.type, entry.tenant, entry.state, entry.prompt,
-                         dict(entry.metadata), entry.submitted_at, entry.finished_at,
-                         entry.predicted_cost, list(entry.requests), entry.error))
+    def record(self, entry: AgentEntry, *, urgent: bool = True) -> Future[None]:
+        """Queue the ended agent's row; the future completes once the writer thread has
+        committed it (a committed row survives the server's process being killed: SQLite's
+        WAL is written before the commit returns)."""
+        done: Future[None] = Future()
+        self._queue.put(_Row((entry.id, entry.type, entry.tenant, entry.state, entry.prompt,
+                              dict(entry.metadata), entry.submitted_at, entry.finished_at,
+                              entry.predicted_cost, list(entry.requests), entry.error), done,
+                             urgent))
+        return done
 
     def flush(self) -> None:
         """Return once everything queued so far is committed."""
@@ -96,27 +110,37 @@ class History:
     def _write_forever(self) -> None:
         while True:
             batch = [self._queue.get()]
-            # A moment for more rows to queue: one commit per ~100 ms under load instead of
-            # one per agent (each commit is a WAL write and a lock round trip).
-            time.sleep(self.batch_window_s)
+            # A moment for more rows to queue: one commit per burst instead of one per agent
+            # (each commit is a WAL write and a lock round trip). Short when a finish call
+            # waits for the row, ~100 ms under a load of untagged requests.
+            first = batch[0]
+            urgent = first is _STOP or first.urgent
+            time.sleep(self.urgent_window_s if urgent else self.batch_window_s)
             while True:  # everything queued meanwhile goes into the same transaction
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            rows = [_row(item) for item in batch if item is not _STOP]
+            items = [item for item in batch if item is not _STOP]
+            error: BaseException | None = None
             try:
-                if rows:
+                if items:
                     with self._lock:
                         self._db.execute("BEGIN")
-                        self._db.executemany(_INSERT, rows)
+                        self._db.executemany(_INSERT, [_row(item.values) for item in items])
                         self._db.execute("COMMIT")
-            except sqlite3.Error:
-                log.exception("could not write %d agents to the history", len(rows))
+            except sqlite3.Error as exc:
+                error = exc
+                log.exception("could not write %d agents to the history", len(items))
                 with self._lock:
                     if self._db.in_transaction:
                         self._db.execute("ROLLBACK")
             finally:
+                for item in items:
+                    if error is None:
+                        item.done.set_result(None)
+                    else:
+                        item.done.set_exception(error)
                 for _ in batch:
                     self._queue.task_done()
             if any(item is _STOP for item in batch):

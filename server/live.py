@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -108,6 +109,8 @@ class LiveScheduler:
         self._ended: collections.deque[str] = collections.deque()
         self._tickets: dict[str, _Ticket] = {}
         self._feeds: dict[str, set[_Feed]] = {}
+        # History writes the API has not yet waited for (finish and cancel wait for theirs).
+        self._writes: dict[str, concurrent.futures.Future[None]] = {}
         self._task: asyncio.Task | None = None
         self.paused = False
         self.dispatcher = Dispatcher(
@@ -298,12 +301,25 @@ class LiveScheduler:
             await self._cancel(entry, state)
         else:
             self._close(entry, state)
+        await self._durable(entry)
         return entry
 
     async def cancel(self, entry: AgentEntry) -> AgentEntry:
         self.require_live(entry)
         await self._cancel(entry, "cancelled")
+        await self._durable(entry)
         return entry
+
+    async def _durable(self, entry: AgentEntry) -> None:
+        """Return once the agent's history row is committed: an agent the API reported
+        ended is in the history even if the process is killed right after."""
+        write = self._writes.pop(entry.id, None)
+        if write is None:
+            return
+        try:
+            await asyncio.wrap_future(write)
+        except Exception:  # logged by the writer; the agent's end stands
+            pass
 
     async def _cancel(self, entry: AgentEntry, state: str) -> None:
         entry.final_view = self._view(entry)
@@ -340,7 +356,11 @@ class LiveScheduler:
         entry.last_activity_mono = self.now()
         if self.history is not None:
             try:
-                self.history.record(entry)
+                # An untagged request's agent is nobody's to wait for.
+                write = self.history.record(entry, urgent=not entry.auto)
+                if not entry.auto:
+                    self._writes[entry.id] = write
+                    write.add_done_callback(lambda _, i=entry.id: self._writes.pop(i, None))
             except Exception:
                 log.exception("could not write agent %s to the history", entry.id)
         # Only a complete run is a training sample: a failed or cancelled agent's cost is
