@@ -7,6 +7,8 @@ turn into 500s further on (found by fuzzing, docs/reliability.md):
   one (agent metadata) cannot be encoded as UTF-8 in the response, so one such agent broke
   its tenant's `GET /v1/agents`;
 - `NaN` and `Infinity`, which JSON does not have, and which no field here means.
+
+It also refuses nesting deeper than `MAX_JSON_DEPTH`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from typing import Any
 from pydantic import BaseModel, model_validator
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+#: Nesting deeper than this is refused: no field here needs it, and deep values cost
+#: recursion in every encoder and validator after this one (depth 600 used to be a 500).
+MAX_JSON_DEPTH = 32
 
 
 def find_invalid_value(data: Any) -> str | None:
@@ -25,9 +30,12 @@ def find_invalid_value(data: Any) -> str | None:
     finite in `data` (parsed JSON), with its path; None if there is none."""
     # An explicit stack, not recursion: the JSON parser accepts nesting deeper than
     # Python's recursion limit would leave room for here.
-    stack: list[tuple[str, Any]] = [("", data)]
+    stack: list[tuple[str, Any, int]] = [("", data, 0)]
     while stack:
-        path, value = stack.pop()
+        path, value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return (f"{path or 'the body'}: JSON nested deeper than {MAX_JSON_DEPTH} levels "
+                    f"is not accepted")
         if isinstance(value, str):
             match = _SURROGATE.search(value)
             if match:
@@ -39,10 +47,10 @@ def find_invalid_value(data: Any) -> str | None:
         elif isinstance(value, dict):
             for key, item in value.items():
                 inner = f"{path}.{key}" if path else str(key)
-                stack.append((path or "the body", key))  # keys are text too
-                stack.append((inner, item))
+                stack.append((path or "the body", key, depth + 1))  # keys are text too
+                stack.append((inner, item, depth + 1))
         elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+            stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
     return None
 
 

@@ -48,3 +48,27 @@ def test_one_tenants_agents_do_not_move_another_tenants_cost_estimates(two_tenan
         # alice's own estimate did learn from her agents.
         hers = alice.post("/v1/agents", json={"type": "bob_type", "prompt": prompt}).json()
         assert hers["predicted_cost"] != pytest.approx(before["predicted_cost"])
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [40, 600, 900, 995, 5000])
+def test_deeply_nested_json_is_a_400_not_a_500(two_tenants, depth) -> None:
+    with _as(two_tenants, "alice") as alice:
+        agent = ('{"type": "deep", "prompt": "x", "metadata": {"k": ' + _nested(depth) + "}}")
+        r = alice.post("/v1/agents", content=agent, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (depth, r.status_code, r.text[:200])
+        # Past ~990 levels Python's JSON parser itself gives up: still a 400.
+        assert "nested deeper than 32" in r.text or "parsing the body" in r.text
+        completion = ('{"prompt": "x", "max_tokens": 1, "metadata": {"k": ' + _nested(depth)
+                      + "}}")
+        r = alice.post("/v1/completions", content=completion,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, (depth, r.status_code, r.text[:200])
+    # Shallow metadata still works.
+    with _as(two_tenants, "bob") as bob:
+        ok = bob.post("/v1/agents", json={"type": "deep", "prompt": "x",
+                                          "metadata": {"k": [[1, [2]], {"a": {"b": 1}}]}})
+        assert ok.status_code == 201
