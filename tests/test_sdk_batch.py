@@ -7,7 +7,7 @@ import json
 import pytest
 
 from justitia_sdk import AsyncClient, Batch, agent, current_agent_id, llm, openai_client, parallel_map
-from justitia_sdk.cli import main
+from justitia_cli import main
 
 pytestmark = pytest.mark.anyio
 
