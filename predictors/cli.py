@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 
+from justitia_cli import Commands, formatter
 
-def register(commands) -> None:
-    from justitia_sdk.cli import formatter
 
+def register(commands: Commands) -> None:
     p = commands.root.add_parser(
         "train-predictor",
         help="Train the cost predictor of one agent type (TF-IDF + MLP).",

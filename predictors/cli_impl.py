@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from justitia_sdk.cli import CommandError
+from justitia_cli import CommandError
 
 from .samples import Sample, SampleError, parse_samples, read_samples, write_samples
 

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from server.config import POLICIES
+from justitia_cli import CommandError, Commands, formatter
+from server.scheduler import POLICY_NAMES
 
 TINY_NOTICE = (
     "Serving the embedded tiny model ({path}). Its weights are random, so the text it "
@@ -18,9 +19,7 @@ TINY_NOTICE = (
 )
 
 
-def register(commands: Any) -> None:
-    from justitia_sdk.cli import formatter
-
+def register(commands: Commands) -> None:
     serve = commands.root.add_parser(
         "serve",
         help="Run the Justitia server in front of an in-process vLLM engine.",
@@ -47,7 +46,7 @@ def register(commands: Any) -> None:
                        help="CPU build only: niceness of vLLM's EngineCore process, which spins "
                             "on the core it shares with the API process (0: as vLLM leaves it; "
                             "see docs/server.md)")
-    serve.add_argument("--policy", default="justitia", choices=POLICIES,
+    serve.add_argument("--policy", default="justitia", choices=POLICY_NAMES,
                        help="scheduling policy")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (without --api-key only loopback is allowed)")
@@ -107,8 +106,6 @@ def register(commands: Any) -> None:
 
 
 def _parse_api_keys(items: list[str]) -> dict[str, str]:
-    from justitia_sdk.cli import CommandError
-
     keys: dict[str, str] = {}
     for item in items:
         tenant, sep, key = item.partition("=")
@@ -122,7 +119,6 @@ def _parse_api_keys(items: list[str]) -> dict[str, str]:
 
 def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]:
     """The limit options as ServerConfig fields; overrides must name a known tenant."""
-    from justitia_sdk.cli import CommandError
     from server.auth import DEFAULT_TENANT
     from server.limits import Rate, parse_per_tenant, parse_tokens
 
@@ -157,7 +153,6 @@ def _check_predictors(path: str) -> None:
     """Refuse a --predictors DIR that is missing or holds no usable predictor, and print the
     ones found, before the engine starts: a typo would otherwise leave every agent type on
     the cold start without a word."""
-    from justitia_sdk.cli import CommandError
     from predictors.registry import describe, scan
 
     d = Path(path)
@@ -182,7 +177,6 @@ def _check_predictors(path: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from justitia_sdk.cli import CommandError
     from server.config import ServerConfig
 
     keys = _parse_api_keys(args.api_key)
@@ -239,7 +233,6 @@ def serve(config: Any) -> None:
 
 
 def run_init_tiny(args: argparse.Namespace) -> int:
-    from justitia_sdk.cli import CommandError
     from server.tiny_model import init_tiny
 
     try:

@@ -6,8 +6,6 @@ from pydantic import BaseModel, Field
 
 from server.limits import Rate
 
-POLICIES = ("fcfs", "sjf", "parrot", "srjf", "vtc", "justitia", "justitia-c", "ewsjf", "equinox")
-
 
 class ServerConfig(BaseModel):
     model: str | None = Field(

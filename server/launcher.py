@@ -53,7 +53,7 @@ class EmbeddedServer:
 
     def start(self) -> EmbeddedServer:
         for attempt in range(3):
-            cmd = [sys.executable, "-m", "justitia_sdk.cli", "serve", "--port", str(self.port),
+            cmd = [sys.executable, "-m", "justitia_cli", "serve", "--port", str(self.port),
                    "--log-level", "warning", *self.args]
             env = {**os.environ, **(self.env or {})}
             self._log = open(self.log_path, "wb")

@@ -360,7 +360,7 @@ def test_record_says_where_its_cost_came_from(client: httpx.Client) -> None:
 @pytest.fixture(scope="module")
 def predictor_server(tmp_path_factory: pytest.TempPathFactory, justitia_home: str):
     """A server of its own with one trained predictor (fact_verification)."""
-    from justitia_sdk.cli import main
+    from justitia_cli import main
     from predictors.samples import write_samples
     from predictors.synthetic import synthesize
     from server.launcher import EmbeddedServer

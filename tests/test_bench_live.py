@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from justitia_sdk.cli import main
+from justitia_cli import main
 from server.sim.mix import make_mix
 from server.sim.profiles import get_profile
 from server.sim.workload import save_workload

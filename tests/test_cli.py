@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -9,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from justitia_sdk.cli import main
+from justitia_cli import main
+
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "justitia_sdk.cli", *args],
+    return subprocess.run([sys.executable, "-m", "justitia_cli", *args],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -58,3 +62,39 @@ def test_init_tiny_refuses_a_foreign_folder(tmp_path: Path, capsys: pytest.Captu
 def test_serve_refuses_public_bind_without_keys(capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", "--host", "0.0.0.0"]) == 2
     assert "--api-key" in capsys.readouterr().err
+
+
+def test_python_m_justitia_cli_reports_errors_in_one_line() -> None:
+    # Run as `python -m`, a command's CommandError must still be the one main() catches.
+    out = run_cli("serve", "--host", "0.0.0.0")
+    assert out.returncode == 2
+    assert out.stderr.startswith("justitia: error: refusing to bind 0.0.0.0")
+    assert "Traceback" not in out.stderr
+
+
+def test_the_console_script_is_the_cli_host() -> None:
+    import tomllib
+
+    import justitia_cli
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    module, _, function = project["project"]["scripts"]["justitia"].partition(":")
+    assert getattr(importlib.import_module(module), function) is justitia_cli.main
+    assert "justitia_cli*" in project["tool"]["setuptools"]["packages"]["find"]["include"]
+
+
+def test_every_command_offers_every_policy_of_the_scheduler() -> None:
+    from justitia_cli import build_parser
+    from server.scheduler import POLICY_NAMES
+
+    parser = build_parser()
+    for command in (["serve"], ["demo"]):
+        for policy in POLICY_NAMES:
+            assert parser.parse_args([*command, "--policy", policy]).policy == policy
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--policy", "round-robin"])
+    sim = parser.parse_args(["bench", "sim", "--workload", "w.jsonl"])
+    assert sim.policies.split(",") == list(POLICY_NAMES)
+    for command in (("bench", "sim"), ("bench", "live")):
+        text = " ".join(run_cli(*command, "--help").stdout.split())
+        assert ", ".join(POLICY_NAMES) in text

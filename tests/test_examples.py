@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from justitia_sdk import AsyncClient
-from justitia_sdk._commands import DEMO_AGENTS, load_example
+from justitia_cli.demo import DEMO_AGENTS, load_example
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -9,7 +9,7 @@ import anyio
 import httpx
 import pytest
 
-from justitia_sdk.cli import main
+from justitia_cli import main
 from server.limits import (
     PerTenant,
     Rate,

@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from justitia_sdk.cli import main
+from justitia_cli import main
 from predictors.samples import read_samples, write_samples
 from predictors.synthetic import synthesize
 
@@ -290,7 +290,7 @@ def test_serve_refuses_a_missing_predictors_dir(tmp_path):
     for path, says in ((tmp_path / "nonexistent", "no such directory"),
                        (tmp_path, "holds no usable predictor")):
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "justitia_sdk.cli", "serve", "--predictors", str(path)],
+        done = subprocess.run([sys.executable, "-m", "justitia_cli", "serve", "--predictors", str(path)],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
         err = done.stderr.strip()

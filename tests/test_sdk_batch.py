@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from justitia_sdk import AsyncClient, Batch, agent, current_agent_id, llm, openai_client, parallel_map
-from justitia_sdk.cli import main
+from justitia_sdk import AsyncClient, Batch, Client, agent, current_agent_id, llm, openai_client, parallel_map
+from justitia_cli import main
 
 pytestmark = pytest.mark.anyio
 
@@ -84,6 +84,9 @@ async def test_openai_client_requests_carry_the_agent_tag(server) -> None:
 
 
 def test_status_command_lists_agents(server, capsys) -> None:
+    # An agent of its own: run alone (-k status), the server would have none to list.
+    with Client(server.url) as client:
+        client.run(worker, "status")
     assert main(["status", server.url, "--all"]) == 0
     out = capsys.readouterr().out
     assert "policy" in out and "agt-" in out and "fair" in out

@@ -64,7 +64,47 @@ def test_live_table_shows_unfinished_runs_first_when_long() -> None:
 
 
 def test_the_command_line_does_not_import_the_sdk_stack() -> None:
-    code = ("import sys; from justitia_sdk.cli import build_parser; build_parser(); "
+    code = ("import sys; from justitia_cli import build_parser; build_parser(); "
             "print(sorted(m for m in ('httpx', 'rich', 'justitia_sdk._client') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "justitia_sdk._client" not in out.stdout
+
+
+def test_the_sdk_imports_nothing_of_the_server_or_the_predictors() -> None:
+    """The SDK talks HTTP only: importing every one of its modules, and every name it exports
+    (its lazy attributes), loads no `server` or `predictors` module."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import justitia_sdk\n"
+        "names = [m.name for m in pkgutil.walk_packages(justitia_sdk.__path__, 'justitia_sdk.')]\n"
+        "for name in names: importlib.import_module(name)\n"
+        "for name in justitia_sdk.__all__: getattr(justitia_sdk, name)\n"
+        "print(len(names), sorted(m for m in sys.modules\n"
+        "      if m.split('.')[0] in ('server', 'predictors', 'justitia_cli')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    count, _, loaded = out.stdout.strip().partition(" ")
+    assert int(count) >= 10  # the walk found the SDK's modules (guards against a vacuous pass)
+    assert loaded == "[]"
+
+
+def test_the_sdk_source_imports_nothing_of_the_server_not_even_lazily() -> None:
+    """No import statement anywhere in the SDK (also inside functions) names `server`,
+    `predictors` or the command line's host."""
+    import ast
+    from pathlib import Path
+
+    import justitia_sdk
+
+    found = []
+    for path in sorted(Path(justitia_sdk.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} {m}" for m in modules
+                      if m.split(".")[0] in ("server", "predictors", "justitia_cli")]
+    assert found == []

@@ -1,19 +1,20 @@
 """`justitia bench sim | make-workload | starvation`: the simulator's commands.
 
-Registered by justitia_sdk.cli; module import stays light (argparse only), the simulator is
-imported when a command runs.
+Registered by the CLI host (justitia_cli); module import stays light (argparse and the
+scheduler's policy names), the simulator is imported when a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 
-ALL_POLICIES = "fcfs,sjf,vtc,parrot,srjf,justitia,justitia-c,ewsjf,equinox"
+from justitia_cli import CommandError, Commands, formatter
+from server.scheduler import POLICY_NAMES
+
+ALL_POLICIES = ",".join(POLICY_NAMES)
 
 
-def register(commands) -> None:
-    from justitia_sdk.cli import formatter
-
+def register(commands: Commands) -> None:
     sim = commands.bench.add_parser(
         "sim",
         help="Compare scheduling policies on a workload with the discrete-event simulator.",
@@ -26,7 +27,7 @@ def register(commands) -> None:
     )
     sim.add_argument("--workload", required=True, metavar="FILE", help='workload file: JSON Lines, one agent per line, {"id", "arrival", "stages": [[{"p", "d"}, ...], ...]}')
     sim.add_argument("--policies", default=ALL_POLICIES, metavar="LIST",
-                     help="comma-separated policies: fcfs, sjf, parrot, srjf, vtc, justitia, justitia-c, ewsjf, equinox")
+                     help=f"comma-separated policies: {', '.join(POLICY_NAMES)}")
     sim.add_argument("--kv-tokens", type=int, default=None, metavar="M",
                      help="KV cache capacity in tokens (default: the profile's)")
     sim.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
@@ -75,8 +76,7 @@ def register(commands) -> None:
     live.add_argument("--workload", required=True, metavar="FILE",
                       help="workload file (build one with `bench make-workload --profile cpu-tiny`)")
     live.add_argument("--policies", default="fcfs,vtc,justitia", metavar="LIST",
-                      help="comma-separated policies, run one after another (any of fcfs, sjf, parrot, srjf, "
-                           "vtc, justitia, justitia-c, ewsjf, equinox)")
+                      help=f"comma-separated policies, run one after another (any of {', '.join(POLICY_NAMES)})")
     live.add_argument("--kv-tokens", type=int, required=True, metavar="M",
                       help="KV cache capacity of the engine in tokens")
     live.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
@@ -117,10 +117,6 @@ def _split(text: str) -> list[str]:
 
 
 def _policies(text: str) -> list[str]:
-    from justitia_sdk.cli import CommandError
-
-    from server.scheduler import POLICY_NAMES
-
     policies = _split(text)
     bad = [p for p in policies if p not in POLICY_NAMES]
     if bad or not policies:
@@ -129,8 +125,6 @@ def _policies(text: str) -> list[str]:
 
 
 def _workload(path: str, hint: str = "`justitia bench make-workload`"):
-    from justitia_sdk.cli import CommandError
-
     from .workload import WorkloadError, load_workload
 
     try:
@@ -145,8 +139,6 @@ def _workload(path: str, hint: str = "`justitia bench make-workload`"):
 
 
 def _profile(name: str):
-    from justitia_sdk.cli import CommandError
-
     from .profiles import PROFILES
 
     if name not in PROFILES:
@@ -155,8 +147,6 @@ def _profile(name: str):
 
 
 def _predictions(args, agents):
-    from justitia_sdk.cli import CommandError
-
     from .simulator import make_predictions
 
     mode = args.prediction
@@ -192,8 +182,6 @@ def _predictions(args, agents):
 
 def _sim(args: argparse.Namespace) -> int:
     import time
-
-    from justitia_sdk.cli import CommandError
 
     from . import report
     from .simulator import gps_tau_s, run_comparison, workload_limits
@@ -242,8 +230,6 @@ def _live(args: argparse.Namespace) -> int:
     import time
 
     from rich.progress import Progress
-
-    from justitia_sdk.cli import CommandError
 
     from . import report
     from .live_bench import LiveOptions, run_policy
@@ -309,8 +295,6 @@ def _live(args: argparse.Namespace) -> int:
 
 
 def _make_workload(args: argparse.Namespace) -> int:
-    from justitia_sdk.cli import CommandError
-
     from .mix import make_mix
     from .workload import save_workload
 
@@ -330,8 +314,6 @@ def _make_workload(args: argparse.Namespace) -> int:
 def _starvation(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
-
-    from justitia_sdk.cli import CommandError
 
     from .starvation import run_starvation
 

@@ -1,4 +1,8 @@
-"""Client-side commands: `justitia demo` (the README's main job) and `justitia status`."""
+"""`justitia demo` (the README's main job): the embedded server and a batch of example agents.
+
+The demo starts the server (`server.launcher.EmbeddedServer`) unless given `--url`, so it lives
+in the CLI host rather than in the SDK, which talks HTTP only.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from justitia_cli import CommandError, Commands, formatter
+from server.scheduler import POLICY_NAMES
 
 # The example agents the demo runs, one module (and inputs file) each, in examples/.
 DEMO_AGENTS = (
@@ -28,10 +35,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def register(commands: Any) -> None:
-    from justitia_sdk.cli import formatter
-    from server.config import POLICIES
-
+def register(commands: Commands) -> None:
     demo = commands.root.add_parser(
         "demo",
         help="Start the embedded server and run a batch of example agents through it, live.",
@@ -49,7 +53,7 @@ def register(commands: Any) -> None:
                       help="how many agents to submit (cycling through the six kinds)")
     demo.add_argument("--kv-tokens", type=int, default=6144, metavar="N",
                       help="KV cache capacity of the embedded engine in tokens")
-    demo.add_argument("--policy", default="justitia", choices=POLICIES,
+    demo.add_argument("--policy", default="justitia", choices=POLICY_NAMES,
                       help="scheduling policy of the embedded server")
     demo.add_argument("--max-tokens", type=_positive, default=96, metavar="N",
                       help="output tokens per request of the example agents' first stage")
@@ -61,29 +65,8 @@ def register(commands: Any) -> None:
                       help="also write each agent's JCT, ETA, fair finish and bound here")
     demo.set_defaults(handler=run_demo)
 
-    status = commands.root.add_parser(
-        "status",
-        help="Show a server's scheduler and agents (ETA, fair finish, bound).",
-        description="A table of the caller's agents on a Justitia server, with the "
-                    "scheduler's state.",
-        formatter_class=formatter,
-    )
-    status.add_argument("url", nargs="?", default=None,
-                        help="server URL (default: JUSTITIA_URL, else http://127.0.0.1:8000)")
-    status.add_argument("--api-key", default=None,
-                        help="bearer key (default: JUSTITIA_API_KEY)")
-    status.add_argument("--all", action="store_true",
-                        help="include finished, cancelled and expired agents")
-    status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
-    status.set_defaults(handler=run_status)
-
-
-# -- demo ---------------------------------------------------------------------------------
-
 
 def examples_dir(given: str | None) -> Path:
-    from justitia_sdk.cli import CommandError
-
     candidates = [Path(given)] if given else [
         Path(__file__).resolve().parent.parent / "examples", Path.cwd() / "examples"]
     for path in candidates:
@@ -126,7 +109,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import anyio
     from rich.console import Console
 
-    from justitia_sdk._client import AsyncClient
+    from justitia_sdk import AsyncClient
 
     console = Console()
     jobs = demo_jobs(examples_dir(args.examples), args.agents, args.max_tokens)
@@ -186,75 +169,3 @@ def run_demo(args: argparse.Namespace) -> int:
     for index, error in batch.errors:
         console.print(f"[red]agent #{index} failed: {error!r}[/red]")
     return 1 if batch.errors else 0
-
-
-# -- status -------------------------------------------------------------------------------
-
-
-def _num(value: float | None, fmt: str = "{:.1f}") -> str:
-    return "-" if value is None else fmt.format(value)
-
-
-def status_view(snapshot: dict[str, Any], agents: list[Any], url: str, show_all: bool) -> Any:
-    from rich import box
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    from justitia_sdk._progress import STATE_STYLE
-
-    now = time.time()
-    shown = [a for a in agents if show_all or not a.terminal]
-    engine = snapshot.get("engine") or {}
-    head = Text.assemble(
-        (f"{url}", "bold"), "  policy ", (str(snapshot.get("policy", "?")), "cyan"),
-        f"  M={snapshot.get('M', '?')} tokens  tau={_num(snapshot.get('tau'), '{:.4f}')} s"
-        f"  backlog={snapshot.get('backlog', '?')}  pending={snapshot.get('pending_requests', '?')}"
-        f"  running={snapshot.get('running_requests', '?')}"
-        f"  KV use={_num(engine.get('kv_usage'), '{:.0%}')}",
-    )
-    table = Table(box=box.SIMPLE_HEAD, caption=f"{len(shown)} of {len(agents)} agents shown "
-                  "(seconds since submission; deadline = fair + bound)" + ("" if show_all else "; --all for all"),
-                  caption_justify="left")
-    for col, justify in (("id", "left"), ("type", "left"), ("state", "left"), ("reqs", "right"),
-                         ("age", "right"), ("ETA", "right"), ("fair", "right"),
-                         ("bound", "right"), ("JCT", "right")):
-        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for a in shown:
-        age = (a.finished_at or now) - a.submitted_at if a.submitted_at else None
-        table.add_row(a.id, a.type, Text(a.state, STATE_STYLE.get(a.state, "")),
-                      f"{a.requests_done}/{a.requests_total}", _num(age), _num(a.eta_s),
-                      _num(a.fair_finish_s), _num(a.delay_bound_s), _num(a.jct_s))
-    return Group(head, table)
-
-
-def run_status(args: argparse.Namespace) -> int:
-    import anyio
-    from rich.console import Console
-
-    from justitia_sdk._client import AsyncClient
-    from justitia_sdk._errors import JustitiaError
-    from justitia_sdk.cli import CommandError
-
-    async def fetch() -> Any:
-        async with AsyncClient(args.url, api_key=args.api_key, max_retries=1) as client:
-            snapshot = await client.scheduler()
-            agents = await client.list_agents()
-            return status_view(snapshot, agents, client.base_url, args.all)
-
-    console = Console()
-    if not console.is_terminal:
-        # Piped or captured: do not squeeze the table into 80 columns.
-        console = Console(width=140)
-    try:
-        if not args.watch:
-            console.print(anyio.run(fetch))
-            return 0
-        from rich.live import Live
-
-        with Live(anyio.run(fetch), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(1.0)
-                live.update(anyio.run(fetch), refresh=True)
-    except JustitiaError as exc:
-        raise CommandError(str(exc)) from None

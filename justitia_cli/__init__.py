@@ -1,9 +1,13 @@
-"""The `justitia` command line.
+"""The `justitia` command line: its one host.
 
-Each command lives beside the code it drives: this module only builds the top-level parser
-and asks every command module to register its subcommands. Command modules import nothing
-heavy at module level (vLLM, torch, scikit-learn load only when a command runs), so that
-`justitia --help` answers at once.
+Each command lives beside the code it drives (`server/cli.py`, `server/sim/cli.py`,
+`predictors/cli.py`, and here the client-side `demo` and `status`): this module builds the
+top-level parser, asks every command module to register its subcommands, and holds what they
+share (`CommandError`, `formatter`). The SDK (`justitia_sdk`) is not a host: it talks HTTP
+only and imports nothing of `server` or `predictors`.
+
+Command modules import nothing heavy at module level (vLLM, torch, scikit-learn load only
+when a command runs), so that `justitia --help` answers at once.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ COMMAND_MODULES = (
     "server.cli",
     "server.sim.cli",
     "predictors.cli",
-    "justitia_sdk._commands",
+    "justitia_cli.demo",
+    "justitia_cli.status",
 )
 
 
@@ -105,12 +110,3 @@ def main(argv: list[str] | None = None) -> int:
 def formatter(prog: str) -> argparse.HelpFormatter:
     """The help formatter every command uses (shows defaults)."""
     return _formatter(prog)
-
-
-if __name__ == "__main__":
-    # Run as `python -m justitia_sdk.cli`, this file is `__main__`, a second copy of the
-    # module: the command modules raise `justitia_sdk.cli.CommandError`, which the copy's
-    # `except CommandError` would not catch (a traceback instead of the one-line error).
-    from justitia_sdk.cli import main as _main
-
-    sys.exit(_main())
