@@ -253,7 +253,7 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         # through Python's, the body validator names the field at fault, as it did before.
         try:
             data = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # nesting past Python's recursion limit
             pass
         else:
             try:
