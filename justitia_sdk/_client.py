@@ -242,10 +242,23 @@ class AsyncClient:
     async def get_agent(self, agent_id: str) -> AgentRecord:
         return AgentRecord.model_validate(await self._request("GET", f"/v1/agents/{agent_id}"))
 
-    async def list_agents(self) -> list[AgentRecord]:
-        """The caller's agents (the tenant of the API key)."""
-        body = await self._request("GET", "/v1/agents")
-        return [AgentRecord.model_validate(r) for r in body.get("agents", [])]
+    async def list_agents(self, *, state: str | None = None,
+                          limit: int | None = None) -> list[AgentRecord]:
+        """The caller's agents (the tenant of the API key) in registration order, every
+        page of them (at most `limit`); `state` keeps those in that state."""
+        out: list[AgentRecord] = []
+        cursor: str | None = None
+        while limit is None or len(out) < limit:
+            page = 1000 if limit is None else min(1000, limit - len(out))
+            params = f"?limit={page}" + (f"&state={state}" if state else "")
+            if cursor is not None:
+                params += f"&cursor={cursor}"
+            body = await self._request("GET", "/v1/agents" + params)
+            out.extend(AgentRecord.model_validate(r) for r in body.get("agents", []))
+            cursor = body.get("next_cursor")
+            if not cursor:
+                break
+        return out
 
     async def finish_agent(self, agent_id: str, *, error: str | None = None) -> AgentRecord:
         """Tell the server the agent is done (its cost is settled, its tag retired). With
@@ -647,8 +660,9 @@ class Client:
     def get_agent(self, agent_id: str) -> AgentRecord:
         return self._call(self._async.get_agent, agent_id)
 
-    def list_agents(self) -> list[AgentRecord]:
-        return self._call(self._async.list_agents)
+    def list_agents(self, *, state: str | None = None,
+                    limit: int | None = None) -> list[AgentRecord]:
+        return self._call(self._async.list_agents, state=state, limit=limit)
 
     def finish_agent(self, agent_id: str, *, error: str | None = None) -> AgentRecord:
         return self._call(self._async.finish_agent, agent_id, error=error)

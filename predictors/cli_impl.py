@@ -21,8 +21,8 @@ SAMPLES_FILE = "samples.jsonl"
 
 # -- sample sources -------------------------------------------------------------------------
 
-def _get_history(base: str, params: dict[str, str], api_key: str | None, timeout: float) -> tuple[list[Any], bool]:
-    """The ``samples`` rows of ``GET {base}/v1/history`` and whether more pages follow."""
+def _get_history(base: str, params: dict[str, str], api_key: str | None, timeout: float) -> tuple[list[Any], str | None]:
+    """The ``samples`` rows of one page of ``GET {base}/v1/history`` and its next cursor."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -50,7 +50,8 @@ def _get_history(base: str, params: dict[str, str], api_key: str | None, timeout
     rows = body.get("samples") if isinstance(body, dict) else None
     if not isinstance(rows, list):
         raise CommandError(f"server {base} history has no 'samples' list; is it a Justitia server of this version?")
-    return rows, bool(body.get("next_cursor"))
+    cursor = body.get("next_cursor")
+    return rows, str(cursor) if cursor else None
 
 
 def samples_from_server(url: str, agent_type: str, api_key: str | None = None, timeout: float = 30.0) -> list[Sample]:
@@ -58,11 +59,18 @@ def samples_from_server(url: str, agent_type: str, api_key: str | None = None, t
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise CommandError(f"--from-server needs an http(s) URL, got {url!r} (e.g. http://127.0.0.1:8000)")
-    rows, _ = _get_history(base, {"agent_type": agent_type}, api_key, timeout)
+    rows: list[Any] = []
+    params = {"agent_type": agent_type}
+    while True:  # every page: a long history is served 10,000 samples at a time
+        page, cursor = _get_history(base, params, api_key, timeout)
+        rows.extend(page)
+        if cursor is None:
+            break
+        params = {"agent_type": agent_type, "cursor": cursor}
     if not rows:
         # The server filtered by type, so the answer cannot say which types it has: ask again
         # without the filter (only on this error path) to name them.
-        everything, more = _get_history(base, {}, api_key, timeout)
+        everything, more = _get_history(base, {}, api_key, timeout)  # more: a cursor
         types = sorted({str(r["agent_type"]) for r in everything if isinstance(r, dict) and r.get("agent_type")})
         among = f" among its first {len(everything)} finished agents" if more else ""
         present = f"types present{among}: {', '.join(types)}" if types else "it has no finished agent yet"

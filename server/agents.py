@@ -91,6 +91,7 @@ class AgentEntry:
     # dispatcher forgets it.
     final_view: dict[str, Any] | None = None
     version: int = 0
+    seq: int = 0  # registration order in this server (the cursor of GET /v1/agents)
     # Made only while someone watches (SSE): touch() runs several times per request.
     _changed: asyncio.Event | None = None
     # The scheduler's change feed (multiplexed event streams of the agent's tenant).

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -62,6 +64,12 @@ class AgentCreate(RequestBody):
 
 class AgentList(BaseModel):
     agents: list[AgentRecord]
+    next_cursor: str | None = Field(
+        default=None, description="Pass as `cursor` for the next page; null on the last page.")
+
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
 
 
 class AgentFinish(RequestBody):
@@ -104,10 +112,23 @@ async def register_agent(body: AgentCreate, request: Request,
 
 @router.get("/v1/agents", response_model=AgentList, responses=errors.responses(401))
 async def list_agents(request: Request, tenant: str = Depends(tenant_of),
-                      state: str | None = Query(default=None)) -> AgentList:
+                      state: str | None = Query(default=None),
+                      limit: int = Query(default=DEFAULT_PAGE, ge=1, le=MAX_PAGE,
+                                         description=f"At most this many agents (default "
+                                                     f"{DEFAULT_PAGE}, at most {MAX_PAGE})."),
+                      cursor: str | None = Query(default=None, max_length=32,
+                                                 description="`next_cursor` of the page before"),
+                      ) -> AgentList:
+    """The caller's agents in registration order, a page at a time."""
+    after = 0
+    if cursor is not None:
+        if not cursor.isdigit():
+            raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
+        after = int(cursor)
     s = _scheduler(request)
-    entries = [e for e in s.list(tenant) if state is None or e.state == state]
-    return AgentList(agents=[s.record(e) for e in entries])
+    entries, last = s.page(tenant, limit, after, state)
+    return AgentList(agents=[s.record(e) for e in entries],
+                     next_cursor=str(last) if last is not None else None)
 
 
 @router.get("/v1/agents/events", response_class=StreamingResponse,
@@ -257,7 +278,21 @@ async def remove_replica(request: Request, tenant: str = Depends(tenant_of),
 @router.get("/v1/history", tags=["operations"], responses=errors.responses(400, 401))
 async def history_samples(request: Request, tenant: str = Depends(tenant_of),
                           agent_type: str | None = Query(default=None),
-                          limit: int = Query(default=10_000, ge=1, le=100_000)) -> dict:
-    """Finished agents of the caller's tenant as predictor training samples."""
+                          limit: int = Query(default=10_000, ge=1, le=100_000,
+                                             description="At most this many samples (default "
+                                                         "10,000, at most 100,000)."),
+                          cursor: str | None = Query(default=None, max_length=32,
+                                                     description="`next_cursor` of the page before"),
+                          ) -> dict:
+    """Finished agents of the caller's tenant as predictor training samples, oldest first,
+    a page at a time (`next_cursor`: null on the last page)."""
+    after = 0
+    if cursor is not None:
+        if not cursor.isdigit():
+            raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
+        after = int(cursor)
     history = request.app.state.history
-    return {"samples": history.samples(agent_type, tenant=tenant, limit=limit)}
+    # SQLite reads (and the wait for queued writes) stay off the event loop.
+    samples, last = await anyio.to_thread.run_sync(
+        functools.partial(history.samples_page, agent_type, tenant, limit, after))
+    return {"samples": samples, "next_cursor": str(last) if last is not None else None}

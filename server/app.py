@@ -16,7 +16,7 @@ from server.config import ServerConfig
 from server.engine.base import Engine
 from server.agents_api import router as agents_router
 from server.history import History
-from server.limits import PerTenant, RateLimiter
+from server.limits import PerTenant, Quotas, RateLimiter
 from server.live import LiveConfig, LiveScheduler
 from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import install_fast_paths
@@ -164,6 +164,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                 lease_s=config.agent_lease_s,
                 retention_s=config.agent_retention_s,
                 max_num_seqs=config.max_num_seqs,
+                quotas=Quotas(PerTenant(config.max_agents, config.tenant_max_agents),
+                              PerTenant(config.max_queued, config.tenant_max_queued)),
             ),
             predictors=_predictors(config),
             history=history,

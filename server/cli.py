@@ -67,6 +67,15 @@ def register(commands: Commands) -> None:
                             "larger requests get 400 naming the cap. A bare N applies to every "
                             "tenant, TENANT=N to one, TENANT=off lifts it for one (repeatable; "
                             "default: only --max-model-len bounds a request)")
+    serve.add_argument("--max-agents", action="append", default=[], metavar="[TENANT=]N",
+                       help="per-tenant quota of live (not yet ended) agents, untagged requests' "
+                            "agents included; registrations over it get 429 with Retry-After. "
+                            "Bare N: every tenant; TENANT=N, TENANT=off: one (repeatable; "
+                            "default: no quota)")
+    serve.add_argument("--max-queued", action="append", default=[], metavar="[TENANT=]N",
+                       help="per-tenant quota of requests waiting for admission; requests over "
+                            "it get 429 with Retry-After (same syntax as --max-agents; default: "
+                            "no quota)")
     serve.add_argument("--engine-url", action="append", default=[], metavar="URL",
                        help="use a remote vLLM OpenAI server as the engine (repeatable: "
                             "replicas; M is the sum of their KV capacities) instead of the "
@@ -120,12 +129,14 @@ def _parse_api_keys(items: list[str]) -> dict[str, str]:
 def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]:
     """The limit options as ServerConfig fields; overrides must name a known tenant."""
     from server.auth import DEFAULT_TENANT
-    from server.limits import Rate, parse_per_tenant, parse_tokens
+    from server.limits import Rate, parse_count, parse_per_tenant, parse_tokens
 
     known = tenants or {DEFAULT_TENANT}
     parsed = {}
     for option, items, parse in (("--rate-limit", args.rate_limit, Rate.parse),
-                                 ("--max-request-tokens", args.max_request_tokens, parse_tokens)):
+                                 ("--max-request-tokens", args.max_request_tokens, parse_tokens),
+                                 ("--max-agents", args.max_agents, parse_count),
+                                 ("--max-queued", args.max_queued, parse_count)):
         try:
             parsed[option] = limits = parse_per_tenant(items, parse)
         except ValueError as exc:
@@ -136,8 +147,11 @@ def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]
             raise CommandError(f"{option} names tenant(s) {', '.join(map(repr, unknown))} that "
                                f"no --api-key defines (tenants: {', '.join(sorted(known))})")
     rate, size = parsed["--rate-limit"], parsed["--max-request-tokens"]
+    agents, queued = parsed["--max-agents"], parsed["--max-queued"]
     return {"rate_limit": rate.default, "tenant_rate_limits": rate.overrides,
-            "max_request_tokens": size.default, "tenant_max_request_tokens": size.overrides}
+            "max_request_tokens": size.default, "tenant_max_request_tokens": size.overrides,
+            "max_agents": agents.default, "tenant_max_agents": agents.overrides,
+            "max_queued": queued.default, "tenant_max_queued": queued.overrides}
 
 
 def _is_loopback(host: str) -> bool:

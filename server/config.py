@@ -51,3 +51,8 @@ class ServerConfig(BaseModel):
     tenant_max_request_tokens: dict[str, int | None] = Field(
         default_factory=dict, description="tenant -> its own cap (None: no cap)"
     )
+    max_agents: int | None = Field(default=None, ge=1, description="Live agents per tenant.")
+    tenant_max_agents: dict[str, int | None] = Field(default_factory=dict)
+    max_queued: int | None = Field(default=None, ge=1,
+                                   description="Queued (not yet admitted) requests per tenant.")
+    tenant_max_queued: dict[str, int | None] = Field(default_factory=dict)

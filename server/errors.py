@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from server.engine.base import EngineError, InvalidRequestError
+from server.limits import QuotaExceeded
 from server.live import AgentConflict, AgentNotFound
 
 
@@ -44,7 +45,8 @@ _MEANING = {
     409: "The agent has ended (finished, cancelled, expired), or the call does not apply to "
          "this server's engine.",
     413: "The body is over the server's size limit.",
-    429: "The tenant is over its --rate-limit; retry after Retry-After seconds.",
+    429: "The tenant is over its --rate-limit, --max-agents or --max-queued; retry after "
+         "Retry-After seconds.",
     503: "The engine is not running.",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
@@ -114,6 +116,11 @@ def install(app: FastAPI) -> None:
 
     for exc_type, status in _STATUS.items():
         app.add_exception_handler(exc_type, _as_status(status))
+
+    @app.exception_handler(QuotaExceeded)
+    async def _quota(_: Request, exc: QuotaExceeded) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=429,
+                            headers={"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(json.JSONDecodeError)
     async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:

@@ -149,27 +149,37 @@ class History:
     def samples(self, agent_type: str | None = None, tenant: str | None = None,
                 limit: int = 100_000) -> list[dict[str, Any]]:
         """Finished agents as predictor training samples (the samples file format)."""
+        return self.samples_page(agent_type, tenant, limit)[0]
+
+    def samples_page(self, agent_type: str | None = None, tenant: str | None = None,
+                     limit: int = 100_000, after: int = 0) -> tuple[list[dict[str, Any]], int | None]:
+        """Up to `limit` finished agents written after row `after`, as training samples,
+        and the row to continue after (None on the last page). Blocking: call it from a
+        worker thread, not the event loop."""
         self.flush()
-        sql = ("SELECT type, prompt, cost, n_requests, prompt_tokens, output_tokens, id "
-               "FROM agents WHERE state = 'finished' AND n_requests > 0")
-        args: list[Any] = []
+        sql = ("SELECT type, prompt, cost, n_requests, prompt_tokens, output_tokens, id, rowid "
+               "FROM agents WHERE state = 'finished' AND n_requests > 0 AND rowid > ?")
+        args: list[Any] = [after]
         if agent_type is not None:
             sql += " AND type = ?"
             args.append(agent_type)
         if tenant is not None:
             sql += " AND tenant = ?"
             args.append(tenant)
-        sql += " ORDER BY submitted_at LIMIT ?"
-        args.append(limit)
+        sql += " ORDER BY rowid LIMIT ?"
+        args.append(limit + 1)
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        return [
+        more = len(rows) > limit
+        rows = rows[:limit]
+        samples = [
             {
                 "agent_type": t, "prompt": prompt, "cost": cost, "agent_id": agent_id,
                 "features": {"n_requests": n, "prompt_tokens": p, "output_tokens": d},
             }
-            for t, prompt, cost, n, p, d, agent_id in rows
+            for t, prompt, cost, n, p, d, agent_id, _ in rows
         ]
+        return samples, (rows[-1][7] if more else None)
 
     def get(self, agent_id: str) -> dict[str, Any] | None:
         self.flush()

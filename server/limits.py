@@ -146,6 +146,44 @@ class RateLimiter:
             raise RateLimitExceeded(tenant, rate, wait)
 
 
+def parse_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise ValueError(f"a quota must be at least 1, got {n}")
+    return n
+
+
+class QuotaExceeded(Exception):
+    """A tenant is at its quota of live agents or queued requests (answered 429)."""
+
+    retry_after = 2  # seconds: quotas free up as the tenant's own work ends
+
+    def __init__(self, tenant: str, what: str, quota: int, option: str) -> None:
+        super().__init__(f"tenant {tenant!r} has {quota} {what}, its quota ({option}): retry "
+                         f"once some of them have ended")
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """Per-tenant quotas on what a tenant holds in the server at once."""
+
+    live_agents: PerTenant[int] = field(default_factory=PerTenant)
+    queued_requests: PerTenant[int] = field(default_factory=PerTenant)
+
+    def check_agents(self, tenant: str, live: int) -> None:
+        quota = self.live_agents.for_tenant(tenant)
+        if quota is not None and live >= quota:
+            raise QuotaExceeded(tenant, "live agents", quota, "--max-agents")
+
+    def check_queued(self, tenant: str, queued: int) -> None:
+        quota = self.queued_requests.for_tenant(tenant)
+        if quota is not None and queued >= quota:
+            raise QuotaExceeded(tenant, "queued requests", quota, "--max-queued")
+
+
 class RequestTooLarge(InvalidRequestError):
     """Over the tenant's --max-request-tokens (answered 400, like a context overflow)."""
 

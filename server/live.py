@@ -17,6 +17,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,8 @@ from server.agents import (
     new_agent_id,
 )
 from server.engine.base import Engine, EngineError, EngineOutput, EngineRequest
+from server.limits import QuotaExceeded, Quotas
+from sortedcontainers import SortedDict
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
@@ -59,6 +62,10 @@ class _Ticket:
     admitted: float | None = None
     error: Exception | None = None
 
+    @property
+    def waiting(self) -> bool:
+        return not self.opened.is_set()
+
 
 @dataclass(eq=False)
 class _Feed:
@@ -79,6 +86,7 @@ class LiveConfig:
     retention_s: float = 3600.0  # terminal agents stay readable this long
     max_num_seqs: int = 256
     housekeeping_s: float = 1.0
+    quotas: Quotas = field(default_factory=Quotas)
 
 
 class LiveScheduler:
@@ -109,6 +117,12 @@ class LiveScheduler:
         self._ended: collections.deque[str] = collections.deque()
         self._tickets: dict[str, _Ticket] = {}
         self._feeds: dict[str, set[_Feed]] = {}
+        # Per tenant: its agents in registration order (pages of GET /v1/agents), how many
+        # are live and how many requests wait for admission (the quotas).
+        self._by_tenant: dict[str, SortedDict] = {}
+        self._live_count: collections.Counter[str] = collections.Counter()
+        self._queued_count: collections.Counter[str] = collections.Counter()
+        self._agent_seq = itertools.count(1)
         # History writes the API has not yet waited for (finish and cancel wait for theirs).
         self._writes: dict[str, concurrent.futures.Future[None]] = {}
         self._task: asyncio.Task | None = None
@@ -179,9 +193,8 @@ class LiveScheduler:
 
     def _fail_waiting(self, error: Exception) -> None:
         for ticket in self._tickets.values():
-            if ticket.admitted is None and not ticket.opened.is_set():
-                ticket.error = error
-                ticket.opened.set()
+            if ticket.admitted is None and ticket.waiting:
+                self._open_ticket(ticket, error=error)
 
     # -- agents -------------------------------------------------------------------
     def register(
@@ -195,6 +208,7 @@ class LiveScheduler:
         auto: bool = False,
         lease_s: float | None = None,
     ) -> AgentEntry:
+        self.config.quotas.check_agents(tenant, self._live_count[tenant])
         now = self.now()
         metadata = dict(metadata or {})
         if predicted_cost is None:
@@ -221,7 +235,10 @@ class LiveScheduler:
             first_eta_s=view.eta_s,
             on_change=self._on_agent_change,
         )
+        entry.seq = next(self._agent_seq)
         self.agents[agent_id] = entry
+        self._by_tenant.setdefault(tenant, SortedDict())[entry.seq] = entry
+        self._live_count[tenant] += 1
         self._open.add(agent_id)
         if self.metrics:
             self.metrics.agent_registered(entry)
@@ -250,7 +267,26 @@ class LiveScheduler:
         return entry
 
     def list(self, tenant: str) -> list[AgentEntry]:
-        return [a for a in self.agents.values() if a.tenant == tenant]
+        """The tenant's agents (live, and ended ones still kept), in registration order."""
+        return list(self._by_tenant.get(tenant, {}).values())
+
+    def page(self, tenant: str, limit: int, after: int = 0,
+             state: str | None = None) -> tuple[list[AgentEntry], int | None]:
+        """Up to `limit` of the tenant's agents registered after the one numbered `after`
+        (`entry.seq`), and the number to continue after (None on the last page). O(log n +
+        what it reads), whatever the tenant holds."""
+        index = self._by_tenant.get(tenant)
+        if index is None:
+            return [], None
+        out: list[AgentEntry] = []
+        for seq in index.irange(minimum=after, inclusive=(False, True)):
+            entry = index[seq]
+            if state is not None and entry.state != state:
+                continue
+            if len(out) == limit:
+                return out, out[-1].seq
+            out.append(entry)
+        return out, None
 
     def record(self, entry: AgentEntry) -> AgentRecord:
         if entry.final_view is not None:
@@ -333,9 +369,8 @@ class LiveScheduler:
             running = self.dispatcher.cancel_agent(entry.id, now)
         self._close(entry, state, forget=False)
         for ticket in list(self._tickets.values()):
-            if ticket.agent is entry and ticket.admitted is None:
-                ticket.error = AgentConflict(f"agent {entry.id} was {state}")
-                ticket.opened.set()
+            if ticket.agent is entry and ticket.admitted is None and ticket.waiting:
+                self._open_ticket(ticket, error=AgentConflict(f"agent {entry.id} was {state}"))
         for request_id in running:
             # The engine ends the request with finish_reason "abort" and frees its KV.
             await self.engine.abort(request_id)
@@ -350,6 +385,8 @@ class LiveScheduler:
             entry.final_view = self._view(entry)
             self.dispatcher.finish_agent(entry.id, self.now())
         entry.state = state  # type: ignore[assignment]
+        if entry.id in self._open:
+            self._live_count[entry.tenant] -= 1
         self._open.discard(entry.id)
         self._ended.append(entry.id)
         entry.finished_at = self._wall()
@@ -396,6 +433,12 @@ class LiveScheduler:
                 break
             self._ended.popleft()
             self.agents.pop(entry.id if entry else "", None)
+            if entry is not None:
+                index = self._by_tenant.get(entry.tenant)
+                if index is not None:
+                    index.pop(entry.seq, None)
+                    if not index:
+                        del self._by_tenant[entry.tenant]
 
     # -- requests -----------------------------------------------------------------
     async def run(
@@ -411,11 +454,18 @@ class LiveScheduler:
         an engine error) its real usage is accounted and the next requests are admitted.
         """
         self.require_live(entry)
+        try:
+            self.config.quotas.check_queued(entry.tenant, self._queued_count[entry.tenant])
+        except QuotaExceeded:
+            if entry.auto and entry.in_flight == 0:  # its one request was refused
+                self._close(entry, "cancelled")
+            raise
         now = self.now()
         p = len(prompt_token_ids)
         spec = RequestSpec(request_id, entry.id, prompt_tokens=p, max_tokens=sampling.max_tokens)
         ticket = _Ticket(request_id, entry, p, submitted=now)
         self._tickets[request_id] = ticket
+        self._queued_count[entry.tenant] += 1
         self.dispatcher.submit(spec, now)
         entry.in_flight += 1
         entry.last_activity_mono = now
@@ -446,10 +496,19 @@ class LiveScheduler:
         finally:
             self._settle(ticket, last)
 
+    def _open_ticket(self, ticket: _Ticket, error: Exception | None = None) -> None:
+        """The request stops waiting: admitted, or failed with `error`."""
+        ticket.error = error
+        self._queued_count[ticket.agent.tenant] -= 1
+        ticket.opened.set()
+
     def _settle(self, ticket: _Ticket, last: EngineOutput | None) -> None:
         entry = ticket.agent
         now = self.now()
         self._tickets.pop(ticket.request_id, None)
+        if ticket.waiting:  # its consumer went away before admission
+            self._queued_count[entry.tenant] -= 1
+            ticket.opened.set()
         if self._release is not None:
             self._release(ticket.request_id)  # a placement the request never used
         d = last.output_tokens if last is not None else 0
@@ -501,7 +560,7 @@ class LiveScheduler:
             ticket = self._tickets.get(spec.request_id)
             if ticket is not None:
                 ticket.admitted = now
-                ticket.opened.set()
+                self._open_ticket(ticket)
 
     # -- observation ----------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -72,3 +72,106 @@ def test_deeply_nested_json_is_a_400_not_a_500(two_tenants, depth) -> None:
         ok = bob.post("/v1/agents", json={"type": "deep", "prompt": "x",
                                           "metadata": {"k": [[1, [2]], {"a": {"b": 1}}]}})
         assert ok.status_code == 201
+
+
+@pytest.fixture(scope="module")
+def quota_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
+    # alice: 5 live agents and 2 queued requests at most; bob has no quota.
+    engine = FakeEngine(kv_capacity_tokens=2048, max_model_len=1024)
+    keys = {**{key: tenant for tenant, key in KEYS.items()}, "key-admin": "admin"}
+    with FakeServer(tmp_path_factory.mktemp("quota"), engine=engine, api_keys=keys,
+                    max_agents=None, tenant_max_agents={"alice": 5},
+                    max_queued=None, tenant_max_queued={"alice": 2}) as srv:
+        yield srv
+
+
+def test_live_agent_quota_is_a_429_with_retry_after_and_frees_up(quota_server) -> None:
+    with _as(quota_server, "alice") as alice, _as(quota_server, "bob") as bob:
+        ids = [alice.post("/v1/agents", json={"type": "q", "prompt": "x"}).json()["id"]
+               for _ in range(5)]
+        over = alice.post("/v1/agents", json={"type": "q", "prompt": "x"})
+        assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1
+        assert "--max-agents" in over.json()["detail"]
+        # Untagged requests are agents too.
+        untagged = alice.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert untagged.status_code == 429
+        # Another tenant is not held back.
+        assert bob.post("/v1/agents", json={"type": "q", "prompt": "x"}).status_code == 201
+        alice.post(f"/v1/agents/{ids[0]}/finish")
+        assert alice.post("/v1/agents", json={"type": "q", "prompt": "x"}).status_code == 201
+        for i in ids[1:]:
+            alice.delete(f"/v1/agents/{i}")
+
+
+def test_queued_request_quota_is_a_429(quota_server) -> None:
+    import threading
+
+    with _as(quota_server, "alice") as alice:
+        agent = alice.post("/v1/agents", json={"type": "q", "prompt": "x"}).json()["id"]
+        tagged = {"X-Justitia-Agent": agent}
+        # Hold admission, so that requests queue.
+        results: list[int] = []
+
+        def send() -> None:
+            with _as(quota_server, "alice") as c:
+                results.append(c.post("/v1/completions", headers=tagged,
+                                      json={"prompt": "x", "max_tokens": 1}).status_code)
+
+        admin = httpx.Client(base_url=quota_server.url, timeout=30,
+                             headers={"Authorization": "Bearer key-admin"})
+        assert admin.post("/v1/admin/pause").status_code == 200  # requests queue
+        try:
+            threads = [threading.Thread(target=send) for _ in range(2)]
+            for t in threads:
+                t.start()
+            from tests.waiting import wait_until
+
+            wait_until(lambda: alice.get(f"/v1/agents/{agent}").json()["requests_in_flight"] == 2,
+                       10)
+            over = alice.post("/v1/completions", headers=tagged,
+                              json={"prompt": "x", "max_tokens": 1})
+            assert over.status_code == 429 and "--max-queued" in over.json()["detail"]
+        finally:
+            admin.post("/v1/admin/resume")
+            admin.close()
+        for t in threads:
+            t.join(20)
+        assert results == [200, 200]
+        alice.post(f"/v1/agents/{agent}/finish")
+
+
+def test_agent_lists_and_history_come_in_pages(two_tenants) -> None:
+    with _as(two_tenants, "bob") as bob:
+        made = [bob.post("/v1/agents", json={"type": "paged", "prompt": f"p{i}"}).json()["id"]
+                for i in range(7)]
+        seen: list[str] = []
+        cursor = None
+        pages = 0
+        while True:
+            params = {"limit": 3, **({"cursor": cursor} if cursor else {})}
+            body = bob.get("/v1/agents", params=params).json()
+            assert len(body["agents"]) <= 3
+            seen += [a["id"] for a in body["agents"]]
+            pages += 1
+            cursor = body["next_cursor"]
+            if cursor is None:
+                break
+        assert [i for i in seen if i in made] == made and pages >= 3
+        assert bob.get("/v1/agents", params={"limit": 1001}).status_code == 400
+        assert bob.get("/v1/agents", params={"cursor": "x"}).status_code == 400
+        for i in made[:4]:
+            _finish_with_request(bob, i)
+        first = bob.get("/v1/history", params={"agent_type": "paged", "limit": 3}).json()
+        assert len(first["samples"]) == 3 and first["next_cursor"] is not None
+        rest = bob.get("/v1/history", params={"agent_type": "paged", "limit": 3,
+                                               "cursor": first["next_cursor"]}).json()
+        assert len(rest["samples"]) == 1 and rest["next_cursor"] is None
+        ids = [s["agent_id"] for s in first["samples"] + rest["samples"]]
+        assert ids == made[:4]
+
+
+def _finish_with_request(c: httpx.Client, agent_id: str) -> None:
+    r = c.post("/v1/completions", headers={"X-Justitia-Agent": agent_id},
+               json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200
+    c.post(f"/v1/agents/{agent_id}/finish")
