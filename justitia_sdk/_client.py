@@ -15,6 +15,7 @@ import os
 import queue
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,6 +45,7 @@ _INTERRUPT_CLEANUP_S = 20.0
 DEFAULT_URL = "http://127.0.0.1:8000"
 AGENT_HEADER = "X-Justitia-Agent"
 RETRY_STATUSES = frozenset({429, 503})
+_INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 #: Connections one client opens at most. Requests past it wait in the client's pool; no
 #: long-lived stream holds one per agent (a batch watches all its agents over one), so the
 #: pool cannot fill with streams and starve the completions (the 100-agent deadlock). It
@@ -125,7 +127,10 @@ class AsyncClient:
     `base_url` defaults to `JUSTITIA_URL` (else http://127.0.0.1:8000), `api_key` to
     `JUSTITIA_API_KEY`. `timeout` bounds control calls; `request_timeout` bounds one
     completion, which may legitimately wait a long time behind agents the scheduler serves
-    first. 429 and 503 answers and refused connections are retried `max_retries` times.
+    first. 429 and 503 answers and refused connections are retried with backoff for
+    `retry_window_s` seconds (120 by default: longer than a server restart takes), or at most
+    `max_retries` times when that is set; a completion whose connection broke (the server
+    died under it) is sent again within the same window.
     `max_connections` bounds the connections it opens (requests past it wait their turn).
     """
 
@@ -136,7 +141,8 @@ class AsyncClient:
         api_key: str | None = None,
         timeout: float = 30.0,
         request_timeout: float | None = 900.0,
-        max_retries: int = 6,
+        max_retries: int | None = None,
+        retry_window_s: float = 120.0,
         max_connections: int = MAX_CONNECTIONS,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
@@ -145,6 +151,7 @@ class AsyncClient:
         self.timeout = timeout
         self.request_timeout = request_timeout
         self.max_retries = max_retries
+        self.retry_window_s = retry_window_s
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # Agents fan out: one connection per in-flight request. A bounded pool, large enough
         # that what a batch sends reaches the scheduler rather than queuing here.
@@ -180,25 +187,33 @@ class AsyncClient:
         timeout: float | None | httpx.Timeout = None,
     ) -> Any:
         attempt = 0
+        started = time.monotonic()
+        # A completion is safe to send again when its connection broke: the server died under
+        # it, so nothing of it survives there. Agent calls are not (a lost answer to a
+        # registration would register twice).
+        resend_on_break = method == "POST" and path in _INFERENCE_PATHS
         while True:
             try:
                 response = await self._http.request(
                     method, path, json=json_body, headers=headers,
                     timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
                 )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt >= self.max_retries:
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                    httpx.ReadError) as exc:
+                broke = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                if (broke and not resend_on_break) or self._give_up(attempt, started):
                     raise ServerUnavailableError(
-                        f"cannot reach the Justitia server at {self.base_url}: {exc}"
+                        f"cannot reach the Justitia server at {self.base_url}: {exc!r}"
+                        f"{self._tried(attempt, started)}"
                     ) from exc
                 await anyio.sleep(self._backoff(attempt))
                 attempt += 1
                 continue
             if response.status_code in RETRY_STATUSES:
-                if attempt >= self.max_retries:
+                if self._give_up(attempt, started):
                     raise ServerUnavailableError(
                         f"{method} {path}: the server stayed busy ({response.status_code}: "
-                        f"{_detail(response)}) through {self.max_retries} retries"
+                        f"{_detail(response)}){self._tried(attempt, started)}"
                     )
                 await anyio.sleep(_retry_after(response) or self._backoff(attempt))
                 attempt += 1
@@ -210,6 +225,15 @@ class AsyncClient:
             if not response.content:
                 return None
             return response.json()
+
+    def _give_up(self, attempt: int, started: float) -> bool:
+        if self.max_retries is not None and attempt >= self.max_retries:
+            return True
+        return time.monotonic() - started >= self.retry_window_s
+
+    def _tried(self, attempt: int, started: float) -> str:
+        return (f" through {attempt} retries over {time.monotonic() - started:.0f} s" if attempt
+                else "")
 
     @staticmethod
     def _backoff(attempt: int) -> float:

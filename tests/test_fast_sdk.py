@@ -160,3 +160,64 @@ def test_fake_servers_stop_and_free_their_port(tmp_path) -> None:
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/healthz")
     wait_until(lambda: not srv.engine.healthy, limit_s=5)  # the lifespan closed the engine
+
+
+# -- a server that dies and comes back ------------------------------------------------------
+
+_SERVE_FAKE = """
+import sys, time
+from tests.fake_engine import FakeEngine, FakeServer
+srv = FakeServer(sys.argv[1], engine=FakeEngine(step_s=0.01)).start(port=int(sys.argv[2]))
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def _fake_server_process(data_dir, port: int):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_FAKE, str(data_dir), str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+async def test_an_agent_survives_its_server_being_killed_and_restarted(tmp_path) -> None:
+    """The request in flight when the server died is sent again once it is back (the
+    server forgot the agent: the SDK registers it again), within the retry window."""
+    from justitia_sdk import agent, llm
+    from server.launcher import free_port
+
+    port = free_port()
+    proc = _fake_server_process(tmp_path / "a", port)
+    restarted: list = []
+
+    @agent("survivor")
+    async def survivor() -> str:
+        first = await llm("one", max_tokens=3)
+        return first + await llm("two", max_tokens=300, ignore_eos=True)
+
+    def kill_and_restart() -> None:
+        from tests.waiting import wait_until
+
+        wait_until(lambda: any(a["requests_total"] == 2 for a in httpx.get(
+            f"http://127.0.0.1:{port}/v1/agents").json()["agents"]), 20)
+        proc.kill()  # kill -9: the connection of the second request breaks
+        proc.wait(10)
+        time.sleep(2.0)  # down for a while: refused connections meanwhile
+        restarted.append(_fake_server_process(tmp_path / "b", port))
+
+    try:
+        async with AsyncClient(f"http://127.0.0.1:{port}", retry_window_s=60) as client:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, kill_and_restart)
+                out = await client.run(survivor)
+        assert len(out) > 0 and restarted
+        agents = httpx.get(f"http://127.0.0.1:{port}/v1/agents").json()["agents"]
+        assert [a["state"] for a in agents] == ["finished"]  # re-registered on the new server
+    finally:
+        for p in [proc, *restarted]:
+            p.kill()
+            p.wait(10)
