@@ -62,7 +62,6 @@ from .virtual_clock import VirtualClock
 
 __all__ = ["AgentState", "AgentView", "Dispatcher", "RequestSpec", "RequestState", "RequestStatus"]
 
-PENDING = RequestStatus.PENDING
 RUNNING = RequestStatus.RUNNING
 DONE = RequestStatus.DONE
 
@@ -328,8 +327,12 @@ class Dispatcher:
             if req is None:
                 break
             need = req.footprint if footprint else req.spec.prompt_tokens + 1
+            fits = need <= free
+            if fits and footprint and place is not None:
+                # several replicas: one of them must hold the whole request (it reserves there)
+                fits = place(req.spec, req.footprint)
             # An idle engine takes the head whatever its size: nothing would ever free room.
-            if not self._fits(req, need, free, footprint, place) and (self.running_count or out):
+            if not fits and (self.running_count or out):
                 if queue.defer():  # backfill: look past the blocked agent (restored below)
                     continue
                 break
@@ -354,14 +357,6 @@ class Dispatcher:
         if engine_free_kv_tokens is not None:
             free = min(free, engine_free_kv_tokens) if footprint else engine_free_kv_tokens
         return free
-
-    @staticmethod
-    def _fits(req: RequestState, need: int, free: int, footprint: bool,
-              place: Callable[[RequestSpec, int], bool] | None) -> bool:
-        if need > free:
-            return False
-        # several replicas: the sum has room, but one replica must hold the whole request
-        return not (footprint and place is not None) or place(req.spec, req.footprint)
 
     def _mark_running(self, agent: AgentState, req: RequestState, now: float) -> None:
         req.status = RUNNING
