@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sortedcontainers import SortedDict
+
 from server.agents import (
     MAX_ERROR_CHARS,
     AgentEntry,
@@ -34,8 +36,7 @@ from server.agents import (
 )
 from server.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 from server.limits import QuotaExceeded, Quotas
-from sortedcontainers import SortedDict
-from server.scheduler import AgentShape, Dispatcher, RequestSpec, kv_cost
+from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
 
@@ -363,7 +364,7 @@ class LiveScheduler:
         if state in ("finished", "failed"):
             # Its GPS work stays charged (the agent ran); only its requests go.
             running = [rid for rid, r in self.dispatcher.requests.items()
-                       if r.spec.agent_id == entry.id and r.running]
+                       if r.spec.agent_id == entry.id and r.status is RequestStatus.RUNNING]
             self.dispatcher.finish_agent(entry.id, now)
         else:
             running = self.dispatcher.cancel_agent(entry.id, now)

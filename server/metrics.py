@@ -32,17 +32,17 @@ class _SchedulerCollector:
         s = self.scheduler
         if s is None:
             return
-        d = s.dispatcher
-        d.clock.advance(s.now())
+        disp = s.dispatcher
+        gps = disp.clock.peek(s.now())  # a scrape reads the clock; it must not advance it
         stats = s.engine.stats()
         values = {
-            "justitia_pending_requests": ("Requests waiting in the scheduler.", d.pending_count),
-            "justitia_running_requests": ("Requests admitted to the engine.", d.running_count),
-            "justitia_reserved_kv_tokens": ("KV tokens reserved by admitted requests.", d.reserved_kv),
-            "justitia_kv_capacity_tokens": ("KV capacity M in tokens.", d.kv_capacity),
-            "justitia_virtual_time": ("The GPS virtual clock V.", d.clock.V),
-            "justitia_gps_backlog": ("Agents backlogged in the GPS reference system.", d.clock.backlog),
-            "justitia_iteration_time_seconds": ("Measured engine iteration time tau.", d.tau),
+            "justitia_pending_requests": ("Requests waiting in the scheduler.", disp.pending_count),
+            "justitia_running_requests": ("Requests admitted to the engine.", disp.running_count),
+            "justitia_reserved_kv_tokens": ("KV tokens reserved by admitted requests.", disp.reserved_kv),
+            "justitia_kv_capacity_tokens": ("KV capacity M in tokens.", disp.kv_capacity),
+            "justitia_virtual_time": ("The GPS virtual clock V.", gps.V),
+            "justitia_gps_backlog": ("Agents backlogged in the GPS reference system.", gps.backlog),
+            "justitia_iteration_time_seconds": ("Measured engine iteration time tau.", disp.tau),
             "justitia_engine_kv_usage": ("Engine KV cache usage (0-1).", stats.kv_usage),
             "justitia_engine_preemptions": ("Engine preemptions so far.", stats.preemptions_total),
         }

@@ -1,7 +1,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from server.scheduler import POLICY_NAMES, AgentShape, Dispatcher, RequestSpec, kv_cost
+from server.scheduler import POLICY_NAMES, AgentShape, Dispatcher, RequestSpec, RequestStatus, kv_cost
 
 
 def req(rid, agent, p, d, expected=None):
@@ -234,13 +234,13 @@ def test_accounting_returns_to_zero(policy, ops, m, backfill):
         if d.policy.admission == "footprint" and d.running_count > 1:
             assert d.reserved_kv <= m
     # drain: finish whatever runs, admit the rest, until nothing is left
-    running = [r for r, s in d.requests.items() if s.running]
+    running = [r for r, s in d.requests.items() if s.status is RequestStatus.RUNNING]
     while running:
         now += 1.0
         for rid in running:
             d.on_request_finished(rid, *real[rid], now)
         d.admit(now)
-        running = [r for r, s in d.requests.items() if s.running]
+        running = [r for r, s in d.requests.items() if s.status is RequestStatus.RUNNING]
     assert d.pending_count == 0
     for aid in sorted(agents):
         d.finish_agent(aid, now)

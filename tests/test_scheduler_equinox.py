@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from server.scheduler import Dispatcher, RequestSpec, compute_cost, kv_cost
+from server.scheduler import Dispatcher, RequestSpec, RequestStatus, compute_cost, kv_cost
 from server.scheduler.policies import POLICIES
 
 
@@ -22,7 +22,7 @@ def test_charged_with_the_prediction_and_credited_back_on_finish():
     d.register_agent("a", 1.0, 0.0)
     d.submit(req("a0", "a", 1000, 2000, expected=800), 0.0)  # predicted 800, runs 200
     assert ids(d.admit(0.0)) == ["a0"]
-    c = d.agents["a"].pstate
+    c = d.agents["a"].fair
     assert c.user == 1000 + 2 * 800 and c.resource == kv_cost(1000, 800) and c.provisional == 1
     charged = c.key
     d.on_request_finished("a0", 1000, 200, 5.0)
@@ -40,7 +40,7 @@ def test_an_agent_that_used_less_than_predicted_goes_first_afterwards():
     d.submit(req("b0", "brief", 500, 1000, expected=500), 0.0)
     d.submit(req("v0", "verbose", 500, 1000, expected=500), 0.0)
     assert ids(d.admit(0.0)) == ["b0", "v0"]
-    assert d.agents["brief"].pstate.key == d.agents["verbose"].pstate.key  # same prediction
+    assert d.agents["brief"].fair.key == d.agents["verbose"].fair.key  # same prediction
     d.on_request_finished("b0", 500, 50, 1.0)
     d.on_request_finished("v0", 500, 500, 5.0)
     d.submit(req("v1", "verbose", 500, 1000, expected=500), 5.0)
@@ -62,7 +62,7 @@ def test_the_two_counters_and_their_weights():
         assert ids(d.admit(0.0, engine_free_slots=2)) == ["r0", "w0"]  # equal keys: arrival
         d.on_request_finished("r0", 1000, 100, 1.0)
         d.on_request_finished("w0", 100, 500, 1.0)
-        r, w = d.agents["reader"].pstate, d.agents["writer"].pstate
+        r, w = d.agents["reader"].fair, d.agents["writer"].fair
         assert (r.user, w.user) == (1200, 1100)
         assert (r.resource, w.resource) == (kv_cost(1000, 100), kv_cost(100, 500))
         return ids(d.admit(1.0, engine_free_slots=1))[0]
@@ -78,12 +78,12 @@ def test_a_newly_backlogged_agent_is_lifted_to_the_least_served():
     for k in range(3):
         d.submit(req(f"o{k}", "old", 100, 50, 50), 0.0)
     d.admit(0.0, engine_free_slots=2)
-    old_key = d.agents["old"].pstate.key
+    old_key = d.agents["old"].fair.key
     assert old_key > 0
     d.register_agent("new", 1.0, 1.0)
     d.submit(req("n0", "new", 100, 50, 50), 1.0)
     # idle time earns no credit: "new" starts at the key of the backlogged "old"
-    assert d.agents["new"].pstate.key == old_key
+    assert d.agents["new"].fair.key == old_key
 
 
 ops = st.lists(
@@ -114,7 +114,7 @@ def test_counters_are_exact_and_provisional_charges_return_to_zero(ops, m):
         if cancel and k % 7 == 3:  # sometimes cancel an agent with requests in flight
             d.cancel_agent(aid, now)
             cancelled.add(aid)
-    running = [r for r, s in d.requests.items() if s.running]
+    running = [r for r, s in d.requests.items() if s.status is RequestStatus.RUNNING]
     while running:
         now += 1.0
         for rid in running:
@@ -123,9 +123,9 @@ def test_counters_are_exact_and_provisional_charges_return_to_zero(ops, m):
             truth[aid][0] += compute_cost(p, out)
             truth[aid][1] += kv_cost(p, out)
         d.admit(now)
-        running = [r for r, s in d.requests.items() if s.running]
+        running = [r for r, s in d.requests.items() if s.status is RequestStatus.RUNNING]
     for aid in sorted(agents - cancelled):
-        c = d.agents[aid].pstate
+        c = d.agents[aid].fair
         if c is None:
             continue
         assert c.provisional == 0

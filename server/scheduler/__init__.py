@@ -7,19 +7,25 @@
   justitia-c, and the stateful baselines ewsjf and equinox.
 - `ewsjf`, `tuner`: EWSJF's partitioning, group queues and online (Thompson sampling) tuner.
 - `bounds`: the per-agent delay bound in seconds.
+- `state`: the scheduler's state (requests and their status, agents, views, the narrow
+  context policies see).
+- `queues`: the queue protocol the dispatcher admits from (agent heap; ewsjf's group queues).
 - `dispatcher`: pending requests, admission into the engine, per-agent views.
 - `rate`: the online estimate of tau (the GPS rate's iteration time) for the live server.
 """
 
 from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
 from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprint
-from .dispatcher import AgentState, AgentView, Dispatcher, RequestSpec, RequestState
+from .dispatcher import Dispatcher
 from .gps_reference import gps_finish_times
 from .policies import POLICIES, POLICY_NAMES, Policy, get_policy
+from .queues import AgentHeapQueue, RequestQueue
 from .rate import TauEstimator
+from .state import AgentState, AgentView, RequestSpec, RequestState, RequestStatus, SchedulerContext
 from .virtual_clock import VirtualClock
 
 __all__ = [
+    "AgentHeapQueue",
     "AgentShape",
     "AgentState",
     "AgentView",
@@ -31,8 +37,11 @@ __all__ = [
     "POLICIES",
     "POLICY_NAMES",
     "Policy",
+    "RequestQueue",
     "RequestSpec",
     "RequestState",
+    "RequestStatus",
+    "SchedulerContext",
     "TauEstimator",
     "VirtualClock",
     "compute_cost",

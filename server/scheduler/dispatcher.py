@@ -5,13 +5,18 @@ I/O: callers pass `now` (seconds, non-decreasing) and the engine's state when th
 
 Life of an agent, as the live server sees it (it does not know future stages):
 
-    d = Dispatcher("justitia", kv_capacity_tokens=45_000, iteration_time_s=0.025)
-    view = d.register_agent("a17", predicted_cost=3.2e6, now=t)       # tag F = V(t) + C
-    d.submit(RequestSpec("r1", "a17", prompt_tokens=812, max_tokens=256), now=t)
-    for spec in d.admit(now=t, engine_free_kv_tokens=free):             # in order
-        engine.add(spec, priority=d.priority(spec.agent_id, spec.request_id))
-    d.on_request_finished("r1", prompt_tokens=812, output_tokens=120, now=t2)
-    d.finish_agent("a17", now=t3)         # or: ids = d.cancel_agent("a17", now); engine.abort(ids)
+    disp = Dispatcher("justitia", kv_capacity_tokens=45_000, iteration_time_s=0.025)
+    view = disp.register_agent("a17", predicted_cost=3.2e6, now=t)    # tag F = V(t) + C
+    disp.submit(RequestSpec("r1", "a17", prompt_tokens=812, max_tokens=256), now=t)
+    for spec in disp.admit(now=t, engine_free_kv_tokens=free):          # in order
+        engine.add(spec, priority=disp.priority(spec.agent_id, spec.request_id))
+    disp.on_request_finished("r1", prompt_tokens=812, output_tokens=120, now=t2)
+    disp.finish_agent("a17", now=t3)   # or: ids = disp.cancel_agent("a17", now); engine.abort(ids)
+
+A request is PENDING in the policy's queue (queues.py), RUNNING once admitted (its footprint
+reserved), and leaves the table when it finishes or its agent goes (state.py). `admit` is one
+loop over the queue: compute the budget, then peek at the next request, check that it fits,
+pop it and mark it running.
 
 Accounting: `reserved_kv` (footprints of admitted, unfinished requests), the pending queue and
 the agent table return to zero once every agent is finished or cancelled.
@@ -23,117 +28,42 @@ WFQ's rule for new work: F = max(F, V(now)) + excess. So an agent that under-pre
 back in the queue as soon as the excess is visible; it never runs ahead for free. Under-runs
 are not refunded (an agent's GPS share is fixed once charged).
 
-Stateful policies (ewsjf, equinox) get their own instance (`Policy.bind(seed)`) and hear about
-every request through hooks: `on_submit`, `on_admit`, `on_finish` (with the true lengths and
-`now`), `on_drop`. A policy that owns its queue (ewsjf: a score that grows with waiting time
-has no static heap key) holds the pending requests itself and picks the next one
-(`select`); the per-agent heaps stay empty for it. `is_idle()` also asks the policy whether
-its own bookkeeping (queued requests, provisional charges) is back to zero.
+Stateful policies (vtc, ewsjf, equinox) get their own instance (`Policy.bind(seed)`) and hear
+about every request through hooks: `on_submit`, `on_admit`, `on_finish` (with the true lengths
+and `now`), `on_drop`. The hooks receive the dispatcher as a `SchedulerContext` (tau,
+compute_per_kv, leader), nothing more. `is_idle()` also asks the policy whether its own
+bookkeeping (queued requests, provisional charges) is back to zero.
+
+Events (register, submit, admit, finish, cancel) advance the virtual clock to `now`; reads
+(`view`, `fair_finish_time`, `snapshot`) do not. docs/architecture.md shows the modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
+from .bounds import AgentShape, BoundLimits, delay_bound
 from .cost import COMPUTE, compute_cost, cost_function, kv_cost, kv_footprint
 from .policies import FOOTPRINT, Policy, get_policy
+from .queues import RequestQueue
+from .state import (
+    AgentState,
+    AgentView,
+    CostMix,
+    ObservedLimits,
+    RequestSpec,
+    RequestState,
+    RequestStatus,
+)
 from .virtual_clock import VirtualClock
 
+__all__ = ["AgentState", "AgentView", "Dispatcher", "RequestSpec", "RequestState", "RequestStatus"]
 
-@dataclass(frozen=True)
-class RequestSpec:
-    """One inference request as the dispatcher sees it."""
-
-    request_id: str
-    agent_id: str
-    prompt_tokens: int
-    max_tokens: int
-    expected_output_tokens: int | None = None
-
-    @property
-    def expected_tokens(self) -> int:
-        """Expected output length, bounded by max_tokens (max_tokens when unknown)."""
-        if self.expected_output_tokens is None:
-            return self.max_tokens
-        return max(0, min(self.expected_output_tokens, self.max_tokens))
-
-
-@dataclass
-class RequestState:
-    spec: RequestSpec
-    seq: int
-    submitted_at: float
-    footprint: int  # KV tokens reserved when admitted (p + expected d)
-    est_cost: float  # estimated cost in the policy's cost units
-    est_kv_cost: float
-    order: tuple = ()
-    running: bool = False
-    admitted_at: float | None = None
-    pstate: Any = None  # the policy's own data about this request (ewsjf, equinox)
-
-
-@dataclass
-class AgentState:
-    agent_id: str
-    seq: int
-    agent_type: str | None
-    submitted_at: float
-    predicted_cost: float  # KV token-time predicted at arrival
-    charged_cost: float  # work charged to the virtual clock (policy cost units)
-    virtual_finish: float
-    bound: DelayBound
-    shape: AgentShape
-    committed_cost: float = 0.0  # estimates of submitted requests, corrected on finish
-    consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)
-    consumed_kv: float = 0.0  # real KV token-time of finished requests
-    vtc_counter: float = 0.0
-    pending: list = field(default_factory=list)  # heap of (order, seq, RequestState)
-    request_ids: set = field(default_factory=set)  # submitted, unfinished requests
-    running: int = 0
-    requests_total: int = 0
-    requests_done: int = 0
-    version: int = 0  # bumps whenever the agent's key changes (stale heap entries)
-    in_heap: bool = False
-    queued: int = 0  # pending requests held by a policy that owns the queue (ewsjf)
-    pstate: Any = None  # the policy's own data about this agent (equinox's counters)
-
-    @property
-    def pending_requests(self) -> int:
-        """Requests submitted and not yet admitted."""
-        return len(self.pending) + self.queued
-
-    @property
-    def remaining_predicted(self) -> float:
-        """Predicted KV cost not yet consumed (SRJF's key)."""
-        return max(0.0, self.predicted_cost - self.consumed_kv)
-
-
-@dataclass(frozen=True)
-class AgentView:
-    """What the scheduler promises an agent; the times are seconds from its submission."""
-
-    agent_id: str
-    agent_type: str | None
-    submitted_at: float  # on the caller's clock
-    predicted_cost: float
-    charged_cost: float
-    consumed_cost: float
-    virtual_finish: float
-    fair_finish_s: float
-    eta_s: float
-    delay_bound_s: float
-    deadline_s: float
-    bound: DelayBound  # the three terms of delay_bound_s
-    requests_total: int
-    requests_done: int
-    pending: int
-    running: int
+RUNNING = RequestStatus.RUNNING
+DONE = RequestStatus.DONE
 
 
 class Dispatcher:
@@ -155,7 +85,6 @@ class Dispatcher:
         # A stateful policy (ewsjf, equinox) gets an instance of its own, seeded.
         self.policy = (get_policy(policy) if isinstance(policy, str) else policy).bind(seed)
         self._hooked = self.policy.hooked
-        self._owns_queue = self.policy.owns_queue
         if kv_capacity_tokens <= 0 or iteration_time_s <= 0:
             raise ValueError("kv_capacity_tokens and iteration_time_s must be positive")
         self.kv_capacity = int(kv_capacity_tokens)
@@ -166,16 +95,16 @@ class Dispatcher:
         self.block_size = max(1, int(block_size))
         self.backfill_depth = backfill_depth
         self._declared_limits = limits
-        self._observed = [0.0, 0.0, 0]  # c_max, C_max, d_max seen so far
+        self._observed = ObservedLimits()
         self._cost = cost_function(self.policy.cost_model)
         # justitia-c keeps its clock in compute tokens; its rate is M/tau converted with the
         # compute/KV ratio of the requests submitted so far (1/256 before any).
-        self._ratio_sums = [0.0, 0.0]
+        self._mix = CostMix()
         self.clock = VirtualClock(rate=self._rate(), now=now)
         self.agents: dict[str, AgentState] = {}
         self.requests: dict[str, RequestState] = {}
-        self._heap: list[tuple[tuple, int, int, str]] = []
         self._seq = itertools.count()
+        self.queue: RequestQueue = self.policy.make_queue(self, backfill_depth if backfill else 0)
         self.reserved_kv = 0  # footprints of admitted, unfinished requests
         self.reserved_prompt = 0  # prompts of admitted, unfinished requests
         self.pending_count = 0
@@ -192,8 +121,7 @@ class Dispatcher:
     def compute_per_kv(self) -> float:
         """Compute tokens (p + 2d) per unit of KV token-time over the requests submitted so
         far (1/256 before any): converts one cost model into the other."""
-        c, k = self._ratio_sums
-        return c / k if k > 0 else 1.0 / 256.0
+        return self._mix.compute_per_kv
 
     @property
     def rate(self) -> float:
@@ -219,8 +147,7 @@ class Dispatcher:
         """Declared workload limits, or the largest costs seen so far."""
         if self._declared_limits is not None:
             return self._declared_limits
-        c, C, d = self._observed
-        return BoundLimits(c, C, int(d))
+        return self._observed.as_limits()
 
     # -- agents -----------------------------------------------------------------
     def register_agent(
@@ -242,7 +169,7 @@ class Dispatcher:
             if predicted_compute_cost is None:
                 predicted_compute_cost = predicted_cost * self.compute_per_kv
             charge = max(0.0, float(predicted_compute_cost))
-        self._observed[1] = max(self._observed[1], predicted_cost)
+        self._observed.max_agent_cost = max(self._observed.max_agent_cost, predicted_cost)
         shape = shape or AgentShape()
         tag = self.clock.arrive(agent_id, charge, now)
         agent = AgentState(
@@ -261,6 +188,8 @@ class Dispatcher:
 
     def finish_agent(self, agent_id: str, now: float) -> AgentView:
         """The agent is done: forget it (pending requests, if any, are dropped)."""
+        self._agent(agent_id)
+        self.clock.advance(now)  # an event, like every update: the clock moves to `now`
         view = self.view(agent_id, now)
         self._drop(agent_id, now, cancel=False)
         return view
@@ -271,22 +200,24 @@ class Dispatcher:
 
     def _drop(self, agent_id: str, now: float, cancel: bool) -> list[str]:
         agent = self._agent(agent_id)
-        running = []
+        running: list[str] = []
+        pending: list[RequestState] = []
         for rid in sorted(agent.request_ids, key=lambda r: self.requests[r].seq):
-            req = self.requests[rid]
+            req = self.requests.pop(rid)
             if self._hooked:
                 self.policy.on_drop(self, agent, req)
-            if req.running:
+            if req.status is RUNNING:
                 running.append(rid)
                 self._release(req)
             else:
                 self.pending_count -= 1
-            del self.requests[rid]
-        agent.pending.clear()
-        agent.queued = 0
+                pending.append(req)
+        self.queue.remove_agent(agent, pending)
+        for req in pending:
+            req.status = DONE
+        agent.pending = 0
         agent.request_ids.clear()
         agent.running = 0
-        agent.version += 1
         if cancel:
             self.clock.remove(agent_id, now)  # its GPS work disappears
         self.clock.forget(agent_id)
@@ -309,33 +240,24 @@ class Dispatcher:
             est_kv_cost=kv_cost(p, d),
         )
         req.order = self.policy.request_order(req)
-        self._ratio_sums[0] += compute_cost(p, d)
-        self._ratio_sums[1] += kv_cost(p, d)
+        self._mix.compute += compute_cost(p, d)
+        self._mix.kv += req.est_kv_cost
         if self.policy.cost_model == COMPUTE:
             self.clock.set_rate(self._rate(), now)
-        self._observed[0] = max(self._observed[0], req.est_kv_cost)
-        self._observed[2] = max(self._observed[2], spec.max_tokens)
+        observed = self._observed
+        observed.max_request_cost = max(observed.max_request_cost, req.est_kv_cost)
+        observed.max_output_tokens = max(observed.max_output_tokens, spec.max_tokens)
         self.requests[spec.request_id] = req
         agent.request_ids.add(spec.request_id)
         agent.requests_total += 1
+        first = agent.pending == 0
+        agent.pending += 1
         self.pending_count += 1
-        if self._owns_queue:  # the policy routes it into its own queues
-            agent.queued += 1
-            self.policy.on_submit(self, agent, req, now, agent.queued == 1)
-            self._commit(agent, req.est_cost, now)
-            return
-        first = not agent.pending
-        if self.policy.name == "vtc" and first:
-            # VTC's counter lift: a newly backlogged agent starts no lower than the
-            # least-served backlogged agent, so idle time earns no credit.
-            top = self._peek()
-            if top is not None:
-                agent.vtc_counter = max(agent.vtc_counter, self.agents[top].vtc_counter)
-        heapq.heappush(agent.pending, (req.order, req.seq, req))
+        self.queue.push(agent, req)
         if self._hooked:
             self.policy.on_submit(self, agent, req, now, first)
         self._commit(agent, req.est_cost, now)
-        self._requeue(agent)
+        self.queue.requeue(agent)
 
     def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int, now: float) -> bool:
         """A request left the engine: release its reservation and account its real cost.
@@ -348,28 +270,24 @@ class Dispatcher:
             return False
         agent = self._agent(req.spec.agent_id)
         agent.request_ids.discard(request_id)
-        if req.running:
+        if req.status is RUNNING:
             self._release(req)
             agent.running -= 1
             if self._hooked:
                 self.policy.on_finish(self, agent, req, prompt_tokens, output_tokens, now)
         else:  # finished without being admitted (e.g. rejected): just drop it
-            self.pending_count -= 1
             if self._hooked:
                 self.policy.on_drop(self, agent, req)
-            if self._owns_queue:
-                agent.queued -= 1
-            else:
-                agent.pending = [e for e in agent.pending if e[2] is not req]
-                heapq.heapify(agent.pending)
+            self.queue.remove(agent, req)
+            req.status = DONE
+            agent.pending -= 1
+            self.pending_count -= 1
         real = self._cost(prompt_tokens, output_tokens)
         agent.consumed_cost += real
         agent.consumed_kv += kv_cost(prompt_tokens, output_tokens)
         agent.requests_done += 1
-        if self.policy.name == "vtc":
-            agent.vtc_counter += 2.0 * output_tokens
         self._commit(agent, real - req.est_cost, now)
-        self._requeue(agent)
+        self.queue.requeue(agent)
         return True
 
     def _commit(self, agent: AgentState, delta: float, now: float) -> None:
@@ -400,99 +318,66 @@ class Dispatcher:
         """
         self.clock.advance(now)
         footprint = self.policy.admission == FOOTPRINT
+        free = self._budget(footprint, engine_free_kv_tokens)
+        slots = engine_free_slots
+        queue = self.queue
+        out: list[RequestSpec] = []
+        while slots is None or slots > 0:
+            req = queue.peek(now)
+            if req is None:
+                break
+            need = req.footprint if footprint else req.spec.prompt_tokens + 1
+            fits = need <= free
+            if fits and footprint and place is not None:
+                # several replicas: one of them must hold the whole request (it reserves there)
+                fits = place(req.spec, req.footprint)
+            # An idle engine takes the head whatever its size: nothing would ever free room.
+            if not fits and (self.running_count or out):
+                if queue.defer():  # backfill: look past the blocked agent (restored below)
+                    continue
+                break
+            agent = self.agents[req.spec.agent_id]
+            queue.pop(agent, req)
+            self._mark_running(agent, req, now)
+            queue.requeue(agent)
+            free -= need
+            if slots is not None:
+                slots -= 1
+            out.append(req.spec)
+        queue.restore()
+        return out
+
+    def _budget(self, footprint: bool, engine_free_kv_tokens: int | None) -> int:
+        """Memory the next admissions may take: footprints against M (and what the engine
+        reports free), or prompts against the engine's free memory."""
         if footprint:
             free = self.kv_capacity - self.reserved_kv
         else:
             free = self.kv_capacity - self.reserved_prompt
         if engine_free_kv_tokens is not None:
             free = min(free, engine_free_kv_tokens) if footprint else engine_free_kv_tokens
-        slots = engine_free_slots
-        out: list[RequestSpec] = []
-        skipped: list[str] = []
-        owns = self._owns_queue
-        while slots is None or slots > 0:
-            if owns:  # the policy picks the request (ewsjf); no backfill past it
-                req = self.policy.select(self, now)
-                if req is None:
-                    break
-                agent = self.agents[req.spec.agent_id]
-            else:
-                agent_id = self._peek()
-                if agent_id is None:
-                    break
-                agent = self.agents[agent_id]
-                req = agent.pending[0][2]
-            need = req.footprint if footprint else req.spec.prompt_tokens + 1
-            idle = self.running_count == 0 and not out
-            fits = need <= free
-            if fits and footprint and place is not None:
-                fits = place(req.spec, req.footprint)
-            if not fits and not idle:
-                if owns or not self.backfill or len(skipped) >= self.backfill_depth:
-                    break
-                # backfill: look past the blocked agent (its entry comes back below)
-                heapq.heappop(self._heap)
-                agent.in_heap = False
-                skipped.append(agent_id)
-                continue
-            if not owns:
-                heapq.heappop(agent.pending)
-            else:
-                agent.queued -= 1
-            req.running = True
-            req.admitted_at = now
-            self.pending_count -= 1
-            self.running_count += 1
-            agent.running += 1
-            self.reserved_kv += req.footprint
-            self.reserved_prompt += req.spec.prompt_tokens
-            free -= need
-            if slots is not None:
-                slots -= 1
-            if self.policy.name == "vtc":
-                agent.vtc_counter += req.spec.prompt_tokens
-            if self._hooked:
-                self.policy.on_admit(self, agent, req, now)
-            if not owns:
-                agent.version += 1
-                agent.in_heap = False
-                self._requeue(agent)
-            out.append(req.spec)
-        for agent_id in skipped:
-            self._requeue(self.agents[agent_id])
-        return out
+        return free
+
+    def _mark_running(self, agent: AgentState, req: RequestState, now: float) -> None:
+        req.status = RUNNING
+        agent.pending -= 1
+        agent.running += 1
+        self.pending_count -= 1
+        self.running_count += 1
+        self.reserved_kv += req.footprint
+        self.reserved_prompt += req.spec.prompt_tokens
+        if self._hooked:
+            self.policy.on_admit(self, agent, req, now)
 
     def _release(self, req: RequestState) -> None:
         self.reserved_kv -= req.footprint
         self.reserved_prompt -= req.spec.prompt_tokens
         self.running_count -= 1
-        req.running = False
-
-    def _requeue(self, agent: AgentState) -> None:
-        """(Re)insert the agent in the heap under its current key (old entries go stale)."""
-        agent.version += 1
-        if agent.pending:
-            key = self.policy.agent_key(agent, agent.pending[0][2])
-            heapq.heappush(self._heap, (key, agent.version, agent.seq, agent.agent_id))
-            agent.in_heap = True
-        else:
-            agent.in_heap = False
+        req.status = DONE
 
     def leader(self) -> AgentState | None:
-        """The agent whose head request is admitted next (agent-keyed policies)."""
-        agent_id = self._peek()
-        return self.agents[agent_id] if agent_id is not None else None
-
-    def _peek(self) -> str | None:
-        """The agent whose head request is next, dropping stale heap entries."""
-        heap = self._heap
-        while heap:
-            _, version, _, agent_id = heap[0]
-            agent = self.agents.get(agent_id)
-            if agent is not None and agent.version == version and agent.pending and agent.in_heap:
-                return agent_id
-            heapq.heappop(heap)
-        return None
+        """The agent whose head request is admitted next (agent-keyed queues), or None."""
+        return self.queue.leader()
 
     # -- views ------------------------------------------------------------------
     def _agent(self, agent_id: str) -> AgentState:
@@ -508,12 +393,10 @@ class Dispatcher:
         return self.policy.priority(agent, req)
 
     def fair_finish_time(self, agent_id: str, now: float) -> float:
-        """GPS finish time of the agent projected from now (no further arrivals)."""
+        """GPS finish time of the agent projected from now (no further arrivals).
+        A read: the clock does not move."""
         agent = self._agent(agent_id)
-        self.clock.advance(now)
-        if self.clock.tag(agent_id) is None:
-            return self.clock.departures.get(agent_id, now)
-        return self.clock.projected_time(agent.virtual_finish, now)
+        return self.clock.finish_time(agent_id, agent.virtual_finish, now)
 
     def eta_time(self, agent_id: str, now: float) -> float:
         """Projected finish under the running policy: the work ordered at or before the
@@ -547,22 +430,23 @@ class Dispatcher:
             bound=agent.bound,
             requests_total=agent.requests_total,
             requests_done=agent.requests_done,
-            pending=agent.pending_requests,
+            pending=agent.pending,
             running=agent.running,
         )
 
     def snapshot(self, now: float, max_queue: int = 50) -> dict:
-        """Plain-data state: policy, V, M, tau, backlog, queue (head first) with tags."""
-        self.clock.advance(now)
-        queued = sorted((a for a in self.agents.values() if a.pending_requests), key=self._queue_key)
+        """Plain-data state: policy, V, M, tau, backlog, queue (head first) with tags.
+        A read: the clock does not move."""
+        gps = self.clock.peek(now)
+        queued = sorted((a for a in self.agents.values() if a.pending), key=self._queue_key)
         return {
             "policy": self.policy.name,
             "now": now,
-            "V": self.clock.V,
+            "V": gps.V,
             "M": self.kv_capacity,
             "tau": self.tau,
             "rate": self.rate,
-            "backlog": self.clock.backlog,
+            "backlog": gps.backlog,
             "agents": len(self.agents),
             "pending_requests": self.pending_count,
             "running_requests": self.running_count,
@@ -572,8 +456,8 @@ class Dispatcher:
                 {
                     "agent_id": a.agent_id,
                     "virtual_finish": a.virtual_finish,
-                    "priority": self.policy.priority(a, a.pending[0][2] if a.pending else None),
-                    "pending": a.pending_requests,
+                    "priority": self.policy.priority(a, self.queue.head(a)),
+                    "pending": a.pending,
                     "running": a.running,
                 }
                 for a in queued[:max_queue]
@@ -581,9 +465,10 @@ class Dispatcher:
         }
 
     def _queue_key(self, agent: AgentState) -> Any:
-        if agent.pending:
-            return self.policy.agent_key(agent, agent.pending[0][2])
-        return self.policy.static_key(agent)  # a policy that owns the queue (ewsjf)
+        head = self.queue.head(agent)
+        if head is not None:
+            return self.policy.agent_key(agent, head)
+        return self.policy.static_key(agent)  # a queue of requests, not agents (ewsjf)
 
     def is_idle(self) -> bool:
         """True when no agent, request or reservation is left (accounting back to zero)."""

@@ -32,6 +32,10 @@ assumption):
 
 Everything is deterministic given the seed, and cheap: a decision looks at the heads of at
 most `max_groups` queues; a refit sorts `window` observations.
+
+`EwsjfState` is the dispatcher's queue for this policy: it implements the `RequestQueue`
+protocol of queues.py (push, peek, pop, remove), so the dispatcher admits from the group
+queues exactly as it admits from the agent heap of the other policies (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import TYPE_CHECKING
 
+from .state import AgentState, GroupTicket, RequestState, RequestStatus, SchedulerContext
+
 if TYPE_CHECKING:  # pragma: no cover
-    from .dispatcher import RequestState
     from .tuner import GridThompsonTuner
 
 
@@ -92,7 +97,7 @@ class Partition:
         return bisect.bisect_right(self.edges, x)
 
 
-def work_of(req: "RequestState") -> float:
+def work_of(req: RequestState) -> float:
     """A request's effective work on the log scale EWSJF partitions: ln(1 + KV cost)."""
     return math.log1p(req.est_kv_cost)
 
@@ -238,7 +243,11 @@ def _ranges(xs: list[float], edges: list[float]) -> list[tuple[int, int]]:
 # -- the per-dispatcher state -------------------------------------------------------------
 @dataclass
 class EwsjfState:
-    """Group queues, the partition, measured performance and the tuner of one dispatcher."""
+    """Group queues, the partition, measured performance and the tuner of one dispatcher.
+
+    The group queues are the dispatcher's `RequestQueue` for EWSJF (`attach` gives them the
+    context they read tau from).
+    """
 
     config: EwsjfConfig
     seed: int = 0
@@ -258,6 +267,7 @@ class EwsjfState:
     _epoch_n: int = 0
     _tuner: "GridThompsonTuner | None" = None
     _grid: list[tuple[float, float, float]] = field(default_factory=list)
+    _ctx: SchedulerContext | None = None
 
     def __post_init__(self) -> None:
         from .tuner import GridThompsonTuner  # numpy: only when EWSJF is used
@@ -270,29 +280,70 @@ class EwsjfState:
         self.params = self._grid[start]
         self._set_weights()
 
+    def attach(self, ctx: SchedulerContext) -> "EwsjfState":
+        """Serve as the queue of the dispatcher behind `ctx` (peek reads its tau)."""
+        self._ctx = ctx
+        return self
+
+    # -- the RequestQueue protocol (queues.py) ------------------------------------------------
+    def push(self, agent: AgentState, req: RequestState) -> None:
+        self.enqueue(req)
+
+    def peek(self, now: float) -> RequestState | None:
+        return self.select(now, self._ctx.tau)
+
+    def pop(self, agent: AgentState, req: RequestState) -> None:
+        self.take(req)
+
+    def remove(self, agent: AgentState, req: RequestState) -> None:
+        self.drop(req)
+
+    def remove_agent(self, agent: AgentState, pending: list[RequestState]) -> None:
+        for req in pending:
+            self.drop(req)
+
+    def requeue(self, agent: AgentState) -> None:
+        """Nothing to do: the order depends on requests and time, not on agents' keys."""
+
+    def defer(self) -> bool:
+        return False  # no backfill past the best-scoring head
+
+    def restore(self) -> None:
+        """Nothing was deferred."""
+
+    def head(self, agent: AgentState) -> RequestState | None:
+        return None  # the queues order requests, not agents
+
+    def leader(self) -> AgentState | None:
+        return None
+
     # -- routing --------------------------------------------------------------------------
-    def enqueue(self, req: "RequestState") -> None:
+    def enqueue(self, req: RequestState) -> None:
         g = self.partition.group(work_of(req))
-        req.pstate = g
+        if req.ticket is None:
+            req.ticket = GroupTicket(g)
+        else:
+            req.ticket.group = g
         self.queues[g].append(req)
         self.counts[g] += 1
         self.queued += 1
 
-    def drop(self, req: "RequestState") -> None:
+    def drop(self, req: RequestState) -> None:
         """A queued request leaves without being admitted (cancelled); lazy removal."""
-        if req.running or req.pstate is None:
+        ticket = req.ticket
+        if req.status is not RequestStatus.PENDING or ticket is None or ticket.group is None:
             return
-        self.counts[req.pstate] -= 1
+        self.counts[ticket.group] -= 1
         self.queued -= 1
-        req.pstate = None
+        ticket.group = None
 
-    def _head(self, g: int) -> "RequestState | None":
+    def _head(self, g: int) -> RequestState | None:
         q = self.queues[g]
-        while q and q[0].pstate is None:
+        while q and q[0].ticket.group is None:
             q.popleft()  # entries of requests dropped while queued
         return q[0] if q else None
 
-    def select(self, now: float, tau: float) -> "RequestState | None":
+    def select(self, now: float, tau: float) -> RequestState | None:
         """The head of the group with the largest density-weighted score."""
         if self.queued == 0:
             return None
@@ -307,9 +358,9 @@ class EwsjfState:
                 best, best_score = head, score
         return best
 
-    def take(self, req: "RequestState") -> None:
+    def take(self, req: RequestState) -> None:
         """The selected head was admitted: pop it (its group index stays for priority)."""
-        g = req.pstate
+        g = req.ticket.group
         if self._head(g) is not req:
             raise RuntimeError("EWSJF admitted a request that is not the head of its group")
         self.queues[g].popleft()
@@ -317,12 +368,13 @@ class EwsjfState:
         self.queued -= 1
 
     # -- measured performance, refits and tuning --------------------------------------------
-    def observe(self, req: "RequestState", now: float, tau: float) -> None:
+    def observe(self, req: RequestState, now: float, tau: float) -> None:
         """A request finished: record its service time, maybe refit and tune."""
-        if req.admitted_at is None:
+        admitted_at = req.ticket.admitted_at if req.ticket is not None else None
+        if admitted_at is None:
             return
-        service = max(now - req.admitted_at, tau)
-        delay = max(0.0, req.admitted_at - req.submitted_at)
+        service = max(now - admitted_at, tau)
+        delay = max(0.0, admitted_at - req.submitted_at)
         self._obs.append((work_of(req), math.log(service)))
         self._epoch_sum += math.log1p(delay / service)
         self._epoch_n += 1
@@ -364,7 +416,7 @@ class EwsjfState:
 
     def _reroute(self) -> None:
         # every queue is in arrival (seq) order already: merge them instead of sorting
-        live = [r for r in heapq.merge(*self.queues, key=lambda r: r.seq) if r.pstate is not None]
+        live = [r for r in heapq.merge(*self.queues, key=lambda r: r.seq) if r.ticket.group is not None]
         n = len(self.partition.means)
         self.queues = [deque() for _ in range(n)]
         self.counts = [0] * n

@@ -1,8 +1,9 @@
 """Scheduling policies: one ordering key each, over one shared dispatcher.
 
-The dispatcher keeps, for every agent, a small heap of its pending requests, and one heap of
-agents ordered by `agent_key(agent, head)`, where `head` is the agent's first pending request
-in `request_order`. The request admitted next is the head of the agent with the smallest key.
+For all but ewsjf the dispatcher's queue is an `AgentHeapQueue` (queues.py): every agent keeps
+a small heap of its pending requests, and the queue a heap of agents ordered by
+`agent_key(agent, head)`, where `head` is the agent's first pending request in
+`request_order`. The request admitted next is the head of the agent with the smallest key.
 Policies that order single requests (fcfs, sjf) fold the request into the agent key, so the
 global order is still exact: every agent's head is its own minimum, and the minimum of the
 minima is the global minimum.
@@ -24,31 +25,34 @@ in strict key order, so the engine never has to preempt when the estimate is rig
 fits" is what vLLM does natively: admit when the prompt fits in free memory now; requests
 grow afterwards and the engine preempts (recompute) when memory runs out.
 
-Two policies need more than a key (docs/concepts.md has their sources and assumptions):
+Three policies keep state of their own (docs/concepts.md has their sources and assumptions):
 
+- vtc (VTC, Sheng et al., OSDI 2024) keys agents by a service counter: charged the prompt on
+  admission and twice the output on finish, and lifted, when an agent becomes backlogged, to
+  the counter of the agent served next, so that idle time earns no credit.
 - ewsjf (EWSJF, arXiv 2601.21758) orders requests by a score that grows with waiting time, so
-  no static heap key exists. It owns its queue (`owns_queue`): the dispatcher routes submitted
-  requests to it and asks it for the next one (`select`), and it learns from the service
-  times it measures (`on_finish`).
+  no static heap key exists. Its queue is its own (`make_queue` returns its group queues),
+  and it learns from the service times it measures (`on_finish`).
 - equinox (Equinox, arXiv 2508.16646) keys agents by two counters that are charged on
   admission with a predicted output length and corrected on finish with the true one.
 
-Such state lives in the instance `bind()` makes for one dispatcher; the instances in
-POLICIES are configuration only and are shared. The hooks (`on_submit`, `on_admit`,
-`on_finish`, `on_drop`) are called by the dispatcher only for policies with `hooked` set, so
-the other policies pay nothing for them.
+They keep their data in typed slots of the state (state.py) and, for what spans the whole
+dispatcher, in the instance `bind()` makes for one dispatcher; the instances in POLICIES are
+configuration only and are shared. The hooks (`on_submit`, `on_admit`, `on_finish`,
+`on_drop`) are called by the dispatcher only for policies with `hooked` set, so the other
+policies pay nothing for them; they get a `SchedulerContext` (tau, compute_per_kv, leader),
+not the dispatcher.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .cost import COMPUTE, KV
 from .ewsjf import EwsjfConfig, EwsjfState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .dispatcher import AgentState, Dispatcher, RequestState
+from .queues import AgentHeapQueue, RequestQueue
+from .state import AgentState, Charge, FairCounters, RequestState, RequestStatus, SchedulerContext
 
 FOOTPRINT = "footprint"
 PROMPT = "prompt"
@@ -61,26 +65,20 @@ class Policy:
     name: str
     admission: str = FOOTPRINT
     cost_model: str = KV  # cost units of the virtual clock and of consumed_cost
-    description: str = ""
 
-    @property
-    def preemptive(self) -> bool:
-        """True when the engine is expected to preempt (vLLM's native admission)."""
-        return self.admission == PROMPT
-
-    def request_order(self, req: "RequestState") -> tuple:
+    def request_order(self, req: RequestState) -> tuple:
         """Order of an agent's own pending requests (default: arrival)."""
         return (req.seq,)
 
-    def agent_key(self, agent: "AgentState", head: "RequestState") -> tuple:
+    def agent_key(self, agent: AgentState, head: RequestState) -> tuple:
         """Key of an agent whose first pending request is `head`; smallest runs first."""
         raise NotImplementedError
 
-    def static_key(self, agent: "AgentState") -> Any:
+    def static_key(self, agent: AgentState) -> Any:
         """A key for ETA projections (agents with or without pending requests)."""
         return agent.seq
 
-    def priority(self, agent: "AgentState", req: "RequestState | None") -> int:
+    def priority(self, agent: AgentState, req: RequestState | None) -> int:
         """An int rank for vLLM's priority scheduling (lower runs first)."""
         return 0
 
@@ -88,30 +86,32 @@ class Policy:
     # A policy that learns or keeps counters needs to hear what happens to requests; these
     # hooks are how the dispatcher tells it. All take `now` from the caller (no clock here).
     hooked = False  # the dispatcher calls the hooks below only when this is True
-    owns_queue = False  # the policy holds pending requests itself (select / on_admit)
 
     def bind(self, seed: int = 0) -> "Policy":
         """The instance one dispatcher uses: stateless policies are shared; stateful ones
         return a fresh copy, seeded, so that runs are reproducible and never share state."""
         return self
 
-    def on_submit(self, d: "Dispatcher", agent: "AgentState", req: "RequestState", now: float,
+    def make_queue(self, ctx: SchedulerContext, backfill_depth: int) -> RequestQueue:
+        """The queue the dispatcher admits from (called once, on the bound instance):
+        agents ordered by `agent_key`, looking past at most `backfill_depth` blocked ones."""
+        return AgentHeapQueue(self.agent_key, backfill_depth)
+
+    def on_submit(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, now: float,
                   first: bool) -> None:
-        """A request was queued; `first`: its agent had nothing pending before."""
+        """A request was queued (before its agent is re-keyed); `first`: its agent had
+        nothing pending before."""
 
-    def select(self, d: "Dispatcher", now: float) -> "RequestState | None":
-        """The next request to admit (owns_queue policies only)."""
-        return None
-
-    def on_admit(self, d: "Dispatcher", agent: "AgentState", req: "RequestState", now: float) -> None:
+    def on_admit(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, now: float) -> None:
         """The request was admitted into the engine (called before its agent is re-keyed)."""
 
-    def on_finish(self, d: "Dispatcher", agent: "AgentState", req: "RequestState", prompt_tokens: int,
+    def on_finish(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, prompt_tokens: int,
                   output_tokens: int, now: float) -> None:
         """An admitted request finished with its true lengths (before its agent is re-keyed)."""
 
-    def on_drop(self, d: "Dispatcher", agent: "AgentState", req: "RequestState") -> None:
-        """The request is forgotten without finishing: cancelled, or rejected before admission."""
+    def on_drop(self, ctx: SchedulerContext, agent: AgentState, req: RequestState) -> None:
+        """The request is forgotten without finishing: cancelled, or rejected before admission
+        (its status is still RUNNING or PENDING)."""
 
     def is_idle(self) -> bool:
         """True when the policy's own bookkeeping is back to zero (nothing queued or charged)."""
@@ -123,6 +123,8 @@ class Policy:
 
 
 class FCFS(Policy):
+    """Request arrival order (vLLM's default)."""
+
     def agent_key(self, agent, head):
         return (head.seq,)
 
@@ -131,6 +133,8 @@ class FCFS(Policy):
 
 
 class SJF(Policy):
+    """Shortest predicted request first."""
+
     def request_order(self, req):
         return (req.est_cost, req.seq)
 
@@ -145,6 +149,8 @@ class SJF(Policy):
 
 
 class Parrot(Policy):
+    """Agent-level FCFS."""
+
     def agent_key(self, agent, head):
         return (agent.seq, head.seq)
 
@@ -153,6 +159,8 @@ class Parrot(Policy):
 
 
 class SRJF(Policy):
+    """Shortest predicted remaining agent cost first."""
+
     def agent_key(self, agent, head):
         return (agent.remaining_predicted, agent.seq, head.seq)
 
@@ -164,6 +172,10 @@ class SRJF(Policy):
 
 
 class VTC(Policy):
+    """Virtual token counter: an instantaneous fair share of the tokens served."""
+
+    hooked = True
+
     def agent_key(self, agent, head):
         return (agent.vtc_counter, agent.seq, head.seq)
 
@@ -173,8 +185,24 @@ class VTC(Policy):
     def priority(self, agent, req):
         return int(agent.vtc_counter)
 
+    def on_submit(self, ctx, agent, req, now, first):
+        if first:
+            # The counter lift: a newly backlogged agent starts no lower than the least-served
+            # backlogged agent, so idle time earns no credit.
+            leader = ctx.leader()
+            if leader is not None and leader is not agent:
+                agent.vtc_counter = max(agent.vtc_counter, leader.vtc_counter)
+
+    def on_admit(self, ctx, agent, req, now):
+        agent.vtc_counter += req.spec.prompt_tokens
+
+    def on_finish(self, ctx, agent, req, prompt_tokens, output_tokens, now):
+        agent.vtc_counter += 2.0 * output_tokens
+
 
 class Justitia(Policy):
+    """GPS virtual finish tags (KV token-time, or compute tokens for justitia-c)."""
+
     def agent_key(self, agent, head):
         return (agent.virtual_finish, agent.seq, head.seq)
 
@@ -188,38 +216,34 @@ class Justitia(Policy):
 
 @dataclass(frozen=True)
 class EWSJF(Policy):
-    """Request-level: per-group FIFO queues, the head of the best-scoring group next."""
+    """EWSJF: learned request groups, a density-weighted score, tuned online.
+
+    Request-level: per-group FIFO queues, the head of the best-scoring group next."""
 
     config: EwsjfConfig = field(default_factory=EwsjfConfig)
     state: EwsjfState | None = field(default=None, compare=False, repr=False)
 
     hooked = True
-    owns_queue = True
 
     def bind(self, seed: int = 0) -> "EWSJF":
         return replace(self, state=EwsjfState(self.config, seed))
 
-    def agent_key(self, agent, head):  # never used: the policy owns the queue
+    def make_queue(self, ctx, backfill_depth):
+        return self.state.attach(ctx)  # the group queues; no backfill past the chosen head
+
+    def agent_key(self, agent, head):  # never used: the group queues order requests
         return (head.seq,)
 
-    def on_submit(self, d, agent, req, now, first):
-        self.state.enqueue(req)
+    def on_admit(self, ctx, agent, req, now):
+        req.ticket.admitted_at = now  # service time is measured from here
 
-    def select(self, d, now):
-        return self.state.select(now, d.tau)
-
-    def on_admit(self, d, agent, req, now):
-        self.state.take(req)
-
-    def on_finish(self, d, agent, req, prompt_tokens, output_tokens, now):
-        self.state.observe(req, now, d.tau)
-
-    def on_drop(self, d, agent, req):
-        self.state.drop(req)
+    def on_finish(self, ctx, agent, req, prompt_tokens, output_tokens, now):
+        self.state.observe(req, now, ctx.tau)
 
     def priority(self, agent, req):
         # the group index: if the engine must preempt, it preempts the slowest group first
-        return int(req.pstate) if req is not None and req.pstate is not None else 0
+        ticket = req.ticket if req is not None else None
+        return int(ticket.group) if ticket is not None and ticket.group is not None else 0
 
     def is_idle(self):
         return self.state is None or self.state.queued == 0
@@ -229,23 +253,14 @@ class EWSJF(Policy):
 
 
 @dataclass
-class FairCounters:
-    """Equinox's two counters of one agent, and the key that combines them."""
-
-    user: float = 0.0  # U: input + w_out * output tokens, as the agent sees its service
-    resource: float = 0.0  # R: KV token-time, what its requests hold in the engine
-    key: float = 0.0  # H: alpha * U + (1 - alpha) * rho * R, plus lifts
-    provisional: int = 0  # admitted requests charged with a predicted length, not yet corrected
-
-
-@dataclass
 class _Outstanding:
     charges: int = 0  # provisional charges over all agents (back to 0 when idle)
 
 
 @dataclass(frozen=True)
 class Equinox(Policy):
-    """Agent-level fair sharing on a holistic counter: user tokens and KV token-time."""
+    """Equinox: agent-level fair sharing on a holistic counter (user tokens and KV
+    token-time), charged on admission and corrected on finish."""
 
     alpha: float = 0.5  # weight of the user counter; 1 - alpha weighs the resource counter
     output_weight: float = 2.0  # an output token counts this many input tokens (VTC's w_q/w_p)
@@ -256,65 +271,65 @@ class Equinox(Policy):
     def bind(self, seed: int = 0) -> "Equinox":
         return replace(self, state=_Outstanding())
 
-    def _counters(self, agent: "AgentState") -> FairCounters:
-        if agent.pstate is None:
-            agent.pstate = FairCounters()
-        return agent.pstate
+    def _counters(self, agent: AgentState) -> FairCounters:
+        if agent.fair is None:
+            agent.fair = FairCounters()
+        return agent.fair
 
-    def _charge(self, d: "Dispatcher", p: int, out: int) -> tuple[float, float, float]:
+    def _charge(self, ctx: SchedulerContext, p: int, out: int) -> Charge:
         u = p + self.output_weight * out
         r = p * out + out * (out + 1) // 2  # kv_cost(p, out), inlined: this runs per admission
         # rho converts KV token-time into tokens at the ratio of the requests submitted so far,
         # so that with alpha = 0.5 both counters weigh the same for the average request.
-        return u, r, self.alpha * u + (1.0 - self.alpha) * d.compute_per_kv * r
+        return Charge(u, r, self.alpha * u + (1.0 - self.alpha) * ctx.compute_per_kv * r)
 
     def agent_key(self, agent, head):
-        return (agent.pstate.key, agent.seq, head.seq)
+        return (agent.fair.key, agent.seq, head.seq)
 
     def static_key(self, agent):
-        return (agent.pstate.key if agent.pstate is not None else 0.0, agent.seq)
+        return (agent.fair.key if agent.fair is not None else 0.0, agent.seq)
 
     def priority(self, agent, req):
-        return int(agent.pstate.key) if agent.pstate is not None else 0
+        return int(agent.fair.key) if agent.fair is not None else 0
 
-    def on_submit(self, d, agent, req, now, first):
+    def on_submit(self, ctx, agent, req, now, first):
         c = self._counters(agent)
         if first:
             # VTC's lift: a newly backlogged agent starts no lower than the least-served
             # backlogged one, so that time spent idle earns no credit.
-            leader = d.leader()
-            if leader is not None and leader is not agent and leader.pstate is not None:
-                c.key = max(c.key, leader.pstate.key)
+            leader = ctx.leader()
+            if leader is not None and leader is not agent and leader.fair is not None:
+                c.key = max(c.key, leader.fair.key)
 
-    def on_admit(self, d, agent, req, now):
+    def on_admit(self, ctx, agent, req, now):
         # Charged before it runs, with the predicted output length (the request's estimate)
-        c = agent.pstate
-        u, r, h = self._charge(d, req.spec.prompt_tokens, req.spec.expected_tokens)
-        c.user += u
-        c.resource += r
-        c.key += h
+        c = agent.fair
+        charge = self._charge(ctx, req.spec.prompt_tokens, req.spec.expected_tokens)
+        c.user += charge.user
+        c.resource += charge.resource
+        c.key += charge.key
         c.provisional += 1
-        req.pstate = (u, r, h)
+        req.charge = charge
         self.state.charges += 1
 
-    def on_finish(self, d, agent, req, prompt_tokens, output_tokens, now):
+    def on_finish(self, ctx, agent, req, prompt_tokens, output_tokens, now):
         # ... and corrected when the true length is known: shorter than predicted credits back.
-        c = agent.pstate
-        u0, r0, h0 = req.pstate
-        u, r, h = self._charge(d, prompt_tokens, output_tokens)
-        c.user += u - u0
-        c.resource += r - r0
-        c.key += h - h0
+        c = agent.fair
+        old = req.charge
+        new = self._charge(ctx, prompt_tokens, output_tokens)
+        c.user += new.user - old.user
+        c.resource += new.resource - old.resource
+        c.key += new.key - old.key
         c.provisional -= 1
-        req.pstate = None
+        req.charge = None
         self.state.charges -= 1
 
-    def on_drop(self, d, agent, req):
-        if req.running and req.pstate is not None:  # a cancelled request: its charge goes too
-            req.pstate = None
+    def on_drop(self, ctx, agent, req):
+        if req.status is RequestStatus.RUNNING and req.charge is not None:
+            req.charge = None  # a cancelled request: its charge goes too
             self.state.charges -= 1
-            if agent.pstate is not None:
-                agent.pstate.provisional -= 1
+            if agent.fair is not None:
+                agent.fair.provisional -= 1
 
     def is_idle(self):
         return self.state is None or self.state.charges == 0
@@ -323,15 +338,15 @@ class Equinox(Policy):
 POLICIES: dict[str, Policy] = {
     p.name: p
     for p in (
-        FCFS("fcfs", PROMPT, KV, "request arrival order (vLLM default)"),
-        SJF("sjf", PROMPT, KV, "shortest predicted request first"),
-        VTC("vtc", PROMPT, KV, "virtual token counter: instantaneous fair share"),
-        Parrot("parrot", FOOTPRINT, KV, "agent-level FCFS"),
-        SRJF("srjf", FOOTPRINT, KV, "shortest predicted remaining agent cost first"),
-        Justitia("justitia", FOOTPRINT, KV, "GPS virtual finish tags, KV token-time"),
-        Justitia("justitia-c", FOOTPRINT, COMPUTE, "GPS virtual finish tags, compute tokens"),
-        EWSJF("ewsjf", PROMPT, KV, "EWSJF: learned request groups, density-weighted score, tuned online"),
-        Equinox("equinox", PROMPT, KV, "Equinox: user + resource fairness counters, corrected on finish"),
+        FCFS("fcfs", PROMPT, KV),
+        SJF("sjf", PROMPT, KV),
+        VTC("vtc", PROMPT, KV),
+        Parrot("parrot", FOOTPRINT, KV),
+        SRJF("srjf", FOOTPRINT, KV),
+        Justitia("justitia", FOOTPRINT, KV),
+        Justitia("justitia-c", FOOTPRINT, COMPUTE),
+        EWSJF("ewsjf", PROMPT, KV),
+        Equinox("equinox", PROMPT, KV),
     )
 }
 POLICY_NAMES = tuple(POLICIES)

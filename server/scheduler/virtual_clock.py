@@ -14,6 +14,13 @@ The clock never reads a wall clock: every method that depends on time takes `now
 the caller's clock, non-decreasing). The live server passes its monotonic time, the
 simulator its simulated time.
 
+Updates (`arrive`, `extend`, `remove`, `set_rate`, `advance`) move the clock to `now`. Reads
+(`peek`, `projected_time`, `finish_time`) do not: they replay the departures between the
+clock's time and `now` on local variables, with the same arithmetic as `advance`, so a read
+returns exactly what it would after an advance and leaves the clock as it was (a read at a
+later `now`, such as an agent view or a metrics scrape, must not change the float rounding of
+what the scheduler later decides). docs/concepts.md derives GPS and the tags.
+
 Two operations go beyond the textbook:
 
 * `extend(key, extra, now)` charges an agent more work after its arrival (an over-run). It is
@@ -27,8 +34,18 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from itertools import islice
+from typing import NamedTuple
 
 from sortedcontainers import SortedList
+
+
+class ClockReading(NamedTuple):
+    """The GPS reference system at some time, computed without advancing the clock."""
+
+    V: float
+    backlog: int  # |B|
+    departed: list[tuple[object, float]]  # (key, GPS finish time) since the clock's time
 
 
 @dataclass
@@ -43,10 +60,10 @@ class VirtualClock:
     _seq: "itertools.count[int]" = field(default_factory=itertools.count)
     departures: dict[object, float] = field(default_factory=dict)  # key -> GPS finish time
     _live: set = field(default_factory=set)  # keys whose departure time is worth recording
-    # The live tags again, in order, so that projections walk only the tags below theirs
+    # The live tags again, in order (f, seq, key), so that reads walk only the tags they need
     # (O(k log n)) instead of sorting the whole backlog for every agent view.
     _sorted: SortedList = field(default_factory=SortedList)
-    _entry: dict[object, tuple[float, int]] = field(default_factory=dict)
+    _entry: dict[object, tuple[float, int, object]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rate <= 0:
@@ -62,27 +79,64 @@ class VirtualClock:
         """The live tag of a backlogged agent (None once GPS has finished it)."""
         return self._tags.get(key)
 
+    def peek(self, now: float) -> ClockReading:
+        """V, |B| and the departures at `now`, without advancing the clock."""
+        if now < self.now:
+            self._check_time(now)
+            return ClockReading(self.V, len(self._tags), [])
+        # The same walk as `advance`, on local variables: bit-identical results.
+        t, v, n = self.now, self.V, len(self._tags)
+        departed: list[tuple[object, float]] = []
+        for f, _, key in self._sorted:  # the live tags in (tag, seq) order, as the heap pops them
+            t_dep = t + (f - v) * n / self.rate
+            if t_dep > now:
+                break
+            departed.append((key, t_dep))
+            t, v, n = t_dep, f, n - 1
+        if n:
+            v += (now - t) * self.rate / n
+        return ClockReading(v, n, departed)
+
     def projected_time(self, tag: float, now: float) -> float:
         """When V will reach `tag` if nothing else arrives (time on the caller's clock).
 
         O(k log n) for the k backlogged tags below `tag`. Used for views, not per decision.
+        Does not advance the clock.
         """
-        self.advance(now)
-        if tag <= self.V:
+        return self._project(self.peek(now), tag, now)
+
+    def finish_time(self, key: object, tag: float, now: float) -> float:
+        """GPS finish time of `key` (whose tag is `tag`) as seen at `now`: its departure time
+        if GPS has finished it (`now` if that was not recorded), else the projection."""
+        reading = self.peek(now)
+        if key in self._tags:
+            for k, t_dep in reading.departed:
+                if k == key:
+                    return t_dep if key in self._live else now
+            return self._project(reading, tag, now)
+        return self.departures.get(key, now)
+
+    def _project(self, reading: ClockReading, tag: float, now: float) -> float:
+        v = reading.V
+        if tag <= v:
             return now
-        t, v, n = now, self.V, len(self._tags)
-        for f, _ in self._sorted.irange(maximum=(tag, -1)):  # the live tags below `tag`
+        t, n, gone = now, reading.backlog, len(reading.departed)
+        # the live tags below `tag` that are still backlogged at `now` (departed ones come first)
+        for f, _, _ in islice(self._sorted.irange(maximum=(tag, -1)), gone, None):
             t += (f - v) * n / self.rate
             v, n = f, n - 1
         return t + (tag - v) * max(n, 1) / self.rate
+
+    def _check_time(self, now: float) -> None:
+        # Callers pass a non-decreasing clock; tolerate tiny float regressions.
+        if self.now - now > 1e-9:
+            raise ValueError(f"time went backwards: {now} < {self.now}")
 
     # -- updates ---------------------------------------------------------------
     def advance(self, now: float) -> float:
         """Move V to time `now`, processing GPS departures in tag order. Returns V."""
         if now < self.now:
-            # Callers pass a non-decreasing clock; tolerate tiny float regressions.
-            if self.now - now > 1e-9:
-                raise ValueError(f"time went backwards: {now} < {self.now}")
+            self._check_time(now)
             return self.V
         t = self.now
         while self._heap:
@@ -126,8 +180,8 @@ class VirtualClock:
         seq = next(self._seq)
         heapq.heappush(self._heap, (f, seq, key))
         self._untrack(key)
-        self._entry[key] = (f, seq)
-        self._sorted.add((f, seq))
+        self._entry[key] = (f, seq, key)
+        self._sorted.add((f, seq, key))
 
     def _untrack(self, key: object) -> None:
         entry = self._entry.pop(key, None)

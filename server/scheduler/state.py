@@ -1,0 +1,198 @@
+"""The scheduler's state: requests, agents, what policies may see, and what an agent is told.
+
+Everything here is plain data. The dispatcher (`dispatcher.py`) owns the tables and moves a
+request through its statuses; the queues (`queues.py`) order the pending ones; the policies
+(`policies.py`, `ewsjf.py`) read the fields they key on and keep their own data in the typed
+slots below (`AgentState.vtc_counter`, `AgentState.fair`, `RequestState.charge`,
+`RequestState.ticket`). docs/architecture.md shows how the modules fit together;
+docs/concepts.md explains the policies.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from .bounds import AgentShape, BoundLimits, DelayBound
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One inference request as the dispatcher sees it."""
+
+    request_id: str
+    agent_id: str
+    prompt_tokens: int
+    max_tokens: int
+    expected_output_tokens: int | None = None
+
+    @property
+    def expected_tokens(self) -> int:
+        """Expected output length, bounded by max_tokens (max_tokens when unknown)."""
+        if self.expected_output_tokens is None:
+            return self.max_tokens
+        return max(0, min(self.expected_output_tokens, self.max_tokens))
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is. A request leaves the dispatcher's table when it is DONE."""
+
+    PENDING = "pending"  # submitted, waiting in the queue for admission
+    RUNNING = "running"  # admitted into the engine: its footprint is reserved
+    DONE = "done"  # finished or dropped: its reservation (if any) is released
+
+
+# -- per-policy state ----------------------------------------------------------------------
+class Charge(NamedTuple):
+    """Equinox: what an admitted request was charged with its predicted output length."""
+
+    user: float  # user tokens: p + w_out * d
+    resource: float  # KV token-time
+    key: float  # the combined counter's increment
+
+
+@dataclass
+class FairCounters:
+    """Equinox's two counters of one agent, and the key that combines them."""
+
+    user: float = 0.0  # U: input + w_out * output tokens, as the agent sees its service
+    resource: float = 0.0  # R: KV token-time, what its requests hold in the engine
+    key: float = 0.0  # H: alpha * U + (1 - alpha) * rho * R, plus lifts
+    provisional: int = 0  # admitted requests charged with a predicted length, not yet corrected
+
+
+@dataclass
+class GroupTicket:
+    """EWSJF: the group queue a request was routed to, and when it was admitted."""
+
+    group: int | None  # None once the request left the queue without being admitted
+    admitted_at: float | None = None  # service time = finish - admission (what EWSJF learns)
+
+
+# -- requests and agents -------------------------------------------------------------------
+@dataclass
+class RequestState:
+    """A submitted request: its estimates, its place in the order and its status."""
+
+    spec: RequestSpec
+    seq: int
+    submitted_at: float
+    footprint: int  # KV tokens reserved when admitted (p + expected d, whole blocks)
+    est_cost: float  # estimated cost in the policy's cost units
+    est_kv_cost: float
+    order: tuple = ()  # the policy's order among the agent's own pending requests
+    status: RequestStatus = RequestStatus.PENDING
+    ticket: GroupTicket | None = None  # EWSJF's routing
+    charge: Charge | None = None  # Equinox's provisional charge while running
+
+
+HeapEntry = tuple[tuple, int, RequestState]  # (order, seq, request): an agent's pending heap
+
+
+@dataclass
+class AgentState:
+    """A registered agent: its GPS charge, its costs, its requests and its place in line."""
+
+    agent_id: str
+    seq: int
+    agent_type: str | None
+    submitted_at: float
+    predicted_cost: float  # KV token-time predicted at arrival
+    charged_cost: float  # work charged to the virtual clock (policy cost units)
+    virtual_finish: float
+    bound: DelayBound
+    shape: AgentShape
+    committed_cost: float = 0.0  # estimates of submitted requests, corrected on finish
+    consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)
+    consumed_kv: float = 0.0  # real KV token-time of finished requests
+    request_ids: set[str] = field(default_factory=set)  # submitted, unfinished requests
+    pending: int = 0  # requests submitted and not yet admitted
+    running: int = 0  # requests admitted and not yet finished
+    requests_total: int = 0
+    requests_done: int = 0
+    # Owned by AgentHeapQueue (queues.py): the agent's pending requests in `order`, and the
+    # validity of its entry in the queue's heap of agents (entries of older versions are stale).
+    heap: list[HeapEntry] = field(default_factory=list)
+    version: int = 0
+    in_heap: bool = False
+    # Per-policy state
+    vtc_counter: float = 0.0  # VTC: service received (p on admission, 2 d on finish), lifted
+    fair: FairCounters | None = None  # Equinox
+
+    @property
+    def pending_requests(self) -> int:
+        """Requests submitted and not yet admitted."""
+        return self.pending
+
+    @property
+    def remaining_predicted(self) -> float:
+        """Predicted KV cost not yet consumed (SRJF's key)."""
+        return max(0.0, self.predicted_cost - self.consumed_kv)
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """What the scheduler promises an agent; the times are seconds from its submission."""
+
+    agent_id: str
+    agent_type: str | None
+    submitted_at: float  # on the caller's clock
+    predicted_cost: float
+    charged_cost: float
+    consumed_cost: float
+    virtual_finish: float
+    fair_finish_s: float
+    eta_s: float
+    delay_bound_s: float
+    deadline_s: float
+    bound: DelayBound  # the three terms of delay_bound_s
+    requests_total: int
+    requests_done: int
+    pending: int
+    running: int
+
+
+# -- what the dispatcher has observed ------------------------------------------------------
+@dataclass
+class ObservedLimits:
+    """The largest costs seen so far: the delay bound's limits when none are declared."""
+
+    max_request_cost: float = 0.0  # c_max: KV token-time of the largest request
+    max_agent_cost: float = 0.0  # C_max: predicted KV token-time of the largest agent
+    max_output_tokens: int = 0  # d_max: the largest max_tokens
+
+    def as_limits(self) -> BoundLimits:
+        return BoundLimits(self.max_request_cost, self.max_agent_cost, int(self.max_output_tokens))
+
+
+@dataclass
+class CostMix:
+    """Compute and KV cost of the requests submitted so far: the ratio converts between the
+    two cost models (justitia-c's rate, Equinox's resource weight)."""
+
+    compute: float = 0.0
+    kv: float = 0.0
+
+    @property
+    def compute_per_kv(self) -> float:
+        """Compute tokens (p + 2d) per unit of KV token-time (1/256 before any request)."""
+        return self.compute / self.kv if self.kv > 0 else 1.0 / 256.0
+
+
+class SchedulerContext(Protocol):
+    """What a policy may ask of the dispatcher in its hooks (and nothing more)."""
+
+    @property
+    def tau(self) -> float:
+        """The engine's iteration time, seconds."""
+        ...
+
+    @property
+    def compute_per_kv(self) -> float:
+        """Compute tokens per unit of KV token-time over the requests submitted so far."""
+        ...
+
+    def leader(self) -> AgentState | None:
+        """The agent whose head request is admitted next (agent-keyed queues), or None."""
+        ...
