@@ -186,6 +186,10 @@ class LocalVLLMEngine:
         )
         if cfg.dummy_weights:
             kwargs["load_format"] = "dummy"
+        if on_cpu:
+            # vLLM's CPU worker dies on a seeded request whose prefill is chunked; ours
+            # rewinds the seeded generator the CPU way (see server/engine/cpu_worker.py).
+            kwargs["worker_cls"] = "server.engine.cpu_worker.SeedSafeCPUWorker"
         if cfg.kv_tokens is not None:
             # One block is reserved by vLLM: M = (N - 1) * block_size usable tokens.
             blocks = -(-cfg.kv_tokens // block_size) + 1
