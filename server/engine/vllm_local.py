@@ -178,7 +178,6 @@ class LocalVLLMEngine:
         self._tokenizer: Any = None
         self.state: EngineState = "stopped"
         self.state_detail = "the engine has not started"
-        self.restarts_total = 0
         self._restarts_in_a_row = 0
         self._running_since = 0.0
         self._changed = asyncio.Event()
@@ -339,7 +338,6 @@ class LocalVLLMEngine:
                 log.exception("restart %d of %d failed", n, cfg.restarts)
                 await self._discard_engine()
                 continue
-            self.restarts_total += 1
             self._running_since = time.monotonic()
             log.warning("the engine is back after a %.1f s start (restart %d of %d)",
                         self._running_since - started, n, cfg.restarts)
