@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -101,6 +104,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             engine_core_nice=config.engine_nice,
+            restarts=config.engine_restarts,
             dummy_weights=True,
             # bfloat16 on CPUs with AMX dies with SIGILL on batches of one or two tokens
             # (vLLM CPU 0.32, measured here); the tiny model loses nothing in float32.
@@ -113,6 +117,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         engine_core_nice=config.engine_nice,
+        restarts=config.engine_restarts,
     )
     name = config.served_model_name or Path(config.model).name or config.model
     return LocalVLLMEngine(engine_cfg), name
@@ -128,6 +133,55 @@ async def _warm_up(engine: Engine) -> None:
     request = EngineRequest("justitia-warmup", ids, SamplingOptions(max_tokens=8, ignore_eos=True))
     async for _ in engine.generate(request):
         pass
+
+
+# Exit status of a server whose engine could not be restarted (a supervisor restarts it).
+EXIT_ENGINE_FAILED = 69  # EX_UNAVAILABLE (sysexits.h); uvicorn uses 3 for a failed start
+# How long the graceful shutdown after an engine failure may take before the process ends
+# anyway: open connections or a stuck engine must not keep a useless server up.
+FORCED_EXIT_AFTER_S = 30.0
+
+
+def _exit_when_engine_fails(app: FastAPI, engine: Engine) -> None:
+    """Once the engine is dead for good, shut the server down with a non-zero status, so
+    that a supervisor (systemd, Kubernetes, Docker) restarts the whole process instead of
+    a server answering 503 forever."""
+
+    def on_state(state: str, detail: str) -> None:
+        if state != "failed":
+            return
+        log.critical("the engine cannot be restarted (%s): the server exits with status %d",
+                     detail, EXIT_ENGINE_FAILED)
+        app.state.exit_code = EXIT_ENGINE_FAILED
+        uvicorn_server = getattr(app.state, "uvicorn_server", None)
+        if uvicorn_server is not None:
+            # A graceful stop; `justitia serve` then returns the exit code.
+            uvicorn_server.should_exit = True
+        else:  # run by another ASGI server: stop it the way a supervisor would
+            signal.raise_signal(signal.SIGTERM)
+        timer = threading.Timer(FORCED_EXIT_AFTER_S, os._exit, (EXIT_ENGINE_FAILED,))
+        timer.daemon = True
+        timer.start()
+
+    add_state_listener = getattr(engine, "add_state_listener", None)
+    if add_state_listener is not None:
+        add_state_listener(on_state)
+
+
+def _engine_status(request: Request) -> tuple[str, str]:
+    """(state, detail) of the engine: running, starting, down (it died a moment ago; the
+    supervisor has not acted yet), restarting, failed or stopped."""
+    service = getattr(request.app.state, "service", None)
+    if service is None:
+        return "starting", "the engine is starting"
+    engine = service.engine
+    if engine.healthy:
+        return "running", ""
+    state = getattr(engine, "state", "failed")
+    detail = getattr(engine, "state_detail", "") or "the engine is not running"
+    if state == "running":
+        return "down", "the engine died"
+    return state, detail
 
 
 def _data_dir(config: ServerConfig) -> Path:
@@ -150,6 +204,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         nonlocal engine, model_name
         if engine is None:
             engine, model_name = build_engine(config)
+        _exit_when_engine_fails(app, engine)
         await engine.start()
         if not model_name:
             model_name = getattr(engine, "_served_name", "") or engine.info.model
@@ -195,6 +250,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     )
     app.state.config = config
     app.state.ready = False
+    app.state.exit_code = 0
     app.state.rate_limiter = RateLimiter(PerTenant(config.rate_limit, config.tenant_rate_limits))
     app.state.request_size_limits = PerTenant(config.max_request_tokens,
                                               config.tenant_max_request_tokens)
@@ -216,16 +272,23 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
 
     @app.get("/healthz", tags=["operations"], responses=unavailable)
     async def healthz(request: Request) -> JSONResponse:
-        service = getattr(request.app.state, "service", None)
-        if service is None or not service.engine.healthy:
-            return JSONResponse({"status": "unhealthy", "detail": "the engine is not running"}, 503)
-        return JSONResponse({"status": "ok"})
+        """Liveness: 200 while the engine runs or is being restarted (the server heals
+        itself; restarting the process would not help), 503 once it will not run again."""
+        state, detail = _engine_status(request)
+        if state == "running":
+            return JSONResponse({"status": "ok"})
+        if state in ("down", "restarting"):
+            return JSONResponse({"status": state, "detail": detail})
+        return JSONResponse({"status": "unhealthy", "detail": detail}, 503)
 
     @app.get("/readyz", tags=["operations"], responses=unavailable)
     async def readyz(request: Request) -> JSONResponse:
-        service = getattr(request.app.state, "service", None)
-        if not request.app.state.ready or service is None or not service.engine.healthy:
-            return JSONResponse({"status": "not ready", "detail": "the engine is starting"}, 503)
-        return JSONResponse({"status": "ready", "model": service.model_name})
+        """Readiness: 200 only while the engine runs; otherwise 503 with its state and why."""
+        state, detail = _engine_status(request)
+        if request.app.state.ready and state == "running":
+            return JSONResponse({"status": "ready", "model": request.app.state.service.model_name})
+        if state == "running":
+            state, detail = "starting", "the engine is starting"
+        return JSONResponse({"status": state, "detail": detail}, 503)
 
     return app

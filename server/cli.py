@@ -46,6 +46,13 @@ def register(commands: Commands) -> None:
                        help="CPU build only: niceness of vLLM's EngineCore process, which spins "
                             "on the core it shares with the API process (0: as vLLM leaves it; "
                             "see docs/server.md)")
+    serve.add_argument("--engine-restarts", type=int, default=3, choices=range(0, 101),
+                       metavar="N",
+                       help="when the in-process engine dies, restart it up to N times in a "
+                            "row (backoff 1, 2, 4 ... 30 s; running requests fail, queued ones "
+                            "wait), then exit with status 69 so that a supervisor restarts the "
+                            "server; the count starts over after 10 minutes of service (0: "
+                            "exit at the first death; see docs/reliability.md)")
     serve.add_argument("--policy", default="justitia", choices=POLICY_NAMES,
                        help="scheduling policy")
     serve.add_argument("--host", default="127.0.0.1",
@@ -212,6 +219,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         engine_nice=args.engine_nice,
+        engine_restarts=args.engine_restarts,
         policy=args.policy,
         host=args.host,
         port=args.port,
@@ -225,11 +233,11 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         **limits,
     )
-    serve(config)
-    return 0
+    return serve(config)
 
 
-def serve(config: Any) -> None:
+def serve(config: Any) -> int:
+    """Run the server until it stops; its exit status (non-zero: the engine failed)."""
     import uvicorn
 
     from server.app import create_app
@@ -242,8 +250,14 @@ def serve(config: Any) -> None:
     app = create_app(config)
     # Keep-alive longer than uvicorn's 5 s default: agents pause between stages, and a
     # client that reuses a connection the server just closed sees a spurious disconnect.
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_keep_alive=30)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                          log_level=config.log_level, timeout_keep_alive=30))
+    # The app stops this server itself when its engine cannot be restarted (server/app.py).
+    app.state.uvicorn_server = server
+    server.run()
+    if not server.started:
+        return 3  # what uvicorn.run exits with when the start failed (the engine's, say)
+    return int(app.state.exit_code)
 
 
 def run_init_tiny(args: argparse.Namespace) -> int:

@@ -17,6 +17,10 @@ class ServerConfig(BaseModel):
     max_num_seqs: int = Field(default=256, ge=1)
     engine_nice: int = Field(default=10, ge=0, le=19,
                              description="CPU build: niceness of vLLM's EngineCore process.")
+    engine_restarts: int = Field(
+        default=3, ge=0,
+        description="In-process engine: restarts of a dead engine in a row before the server "
+                    "exits with status 69 (0: exit at the first death).")
     policy: str = "justitia"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)

@@ -148,6 +148,20 @@ class LiveScheduler:
         add_capacity_listener = getattr(engine, "add_capacity_listener", None)
         if add_capacity_listener is not None:
             add_capacity_listener(self._on_capacity_change)
+        add_state_listener = getattr(engine, "add_state_listener", None)
+        if add_state_listener is not None:
+            add_state_listener(self._on_engine_state)
+
+    def _on_engine_state(self, state: str, detail: str) -> None:
+        """The engine restarted: admit what waited. It gave up: fail what waits, with why."""
+        if state == "running":
+            self._pump()
+        elif state == "failed":
+            self._fail_waiting(EngineError(f"the engine is not running: {detail}"))
+
+    def _engine_recovering(self) -> bool:
+        """The engine is down but being restarted: queued requests wait for it."""
+        return bool(getattr(self.engine, "recovering", False))
 
     def _on_capacity_change(self, kv_capacity_tokens: int) -> None:
         self.dispatcher.set_kv_capacity(kv_capacity_tokens, self.now())
@@ -182,7 +196,7 @@ class LiveScheduler:
                 self._update_tau()
                 await self._expire_idle_agents()
                 self._prune()
-                if not self.engine.healthy:
+                if not self.engine.healthy and not self._engine_recovering():
                     self._fail_waiting(EngineError("the engine is not running"))
             except Exception:  # housekeeping must survive anything one round throws
                 log.exception("housekeeping round failed")
@@ -545,8 +559,9 @@ class LiveScheduler:
         self._pump()
 
     def _pump(self) -> None:
-        """Admit what the policy allows now and open those tickets."""
-        if self.paused:
+        """Admit what the policy allows now and open those tickets (none while the engine
+        restarts: they stay queued, in policy order, until it is back)."""
+        if self.paused or self._engine_recovering():
             return
         d = self.dispatcher
         slots = self.config.max_num_seqs - d.running_count

@@ -32,7 +32,7 @@ def test_serve_help_explains_every_option() -> None:
     out = run_cli("serve", "--help")
     assert out.returncode == 0
     for opt in ("--model", "--kv-tokens", "--max-model-len", "--policy", "--host", "--port",
-                "--api-key"):
+                "--api-key", "--engine-restarts"):
         assert opt in out.stdout
 
 

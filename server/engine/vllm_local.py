@@ -10,9 +10,9 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from server.engine.base import (
     EngineError,
@@ -40,6 +40,19 @@ class LocalEngineConfig:
     dtype: str = "auto"
     # CPU only: niceness of vLLM's EngineCore process (see _deprioritise_engine_core).
     engine_core_nice: int = 10
+    # Supervision (see LocalVLLMEngine._supervise): restarts of a dead engine in a row before
+    # the server gives up (0: never restart), the wait before the first one (doubling up to
+    # the cap), and how long a restarted engine must run for the count to start over.
+    restarts: int = 3
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    restart_stable_s: float = 600.0
+
+
+# stopped: not started or closed; failed: dead and no restart left (the server exits).
+EngineState = Literal["stopped", "starting", "running", "restarting", "failed"]
+# How often the supervisor looks at the engine; a death is noticed within this time.
+DEATH_POLL_S = 0.2
 
 
 def _on_cpu() -> bool:
@@ -88,6 +101,13 @@ class _StatsCollector:
                 for listener in self.listeners:
                     listener(dt, self.kv_usage * self.kv_capacity_tokens)
         self._last_busy_step = now if busy else None
+
+    def engine_gone(self) -> None:
+        """The engine died: its last running/waiting counts and KV usage are stale."""
+        self.kv_usage = 0.0
+        self.running = 0
+        self.waiting = 0
+        self._last_busy_step = None
 
     def snapshot(self) -> EngineStats:
         return EngineStats(
@@ -141,7 +161,14 @@ def _stat_logger_factory(collector: _StatsCollector):
 
 
 class LocalVLLMEngine:
-    """vLLM's AsyncLLM in this process (its engine core runs in a child process)."""
+    """vLLM's AsyncLLM in this process (its engine core runs in a child process).
+
+    A supervisor task watches the engine. When it dies, its requests fail with an
+    `EngineError` (vLLM ends their streams) and the engine is restarted with exponential
+    backoff, up to `config.restarts` times in a row; then the state is `failed` and the
+    listeners (the server) decide what to do (exit). Requests handed to `generate` while it
+    restarts wait for it instead of failing: nothing of theirs ran.
+    """
 
     def __init__(self, config: LocalEngineConfig) -> None:
         self.config = config
@@ -149,6 +176,13 @@ class LocalVLLMEngine:
         self._info: EngineInfo | None = None
         self._stats = _StatsCollector()
         self._tokenizer: Any = None
+        self.state: EngineState = "stopped"
+        self.state_detail = "the engine has not started"
+        self._restarts_in_a_row = 0
+        self._running_since = 0.0
+        self._changed = asyncio.Event()
+        self._state_listeners: list[Callable[[str, str], None]] = []
+        self._supervisor: asyncio.Task | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -158,18 +192,37 @@ class LocalVLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._llm is not None and not self._llm.errored
+        return self.state == "running" and self._llm is not None and not self._llm.errored
+
+    @property
+    def recovering(self) -> bool:
+        """Down now, but being brought back: hold requests rather than fail them."""
+        return self.state in ("starting", "restarting")
+
+    def add_state_listener(self, listener: Callable[[str, str], None]) -> None:
+        """Call `listener(state, detail)` on every change of `state`."""
+        self._state_listeners.append(listener)
+
+    def _set_state(self, state: EngineState, detail: str) -> None:
+        self.state, self.state_detail = state, detail
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        for listener in self._state_listeners:
+            try:
+                listener(state, detail)
+            except Exception:  # a listener's bug must not stop the supervision
+                log.exception("engine state listener failed")
 
     async def start(self) -> None:
+        self._set_state("starting", "the engine is starting")
+        await self._launch()
+        self._running_since = time.monotonic()
+        self._set_state("running", "")
+        self._supervisor = asyncio.create_task(self._supervise(), name="justitia-engine-supervisor")
+
+    def _engine_args(self, on_cpu: bool) -> Any:
         cfg = self.config
-        on_cpu = _on_cpu()
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        if on_cpu:
-            # Without it the CPU worker claims ~92% of the NUMA node's memory.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_space_gib))
         from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         block_size = cfg.block_size or (32 if on_cpu else 16)
         kwargs: dict[str, Any] = dict(
@@ -186,6 +239,10 @@ class LocalVLLMEngine:
         )
         if cfg.dummy_weights:
             kwargs["load_format"] = "dummy"
+        if on_cpu:
+            # vLLM's CPU worker dies on a seeded request whose prefill is chunked; ours
+            # rewinds the seeded generator the CPU way (see server/engine/cpu_worker.py).
+            kwargs["worker_cls"] = "server.engine.cpu_worker.SeedSafeCPUWorker"
         if cfg.kv_tokens is not None:
             # One block is reserved by vLLM: M = (N - 1) * block_size usable tokens.
             blocks = -(-cfg.kv_tokens // block_size) + 1
@@ -195,10 +252,25 @@ class LocalVLLMEngine:
                     f"{cfg.max_model_len}: vLLM needs room for one full-length request"
                 )
             kwargs["num_gpu_blocks_override"] = blocks
-        args = AsyncEngineArgs(**kwargs)
+        return AsyncEngineArgs(**kwargs)
+
+    async def _launch(self) -> None:
+        """Build the AsyncLLM (and its processes). It is built in a worker thread, so that
+        the event loop keeps answering /healthz and /readyz during a restart; vLLM starts
+        its output tasks on this loop at the first request."""
+        cfg = self.config
+        on_cpu = _on_cpu()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        if on_cpu:
+            # Without it the CPU worker claims ~92% of the NUMA node's memory.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_space_gib))
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = self._engine_args(on_cpu)
         try:
-            self._llm = AsyncLLM.from_engine_args(
-                args, stat_loggers=[_stat_logger_factory(self._stats)]
+            self._llm = await asyncio.to_thread(
+                AsyncLLM.from_engine_args, args, stat_loggers=[_stat_logger_factory(self._stats)]
             )
         except Exception as exc:  # vLLM raises many kinds; the user needs one sentence
             raise EngineError(f"vLLM failed to start with model {cfg.model!r}: {exc}") from exc
@@ -206,7 +278,7 @@ class LocalVLLMEngine:
         blocks = int(vcfg.cache_config.num_gpu_blocks)
         bs = int(vcfg.cache_config.block_size)
         self._tokenizer = self._llm.get_tokenizer()
-        self._info = EngineInfo(
+        info = EngineInfo(
             model=cfg.model,
             kv_capacity_tokens=(blocks - 1) * bs,
             block_size=bs,
@@ -216,16 +288,114 @@ class LocalVLLMEngine:
             vocab_size=max(int(self._tokenizer.max_token_id) + 1,
                            int(vcfg.model_config.get_vocab_size())),
         )
+        if self._info is not None and info != self._info:
+            # Same settings, same engine: the scheduler keeps the first one's capacity.
+            log.error("the restarted engine differs from the first one: %s, was %s",
+                      info, self._info)
+        else:
+            self._info = info
         self._encode = fast_encoder(self._tokenizer)
-        self._stats.kv_capacity_tokens = self._info.kv_capacity_tokens
+        self._stats.kv_capacity_tokens = self.info.kv_capacity_tokens
         if on_cpu:
             _deprioritise_engine_core(cfg.engine_core_nice)
+
+    # -- supervision ------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        while True:
+            while self._llm is not None and not self._llm.errored:
+                await asyncio.sleep(DEATH_POLL_S)
+            if self.state != "running":  # closed under us
+                return
+            await self._recover()
+            if self.state != "running":
+                return
+
+    async def _recover(self) -> None:
+        """The engine died: restart it with backoff, or give up (state `failed`)."""
+        cfg = self.config
+        ran_s = time.monotonic() - self._running_since
+        if ran_s >= cfg.restart_stable_s:
+            self._restarts_in_a_row = 0
+        log.error("THE vLLM ENGINE DIED after running %.0f s (see vLLM's error above); "
+                  "its running requests fail", ran_s)
+        self._stats.engine_gone()
+        await self._discard_engine()
+        while self._restarts_in_a_row < cfg.restarts:
+            self._restarts_in_a_row += 1
+            n, delay = self._restarts_in_a_row, self._backoff_s(self._restarts_in_a_row)
+            self._set_state("restarting", f"the engine died; restart {n} of {cfg.restarts} "
+                                          f"in {delay:.0f} s")
+            log.error("restarting the engine in %.1f s (restart %d of %d in a row)",
+                      delay, n, cfg.restarts)
+            await asyncio.sleep(delay)
+            self._set_state("restarting", f"the engine died; restart {n} of {cfg.restarts} "
+                                          "under way")
+            started = time.monotonic()
+            try:
+                await self._launch()
+                await self._warm_up()
+            except Exception:
+                log.exception("restart %d of %d failed", n, cfg.restarts)
+                await self._discard_engine()
+                continue
+            self._running_since = time.monotonic()
+            log.warning("the engine is back after a %.1f s start (restart %d of %d)",
+                        self._running_since - started, n, cfg.restarts)
+            self._set_state("running", "")
+            return
+        detail = (f"the engine died and {cfg.restarts} restarts in a row did not bring it back"
+                  if cfg.restarts else "the engine died and restarts are off (--engine-restarts 0)")
+        log.critical("GIVING UP: %s", detail)
+        self._set_state("failed", detail)
+
+    def _backoff_s(self, attempt: int) -> float:
+        cfg = self.config
+        return min(cfg.restart_backoff_s * 2 ** (attempt - 1), cfg.restart_backoff_max_s)
+
+    async def _discard_engine(self) -> None:
+        """Shut down what is left of a dead engine (its processes, sockets, tasks)."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        try:
+            await asyncio.to_thread(llm.shutdown)
+        except Exception:  # it is dead already; what matters is that it is gone
+            log.exception("shutting down the dead engine failed")
+
+    async def _warm_up(self) -> None:
+        """One short generation before a restarted engine takes requests (vLLM starts its
+        output tasks at the first request, and the first steps are slow)."""
+        from vllm import SamplingParams
+
+        ids = self._encode("Justitia warms up the restarted engine.")
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        async for _ in self._llm.generate({"prompt_token_ids": ids}, params,
+                                          f"justitia-warmup-{time.monotonic_ns()}"):
+            pass
+
+    async def _until_running(self) -> None:
+        """Wait while the engine (re)starts; EngineError once it will not run again."""
+        while not self.healthy:
+            if self.state in ("stopped", "failed"):
+                raise EngineError(f"the engine is not running: {self.state_detail}")
+            changed = self._changed
+            try:  # a death not noticed yet leaves the state "running": look again soon
+                await asyncio.wait_for(changed.wait(), DEATH_POLL_S)
+            except asyncio.TimeoutError:
+                pass
 
     def add_step_listener(self, listener) -> None:
         """Call `listener(step_seconds, kv_tokens_in_use)` after every busy engine step."""
         self._stats.listeners.append(listener)
 
     async def close(self) -> None:
+        self._set_state("stopped", "the engine was stopped")
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            try:
+                await self._supervisor
+            except asyncio.CancelledError:
+                pass
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
@@ -242,12 +412,12 @@ class LocalVLLMEngine:
         return self._stats.snapshot()
 
     async def abort(self, request_id: str) -> None:
-        if self._llm is not None:
+        if self.healthy:
             await self._llm.abort(request_id)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if not self.healthy:
-            raise EngineError("the engine is not running")
+            await self._until_running()
         from vllm import SamplingParams
         # vLLM's "the request is at fault" errors are not ValueErrors in every version.
         from vllm.exceptions import VLLMClientError
@@ -268,8 +438,9 @@ class LocalVLLMEngine:
             raise InvalidRequestError(str(exc)) from exc
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         sent = 0
+        llm = self._llm  # a restart replaces self._llm; this request belongs to this one
         try:
-            async for out in self._llm.generate(
+            async for out in llm.generate(
                 prompt, params, request.request_id, priority=int(request.priority)
             ):
                 completion = out.outputs[0]
@@ -291,6 +462,9 @@ class LocalVLLMEngine:
         except (ValueError, VLLMClientError) as exc:
             raise InvalidRequestError(str(exc)) from exc
         except Exception as exc:
-            if self._llm is not None and self._llm.errored:
-                raise EngineError(f"the engine died: {exc}") from exc
+            if llm.errored:
+                # Not resent: the request may be what killed the engine.
+                raise EngineError(
+                    "the engine died while running this request; the server restarts it: "
+                    "send the request again") from exc
             raise
