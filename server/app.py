@@ -39,10 +39,8 @@ class BodySizeLimit:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            response = JSONResponse(
-                {"detail": f"the body has {int(length)} bytes; the limit is {self.max_bytes}"},
-                status_code=413,
-            )
+            response = errors.error_response(
+                scope["path"], 413, f"the body has {int(length)} bytes; the limit is {self.max_bytes}")
             await response(scope, receive, send)
             return
         received = 0
@@ -59,10 +57,8 @@ class BodySizeLimit:
         try:
             await self.app(scope, limited_receive, send)
         except _BodyTooLarge:
-            response = JSONResponse(
-                {"detail": f"the body is over the limit of {self.max_bytes} bytes"},
-                status_code=413,
-            )
+            response = errors.error_response(
+                scope["path"], 413, f"the body is over the limit of {self.max_bytes} bytes")
             await response(scope, receive, send)
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,10 @@ class RequestSpec:
     prompt_tokens: int
     max_tokens: int
     expected_output_tokens: int | None = None
+    # Sequences sampled from the prompt (OpenAI's `n`): vLLM runs each as a request of its
+    # own with its own copy of the prompt (measured: n=3 holds 3 prompts' KV blocks), so
+    # footprint and cost are n times those of one sequence.
+    n: int = 1
 
     @property
     def expected_tokens(self) -> int:
@@ -299,18 +303,18 @@ class Dispatcher:
         agent = self._agent(spec.agent_id)
         if spec.request_id in self.requests:
             raise ValueError(f"request {spec.request_id!r} already submitted")
-        p, d = int(spec.prompt_tokens), spec.expected_tokens
+        p, d, n = int(spec.prompt_tokens), spec.expected_tokens, spec.n
         req = RequestState(
             spec=spec,
             seq=next(self._seq),
             submitted_at=now,
-            footprint=-(-kv_footprint(p, d) // self.block_size) * self.block_size,
-            est_cost=self._cost(p, d),
-            est_kv_cost=kv_cost(p, d),
+            footprint=n * (-(-kv_footprint(p, d) // self.block_size) * self.block_size),
+            est_cost=n * self._cost(p, d),
+            est_kv_cost=n * kv_cost(p, d),
         )
         req.order = self.policy.request_order(req)
-        self._ratio_sums[0] += compute_cost(p, d)
-        self._ratio_sums[1] += kv_cost(p, d)
+        self._ratio_sums[0] += n * compute_cost(p, d)
+        self._ratio_sums[1] += n * kv_cost(p, d)
         if self.policy.cost_model == COMPUTE:
             self.clock.set_rate(self._rate(), now)
         self._observed[0] = max(self._observed[0], req.est_kv_cost)
@@ -337,8 +341,12 @@ class Dispatcher:
         self._commit(agent, req.est_cost, now)
         self._requeue(agent)
 
-    def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int, now: float) -> bool:
+    def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int,
+                            now: float, each: Sequence[int] = ()) -> bool:
         """A request left the engine: release its reservation and account its real cost.
+
+        `output_tokens` is the total over the request's sequences; `each` the output of each
+        sequence when it sampled several (`n` > 1): each one is charged as one request.
 
         Returns False (and does nothing) for an id the dispatcher no longer knows: a request
         of a cancelled agent whose abort raced with its completion.
@@ -362,9 +370,10 @@ class Dispatcher:
             else:
                 agent.pending = [e for e in agent.pending if e[2] is not req]
                 heapq.heapify(agent.pending)
-        real = self._cost(prompt_tokens, output_tokens)
+        lengths = each or (output_tokens,)
+        real = sum(self._cost(prompt_tokens, d) for d in lengths)
         agent.consumed_cost += real
-        agent.consumed_kv += kv_cost(prompt_tokens, output_tokens)
+        agent.consumed_kv += sum(kv_cost(prompt_tokens, d) for d in lengths)
         agent.requests_done += 1
         if self.policy.name == "vtc":
             agent.vtc_counter += 2.0 * output_tokens
