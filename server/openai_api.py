@@ -333,19 +333,19 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         return model.model_validate_json(raw)
     except ValidationError as exc:
         error = exc
-    # A refusal: validated again as FastAPI does (Python's JSON parser, then the model in
-    # Python mode), so that the 400 says the same words and names the same fields; this
-    # costs nothing on the hot path. (pydantic's own parser also refuses some text Python's
-    # takes, a lone UTF-16 surrogate, which the body validator then names.)
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        pass
-    else:
+    if any(e["type"] == "json_invalid" for e in error.errors()):
+        # pydantic's parser refuses some text Python's takes (a lone UTF-16 surrogate);
+        # through Python's, the body validator names the field at fault, as it did before.
         try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            error = exc
+            data = json.loads(raw)
+        except ValueError:
+            pass
+        else:
+            try:
+                return model.model_validate(data)
+            except ValidationError as exc:
+                error = exc
+    # the locations FastAPI would give, so that the 400 names the same fields
     raise RequestValidationError(
         [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)])
 

@@ -433,7 +433,8 @@ class RemoteVLLMEngine:
                         raise InvalidRequestError(f"the engine refused the request: {detail}")
                     raise _ReplicaFailed(f"replica {replica.url} answered {resp.status}: {detail}")
                 try:
-                    async with contextlib.aclosing(_read_stream(resp)) as updates:
+                    k = request.sampling.logprobs or 0
+                    async with contextlib.aclosing(_read_stream(resp, k)) as updates:
                         async for choices, usage in updates:
                             if request.request_id not in self._streams:
                                 break  # aborted: what is still buffered is not relayed
@@ -520,9 +521,10 @@ class _RemoteSequences:
 
 
 async def _read_stream(
-    resp: aiohttp.ClientResponse,
+    resp: aiohttp.ClientResponse, k: int = 0,
 ) -> AsyncIterator[tuple[dict[int, _ChoiceUpdate], int | None]]:
-    """(what each choice added, usage's token count) once per network read.
+    """(what each choice added, usage's token count) once per network read; `k`: the
+    alternatives per token asked for (logprobs).
 
     vLLM sends one SSE event per token and choice. Everything already buffered is folded
     into one update, and the loop is given a turn after each read: a consumer that fell
@@ -545,22 +547,22 @@ async def _read_stream(
                 c.tokens += 1
                 c.text += choice.get("text") or ""
                 c.finish = choice.get("finish_reason") or c.finish
-                c.logprobs.extend(_logprobs(choice.get("logprobs")))
+                c.logprobs.extend(_logprobs(choice.get("logprobs"), k))
             if chunk.get("usage"):
                 usage = int(chunk["usage"]["completion_tokens"])
         yield choices, usage
         await asyncio.sleep(0)
 
 
-def _logprobs(lp: dict | None) -> list[TokenLogprob]:
+def _logprobs(lp: dict | None, k: int) -> list[TokenLogprob]:
     """vLLM's completions logprobs (parallel lists) as TokenLogprobs; its per-token top dict
-    also holds the sampled token when that is not among the most likely, so it is cut to
-    the k entries every step has."""
+    also holds the sampled token when that is not among the k most likely, so it is cut to
+    the k most likely."""
     if not lp:
         return []
-    tops = lp.get("top_logprobs") or []
-    k = min((len(t or {}) for t in tops), default=0)
-    return [TokenLogprob(tok, float(v if v is not None else float("-inf")),
+    tokens = lp.get("tokens") or []
+    values = lp.get("token_logprobs") or []
+    tops = lp.get("top_logprobs") or [None] * len(tokens)
+    return [TokenLogprob(tok, float(v) if v is not None else float("-inf"),
                          tuple(sorted((top or {}).items(), key=lambda kv: -kv[1])[:k]))
-            for tok, v, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [],
-                                   tops or [None] * len(lp.get("tokens") or []))]
+            for tok, v, top in zip(tokens, values, tops)]
