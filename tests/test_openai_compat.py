@@ -321,3 +321,26 @@ def test_off_values_and_harmless_fields_are_accepted(client: httpx.Client) -> No
                                              "suffix": None, "best_of": 1, "n": 1})
     assert r.status_code == 200, r.text
     assert math.isfinite(r.json()["usage"]["total_tokens"])
+
+
+def test_a_schema_the_grammar_compiler_refuses_is_a_400(oai: openai.OpenAI, model: str) -> None:
+    bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": bad}})
+    assert "no-such-type" in str(caught.value)  # vLLM's grammar compiler's own words
+    # and the engine still serves
+    assert oai.completions.create(model=model, prompt="x", max_tokens=2).usage.completion_tokens
+
+
+def test_an_error_after_the_stream_started_is_openais_error_event(client: httpx.Client) -> None:
+    bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": bad}}}) as r:
+        events = list(sse_json(r))
+    assert r.status_code == 200  # the headers went out before the engine refused it
+    error = events[-1]["error"]
+    assert error["type"] == "invalid_request_error" and "no-such-type" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}

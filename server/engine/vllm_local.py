@@ -333,7 +333,7 @@ class LocalVLLMEngine:
         try:
             params = _sampling_params(request.sampling)
         except (ValueError, VLLMClientError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
+            raise InvalidRequestError(str(exc), getattr(exc, "parameter", None)) from exc
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         seqs = _Sequences(self._tokenizer, request.sampling.logprobs)
         try:
@@ -357,7 +357,7 @@ class LocalVLLMEngine:
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except (ValueError, VLLMClientError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
+            raise InvalidRequestError(str(exc), getattr(exc, "parameter", None)) from exc
         except Exception as exc:
             if self._llm is not None and self._llm.errored:
                 raise EngineError(f"the engine died: {exc}") from exc
