@@ -42,10 +42,8 @@ class BodySizeLimit:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            response = JSONResponse(
-                {"detail": f"the body has {int(length)} bytes; the limit is {self.max_bytes}"},
-                status_code=413,
-            )
+            response = errors.error_response(
+                scope["path"], 413, f"the body has {int(length)} bytes; the limit is {self.max_bytes}")
             await response(scope, receive, send)
             return
         if length is not None or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
@@ -63,10 +61,8 @@ class BodySizeLimit:
                 break
             received += len(message.get("body", b""))
             if received > self.max_bytes:
-                response = JSONResponse(
-                    {"detail": f"the body is over the limit of {self.max_bytes} bytes"},
-                    status_code=413,
-                )
+                response = errors.error_response(
+                    scope["path"], 413, f"the body is over the limit of {self.max_bytes} bytes")
                 await response(scope, receive, send)
                 return
             chunks.append(message.get("body", b""))

@@ -2,6 +2,12 @@
 
 FastAPI's own validation errors carry a list of dicts in `detail`; the HTTP contract says
 `detail` is a string, so they are flattened into one readable sentence here.
+
+On the OpenAI routes (/v1/completions, /v1/chat/completions, /v1/models) the body also has
+OpenAI's `{"error": {"message", "type", "param", "code"}}`, the shape OpenAI's clients read
+their exception's message from (with `detail` alone the official client said only
+"Error code: 400"); `detail` stays, with the same sentence, for what reads the contract's
+shape (Justitia's SDK).
 """
 
 from __future__ import annotations
@@ -36,6 +42,61 @@ class ErrorBody(BaseModel):
     detail: str
 
 
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(ErrorBody):
+    """The error body of the OpenAI routes: `detail` and OpenAI's `error`, same message."""
+
+    error: OpenAIError
+
+
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+# OpenAI's error types by status (its API's own names), and the codes it gives.
+_OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                499: "invalid_request_error", 503: "service_unavailable_error"}
+_OPENAI_CODE = {401: "invalid_api_key", 413: "request_too_large",
+                429: "rate_limit_exceeded", 503: "engine_unavailable"}
+
+
+class FieldHTTPException(StarletteHTTPException):
+    """An HTTP error about one request field (OpenAI's `param`), with OpenAI's `code`."""
+
+    def __init__(self, status: int, detail: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(status, detail)
+        self.param = param
+        self.code = code
+
+
+def is_openai_path(path: str) -> bool:
+    return path in OPENAI_PATHS or path.startswith("/v1/models/")
+
+
+def openai_error(status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object for a status and message."""
+    return {"message": message, "type": _OPENAI_TYPE.get(status, "server_error"),
+            "param": param, "code": code or _OPENAI_CODE.get(status)}
+
+
+def error_response(path: str, status: int, message: str, *, param: str | None = None,
+                   code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error answer of a route: `detail`, and OpenAI's `error` on the OpenAI routes."""
+    body: dict[str, Any] = {"detail": message}
+    if is_openai_path(path):
+        body["error"] = openai_error(status, message, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 _MEANING = {
     400: "Bad input: a malformed body, a bad field, a request over the context or the "
          "tenant's --max-request-tokens.",
@@ -53,11 +114,12 @@ _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.
                                 "schema": {"type": "integer"}}}
 
 
-def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+def responses(*codes: int, openai: bool = False) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entries for the error answers a route can give, for `responses=`."""
     out: dict[int | str, dict[str, Any]] = {}
     for code in codes:
-        out[code] = {"model": ErrorBody, "description": _MEANING[code]}
+        out[code] = {"model": OpenAIErrorBody if openai else ErrorBody,
+                     "description": _MEANING[code]}
         if code == 429:
             out[code]["headers"] = _RETRY_AFTER
     return out
@@ -93,6 +155,15 @@ def validation_message(exc: RequestValidationError) -> str:
     return "; ".join(_describe(e) for e in exc.errors()) or "invalid request"
 
 
+def validation_param(exc: RequestValidationError) -> str | None:
+    """The body field the first error is about (OpenAI's `param`), if it is about one."""
+    for error in exc.errors():
+        loc = [str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+        if loc:
+            return loc[0]
+    return None
+
+
 # Our own errors carry a one-sentence message; only the status differs.
 _STATUS: dict[type[Exception], int] = {
     InvalidRequestError: 400,
@@ -102,29 +173,38 @@ _STATUS: dict[type[Exception], int] = {
 }
 
 
+def status_of(exc: Exception) -> int:
+    """The status an error of ours is answered with (500: not one of ours)."""
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code
+    return next((status for t, status in _STATUS.items() if isinstance(exc, t)), 500)
+
+
 def _as_status(status: int):
-    async def handler(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=status)
+    async def handler(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request.url.path, status, str(exc),
+                              param=getattr(exc, "param", None))
 
     return handler
 
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": validation_message(exc)}, status_code=400)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request.url.path, 400, validation_message(exc),
+                              param=validation_param(exc))
 
     for exc_type, status in _STATUS.items():
         app.add_exception_handler(exc_type, _as_status(status))
 
     @app.exception_handler(QuotaExceeded)
-    async def _quota(_: Request, exc: QuotaExceeded) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=429,
-                            headers={"Retry-After": str(exc.retry_after)})
+    async def _quota(request: Request, exc: QuotaExceeded) -> JSONResponse:
+        return error_response(request.url.path, 429, str(exc), code="quota_exceeded",
+                              headers={"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(json.JSONDecodeError)
-    async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
-        return JSONResponse({"detail": f"the body is not valid JSON: {exc}"}, status_code=400)
+    async def _json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return error_response(request.url.path, 400, f"the body is not valid JSON: {exc}")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -134,7 +214,8 @@ def install(app: FastAPI) -> None:
             allowed = allowed_methods(request)
             detail = f"{request.method} is not allowed here; allowed: {', '.join(allowed)}"
             headers = {**(headers or {}), "Allow": ", ".join(allowed)}
-        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
+        return error_response(request.url.path, exc.status_code, detail, headers=headers,
+                              param=getattr(exc, "param", None), code=getattr(exc, "code", None))
 
 
 def allowed_methods(request: Request) -> list[str]:

@@ -477,7 +477,8 @@ class LiveScheduler:
             raise
         now = self.now()
         p = len(prompt_token_ids)
-        spec = RequestSpec(request_id, entry.id, prompt_tokens=p, max_tokens=sampling.max_tokens)
+        spec = RequestSpec(request_id, entry.id, prompt_tokens=p, max_tokens=sampling.max_tokens,
+                           n=getattr(sampling, "n", 1))
         ticket = _Ticket(request_id, entry, p, submitted=now)
         self._tickets[request_id] = ticket
         self._queued_count[entry.tenant] += 1
@@ -526,9 +527,11 @@ class LiveScheduler:
             ticket.opened.set()
         if self._release is not None:
             self._release(ticket.request_id)  # a placement the request never used
-        d = last.output_tokens if last is not None else 0
+        d = last.output_tokens if last is not None else 0  # over all its sequences
+        each = tuple(q.output_tokens for q in last.sequences) if last is not None else ()
         if ticket.request_id in self.dispatcher.requests:
-            self.dispatcher.on_request_finished(ticket.request_id, ticket.prompt_tokens, d, now)
+            self.dispatcher.on_request_finished(ticket.request_id, ticket.prompt_tokens, d, now,
+                                                each=each)
         entry.in_flight -= 1
         entry.last_activity_mono = now
         if ticket.admitted is not None:
@@ -542,7 +545,7 @@ class LiveScheduler:
                 finish_reason=last.finish_reason if last is not None else None,
                 preemptions=last.num_preemptions if last is not None else 0,
             ))
-            entry.consumed_kv_cost += kv_cost(ticket.prompt_tokens, d)
+            entry.consumed_kv_cost += sum(kv_cost(ticket.prompt_tokens, x) for x in each or (d,))
         if self.metrics and last is not None:
             self.metrics.request_finished(last)
         entry.touch()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -16,7 +18,7 @@ from server import errors
 from server.agents import AgentEntry
 from server.auth import bearer_scheme, rate_limited_tenant, tenant_of
 from server.disconnect import ClientDisconnected, run_unless_disconnected
-from server.engine.base import EngineOutput, SamplingOptions
+from server.engine.base import EngineOutput, SamplingOptions, SequenceOutput, TokenLogprob
 from server.limits import check_request_size
 from server.openai_schemas import (
     ChatCompletionRequest,
@@ -41,8 +43,10 @@ def _service(request: Request) -> InferenceService:
 
 
 def _sampling(body: SamplingFields) -> SamplingOptions:
+    limit = body.output_limit()
     return SamplingOptions(
-        max_tokens=body.max_tokens or 16,
+        # no limit given: `prepare` sets the rest of the context (fill_context)
+        max_tokens=limit if limit is not None else 1,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
@@ -50,14 +54,20 @@ def _sampling(body: SamplingFields) -> SamplingOptions:
         stop=body.stop_tuple(),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
+        n=body.n,
+        logprobs=body.logprobs_k(),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        json_object=body.json_object(),
+        json_schema=body.json_schema_text(),
     )
 
 
 def _check_model(service: InferenceService, body: SamplingFields) -> None:
     if body.model is not None and body.model != service.model_name:
-        raise HTTPException(
-            404, f"model {body.model!r} is not served here; this server serves {service.model_name!r}"
-        )
+        raise errors.FieldHTTPException(
+            404, f"model {body.model!r} is not served here; this server serves {service.model_name!r}",
+            param="model", code="model_not_found")
 
 
 def _usage(out: EngineOutput) -> dict:
@@ -68,12 +78,65 @@ def _usage(out: EngineOutput) -> dict:
     ).model_dump()
 
 
-async def _final(service: InferenceService, prepared: PreparedRequest, agent: AgentEntry) -> EngineOutput:
+@dataclass
+class _Final:
+    """A finished request: its last output and each sequence's token log probabilities."""
+
+    out: EngineOutput
+    logprobs: dict[int, list[TokenLogprob]]
+
+
+async def _final(service: InferenceService, prepared: PreparedRequest, agent: AgentEntry) -> _Final:
     last: EngineOutput | None = None
+    logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
     async for out in service.stream(prepared, agent):
         last = out
+        for q in out.sequences:
+            logprobs[q.index].extend(q.delta_logprobs)
     assert last is not None and last.finished
-    return last
+    return _Final(last, logprobs)
+
+
+class _News:
+    """What each streamed output adds, per sequence: new text or tokens, or its end."""
+
+    def __init__(self) -> None:
+        self.ended: set[int] = set()
+        self.started: set[int] = set()
+
+    def of(self, out: EngineOutput) -> list[tuple[SequenceOutput, str | None, bool]]:
+        """(sequence, its finish reason if it just ended, whether it is its first chunk)."""
+        news = []
+        for q in out.each():
+            ends = q.finish_reason is not None and q.index not in self.ended
+            if ends or q.delta_text or q.delta_logprobs:
+                first = q.index not in self.started
+                self.started.add(q.index)
+                if ends:
+                    self.ended.add(q.index)
+                news.append((q, q.finish_reason if ends else None, first))
+        return news
+
+
+def _completion_logprobs(tokens: Sequence[TokenLogprob], offset: int) -> dict:
+    """OpenAI's legacy completions logprobs; `offset`: the text length before these tokens."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [dict(t.top) for t in tokens],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(tokens: Sequence[TokenLogprob]) -> dict:
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(t.token, t.logprob),
+                         "top_logprobs": [entry(tok, lp) for tok, lp in t.top]}
+                        for t in tokens]}
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -82,7 +145,9 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except Exception as exc:  # headers are sent: report the error in the stream
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n"
+            error = errors.openai_error(errors.status_of(exc), str(exc),
+                                        getattr(exc, "param", None))
+            yield f"data: {json.dumps({'error': error})}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
@@ -94,24 +159,28 @@ def _start(request: Request, body: SamplingFields, prompt: str | list[int], text
     """Validate, tokenize and find the request's agent: everything before it may wait."""
     service = _service(request)
     _check_model(service, body)
-    prepared = service.prepare(new_id(id_prefix), prompt, _sampling(body))
-    check_request_size(request.app.state.request_size_limits, tenant,
-                       len(prepared.prompt_token_ids), prepared.sampling.max_tokens)
+    limits = request.app.state.request_size_limits
+    prepared = service.prepare(new_id(id_prefix), prompt, _sampling(body),
+                               fill_context=body.output_limit() is None,
+                               token_cap=limits.for_tenant(tenant))
+    check_request_size(limits, tenant, len(prepared.prompt_token_ids),
+                       prepared.sampling.max_tokens)
     agent = service.agent_for(_agent_id(agent_header, body), tenant, prepared, text)
     return service, prepared, agent
 
 
 def _agent_id(header: str | None, body: SamplingFields) -> str | None:
     if header and body.agent_id and header != body.agent_id:
-        raise HTTPException(400, f"the {AGENT_HEADER} header ({header}) and the body's agent_id "
-                                 f"({body.agent_id}) name different agents")
+        raise errors.FieldHTTPException(
+            400, f"the {AGENT_HEADER} header ({header}) and the body's agent_id "
+                 f"({body.agent_id}) name different agents", param="agent_id")
     return header or body.agent_id
 
 
-_INFERENCE_ERRORS = errors.responses(400, 401, 404, 409, 413, 429, 503)
+_INFERENCE_ERRORS = errors.responses(400, 401, 404, 409, 413, 429, 503, openai=True)
 
 
-@router.get("/v1/models", responses=errors.responses(401))
+@router.get("/v1/models", responses=errors.responses(401, openai=True))
 async def list_models(request: Request, tenant: str = Depends(tenant_of)) -> dict:
     service = _service(request)
     info = service.engine.info
@@ -142,15 +211,11 @@ async def completions(
                                       tenant, "cmpl")
     rid = prepared.request_id
     created = now_s()
+    with_logprobs = prepared.sampling.logprobs is not None
 
-    def chunk(text: str, finish: str | None, out: EngineOutput | None = None) -> dict:
-        c = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": service.model_name,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        }
+    def chunk(choices: list[dict], out: EngineOutput | None = None) -> dict:
+        c = {"id": rid, "object": "text_completion", "created": created,
+             "model": service.model_name, "choices": choices}
         if out is not None:
             c["usage"] = _usage(out)
         return c
@@ -158,18 +223,31 @@ async def completions(
     if body.stream:
 
         async def chunks() -> AsyncIterator[dict]:
+            news, offsets = _News(), defaultdict(int)
             async for out in service.stream(prepared, agent):
-                if out.delta_text or out.finished:
-                    yield chunk(out.delta_text, out.finish_reason if out.finished else None,
-                                out if out.finished else None)
+                choices = []
+                for q, finish, _ in news.of(out):
+                    lp = None
+                    if with_logprobs:
+                        lp = _completion_logprobs(q.delta_logprobs, offsets[q.index])
+                        offsets[q.index] += sum(len(t.token) for t in q.delta_logprobs)
+                    choices.append({"index": q.index, "text": q.delta_text, "logprobs": lp,
+                                    "finish_reason": finish})
+                if choices or out.finished:
+                    yield chunk(choices, out if out.finished else None)
 
         return _sse(chunks())
 
     try:
-        out = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))
+        final = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(chunk(out.text, out.finish_reason, out))
+    out = final.out
+    return JSONResponse(chunk(
+        [{"index": q.index, "text": q.text,
+          "logprobs": _completion_logprobs(final.logprobs[q.index], 0) if with_logprobs else None,
+          "finish_reason": q.finish_reason} for q in out.each()],
+        out))
 
 
 @router.post("/v1/chat/completions",
@@ -187,34 +265,39 @@ async def chat_completions(
                                       tenant, "chatcmpl")
     rid = prepared.request_id
     created = now_s()
+    with_logprobs = prepared.sampling.logprobs is not None
+
+    def chunk(choices: list[dict], out: EngineOutput | None) -> dict:
+        c = {"id": rid, "object": "chat.completion.chunk", "created": created,
+             "model": service.model_name, "choices": choices}
+        if out is not None:
+            c["usage"] = _usage(out)
+        return c
 
     if body.stream:
 
         async def chunks() -> AsyncIterator[dict]:
-            first = True
+            news = _News()
             async for out in service.stream(prepared, agent):
-                delta: dict = {"content": out.delta_text}
-                if first:
-                    delta["role"] = "assistant"
-                    first = False
-                c = {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": service.model_name,
-                    "choices": [{"index": 0, "delta": delta,
-                                 "finish_reason": out.finish_reason if out.finished else None}],
-                }
-                if out.finished:
-                    c["usage"] = _usage(out)
-                yield c
+                choices = []
+                for q, finish, first in news.of(out):
+                    delta: dict = {"content": q.delta_text}
+                    if first:
+                        delta["role"] = "assistant"
+                    choices.append({"index": q.index, "delta": delta,
+                                    "logprobs": (_chat_logprobs(q.delta_logprobs)
+                                                 if with_logprobs else None),
+                                    "finish_reason": finish})
+                if choices or out.finished:
+                    yield chunk(choices, out if out.finished else None)
 
         return _sse(chunks())
 
     try:
-        out = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))
+        final = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))
     except ClientDisconnected:
         return Response(status_code=499)
+    out = final.out
     return JSONResponse(
         {
             "id": rid,
@@ -223,10 +306,12 @@ async def chat_completions(
             "model": service.model_name,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": out.text},
-                    "finish_reason": out.finish_reason,
+                    "index": q.index,
+                    "message": {"role": "assistant", "content": q.text},
+                    "logprobs": _chat_logprobs(final.logprobs[q.index]) if with_logprobs else None,
+                    "finish_reason": q.finish_reason,
                 }
+                for q in out.each()
             ],
             "usage": _usage(out),
         }

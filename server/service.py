@@ -7,6 +7,7 @@ scheduler sits between `InferenceService.stream` and the engine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -60,24 +61,64 @@ class InferenceService:
         request_id: str,
         prompt: str | list[int],
         sampling: SamplingOptions,
+        *,
+        fill_context: bool = False,
+        token_cap: int | None = None,
     ) -> PreparedRequest:
-        """Tokenize and check that prompt + output fit the model's context."""
+        """Tokenize and check that prompt + output fit the model's context and the KV cache.
+
+        `fill_context`: the caller gave no max_tokens; the output may fill the rest of the
+        context (as vLLM's own server does), of the tenant's `token_cap` (prompt + output,
+        --max-request-tokens) or of the KV cache when `n` sequences share it.
+        """
         ids = self._token_ids(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization")
-        limit = self.engine.info.max_model_len
-        if len(ids) + sampling.max_tokens > limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens; the prompt has "
-                f"{len(ids)} tokens and max_tokens asks for {sampling.max_tokens} more: "
-                "shorten the prompt or lower max_tokens"
-            )
+        if fill_context:
+            room = self._room(len(ids), sampling.n, token_cap)
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, room))
+        self._check_fits(len(ids), sampling)
         if sampling.min_tokens > sampling.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens "
-                f"({sampling.max_tokens})"
+                f"({sampling.max_tokens})", param="min_tokens"
             )
+        info = self.engine.info
+        if sampling.logprobs is not None and sampling.logprobs > info.max_logprobs:
+            raise InvalidRequestError(
+                f"logprobs: at most {info.max_logprobs} alternatives per token are served "
+                f"here; {sampling.logprobs} were asked for", param="logprobs")
         return PreparedRequest(request_id, tuple(ids), sampling)
+
+    def _room(self, prompt_tokens: int, n: int, token_cap: int | None) -> int:
+        """The most output tokens each of `n` sequences can have: the rest of the context
+        (or of the tenant's cap), and for n > 1 the share of the KV cache that lets all n
+        run at once."""
+        info = self.engine.info
+        room = min(info.max_model_len, token_cap or info.max_model_len) - prompt_tokens
+        if n > 1:
+            per_sequence = info.kv_capacity_tokens // n // info.block_size * info.block_size
+            room = min(room, per_sequence - prompt_tokens)
+        return room
+
+    def _check_fits(self, p: int, sampling: SamplingOptions) -> None:
+        info = self.engine.info
+        limit = info.max_model_len
+        if p + sampling.max_tokens > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{p} tokens and max_tokens asks for {sampling.max_tokens} more: "
+                "shorten the prompt or lower max_tokens", param="max_tokens"
+            )
+        # vLLM holds a copy of the prompt per sequence; the scheduler admits a request only
+        # when all of it fits, so one that never can would wait forever.
+        block = info.block_size
+        need = sampling.n * (-(-(p + sampling.max_tokens) // block) * block)
+        if sampling.n > 1 and need > info.kv_capacity_tokens:
+            raise InvalidRequestError(
+                f"n={sampling.n} sequences of {p} prompt + {sampling.max_tokens} output tokens "
+                f"need {need} tokens of KV cache; this server has {info.kv_capacity_tokens}: "
+                "lower n or max_tokens", param="n")
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -106,7 +147,8 @@ class InferenceService:
             return entry
         p, d = len(prepared.prompt_token_ids), prepared.sampling.max_tokens
         return self.scheduler.register(
-            DEFAULT_AGENT_TYPE, prompt_text, tenant, predicted_cost=kv_cost(p, d), auto=True
+            DEFAULT_AGENT_TYPE, prompt_text, tenant,
+            predicted_cost=prepared.sampling.n * kv_cost(p, d), auto=True
         )
 
     async def stream(self, prepared: PreparedRequest, agent: AgentEntry) -> AsyncIterator[EngineOutput]:

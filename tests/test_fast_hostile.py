@@ -95,6 +95,7 @@ def test_live_agent_quota_is_a_429_with_retry_after_and_frees_up(quota_server) -
         # Untagged requests are agents too.
         untagged = alice.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert untagged.status_code == 429
+        assert untagged.json()["error"]["type"] == "rate_limit_error"  # OpenAI's shape there
         # Another tenant is not held back.
         assert bob.post("/v1/agents", json={"type": "q", "prompt": "x"}).status_code == 201
         alice.post(f"/v1/agents/{ids[0]}/finish")

@@ -209,6 +209,10 @@ def test_requests_over_the_tenants_size_cap_are_refused(limited_server) -> None:
             # dave's own cap is 300
             assert dave.post(path, json={**body, "max_tokens": 100}).status_code == 200
             assert dave.post(path, json={**body, "max_tokens": 299}).status_code == 400
+        # Without max_tokens a chat answer fills the tenant's cap, not the model's context.
+        r = carol.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hello there"}], "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 64, r.text
         # The model's context still bounds everyone, with its own message.
         r = dave.post("/v1/completions", json={"prompt": "x", "max_tokens": 600})
         assert r.status_code == 400 and "maximum context length" in r.json()["detail"]

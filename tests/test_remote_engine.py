@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -119,3 +120,23 @@ def test_unreachable_replica_is_a_clear_startup_error(tmp_path) -> None:
     with pytest.raises(ServerStartError) as info:
         srv.start()
     assert "did not answer as a vLLM OpenAI server" in str(info.value)
+
+
+def test_n_logprobs_and_structured_output_pass_through_to_the_replica(jc: httpx.Client) -> None:
+    r = jc.post("/v1/completions", json={"prompt": [7] * 10, "max_tokens": 4, "n": 2,
+                                         "logprobs": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for c in choices:
+        assert c["finish_reason"] == "length" and len(c["logprobs"]["tokens"]) == 4
+        # at most 2: OpenAI's legacy shape keys them by text, and two tokens may share one
+        assert all(1 <= len(top) <= 2 for top in c["logprobs"]["top_logprobs"])
+    assert r.json()["usage"]["completion_tokens"] == 8
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    chat = jc.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "a?"}], "max_tokens": 400,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    assert chat.status_code == 200, chat.text
+    assert set(json.loads(chat.json()["choices"][0]["message"]["content"])) == {"a"}

@@ -247,3 +247,16 @@ def test_accounting_returns_to_zero(policy, ops, m, backfill):
     assert d.is_idle()
     d.clock.advance(now + 1e9)
     assert d.clock.backlog == 0
+
+
+def test_n_sequences_reserve_and_pay_for_each_sequence():
+    # vLLM keeps a prompt per sequence: n=3 holds three footprints and costs three requests.
+    d = Dispatcher("justitia", 600, 0.01, block_size=16)
+    d.register_agent("a", kv_cost(100, 50) * 3, 0.0)
+    d.submit(RequestSpec("r", "a", prompt_tokens=100, max_tokens=50, n=3), 0.0)
+    d.submit(RequestSpec("s", "a", prompt_tokens=100, max_tokens=50), 0.0)
+    assert ids(d.admit(0.0)) == ["r"]  # 3 x 160 = 480: 160 more is over 600
+    assert d.reserved_kv == 3 * 160
+    d.on_request_finished("r", 100, 5 + 6 + 7, 1.0, each=(5, 6, 7))
+    assert d.agents["a"].consumed_kv == sum(kv_cost(100, x) for x in (5, 6, 7))
+    assert d.reserved_kv == 0

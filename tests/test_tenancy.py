@@ -40,6 +40,20 @@ def test_calls_without_a_valid_key_are_401(keyed_server) -> None:
         assert anon.get("/healthz").status_code == 200
 
 
+def test_the_openai_client_says_why_a_key_is_refused(keyed_server) -> None:
+    import openai
+
+    bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="wrong", max_retries=0)
+    for call in (lambda: bad.models.list(),
+                 lambda: bad.completions.create(model="m", prompt="hi", max_tokens=2)):
+        with pytest.raises(openai.AuthenticationError) as caught:
+            call()
+        assert "key" in caught.value.message and caught.value.code == "invalid_api_key"
+        assert caught.value.type == "authentication_error"
+    good = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    assert good.models.list().data
+
+
 def test_tenants_cannot_see_or_touch_each_others_agents(keyed_server) -> None:
     with as_tenant(keyed_server, "alice") as alice, as_tenant(keyed_server, "bob") as bob:
         rec = alice.post("/v1/agents", json={"type": "secret_agent",

@@ -22,7 +22,14 @@ class EngineError(Exception):
 
 
 class InvalidRequestError(ValueError):
-    """The request cannot be served as asked (too long, bad sampling parameters)."""
+    """The request cannot be served as asked (too long, bad sampling parameters).
+
+    `param` names the request field at fault when one is (OpenAI's error body carries it).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,39 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Sequences sampled from the one prompt (OpenAI's `n`).
+    n: int = 1
+    # Log probabilities of each sampled token and of the `logprobs` most likely ones
+    # (0: the sampled token's only); None: none returned.
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Structured output (vLLM's structured outputs, xgrammar): any JSON object, or JSON
+    # matching `json_schema` (the schema as JSON text, so that the options stay hashable).
+    json_object: bool = False
+    json_schema: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token with its log probability and the most likely alternatives."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class SequenceOutput:
+    """Cumulative state of one of a request's `n` sequences."""
+
+    index: int
+    text: str
+    output_tokens: int
+    finish_reason: str | None = None
+    delta_text: str = ""
+    # The tokens added since the previous output (only when logprobs were asked for).
+    delta_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,7 +88,12 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class EngineOutput:
-    """Cumulative state of one request after an engine step."""
+    """Cumulative state of one request after an engine step.
+
+    `text`, `delta_text` and `finish_reason` are those of the first sequence;
+    `output_tokens` counts the tokens of all `n` sequences (what the request cost), and
+    `sequences` has each one (empty: the one sequence the fields above describe).
+    """
 
     request_id: str
     text: str
@@ -58,6 +103,14 @@ class EngineOutput:
     finish_reason: str | None = None
     num_preemptions: int = 0
     delta_text: str = ""
+    sequences: tuple[SequenceOutput, ...] = ()
+
+    def each(self) -> tuple[SequenceOutput, ...]:
+        """The request's sequences, one at least."""
+        if self.sequences:
+            return self.sequences
+        return (SequenceOutput(0, self.text, self.output_tokens, self.finish_reason,
+                               self.delta_text),)
 
 
 @dataclass(frozen=True)
@@ -68,6 +121,8 @@ class EngineInfo:
     max_model_len: int
     # Token ids a prompt may hold are 0 .. vocab_size - 1; None: the engine checks itself.
     vocab_size: int | None = None
+    # The most `logprobs` a request may ask for (vLLM's max_logprobs, 20 by default).
+    max_logprobs: int = 20
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,9 @@ from server.engine.base import (
     EngineRequest,
     EngineStats,
     InvalidRequestError,
+    SamplingOptions,
+    SequenceOutput,
+    TokenLogprob,
 )
 from server.engine.tokens import fast_encoder
 
@@ -383,7 +386,7 @@ class RemoteVLLMEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self._session is None:
             raise EngineError("the engine is not running")
-        footprint = len(request.prompt_token_ids) + request.sampling.max_tokens
+        footprint = request.sampling.n * (len(request.prompt_token_ids) + request.sampling.max_tokens)
         placed = self._placed.pop(request.request_id, None)
         failed: list[Replica] = []
         while True:
@@ -413,26 +416,13 @@ class RemoteVLLMEngine:
                 self._retire_if_drained(replica)
 
     async def _stream(self, replica: Replica, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        s = request.sampling
         p = len(request.prompt_token_ids)
-        body = {
-            "model": self._served_name,
-            "prompt": list(request.prompt_token_ids),
-            "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "seed": s.seed,
-            "stop": list(s.stop) or None,
-            "ignore_eos": s.ignore_eos,
-            "min_tokens": s.min_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "request_id": request.request_id,
-        }
+        body = {"model": self._served_name, "prompt": list(request.prompt_token_ids),
+                **_sampling_body(request.sampling), "stream": True,
+                "stream_options": {"include_usage": True}, "request_id": request.request_id}
         if self.send_priority:
             body["priority"] = int(request.priority)
-        text, tokens, finish = "", 0, None
+        seqs = _RemoteSequences(request.sampling.n)
         try:
             resp = await self._post(replica, body)
             self._streams[request.request_id] = resp
@@ -443,55 +433,136 @@ class RemoteVLLMEngine:
                         raise InvalidRequestError(f"the engine refused the request: {detail}")
                     raise _ReplicaFailed(f"replica {replica.url} answered {resp.status}: {detail}")
                 try:
-                    async with contextlib.aclosing(_read_stream(resp)) as updates:
-                        async for delta, new_tokens, reason, usage in updates:
+                    k = request.sampling.logprobs or 0
+                    async with contextlib.aclosing(_read_stream(resp, k)) as updates:
+                        async for choices, usage in updates:
                             if request.request_id not in self._streams:
                                 break  # aborted: what is still buffered is not relayed
-                            finish = reason or finish
-                            if usage is not None:  # vLLM's own count is the true one
-                                tokens = usage - new_tokens
-                            if new_tokens:
-                                text, tokens = text + delta, tokens + new_tokens
-                                yield EngineOutput(request.request_id, text, p, tokens, False,
-                                                   None, delta_text=delta)
+                            if seqs.update(choices, usage):
+                                yield seqs.output(request.request_id, p, finished=False)
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     if request.request_id in self._streams:  # not our abort: the replica failed
                         self._set_health(replica, False)
                         raise _ReplicaFailed(f"replica {replica.url} failed mid-request: {exc}") from exc
-                    finish = "abort"
+                    seqs.abort()
             if request.request_id not in self._streams:
-                finish = "abort"
-            yield EngineOutput(request.request_id, text, p, tokens, True, finish or "abort")
+                seqs.abort()
+            yield seqs.output(request.request_id, p, finished=True)
         finally:
             self._streams.pop(request.request_id, None)
 
 
-async def _read_stream(
-    resp: aiohttp.ClientResponse,
-) -> AsyncIterator[tuple[str, int, str | None, int | None]]:
-    """(new text, new tokens, finish reason, usage's token count) once per network read.
+def _sampling_body(s: SamplingOptions) -> dict:
+    """The sampling fields of a vLLM OpenAI completions request."""
+    body = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+            "top_k": s.top_k, "seed": s.seed, "stop": list(s.stop) or None,
+            "ignore_eos": s.ignore_eos, "min_tokens": s.min_tokens, "n": s.n,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty}
+    if s.logprobs is not None:
+        body["logprobs"] = s.logprobs
+    if s.json_schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "schema",
+                                                   "schema": json.loads(s.json_schema)}}
+    elif s.json_object:
+        body["response_format"] = {"type": "json_object"}
+    return body
 
-    vLLM sends one SSE event per token. Everything already buffered is folded into one
-    update, and the loop is given a turn after each read: a consumer that fell behind
-    catches up in one step instead of replaying thousands of events without yielding to
-    the event loop (which starved every other request and delayed aborts by seconds).
+
+@dataclass
+class _ChoiceUpdate:
+    """What one network read added to one choice (sequence) of a streamed completion."""
+
+    text: str = ""
+    tokens: int = 0
+    finish: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class _RemoteSequences:
+    """Each sequence's text and token count so far, from the replica's streamed choices."""
+
+    def __init__(self, n: int) -> None:
+        self.text = [""] * n
+        self.tokens = [0] * n
+        self.finish: list[str | None] = [None] * n
+        self.total: int | None = None  # vLLM's own count (usage), once it is sent
+        self.last: dict[int, _ChoiceUpdate] = {}
+
+    def update(self, choices: dict[int, _ChoiceUpdate], usage: int | None) -> bool:
+        """Take one read's updates; True when some sequence got new tokens."""
+        self.last = {i: c for i, c in choices.items() if 0 <= i < len(self.text)}
+        for i, c in self.last.items():
+            self.text[i] += c.text
+            self.tokens[i] += c.tokens
+            self.finish[i] = c.finish or self.finish[i]
+        if usage is not None:
+            self.total = usage
+        return any(c.tokens for c in self.last.values())
+
+    def abort(self) -> None:
+        self.finish = [f or "abort" for f in self.finish]
+        self.last = {}
+
+    def output(self, request_id: str, prompt_tokens: int, finished: bool) -> EngineOutput:
+        last = self.last if not finished else {}
+        if finished and self.total is not None and len(self.tokens) == 1:
+            self.tokens[0] = self.total  # vLLM's count: a last event may carry no token
+        seqs = tuple(
+            SequenceOutput(i, self.text[i], self.tokens[i],
+                           (self.finish[i] or "abort") if finished else None,
+                           last[i].text if i in last else "",
+                           tuple(last[i].logprobs) if i in last else ())
+            for i in range(len(self.text)))
+        total = self.total if finished and self.total is not None else sum(self.tokens)
+        return EngineOutput(request_id, seqs[0].text, prompt_tokens, total, finished,
+                            seqs[0].finish_reason, delta_text=seqs[0].delta_text,
+                            sequences=seqs)
+
+
+async def _read_stream(
+    resp: aiohttp.ClientResponse, k: int = 0,
+) -> AsyncIterator[tuple[dict[int, _ChoiceUpdate], int | None]]:
+    """(what each choice added, usage's token count) once per network read; `k`: the
+    alternatives per token asked for (logprobs).
+
+    vLLM sends one SSE event per token and choice. Everything already buffered is folded
+    into one update, and the loop is given a turn after each read: a consumer that fell
+    behind catches up in one step instead of replaying thousands of events without yielding
+    to the event loop (which starved every other request and delayed aborts by seconds).
     """
     pending = b""
     async for data in resp.content.iter_any():
         lines = (pending + data).split(b"\n")
         pending = lines.pop()
-        delta: list[str] = []
-        tokens, finish, usage = 0, None, None
+        choices: dict[int, _ChoiceUpdate] = {}
+        usage = None
         for raw in lines:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices", []):
-                tokens += 1
-                delta.append(choice.get("text") or "")
-                finish = choice.get("finish_reason") or finish
+                c = choices.setdefault(int(choice.get("index", 0)), _ChoiceUpdate())
+                c.tokens += 1
+                c.text += choice.get("text") or ""
+                c.finish = choice.get("finish_reason") or c.finish
+                c.logprobs.extend(_logprobs(choice.get("logprobs"), k))
             if chunk.get("usage"):
                 usage = int(chunk["usage"]["completion_tokens"])
-        yield "".join(delta), tokens, finish, usage
+        yield choices, usage
         await asyncio.sleep(0)
+
+
+def _logprobs(lp: dict | None, k: int) -> list[TokenLogprob]:
+    """vLLM's completions logprobs (parallel lists) as TokenLogprobs; its per-token top dict
+    also holds the sampled token when that is not among the k most likely, so it is cut to
+    the k most likely."""
+    if not lp:
+        return []
+    tokens = lp.get("tokens") or []
+    values = lp.get("token_logprobs") or []
+    tops = lp.get("top_logprobs") or [None] * len(tokens)
+    return [TokenLogprob(tok, float(v) if v is not None else float("-inf"),
+                         tuple(sorted((top or {}).items(), key=lambda kv: -kv[1])[:k]))
+            for tok, v, top in zip(tokens, values, tops)]

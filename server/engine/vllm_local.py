@@ -21,6 +21,9 @@ from server.engine.base import (
     EngineRequest,
     EngineStats,
     InvalidRequestError,
+    SamplingOptions,
+    SequenceOutput,
+    TokenLogprob,
 )
 from server.engine.tokens import fast_encoder
 
@@ -160,6 +163,81 @@ def _stat_logger_factory(collector: _StatsCollector):
     return JustitiaStatLogger
 
 
+def _sampling_params(s: SamplingOptions) -> Any:
+    from vllm import SamplingParams
+
+    structured = None
+    if s.json_object or s.json_schema is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = (StructuredOutputsParams(json=s.json_schema) if s.json_schema is not None
+                      else StructuredOutputsParams(json_object=True))
+    return SamplingParams(
+        n=s.n,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        logprobs=s.logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        structured_outputs=structured,
+    )
+
+
+class _Sequences:
+    """The latest state of each of a request's sequences, and what is new in each.
+
+    vLLM's outputs are cumulative (the whole text and token list so far); an output may carry
+    only some of the `n` sequences, so the last state of each is kept here.
+    """
+
+    def __init__(self, tokenizer: Any, logprobs: int | None) -> None:
+        self._tokenizer = tokenizer
+        self._logprobs = logprobs
+        self._state: dict[int, SequenceOutput] = {}
+
+    def update(self, completions: list[Any]) -> tuple[SequenceOutput, ...]:
+        for c in completions:
+            prev = self._state.get(c.index)
+            sent_text = len(prev.text) if prev else 0
+            sent_tokens = prev.output_tokens if prev else 0
+            self._state[c.index] = SequenceOutput(
+                index=c.index,
+                text=c.text,
+                output_tokens=len(c.token_ids),
+                finish_reason=c.finish_reason,
+                delta_text=c.text[sent_text:],
+                delta_logprobs=self._new_logprobs(c, sent_tokens),
+            )
+        return tuple(self._state[i] for i in sorted(self._state))
+
+    def _new_logprobs(self, c: Any, sent: int) -> tuple[TokenLogprob, ...]:
+        if self._logprobs is None or not c.logprobs:
+            return ()
+        return tuple(_token_logprob(tid, step, self._logprobs, self._tokenizer)
+                     for tid, step in zip(c.token_ids[sent:], c.logprobs[sent:]))
+
+
+def _token_logprob(token_id: int, step: dict[int, Any], k: int, tokenizer: Any) -> TokenLogprob:
+    """vLLM's per-step dict (token id -> Logprob, the sampled token always included) in the
+    order OpenAI gives: the sampled token, then the alternatives by rank."""
+
+    def text(tid: int, lp: Any) -> str:
+        return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])
+
+    sampled = step[token_id]
+    # vLLM adds the sampled token to the k most likely when it is not among them; OpenAI's
+    # top list holds the k most likely only (ranks 1..k).
+    ranked = sorted((lp.rank, tid, lp) for tid, lp in step.items() if lp.rank <= k)
+    top = tuple((text(tid, lp), float(lp.logprob)) for _, tid, lp in ranked)
+    return TokenLogprob(text(token_id, sampled), float(sampled.logprob), top)
+
+
 class LocalVLLMEngine:
     """vLLM's AsyncLLM in this process (its engine core runs in a child process).
 
@@ -287,6 +365,7 @@ class LocalVLLMEngine:
             # tokenizer or of the model, whichever is larger.
             vocab_size=max(int(self._tokenizer.max_token_id) + 1,
                            int(vcfg.model_config.get_vocab_size())),
+            max_logprobs=int(vcfg.model_config.max_logprobs),
         )
         if self._info is not None and info != self._info:
             # Same settings, same engine: the scheduler keeps the first one's capacity.
@@ -418,49 +497,38 @@ class LocalVLLMEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if not self.healthy:
             await self._until_running()
-        from vllm import SamplingParams
         # vLLM's "the request is at fault" errors are not ValueErrors in every version.
         from vllm.exceptions import VLLMClientError
 
-        s = request.sampling
         try:
-            params = SamplingParams(
-                max_tokens=s.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                seed=s.seed,
-                stop=list(s.stop) or None,
-                ignore_eos=s.ignore_eos,
-                min_tokens=s.min_tokens,
-            )
+            params = _sampling_params(request.sampling)
         except (ValueError, VLLMClientError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
+            raise InvalidRequestError(str(exc), getattr(exc, "parameter", None)) from exc
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-        sent = 0
         llm = self._llm  # a restart replaces self._llm; this request belongs to this one
+        seqs = _Sequences(self._tokenizer, request.sampling.logprobs)
         try:
             async for out in llm.generate(
                 prompt, params, request.request_id, priority=int(request.priority)
             ):
-                completion = out.outputs[0]
-                text = completion.text
+                sequences = seqs.update(out.outputs)
                 metrics = getattr(out, "metrics", None)
+                first = sequences[0]
                 yield EngineOutput(
                     request_id=request.request_id,
-                    text=text,
-                    delta_text=text[sent:],
+                    text=first.text,
+                    delta_text=first.delta_text,
                     prompt_tokens=len(out.prompt_token_ids or request.prompt_token_ids),
-                    output_tokens=len(completion.token_ids),
+                    output_tokens=sum(q.output_tokens for q in sequences),
                     finished=out.finished,
-                    finish_reason=completion.finish_reason,
+                    finish_reason=first.finish_reason,
                     num_preemptions=int(getattr(metrics, "num_preemptions", 0) or 0),
+                    sequences=sequences,
                 )
-                sent = len(text)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except (ValueError, VLLMClientError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
+            raise InvalidRequestError(str(exc), getattr(exc, "parameter", None)) from exc
         except Exception as exc:
             if llm.errored:
                 # Not resent: the request may be what killed the engine.

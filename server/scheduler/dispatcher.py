@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .bounds import AgentShape, BoundLimits, delay_bound
@@ -230,17 +230,17 @@ class Dispatcher:
         agent = self._agent(spec.agent_id)
         if spec.request_id in self.requests:
             raise ValueError(f"request {spec.request_id!r} already submitted")
-        p, d = int(spec.prompt_tokens), spec.expected_tokens
+        p, d, n = int(spec.prompt_tokens), spec.expected_tokens, spec.n
         req = RequestState(
             spec=spec,
             seq=next(self._seq),
             submitted_at=now,
-            footprint=-(-kv_footprint(p, d) // self.block_size) * self.block_size,
-            est_cost=self._cost(p, d),
-            est_kv_cost=kv_cost(p, d),
+            footprint=n * (-(-kv_footprint(p, d) // self.block_size) * self.block_size),
+            est_cost=n * self._cost(p, d),
+            est_kv_cost=n * kv_cost(p, d),
         )
         req.order = self.policy.request_order(req)
-        self._mix.compute += compute_cost(p, d)
+        self._mix.compute += n * compute_cost(p, d)
         self._mix.kv += req.est_kv_cost
         if self.policy.cost_model == COMPUTE:
             self.clock.set_rate(self._rate(), now)
@@ -259,8 +259,12 @@ class Dispatcher:
         self._commit(agent, req.est_cost, now)
         self.queue.requeue(agent)
 
-    def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int, now: float) -> bool:
+    def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int,
+                            now: float, each: Sequence[int] = ()) -> bool:
         """A request left the engine: release its reservation and account its real cost.
+
+        `output_tokens` is the total over the request's sequences; `each` the output of each
+        sequence when it sampled several (`n` > 1): each one is charged as one request.
 
         Returns False (and does nothing) for an id the dispatcher no longer knows: a request
         of a cancelled agent whose abort raced with its completion.
@@ -282,9 +286,10 @@ class Dispatcher:
             req.status = DONE
             agent.pending -= 1
             self.pending_count -= 1
-        real = self._cost(prompt_tokens, output_tokens)
+        lengths = each or (output_tokens,)
+        real = sum(self._cost(prompt_tokens, d) for d in lengths)
         agent.consumed_cost += real
-        agent.consumed_kv += kv_cost(prompt_tokens, output_tokens)
+        agent.consumed_kv += sum(kv_cost(prompt_tokens, d) for d in lengths)
         agent.requests_done += 1
         self._commit(agent, real - req.est_cost, now)
         self.queue.requeue(agent)

@@ -26,6 +26,10 @@ class RequestSpec:
     prompt_tokens: int
     max_tokens: int
     expected_output_tokens: int | None = None
+    # Sequences sampled from the prompt (OpenAI's `n`): vLLM runs each as a request of its
+    # own with its own copy of the prompt (measured: n=3 holds 3 prompts' KV blocks), so
+    # footprint and cost are n times those of one sequence.
+    n: int = 1
 
     @property
     def expected_tokens(self) -> int:
