@@ -12,7 +12,7 @@ from server.metrics import metric_value
 from server.scheduler import kv_cost
 from tests.conftest import ENGINE_KV_TOKENS
 from tests.streams import BackgroundStream, sse_json
-from tests.waiting import wait_until
+from tests.waiting import all_agents, wait_until
 
 RECORD_FIELDS = {
     "id", "type", "state", "predicted_cost", "virtual_finish", "consumed_cost", "requests_total",
@@ -85,7 +85,7 @@ def test_register_returns_a_complete_record(client: httpx.Client) -> None:
     assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"])
     assert rec["finished_at"] is None
     assert client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
-    assert rec["id"] in {a["id"] for a in client.get("/v1/agents").json()["agents"]}
+    assert rec["id"] in {a["id"] for a in all_agents(client)}
     client.delete(f"/v1/agents/{rec['id']}")
 
 
@@ -152,9 +152,9 @@ def test_header_and_body_agent_ids_must_agree(client: httpx.Client) -> None:
 
 
 def test_untagged_request_becomes_a_default_agent(client: httpx.Client) -> None:
-    before = {a["id"] for a in client.get("/v1/agents").json()["agents"]}
+    before = {a["id"] for a in all_agents(client)}
     assert complete(client, None, 4).status_code == 200
-    new = [a for a in client.get("/v1/agents").json()["agents"] if a["id"] not in before]
+    new = [a for a in all_agents(client) if a["id"] not in before]
     assert len(new) == 1
     assert new[0]["type"] == "default" and new[0]["state"] == "finished"
     assert new[0]["requests_done"] == 1
@@ -351,9 +351,9 @@ def test_record_says_where_its_cost_came_from(client: httpx.Client) -> None:
     assert AgentRecord.model_validate(guessed).cost_source == "cold_start"
     for rec in (declared, guessed):
         client.delete(f"/v1/agents/{rec['id']}")
-    before = {a["id"] for a in client.get("/v1/agents").json()["agents"]}
+    before = {a["id"] for a in all_agents(client)}
     assert complete(client, None, 4).status_code == 200
-    new = [a for a in client.get("/v1/agents").json()["agents"] if a["id"] not in before]
+    new = [a for a in all_agents(client) if a["id"] not in before]
     assert [a["cost_source"] for a in new] == ["request"]
 
 

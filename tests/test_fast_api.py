@@ -21,7 +21,7 @@ from tests.conftest import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN
 from tests.fake_engine import FAKE_MODEL, FakeEngine, FakeServer, encode
 from tests.streams import BackgroundStream, sse_json
 from tests.test_agents_api import RECORD_FIELDS, complete, register, scheduler_idle
-from tests.waiting import wait_until
+from tests.waiting import all_agents, wait_until
 
 # -- operations and the OpenAI routes ---------------------------------------------------------
 
@@ -157,7 +157,7 @@ def test_register_returns_a_complete_record(fake_client: httpx.Client) -> None:
     assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"])
     assert rec["finished_at"] is None
     assert fake_client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
-    assert rec["id"] in {a["id"] for a in fake_client.get("/v1/agents").json()["agents"]}
+    assert rec["id"] in {a["id"] for a in all_agents(fake_client)}
     assert fake_client.delete(f"/v1/agents/{rec['id']}").json()["state"] == "cancelled"
 
 
@@ -223,9 +223,9 @@ def test_header_and_body_agent_ids_must_agree(fake_client: httpx.Client) -> None
 
 
 def test_untagged_request_becomes_a_finished_default_agent(fake_client: httpx.Client) -> None:
-    before = {a["id"] for a in fake_client.get("/v1/agents").json()["agents"]}
+    before = {a["id"] for a in all_agents(fake_client)}
     assert complete(fake_client, None, 4).status_code == 200
-    new = [a for a in fake_client.get("/v1/agents").json()["agents"] if a["id"] not in before]
+    new = [a for a in all_agents(fake_client) if a["id"] not in before]
     assert len(new) == 1
     assert new[0]["type"] == "default" and new[0]["state"] == "finished"
     assert new[0]["requests_done"] == 1

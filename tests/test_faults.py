@@ -15,7 +15,7 @@ import pytest
 
 from justitia_sdk import AsyncClient, agent, current_agent, llm
 from tests.streams import BackgroundStream, sse_json
-from tests.waiting import wait_until
+from tests.waiting import all_agents, wait_until
 
 
 def engine_core(server) -> psutil.Process:
@@ -175,7 +175,7 @@ def test_restart_keeps_history_and_agents_re_register(justitia_home: str, tmp_pa
         t = threading.Thread(target=lambda: asyncio.run(run_agent()))
         t.start()
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            running = wait_until(lambda: [a for a in c.get("/v1/agents").json()["agents"]
+            running = wait_until(lambda: [a for a in all_agents(c)
                                           if a["type"] == "restart_agent" and a["requests_done"] == 1])
         old_id = running[0]["id"]
         srv.stop()
@@ -187,7 +187,7 @@ def test_restart_keeps_history_and_agents_re_register(justitia_home: str, tmp_pa
             gate.set()
             t.join(120)
             assert outcome["result"] == 1
-            agents = c.get("/v1/agents").json()["agents"]
+            agents = all_agents(c)
             again = [a for a in agents if a["type"] == "restart_agent"]
             assert len(again) == 1 and again[0]["id"] != old_id
             assert again[0]["state"] == "finished" and again[0]["requests_done"] == 1

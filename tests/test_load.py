@@ -10,11 +10,12 @@ import asyncio
 import httpx
 
 from benchmarks.load_test import one_round
+from tests.waiting import all_agents
 
 
 def test_two_thousand_requests_lose_nothing(client: httpx.Client, server) -> None:
     agents, per_agent = 200, 10
-    before = {a["id"] for a in client.get("/v1/agents").json()["agents"]}
+    before = {a["id"] for a in all_agents(client)}
     # other tests' agents may still be open on this shared server: only requests must drain
     stats = asyncio.run(one_round(server.url, agents, per_agent, concurrency=64, max_tokens=2,
                                   settled_keys=("pending_requests", "running_requests",
@@ -22,7 +23,7 @@ def test_two_thousand_requests_lose_nothing(client: httpx.Client, server) -> Non
     assert stats.failures == {} and stats.requests_ok == agents * per_agent
     snap = stats.after
     assert snap["pending_requests"] == snap["running_requests"] == snap["reserved_kv"] == 0
-    mine = [a for a in client.get("/v1/agents").json()["agents"]
+    mine = [a for a in all_agents(client)
             if a["id"] not in before and a["type"].startswith("load")]
     assert len(mine) == agents
     assert all(a["state"] == "finished" and a["requests_done"] == per_agent for a in mine)

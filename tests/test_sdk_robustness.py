@@ -15,7 +15,7 @@ import pytest
 
 from justitia_sdk import AsyncClient, Client, agent, llm, parallel_map
 from justitia_sdk._errors import AgentCancelledError, AgentTimeoutError
-from tests.waiting import wait_until
+from tests.waiting import all_agents, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -93,18 +93,22 @@ def test_the_finish_call_takes_an_error_and_failed_agents_are_terminal(client) -
     assert again.status_code == 409
     bad = client.post("/v1/agents", json={"type": "robust_api", "prompt": "x"}).json()
     assert client.post(f"/v1/agents/{bad['id']}/finish", json={"err": "x"}).status_code in (400, 422)
-    listed = client.get("/v1/agents", params={"state": "failed"}).json()["agents"]
+    listed = all_agents(client, state="failed")
     assert rec["id"] in {a["id"] for a in listed}
 
 
 async def test_cancelled_agents_end_cancelled_and_are_no_samples(server) -> None:
     async with AsyncClient(server.url) as client:
-        async with client.batch(slow, [1, 2, 3], progress=False) as batch:
-            await anyio.sleep(1.0)
+        inputs = [{"i": k, "tokens": 1800} for k in range(3)]
+        async with client.batch(slow, inputs, progress=False) as batch:
+            with anyio.fail_after(60):
+                while sum(h.id is not None for h in batch) < 3:
+                    await anyio.sleep(0.05)
+            await anyio.sleep(0.3)  # their requests are in the engine
             batch.cancel()
         ids = [h.id for h in batch if h.id]
         records = [await client.get_agent(i) for i in ids]
-    assert ids and all(r.state == "cancelled" for r in records)
+    assert ids and all(r.state == "cancelled" for r in records), [(r.state, r.requests_done, r.error) for r in records]
     assert all(isinstance(h.error, AgentCancelledError) and h.status == "cancelled" for h in batch)
     assert not set(ids) & _history_ids(server, "robust_slow")
 

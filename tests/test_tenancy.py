@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import serve_with_keys
+from tests.waiting import all_agents
 
 KEYS = {"alice": "key-alice-0123456789", "bob": "key-bob-9876543210",
         "admin": "key-admin-5555555555"}
@@ -63,7 +64,7 @@ def test_tenants_cannot_see_or_touch_each_others_agents(keyed_server) -> None:
         # bob learns nothing: not its record, not its existence, not its prompt
         assert bob.get(f"/v1/agents/{aid}").status_code == 404
         assert bob.get(f"/v1/agents/{aid}/events").status_code == 404
-        assert aid not in {a["id"] for a in bob.get("/v1/agents").json()["agents"]}
+        assert aid not in {a["id"] for a in all_agents(bob)}
         # nor use, finish or cancel it
         r = bob.post("/v1/completions", headers={"X-Justitia-Agent": aid},
                      json={"prompt": "hi", "max_tokens": 2})

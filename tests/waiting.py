@@ -20,3 +20,16 @@ def wait_until(predicate: Callable[[], T], limit_s: float = 60.0, every_s: float
             return value
         time.sleep(every_s)
     raise AssertionError(f"condition not reached; state: {show() if show else None}")
+
+
+def all_agents(client: Any, **params: Any) -> list[dict]:
+    """Every agent `GET /v1/agents` lists for this client (all pages)."""
+    out: list[dict] = []
+    cursor = None
+    while True:
+        query = {**params, "limit": 1000, **({"cursor": cursor} if cursor else {})}
+        body = client.get("/v1/agents", params=query).json()
+        out.extend(body["agents"])
+        cursor = body.get("next_cursor")
+        if not cursor:
+            return out
