@@ -241,6 +241,7 @@ def serve(config: Any) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.http import raise_open_files_limit, uvicorn_config
 
     if config.model is None and not config.engine_urls:
         from server.tiny_model import ensure_default_model
@@ -248,10 +249,9 @@ def serve(config: Any) -> int:
         path = ensure_default_model()
         print(TINY_NOTICE.format(path=path), file=sys.stderr, flush=True)
     app = create_app(config)
-    # Keep-alive longer than uvicorn's 5 s default: agents pause between stages, and a
-    # client that reuses a connection the server just closed sees a spurious disconnect.
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                          log_level=config.log_level, timeout_keep_alive=30))
+    raise_open_files_limit()
+    server = uvicorn.Server(uvicorn_config(app, config.host, config.port,
+                                           log_level=config.log_level))
     # The app stops this server itself when its engine cannot be restarted (server/app.py).
     app.state.uvicorn_server = server
     server.run()

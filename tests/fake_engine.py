@@ -374,9 +374,10 @@ class FakeServer:
     """
 
     def __init__(self, data_dir: str | Path, engine: FakeEngine | None = None,
-                 **config: Any) -> None:
+                 header_timeout_s: float = 10.0, **config: Any) -> None:
         from server.config import ServerConfig
 
+        self.header_timeout_s = header_timeout_s
         self.engine = engine or FakeEngine()
         self.config = ServerConfig(data_dir=str(data_dir), **config)
         self.url = ""
@@ -388,13 +389,15 @@ class FakeServer:
         import uvicorn
 
         from server.app import create_app
+        from server.http import uvicorn_config
         from server.launcher import free_port
 
         app = create_app(self.config, engine=self.engine, model_name=self.engine.info.model)
         port = port or free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self._uvicorn = uvicorn.Server(uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+        self._uvicorn = uvicorn.Server(uvicorn_config(
+            app, "127.0.0.1", port, log_level="warning", lifespan="on",
+            header_timeout_s=self.header_timeout_s))
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True,
                                         name=f"fake-server-{port}")
         self._thread.start()

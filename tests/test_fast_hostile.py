@@ -176,3 +176,31 @@ def _finish_with_request(c: httpx.Client, agent_id: str) -> None:
                json={"prompt": "x", "max_tokens": 1})
     assert r.status_code == 200
     c.post(f"/v1/agents/{agent_id}/finish")
+
+
+def test_slow_header_clients_cannot_starve_health_checks(tmp_path) -> None:
+    """Connections that never finish their headers used to be held forever (20,000 of them
+    made /healthz fail for tens of seconds); now they are closed after the header timeout,
+    and health checks are answered meanwhile."""
+    import socket
+    import time
+
+    with FakeServer(tmp_path, header_timeout_s=1.0) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        slow = []
+        for _ in range(300):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            slow.append(s)
+        latencies = []
+        with httpx.Client(base_url=srv.url, timeout=5) as c:
+            for _ in range(20):
+                started = time.monotonic()
+                assert c.get("/healthz").status_code == 200
+                latencies.append(time.monotonic() - started)
+        assert max(latencies) < 0.5, latencies
+        time.sleep(1.5)
+        for s in slow:  # the server closed them: reading gives EOF
+            s.settimeout(2)
+            assert s.recv(100) == b""
+            s.close()

@@ -1,0 +1,76 @@
+"""The HTTP server's connection handling: uvicorn, with limits against slow clients.
+
+uvicorn closes idle keep-alive connections, but a connection that never completes its first
+request's headers (a slow or hostile client) is held forever: 20,000 of them made health
+checks fail for tens of seconds. Here a connection must finish its first request's headers
+within `header_timeout_s`, and the process may hold as many sockets as its hard limit allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from typing import Any
+
+log = logging.getLogger("justitia.http")
+
+#: Seconds a new connection has to complete its first request's headers.
+HEADER_TIMEOUT_S = 10.0
+#: Seconds an idle keep-alive connection stays open. Longer than uvicorn's 5 s: agents pause
+#: between stages, and a client that reuses a connection the server just closed sees a
+#: spurious disconnect.
+KEEP_ALIVE_S = 30
+
+
+def with_header_timeout(protocol: type, timeout_s: float) -> type:
+    """`protocol` (one of uvicorn's HTTP protocol classes) that closes a connection whose
+    first request has not started (headers incomplete) `timeout_s` after it was made."""
+
+    class HeaderTimeout(protocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    HeaderTimeout.__name__ = f"HeaderTimeout{protocol.__name__}"
+    return HeaderTimeout
+
+
+def http_protocol(timeout_s: float = HEADER_TIMEOUT_S) -> type:
+    """uvicorn's fastest available HTTP protocol, with the header timeout."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # httptools is optional for uvicorn
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return with_header_timeout(base, timeout_s)
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft limit of open files to the hard one (each connection is a file); the
+    new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-files limit from %d: %s", soft, exc)
+    return soft
+
+
+def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info",
+                   header_timeout_s: float = HEADER_TIMEOUT_S, **kwargs: Any) -> Any:
+    """The uvicorn configuration every Justitia server runs with."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          timeout_keep_alive=KEEP_ALIVE_S, http=http_protocol(header_timeout_s),
+                          **kwargs)
