@@ -205,7 +205,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         if not model_name:
             model_name = getattr(engine, "_served_name", "") or engine.info.model
         await _warm_up(engine)
-        history = History(_data_dir(config) / "history.sqlite3")
+        history = History(_data_dir(config) / "history.sqlite3",
+                          retention_s=config.history_retention_s or None)
         metrics = Metrics()
         scheduler = LiveScheduler(
             engine,
@@ -281,6 +282,12 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     async def readyz(request: Request) -> JSONResponse:
         """Readiness: 200 only while the engine runs; otherwise 503 with its state and why."""
         state, detail = _engine_status(request)
+        history = getattr(request.app.state, "history", None)
+        if state == "running" and history is not None and history.unwritten:
+            # Finished agents are not being recorded (disk full?): drain this server.
+            return JSONResponse({"status": "degraded", "detail": (
+                f"{history.unwritten} finished agents could not be written to the history "
+                f"({history.last_error}); retrying")}, 503)
         if request.app.state.ready and state == "running":
             return JSONResponse({"status": "ready", "model": request.app.state.service.model_name})
         if state == "running":

@@ -102,6 +102,9 @@ def register(commands: Commands) -> None:
     serve.add_argument("--agent-retention", type=float, default=3600.0, metavar="SECONDS",
                        help="ended agents stay readable through the API this long, then only "
                             "in the history (bounds the server's memory under heavy traffic)")
+    serve.add_argument("--history-retention", type=float, default=30 * 86_400, metavar="SECONDS",
+                       help="finished agents older than this are deleted from the history "
+                            "(checked every 10 minutes; default 30 days; 0 keeps everything)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="server log level")
@@ -230,6 +233,7 @@ def run_serve(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         agent_lease_s=args.agent_lease,
         agent_retention_s=args.agent_retention,
+        history_retention_s=args.history_retention,
         log_level=args.log_level,
         **limits,
     )

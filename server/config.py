@@ -40,6 +40,9 @@ class ServerConfig(BaseModel):
     agent_retention_s: float = Field(
         default=3600.0, ge=0, description="How long ended agents stay readable (in memory)."
     )
+    history_retention_s: float = Field(
+        default=30 * 86_400, ge=0,
+        description="Finished agents older than this leave the history (0: keep them all).")
     initial_tau_s: float = Field(default=0.01, gt=0)
     log_level: str = "info"
     # Per-tenant limits (server/limits.py); None everywhere: no limits.

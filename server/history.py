@@ -67,25 +67,64 @@ class History:
     batch_window_s = 0.1  # rows nobody waits for (untagged requests' agents)
     urgent_window_s = 0.002  # a row whose finish call waits for it
 
-    def __init__(self, path: str | Path) -> None:
+    prune_every_s = 600.0
+
+    def __init__(self, path: str | Path, retention_s: float | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a commit is not an fsync
-        self._db.executescript(_SCHEMA)
-        self._migrate()
+        #: Rows older than this (seconds since they ended) are deleted; None keeps them all.
+        self.retention_s = retention_s
+        #: Where an unreadable history file was moved before starting afresh (None: it was fine).
+        self.recovered_from: Path | None = None
+        try:
+            self._db = self._open()
+        except sqlite3.DatabaseError as exc:
+            self.recovered_from = self._move_aside(exc)
+            self._db = self._open()
+        #: Rows whose commit failed (disk full, I/O error), retried with backoff.
+        self.unwritten = 0
+        self.last_error: str | None = None
+        self._last_prune = 0.0
         self._lock = threading.Lock()  # one statement or transaction at a time
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_forever, name="justitia-history",
                                         daemon=True)
         self._writer.start()
+        self._prune()
 
-    def _migrate(self) -> None:
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a commit is not an fsync
+            db.executescript(_SCHEMA)
+            check = db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {check}")
+            self._migrate(db)
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        return db
+
+    def _move_aside(self, exc: Exception) -> Path:
+        """An unreadable history must not keep the server from starting: it is moved aside
+        (with its WAL files) for inspection, and a new one begins."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(str(self.path) + suffix)
+            if src.exists():
+                src.rename(str(moved) + suffix)
+        log.error("THE HISTORY FILE %s IS UNREADABLE (%s): moved to %s, starting a new one; "
+                  "finished agents recorded before are in the moved file", self.path, exc, moved)
+        return moved
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
         """Histories written before failed agents had an error column gain it (NULL)."""
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(agents)")}
+        columns = {row[1] for row in db.execute("PRAGMA table_info(agents)")}
         if "error" not in columns:
-            self._db.execute("ALTER TABLE agents ADD COLUMN error TEXT")
+            db.execute("ALTER TABLE agents ADD COLUMN error TEXT")
 
     def close(self) -> None:
         self._queue.put(_STOP)
@@ -108,43 +147,78 @@ class History:
         self._queue.join()
 
     def _write_forever(self) -> None:
+        failed: list[_Row] = []  # rows whose commit failed, tried again first
+        retry_s = 1.0
         while True:
-            batch = [self._queue.get()]
-            # A moment for more rows to queue: one commit per burst instead of one per agent
-            # (each commit is a WAL write and a lock round trip). Short when a finish call
-            # waits for the row, ~100 ms under a load of untagged requests.
-            first = batch[0]
-            urgent = first is _STOP or first.urgent
-            time.sleep(self.urgent_window_s if urgent else self.batch_window_s)
-            while True:  # everything queued meanwhile goes into the same transaction
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            items = [item for item in batch if item is not _STOP]
-            error: BaseException | None = None
             try:
-                if items:
-                    with self._lock:
-                        self._db.execute("BEGIN")
-                        self._db.executemany(_INSERT, [_row(item.values) for item in items])
-                        self._db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                error = exc
-                log.exception("could not write %d agents to the history", len(items))
-                with self._lock:
-                    if self._db.in_transaction:
-                        self._db.execute("ROLLBACK")
-            finally:
-                for item in items:
+                batch = [self._queue.get(timeout=retry_s if failed else None)]
+            except queue.Empty:
+                batch = []
+            if batch:
+                # A moment for more rows to queue: one commit per burst instead of one per
+                # agent (each commit is a WAL write and a lock round trip). Short when a
+                # finish call waits for the row, ~100 ms under a load of untagged requests.
+                first = batch[0]
+                urgent = first is _STOP or first.urgent
+                time.sleep(self.urgent_window_s if urgent else self.batch_window_s)
+                while True:  # everything queued meanwhile goes into the same transaction
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+            items = failed + [item for item in batch if item is not _STOP]
+            error = self._commit(items)
+            for item in items:
+                if not item.done.done():
                     if error is None:
                         item.done.set_result(None)
-                    else:
+                    else:  # the caller learns it now; the row is kept and retried
                         item.done.set_exception(error)
-                for _ in batch:
-                    self._queue.task_done()
+            if error is None:
+                failed, retry_s = [], 1.0
+                self._prune()
+            else:
+                failed, retry_s = items, min(30.0, retry_s * 2)
+            self.unwritten = len(failed)
+            for _ in batch:
+                self._queue.task_done()
             if any(item is _STOP for item in batch):
                 return
+
+    def _commit(self, items: list[_Row]) -> sqlite3.Error | None:
+        if not items:
+            return None
+        try:
+            with self._lock:
+                self._db.execute("BEGIN")
+                self._db.executemany(_INSERT, [_row(item.values) for item in items])
+                self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("could not write %d finished agents to the history (%s); retrying",
+                      len(items), exc)
+            with self._lock:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+            return exc
+        self.last_error = None
+        return None
+
+    def _prune(self) -> None:
+        """Delete rows past the retention, at most every `prune_every_s`."""
+        now = time.time()
+        if self.retention_s is None or now - self._last_prune < self.prune_every_s:
+            return
+        self._last_prune = now
+        try:
+            with self._lock:
+                gone = self._db.execute("DELETE FROM agents WHERE finished_at < ?",
+                                        (now - self.retention_s,)).rowcount
+        except sqlite3.Error as exc:
+            log.warning("could not prune the history: %s", exc)
+            return
+        if gone:
+            log.info("history: %d agents older than the retention deleted", gone)
 
     def samples(self, agent_type: str | None = None, tenant: str | None = None,
                 limit: int = 100_000) -> list[dict[str, Any]]:

@@ -46,6 +46,10 @@ class _SchedulerCollector:
             "justitia_engine_kv_usage": ("Engine KV cache usage (0-1).", stats.kv_usage),
             "justitia_engine_preemptions": ("Engine preemptions so far.", stats.preemptions_total),
         }
+        if s.history is not None:
+            values["justitia_history_unwritten_rows"] = (
+                "Finished agents whose history write failed and is being retried.",
+                s.history.unwritten)
         for name, (doc, value) in values.items():
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
@@ -54,7 +58,7 @@ class _SchedulerCollector:
         counts: dict[str, int] = {}
         for a in s.agents.values():
             counts[a.state] = counts.get(a.state, 0) + 1
-        for state in ("queued", "running", "finished", "cancelled", "expired"):
+        for state in ("queued", "running", "finished", "failed", "cancelled", "expired"):
             states.add_metric([state], counts.get(state, 0))
         yield states
 

@@ -392,7 +392,8 @@ class FakeServer:
         from server.http import uvicorn_config
         from server.launcher import free_port
 
-        app = create_app(self.config, engine=self.engine, model_name=self.engine.info.model)
+        app = self.app = create_app(self.config, engine=self.engine,
+                                    model_name=self.engine.info.model)
         port = port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._uvicorn = uvicorn.Server(uvicorn_config(

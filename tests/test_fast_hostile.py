@@ -204,3 +204,43 @@ def test_slow_header_clients_cannot_starve_health_checks(tmp_path) -> None:
             s.settimeout(2)
             assert s.recv(100) == b""
             s.close()
+
+
+def test_an_unreadable_history_is_moved_aside_and_the_server_starts(tmp_path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "history.sqlite3").write_bytes(b"this is not a database" * 500)
+    with FakeServer(data) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.get("/readyz").status_code == 200
+        moved = list(data.glob("history.sqlite3.corrupt-*"))
+        assert len(moved) == 1 and moved[0].read_bytes().startswith(b"this is not")
+        rec = c.post("/v1/agents", json={"type": "t", "prompt": "x"}).json()
+        _finish_with_request(c, rec["id"])
+        assert c.get("/v1/history").json()["samples"][0]["agent_id"] == rec["id"]
+
+
+def test_a_full_disk_is_reported_and_the_rows_are_written_once_there_is_room(tmp_path) -> None:
+    from server.metrics import metric_value
+
+    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        history = srv.app.state.history
+        with history._lock:  # the database may not grow: every write is "disk full"
+            pages = history._db.execute("PRAGMA page_count").fetchone()[0]
+            history._db.execute(f"PRAGMA max_page_count = {pages}")
+        ids = []
+        for i in range(3):
+            rec = c.post("/v1/agents", json={"type": "full", "prompt": "x" * 5000}).json()
+            _finish_with_request(c, rec["id"])
+            ids.append(rec["id"])
+        ready = c.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["status"] == "degraded"
+        assert "could not be written" in ready.json()["detail"]
+        assert metric_value(c.get("/metrics").text, "justitia_history_unwritten_rows") >= 1
+        with history._lock:
+            history._db.execute("PRAGMA max_page_count = 1073741823")
+        from tests.waiting import wait_until
+
+        wait_until(lambda: c.get("/readyz").status_code == 200, 40)
+        kept = {s["agent_id"] for s in c.get("/v1/history", params={"agent_type": "full"})
+                .json()["samples"]}
+        assert kept == set(ids)

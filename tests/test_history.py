@@ -49,3 +49,24 @@ def test_close_commits_what_is_queued_and_a_reopened_history_has_it(tmp_path) ->
     assert reopened.count() == 300
     assert reopened.get("agt-299")["n_requests"] == 1
     reopened.close()
+
+
+def test_rows_past_the_retention_are_deleted(tmp_path) -> None:
+    import sqlite3
+    import time as _time
+
+    path = tmp_path / "h.sqlite3"
+    history = History(path)
+    history.close()
+    db = sqlite3.connect(path)
+    now = _time.time()
+    for i, age in enumerate([10, 100_000]):
+        db.execute("INSERT INTO agents (id, type, tenant, state, prompt, metadata, submitted_at,"
+                   " finished_at, predicted_cost, cost, n_requests, prompt_tokens, output_tokens,"
+                   " requests) VALUES (?, 't', 'x', 'finished', 'p', '{}', ?, ?, 1, 1, 1, 1, 1, '[]')",
+                   (f"a{i}", now - age, now - age))
+    db.commit()
+    db.close()
+    kept = History(path, retention_s=3600)
+    assert [s["agent_id"] for s in kept.samples()] == ["a0"]
+    kept.close()
