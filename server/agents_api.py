@@ -23,6 +23,9 @@ from server.validation import RequestBody
 router = APIRouter(tags=["agents"])
 
 MAX_PROMPT_CHARS = 1_000_000
+# Metadata is kept with the agent for its lease and retention, and written to the history:
+# its size is bounded (100k keys used to cost 9 MB of memory per agent).
+MAX_METADATA_BYTES = 64 * 1024
 # Far above any real agent (1e18 is about a million requests of a million tokens each); a
 # larger declared cost let the record's times overflow to infinity, which JSON cannot carry.
 MAX_PREDICTED_COST = 1e18
@@ -54,6 +57,10 @@ class AgentCreate(RequestBody):
     @field_validator("metadata")
     @classmethod
     def _shape_in_range(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        size = len(json.dumps(metadata, separators=(",", ":")).encode())
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata holds {size} bytes of JSON; at most "
+                             f"{MAX_METADATA_BYTES} are kept with an agent")
         for key, (low, high) in _SHAPE_RANGES.items():
             value = metadata.get(key)
             # Other types are ignored, as before: metadata is the caller's.

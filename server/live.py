@@ -42,7 +42,9 @@ from server.scheduler.rate import TauEstimator
 
 log = logging.getLogger("justitia.live")
 
-_ABANDONED = ("cancelled", "expired")  # an agent ended under its running requests
+_ABANDONED = ("cancelled", "expired")
+# Of a registered prompt (up to 1 MB), only this much is kept once its cost is predicted.
+KEPT_PROMPT_CHARS = 64 * 1024  # an agent ended under its running requests
 
 
 class AgentNotFound(LookupError):
@@ -238,7 +240,8 @@ class LiveScheduler:
             id=agent_id,
             type=agent_type,
             tenant=tenant,
-            prompt=prompt,
+            # What a predictor learns from later (the history); the rest served prediction.
+            prompt=prompt[:KEPT_PROMPT_CHARS],
             metadata=metadata,
             submitted_at=self._wall(),
             submitted_mono=now,

@@ -244,3 +244,14 @@ def test_a_full_disk_is_reported_and_the_rows_are_written_once_there_is_room(tmp
         kept = {s["agent_id"] for s in c.get("/v1/history", params={"agent_type": "full"})
                 .json()["samples"]}
         assert kept == set(ids)
+
+
+def test_metadata_size_is_capped_and_prompts_are_not_kept_whole(two_tenants) -> None:
+    with _as(two_tenants, "bob") as bob:
+        big = {f"k{i}": i for i in range(20_000)}
+        r = bob.post("/v1/agents", json={"type": "meta", "prompt": "x", "metadata": big})
+        assert r.status_code == 400 and "metadata holds" in r.text
+        rec = bob.post("/v1/agents", json={"type": "meta", "prompt": "y" * 500_000}).json()
+        _finish_with_request(bob, rec["id"])
+        sample = bob.get("/v1/history", params={"agent_type": "meta"}).json()["samples"][-1]
+        assert sample["agent_id"] == rec["id"] and len(sample["prompt"]) == 64 * 1024
