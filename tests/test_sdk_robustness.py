@@ -148,13 +148,14 @@ def test_sync_as_completed_yields_runs_as_they_end(server) -> None:
 
 def test_leaving_as_completed_early_cancels_the_rest(server) -> None:
     with Client(server.url) as client:
-        for handle in client.as_completed(slow, [{"i": 0, "tokens": 2}, {"i": 1}, {"i": 2}],
-                                          progress=False):
+        inputs = [{"i": 0, "tokens": 2}, {"i": 1, "tokens": 1800}, {"i": 2, "tokens": 1800}]
+        for handle in client.as_completed(slow, inputs, progress=False):
             assert handle.index == 0
             break
         batch = client.last_batch
         rest = [h for h in batch if h.index != 0]
-        assert all(isinstance(h.error, AgentCancelledError) for h in rest)
+        assert all(isinstance(h.error, AgentCancelledError) for h in rest), [
+            (h.status, h.error) for h in rest]
         states = {client.get_agent(h.id).state for h in rest if h.id}
         assert states <= {"cancelled"}
 
