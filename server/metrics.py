@@ -46,10 +46,11 @@ class _SchedulerCollector:
             "justitia_engine_kv_usage": ("Engine KV cache usage (0-1).", stats.kv_usage),
             "justitia_engine_preemptions": ("Engine preemptions so far.", stats.preemptions_total),
         }
-        if s.history is not None:
+        history = getattr(s, "history", None)
+        if history is not None:
             values["justitia_history_unwritten_rows"] = (
                 "Finished agents whose history write failed and is being retried.",
-                s.history.unwritten)
+                history.unwritten)
         for name, (doc, value) in values.items():
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))

@@ -31,7 +31,7 @@ from server.openai_schemas import (
     now_s,
     streamed_or,
 )
-from server.service import InferenceService, PreparedRequest, render_chat
+from server.service import InferenceService, PreparedRequest, off_loop_if, render_chat
 
 router = APIRouter()
 
@@ -153,16 +153,16 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def _start(request: Request, body: SamplingFields, prompt: str | list[int], text: str,
-           agent_header: str | None, tenant: str, id_prefix: str,
-           ) -> tuple[InferenceService, PreparedRequest, AgentEntry]:
+async def _start(request: Request, body: SamplingFields, prompt: str | list[int], text: str,
+                 agent_header: str | None, tenant: str, id_prefix: str,
+                 ) -> tuple[InferenceService, PreparedRequest, AgentEntry]:
     """Validate, tokenize and find the request's agent: everything before it may wait."""
     service = _service(request)
     _check_model(service, body)
     limits = request.app.state.request_size_limits
-    prepared = service.prepare(new_id(id_prefix), prompt, _sampling(body),
-                               fill_context=body.output_limit() is None,
-                               token_cap=limits.for_tenant(tenant))
+    prepared = await service.prepare_async(new_id(id_prefix), prompt, _sampling(body),
+                                           fill_context=body.output_limit() is None,
+                                           token_cap=limits.for_tenant(tenant))
     check_request_size(limits, tenant, len(prepared.prompt_token_ids),
                        prepared.sampling.max_tokens)
     agent = service.agent_for(_agent_id(agent_header, body), tenant, prepared, text)
@@ -207,7 +207,7 @@ async def completions(
     tenant: str = Depends(rate_limited_tenant),
 ) -> Response:
     text = body.prompt if isinstance(body.prompt, str) else ""
-    service, prepared, agent = _start(request, body, body.prompt, text, x_justitia_agent,
+    service, prepared, agent = await _start(request, body, body.prompt, text, x_justitia_agent,
                                       tenant, "cmpl")
     rid = prepared.request_id
     created = now_s()
@@ -260,8 +260,9 @@ async def chat_completions(
     tenant: str = Depends(rate_limited_tenant),
 ) -> Response:
     tokenizer = getattr(_service(request).engine, "_tokenizer", None)
-    prompt = render_chat([m.model_dump() for m in body.messages], tokenizer)
-    service, prepared, agent = _start(request, body, prompt, prompt, x_justitia_agent,
+    prompt = await off_loop_if(len(body.messages) > 1000, render_chat,
+                               [m.model_dump() for m in body.messages], tokenizer)
+    service, prepared, agent = await _start(request, body, prompt, prompt, x_justitia_agent,
                                       tenant, "chatcmpl")
     rid = prepared.request_id
     created = now_s()
@@ -328,6 +329,9 @@ async def chat_completions(
 # below, which do the same steps directly and call the same endpoint functions.
 
 
+OFF_LOOP_BYTES = 256 * 1024
+
+
 def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
     try:
         return model.model_validate_json(raw)
@@ -357,7 +361,10 @@ async def _tenant(request: Request) -> str:
 
 def _direct(model: type[BaseModel], endpoint: Callable[..., Awaitable[Response]]):
     async def handle(request: Request) -> Response:
-        body = _parse(model, await request.body())
+        raw = await request.body()
+        # Parsing a large body (a 10^6-token id list, 200k chat messages) takes seconds:
+        # not on the loop that answers everyone else.
+        body = await off_loop_if(len(raw) > OFF_LOOP_BYTES, _parse, model, raw)
         tenant = await _tenant(request)
         return await endpoint(body, request, request.headers.get(AGENT_HEADER), tenant)
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio.to_thread
 
 from server.engine.base import (
     Engine,
@@ -25,6 +28,23 @@ if TYPE_CHECKING:
     from server.live import LiveScheduler
 
 DEFAULT_AGENT_TYPE = "default"
+
+
+T = TypeVar("T")
+
+#: No tokenizer here makes a token of more characters: a longer prompt cannot fit the context,
+#: and is refused before it is tokenized (a 4 MB prompt took 8 s of the event loop).
+MAX_CHARS_PER_TOKEN = 128
+#: Prompts longer than this are tokenized in a worker thread, off the event loop.
+OFF_LOOP_CHARS = 32 * 1024
+
+
+async def off_loop_if(heavy: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, in a worker thread when `heavy` (the event loop serves every
+    client; seconds of parsing or tokenizing on it stall them all)."""
+    if not heavy:
+        return fn(*args, **kwargs)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
 @dataclass(frozen=True)
@@ -90,6 +110,12 @@ class InferenceService:
                 f"here; {sampling.logprobs} were asked for", param="logprobs")
         return PreparedRequest(request_id, tuple(ids), sampling)
 
+    async def prepare_async(self, request_id: str, prompt: str | list[int],
+                            sampling: SamplingOptions, **kwargs: Any) -> PreparedRequest:
+        """`prepare`, in a worker thread for a long prompt."""
+        return await off_loop_if(len(prompt) > OFF_LOOP_CHARS, self.prepare, request_id,
+                                 prompt, sampling, **kwargs)
+
     def _room(self, prompt_tokens: int, n: int, token_cap: int | None) -> int:
         """The most output tokens each of `n` sequences can have: the rest of the context
         (or of the tenant's cap), and for n > 1 the share of the KV cache that lets all n
@@ -121,6 +147,12 @@ class InferenceService:
                 "lower n or max_tokens", param="n")
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        context = self.engine.info.max_model_len
+        if len(prompt) > context * (MAX_CHARS_PER_TOKEN if isinstance(prompt, str) else 1):
+            unit = "characters" if isinstance(prompt, str) else "token ids"
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} {unit}: it cannot fit the model's context of "
+                f"{context} tokens")
         if isinstance(prompt, str):
             try:
                 return self.engine.tokenize(prompt)

@@ -255,3 +255,38 @@ def test_metadata_size_is_capped_and_prompts_are_not_kept_whole(two_tenants) -> 
         _finish_with_request(bob, rec["id"])
         sample = bob.get("/v1/history", params={"agent_type": "meta"}).json()["samples"][-1]
         assert sample["agent_id"] == rec["id"] and len(sample["prompt"]) == 64 * 1024
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(two_tenants) -> None:
+    import time
+
+    with _as(two_tenants, "bob") as bob:
+        started = time.monotonic()
+        r = bob.post("/v1/completions", json={"prompt": "word " * 700_000, "max_tokens": 1})
+        assert r.status_code == 400 and "cannot fit the model's context" in r.text
+        assert time.monotonic() - started < 2.0
+        ids = bob.post("/v1/completions", json={"prompt": [1] * 300_000, "max_tokens": 1})
+        assert ids.status_code == 400 and "token ids" in ids.text
+
+
+def test_health_checks_are_answered_while_a_large_body_is_parsed(two_tenants) -> None:
+    """A ~2 MB list of token ids used to be parsed on the event loop (1.4 s)."""
+    import threading
+    import time
+
+    with _as(two_tenants, "bob") as bob:
+        done = threading.Event()
+
+        def big() -> None:
+            for _ in range(3):
+                bob.post("/v1/completions", json={"prompt": [1] * 900_000, "max_tokens": 1})
+            done.set()
+
+        threading.Thread(target=big, daemon=True).start()
+        worst = 0.0
+        with httpx.Client(base_url=two_tenants.url, timeout=10) as c:
+            while not done.is_set():
+                started = time.monotonic()
+                assert c.get("/healthz").status_code == 200
+                worst = max(worst, time.monotonic() - started)
+        assert worst < 0.5, worst
