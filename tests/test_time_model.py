@@ -112,7 +112,7 @@ def test_profile_file_round_trip_and_bad_files(tmp_path) -> None:
     (tmp_path / "neg.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="per_seq_s"):
         load_profile(str(tmp_path / "neg.json"))
-    with pytest.raises(ValueError, match="unknown engine profile"):
+    with pytest.raises(ValueError, match="unknown profile"):
         load_profile(str(tmp_path / "missing.json"))
 
 

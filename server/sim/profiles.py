@@ -165,7 +165,7 @@ def load_profile(name_or_path: str) -> EngineProfile:
         return PROFILES[name_or_path]
     path = Path(name_or_path)
     if not path.is_file():
-        raise ValueError(f"unknown engine profile {name_or_path!r}: use one of {', '.join(PROFILES)} "
+        raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(PROFILES)} "
                          "or a file written by `justitia bench calibrate`")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
