@@ -368,6 +368,8 @@ def _calibrate(args: argparse.Namespace) -> int:
                       f"{r['seconds']:.3f}", f"{r['fitted_s']:.3f}", f"{100 * r['fit_error']:+.0f}%",
                       f"{r['sim_s']:.3f}", f"{100 * r['sim_error']:+.0f}%")
     console = Console()
+    if not console.is_terminal and console.width < 120:
+        console = Console(width=120)  # piped output: do not squeeze the columns
     console.print(table)
     console.print(
         f"step_s = {model.base_s * 1e3:.3f} ms + {model.per_seq_s * 1e6:.2f} us x seqs + "
