@@ -153,6 +153,11 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{sum(1 for k in kept if k)} of {sum(1 for k in kept if k is not None)} finished "
         f"within their deadline (fair finish + bound)."
     )
+    errors = sorted(e for h in batch if (e := _eta_error(h)) is not None)
+    if errors:
+        console.print(f"first-ETA error |1st ETA - JCT| / JCT: median {100 * errors[len(errors) // 2]:.0f}%, "
+                      f"p90 {100 * errors[min(len(errors) - 1, int(0.9 * len(errors)))]:.0f}%, "
+                      f"worst {100 * errors[-1]:.0f}% (how far the ETA given at submission was from the JCT)")
     console.print("[dim]JCT: submission to finish. 1st ETA: the server's ETA at submission. "
                   "fair: the finish time under an ideal fair share (GPS). bound: how late after "
                   "fair the agent may finish at worst; kept: JCT <= fair + bound.[/dim]")
@@ -160,7 +165,7 @@ def run_demo(args: argparse.Namespace) -> int:
                   "the KV cache and the scheduling are real.[/dim]")
     if args.json:
         rows = [{"index": h.index, "type": h.agent.name, "id": h.id, "state": h.status,
-                 "jct_s": h.jct_s, "first_eta_s": h.first_eta_s,
+                 "jct_s": h.jct_s, "first_eta_s": h.first_eta_s, "eta_error": _eta_error(h),
                  "fair_finish_s": h.fair_finish_s, "delay_bound_s": h.delay_bound_s,
                  "deadline_s": h.deadline_s, "kept": h.kept_promise,
                  "error": repr(h.error) if h.error else None} for h in batch]
@@ -169,3 +174,11 @@ def run_demo(args: argparse.Namespace) -> int:
     for index, error in batch.errors:
         console.print(f"[red]agent #{index} failed: {error!r}[/red]")
     return 1 if batch.errors else 0
+
+
+def _eta_error(handle: Any) -> float | None:
+    """|first ETA - JCT| / JCT of a finished agent (None while either is unknown)."""
+    jct, eta = handle.jct_s, handle.first_eta_s
+    if jct is None or eta is None or jct <= 0:
+        return None
+    return abs(eta - jct) / jct

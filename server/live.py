@@ -39,6 +39,7 @@ from server.limits import QuotaExceeded, Quotas
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
+from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
 
 log = logging.getLogger("justitia.live")
 
@@ -90,6 +91,8 @@ class LiveConfig:
     max_num_seqs: int = 256
     housekeeping_s: float = 1.0
     quotas: Quotas = field(default_factory=Quotas)
+    # Where the engine's time model starts before it has seen a step (server/scheduler/time_model.py).
+    time_model_prior: TimeModel = DEFAULT_PRIOR
 
 
 class LiveScheduler:
@@ -143,6 +146,12 @@ class LiveScheduler:
         add_listener = getattr(engine, "add_step_listener", None)
         if add_listener is not None:
             add_listener(self._on_engine_step)
+        # The engine's step time as a function of its batch, learned from its own steps
+        # (one model per engine; engines that report no step shapes keep none).
+        self.time_models = TimeModelBank(config.time_model_prior)
+        add_sample_listener = getattr(engine, "add_sample_listener", None)
+        if add_sample_listener is not None:
+            add_sample_listener(self.time_models.observe)
         # Engines of several replicas: requests need a replica with room, and M follows
         # the replicas that serve (added, removed, failed, back).
         self._place = getattr(engine, "place", None)
@@ -596,6 +605,7 @@ class LiveScheduler:
             "preemptions_total": stats.preemptions_total,
             "iteration_time_s": stats.iteration_time_s,
         }
+        snap["time_model"] = self.time_models.describe()
         return snap
 
     def _on_agent_change(self, entry: AgentEntry) -> None:

@@ -62,6 +62,29 @@ class _SchedulerCollector:
         for state in ("queued", "running", "finished", "failed", "cancelled", "expired"):
             states.add_metric([state], counts.get(state, 0))
         yield states
+        yield from _time_model_gauges(s)
+
+
+def _time_model_gauges(s: "LiveScheduler"):
+    """The fitted step-time model of each engine: coefficients and recent error."""
+    coef = GaugeMetricFamily("justitia_time_model_coefficient",
+                             "Fitted engine step-time coefficient (seconds per unit of the term).",
+                             labels=["engine", "term"])
+    err = GaugeMetricFamily("justitia_time_model_error",
+                            "Recent relative error of the fitted step time (p50, p90 per step; total: of the sum).",
+                            labels=["engine", "stat"])
+    samples = GaugeMetricFamily("justitia_time_model_samples", "Engine steps the time model learned from.",
+                                labels=["engine"])
+    for engine, model in s.time_models.models().items():
+        for term in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s"):
+            coef.add_metric([engine, term], float(getattr(model, term)))
+        for stat, value in (("p50", model.error_p50), ("p90", model.error_p90), ("total", model.total_error)):
+            if value is not None:
+                err.add_metric([engine, stat], float(value))
+        samples.add_metric([engine], float(model.samples))
+    yield coef
+    yield err
+    yield samples
 
 
 class Metrics:

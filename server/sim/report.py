@@ -56,7 +56,8 @@ def print_table(results: Sequence[PolicyResult], title: str = "") -> None:
     from rich.table import Table
 
     table = Table(title=title or None)
-    for col in ("policy", "mean JCT", "p50", "p90", "p99", "max", "makespan", "preempt", "over bound"):
+    for col in ("policy", "mean JCT", "p50", "p90", "p99", "max", "makespan", "preempt", "over bound",
+                "ETA err p50", "ETA err p90", "kept"):
         table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
     for r in results:
         s = r.summary()
@@ -70,10 +71,13 @@ def print_table(results: Sequence[PolicyResult], title: str = "") -> None:
             f"{s['makespan_s']:.1f}",
             str(s["preemptions"]),
             str(s["bound_violations"]),
+            _pct(s.get("eta_error_p50")),
+            _pct(s.get("eta_error_p90")),
+            f"{s.get('promises_kept', 0)}/{len(r.agents)}",
         )
     console = Console()
-    if not console.is_terminal and console.width < 110:
-        console = Console(width=110)  # piped output: do not squeeze the columns
+    if not console.is_terminal and console.width < 150:
+        console = Console(width=150)  # piped output: do not squeeze the columns
     console.print(table)
     for c in comparisons(results):
         console.print(
@@ -81,6 +85,10 @@ def print_table(results: Sequence[PolicyResult], title: str = "") -> None:
             f"{100 * c['share_not_later']:.0f}% of agents finish no later, "
             f"worst slowdown {100 * c['worst_slowdown']:+.0f}%"
         )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def plot_cdf(results: Sequence[PolicyResult], path: str | Path, title: str = "") -> None:

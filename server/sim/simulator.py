@@ -78,10 +78,26 @@ class AgentResult:
     finish_s: float
     gps_finish_s: float
     delay_bound_s: float
+    # What the scheduler told the agent when it arrived, as durations from its arrival.
+    first_eta_s: float | None = None
+    first_deadline_s: float | None = None
 
     @property
     def jct_s(self) -> float:
         return self.finish_s - self.arrival_s
+
+    @property
+    def eta_error(self) -> float | None:
+        """|first ETA - JCT| / JCT."""
+        if self.first_eta_s is None or self.jct_s <= 0:
+            return None
+        return abs(self.first_eta_s - self.jct_s) / self.jct_s
+
+    @property
+    def promise_kept(self) -> bool | None:
+        if self.first_deadline_s is None:
+            return None
+        return self.jct_s <= self.first_deadline_s + 1e-6
 
     def as_dict(self) -> dict:
         return {
@@ -92,6 +108,8 @@ class AgentResult:
             "jct_s": self.jct_s,
             "gps_finish_s": self.gps_finish_s,
             "delay_bound_s": self.delay_bound_s,
+            "first_eta_s": self.first_eta_s,
+            "first_deadline_s": self.first_deadline_s,
         }
 
 
@@ -107,6 +125,7 @@ class PolicyResult:
 
     def summary(self) -> dict:
         jcts = sorted(a.jct_s for a in self.agents)
+        eta_errors = sorted(e for a in self.agents if (e := a.eta_error) is not None)
         return {
             "policy": self.policy,
             "mean_jct_s": statistics.fmean(jcts) if jcts else 0.0,
@@ -117,6 +136,9 @@ class PolicyResult:
             "makespan_s": max((a.finish_s for a in self.agents), default=0.0),
             "bound_violations": sum(a.finish_s > a.gps_finish_s + a.delay_bound_s + 1e-6 for a in self.agents),
             "max_lag_vs_gps_s": max((a.finish_s - a.gps_finish_s for a in self.agents), default=0.0),
+            "eta_error_p50": _quantile(eta_errors, 0.50) if eta_errors else None,
+            "eta_error_p90": _quantile(eta_errors, 0.90) if eta_errors else None,
+            "promises_kept": sum(a.promise_kept is True for a in self.agents),
             "iterations": self.iterations,
             "preemptions": self.preemptions,
             "accounting_zero": self.accounting_zero,
@@ -170,6 +192,8 @@ def simulate(
     left_in_stage = [0] * len(agents)
     finish = [math.nan] * len(agents)
     bounds = [0.0] * len(agents)
+    first_eta = [0.0] * len(agents)
+    first_deadline = [0.0] * len(agents)
     t = 0.0
     nxt = 0
     done = 0
@@ -190,6 +214,7 @@ def simulate(
                 shape=AgentShape(len(a.stages), a.critical_path_tokens),
             )
             bounds[nxt] = view.delay_bound_s
+            first_eta[nxt], first_deadline[nxt] = view.eta_s, view.deadline_s
             if a.stages:
                 submit_stage(nxt, t)
             else:
@@ -224,7 +249,8 @@ def simulate(
                     finish[i] = t
                     done += 1
     results = [
-        AgentResult(a.id, a.type, a.arrival, finish[i], gps_finish[i], bounds[i]) for i, a in enumerate(agents)
+        AgentResult(a.id, a.type, a.arrival, finish[i], gps_finish[i], bounds[i], first_eta[i], first_deadline[i])
+        for i, a in enumerate(agents)
     ]
     return PolicyResult(
         policy=pol.name,

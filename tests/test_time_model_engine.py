@@ -1,0 +1,62 @@
+"""The time model on the real vLLM CPU engine: the server learns it from the engine's steps
+and shows it (GET /v1/scheduler, /metrics); `bench calibrate --quick` measures and fits."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from justitia_cli import main
+from server.metrics import metric_value
+from server.sim.profiles import load_profile
+
+
+def test_scheduler_shows_the_time_model_learned_from_engine_steps(client: httpx.Client) -> None:
+    before = client.get("/v1/scheduler").json()["time_model"]
+    assert set(before["prior"]) >= {"base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s"}
+    steps_before = before["engines"].get("local", {}).get("samples", 0)
+    # Enough steps for several refits: 4 requests of 600 prompt tokens and 120 output tokens.
+    for _ in range(2):
+        r = client.post("/v1/completions", json={"prompt": [11 + i % 600 for i in range(600)],
+                                                 "max_tokens": 120, "ignore_eos": True, "n": 2})
+        assert r.status_code == 200, r.text
+    model = client.get("/v1/scheduler").json()["time_model"]["engines"]["local"]
+    assert model["samples"] >= steps_before + 200  # one sample per engine step
+    coefs = [model[k] for k in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s")]
+    assert all(c >= 0 for c in coefs) and sum(coefs) > 0
+    assert model["error_p50"] is not None and model["error_p90"] >= model["error_p50"]
+    # a decode step of this engine lasts milliseconds, not seconds
+    assert 1e-4 < model["base_s"] + 4 * model["per_seq_s"] < 0.2
+    text = client.get("/metrics").text
+    assert metric_value(text, "justitia_time_model_coefficient", {"engine": "local", "term": "base_s"}) \
+        == pytest.approx(model["base_s"], rel=0.5)
+    assert metric_value(text, "justitia_time_model_samples", {"engine": "local"}) >= model["samples"]
+
+
+@pytest.mark.engine
+def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys) -> None:
+    out = tmp_path / "prof.json"
+    assert main(["bench", "calibrate", "--kv-tokens", "2048", "--max-model-len", "1024",
+                 "--out", str(out), "--quick"]) == 0
+    printed = capsys.readouterr().out
+    assert "fit err" in printed and "sim err" in printed
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["kv_tokens"] == 2048 and doc["settings"]["max_model_len"] == 1024
+    points = doc["fit"]["points"]
+    assert len(points) == 4
+    for p in points:
+        assert p["steps"] >= p["output"]  # every step of the point was recorded
+        assert p["seconds"] > 0 and abs(p["fit_error"]) < 3
+    prof = load_profile(str(out))
+    assert prof.kv_tokens == 2048 and prof.max_model_len == 1024
+    assert prof.base_s + prof.per_seq_s > 0 and prof.per_prefill_token_s >= 0
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"id": "a", "arrival": 0, "stages": [[{"p": 300, "d": 20}]]}) + "\n")
+    res = tmp_path / "r.json"
+    assert main(["bench", "sim", "--workload", str(wl), "--policies", "justitia", "--profile", str(out),
+                 "--json", str(res), "--quiet"]) == 0
+    agent = json.loads(res.read_text())["results"][0]["agents"][0]
+    # one request of 300 + 20 tokens: about 20 steps of the fitted engine
+    assert agent["jct_s"] == pytest.approx(prof.iteration_s(1, 300, 300) + 19 * prof.iteration_s(1, 0, 310), rel=0.2)
