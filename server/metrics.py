@@ -75,7 +75,9 @@ def _time_model_gauges(s: "LiveScheduler"):
                             labels=["engine", "stat"])
     samples = GaugeMetricFamily("justitia_time_model_samples", "Engine steps the time model learned from.",
                                 labels=["engine"])
-    for engine, model in s.time_models.models().items():
+    bank = getattr(s, "time_models", None)  # a stand-in scheduler in tests may have none
+    models = bank.models() if bank is not None else {}
+    for engine, model in models.items():
         for term in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s"):
             coef.add_metric([engine, term], float(getattr(model, term)))
         for stat, value in (("p50", model.error_p50), ("p90", model.error_p90), ("total", model.total_error)):
