@@ -17,12 +17,24 @@ decay over `half_life_s` seconds of busy time, weighted by step duration.
 
     est = TauEstimator(kv_capacity_tokens=45_000, initial_tau_s=0.040)
     est.observe_step(duration_s, kv_in_use=usage * M, kv_reserved=dispatcher.reserved_kv)
-    dispatcher.set_iteration_time(est.tau_s, now)          # e.g. once a second
+    dispatcher.set_iteration_time(est.tau_s, now, **est.promise_times())   # e.g. once a second
+
+Deadlines must hold on the engine as it runs, not on average: `promise_times` gives the
+dispatcher the bound's iteration time as a high percentile (p90) of the recent raw step
+times, and its rate as tau scaled by the same percentile over the median (a slow stretch of
+steps slows the rate as much). Until a step with a full-enough cache has been measured, tau
+is only the initial guess: promises are then widened (`COLD_WIDENING` times the guess) and
+say so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+import statistics
+from dataclasses import dataclass, field
+
+COLD_WIDENING = 3.0  # deadlines assume this many times the initial tau until tau is measured
+PESSIMISTIC_QUANTILE = 0.9
 
 
 @dataclass
@@ -31,12 +43,19 @@ class TauEstimator:
     initial_tau_s: float
     half_life_s: float = 30.0
     min_fill: float = 0.5
+    step_window: int = 512  # raw step durations kept for the percentiles
     _weight: float = 0.0  # decayed busy seconds observed
     _weighted_tau: float = 0.0
+    _steps: collections.deque = field(default_factory=collections.deque)
+
+    def __post_init__(self) -> None:
+        self._steps = collections.deque(maxlen=self.step_window)
 
     def observe_step(self, duration_s: float, kv_in_use: float, kv_reserved: float | None = None) -> None:
         """Record one engine step: its duration, the KV tokens it held and, for footprint
         policies, the KV tokens the dispatcher had reserved."""
+        if duration_s > 0 and kv_in_use > 0:
+            self._steps.append(duration_s)
         fill = kv_in_use if kv_reserved is None else max(kv_reserved, kv_in_use)
         if duration_s <= 0 or kv_in_use <= 0 or fill < self.min_fill * self.kv_capacity_tokens:
             return
@@ -55,3 +74,39 @@ class TauEstimator:
         if self._weight <= 0:
             return self.initial_tau_s
         return self._weighted_tau / self._weight
+
+    @property
+    def measured(self) -> bool:
+        """True once a step with a full-enough cache has set tau (else tau is the guess)."""
+        return self._weight > 0
+
+    def step_quantile(self, q: float) -> float | None:
+        """The q-quantile of the recent raw step durations (None before any step)."""
+        if not self._steps:
+            return None
+        if len(self._steps) == 1:
+            return self._steps[0]
+        return statistics.quantiles(self._steps, n=100, method="inclusive")[min(98, max(0, round(q * 100) - 1))]
+
+    def promise_times(self) -> dict:
+        """Keyword arguments of `Dispatcher.set_iteration_time` beyond tau: the pessimistic
+        rate and iteration time of the bound, the typical step for ETAs, and the uncertainty
+        that widens promises (None when they are firm)."""
+        median = self.step_quantile(0.5)
+        high = self.step_quantile(PESSIMISTIC_QUANTILE)
+        spread = high / median if median and high else 1.0
+        if not self.measured:
+            guess = COLD_WIDENING * self.tau_s
+            return {
+                "bound_tau": guess * spread,
+                "bound_iteration_s": max(guess, high or 0.0),
+                "typical_iteration_s": median,
+                "uncertainty": (f"the engine's rate is not measured yet: the deadline assumes "
+                                f"{COLD_WIDENING:g}x the initial iteration time"),
+            }
+        return {
+            "bound_tau": self.tau_s * spread,
+            "bound_iteration_s": high,
+            "typical_iteration_s": median,
+            "uncertainty": None,
+        }
