@@ -194,10 +194,15 @@ class LiveScheduler:
 
     async def _housekeeping(self) -> None:
         last = self.now()
+        every = self.config.eta_refresh_s
         while True:
-            await asyncio.sleep(min(self.config.housekeeping_s, self.config.eta_refresh_s))
+            await asyncio.sleep(min(self.config.housekeeping_s, every))
             try:
+                t0 = time.perf_counter()
                 self.dispatcher.refresh_etas(self.now())
+                # The ETA pass is O(N log N): with many agents queued it runs less often, so
+                # that it never takes more than 5% of the event loop.
+                every = max(self.config.eta_refresh_s, 20.0 * (time.perf_counter() - t0))
                 if self.now() - last < self.config.housekeeping_s:
                     continue
                 last = self.now()

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -210,6 +211,7 @@ class Dispatcher:
         """Admit an agent with its predicted KV cost: its tag will be F = V + cost at its
         first request (V(now) + cost if that is now). `tenant`: whose predictions may widen
         its bound (None: one shared tenant)."""
+        self.clock.advance(now)  # an event: the promise below reads the clock at `now`
         if agent_id in self.agents:
             raise ValueError(f"agent {agent_id!r} is already registered")
         predicted_cost = max(0.0, float(predicted_cost))
@@ -249,7 +251,8 @@ class Dispatcher:
         """The deadline promised at `now`: the GPS finish projected with the work expected to
         arrive ahead of the agent, at the pessimistic rate, plus the delay bound at the
         pessimistic iteration time. Never a promise the scheduler expects to break: where
-        its assumptions fail, the promise is widened and says why."""
+        its assumptions fail, the promise is widened and says why. Made again when the
+        agent starts late or over-runs; it then only moves later."""
         v = self.clock.peek(now).V
         fluid = self.fair_finish_time(agent.agent_id, now) - now
         rate = self.rate
@@ -262,7 +265,10 @@ class Dispatcher:
                            f"{MAX_ARRIVAL_SHARE:.0%}")
             share = MAX_ARRIVAL_SHARE
         fluid = fluid / (1.0 - share) * (self.bound_tau / self.tau)
-        agent.deadline_at = now + fluid + agent.bound.total_s
+        deadline = now + fluid + agent.bound.total_s
+        if agent.deadline_at is not None and deadline <= agent.deadline_at:
+            return  # made again (late start, over-run): a promise only ever moves later
+        agent.deadline_at = deadline
         if not isinstance(self.policy, Justitia):
             agent.promise = "none"
             agent.promise_reason = f"policy {self.policy.name} does not keep the delay bound (Justitia's)"
@@ -414,6 +420,7 @@ class Dispatcher:
         if excess > 1e-9 * max(1.0, agent.charged_cost):
             agent.virtual_finish = self.clock.extend(agent.agent_id, agent.virtual_finish, excess, now)
             agent.charged_cost += excess
+            agent.fair_at = None  # its tag moved: the cached projection no longer applies
             self._bound(agent)
             self._promise(agent, now)  # its own over-run moves its deadline
 
@@ -518,6 +525,8 @@ class Dispatcher:
         agent = self._agent(agent_id)
         if not agent.in_reference:
             return self.clock.arrival_finish_time(agent.charged_cost, now)
+        if agent.fair_at is not None:  # the last refresh_etas pass's (views stay O(1))
+            return agent.fair_at
         return self.clock.finish_time(agent_id, agent.virtual_finish, now)
 
     # -- ETAs (eta.py) -------------------------------------------------------------
@@ -526,20 +535,41 @@ class Dispatcher:
         off the request path: the live server's housekeeping, the simulator's timer."""
         self.arrivals.freeze(now)
         v = self.clock.peek(now).V
-        policy, arrivals, rate = self.policy, self.arrivals, self.rate
-        static_key, gap = policy.static_key, policy.arrival_gap
-        it = self._iteration_s()
-        items = sorted(((static_key(a), a) for a in self.agents.values()), key=lambda ka: ka[0])
-        keys: list = []
-        prefix = [0.0]
+        fair = self.clock.projection(now)  # every backlogged agent's GPS finish, one walk
+        policy, rate, it = self.policy, self.rate, self._iteration_s()
+        agents = list(self.agents.values())
+        keys = list(map(policy.static_key, agents))
+        order = sorted(range(len(agents)), key=keys.__getitem__)
+        keys = [keys[i] for i in order]
+        prefix = [0.0] * (len(agents) + 1)
+        # eta_of and _critical_path_s, inlined: this loop is the whole cost of the upkeep
+        gap, costs, cprefix = policy.arrival_gap, self.arrivals._costs, self.arrivals._prefix
+        scale = self.arrivals.rate / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
+        cap = MAX_ARRIVAL_SHARE * rate
         total = 0.0
-        for key, a in items:
-            own = a.charged_cost - a.consumed_cost
-            own = own if own > 0.0 else 0.0
-            a.eta_at = eta_of(now, total, own, rate, arrivals.ahead(gap(a, v)), self._critical_path_s(a, it))
-            keys.append(key)
+        for k, i in enumerate(order):
+            a = agents[i]
+            charged = a.charged_cost
+            own = charged - a.consumed_cost
+            if own < 0.0:
+                own = 0.0
+            g = gap(a, v) if scale else 0.0
+            arriving = scale * cprefix[bisect_left(costs, g)] if g > 0.0 else 0.0
+            r = rate - (arriving if arriving < cap else cap)
+            shape = a.shape
+            if shape.critical_path_tokens is not None:
+                left = own / charged if charged > 0.0 else 1.0
+                path = (shape.critical_path_tokens + max(1, shape.stages)) * it * left
+            elif a.pending or a.running:
+                path = (a.longest_decode + 1) * it
+            else:
+                path = 0.0
+            start = total / r
+            finish = (total + own) / r
+            a.eta_at = now + (finish if finish > start + path else start + path)
+            a.fair_at = fair.get(a.agent_id) if a.in_reference else None
             total += own
-            prefix.append(total)
+            prefix[k + 1] = total
         self._eta = EtaPass(now, rate, keys, prefix)
         # ended agents that GPS has finished since need no flush
         self._ended_backlog = {k for k in self._ended_backlog if self.clock.tag(k) is not None}
@@ -600,7 +630,7 @@ class Dispatcher:
             fair_finish_s=fair,
             eta_s=self.eta_time(agent_id, now) - agent.submitted_at,
             delay_bound_s=bound,
-            deadline_s=agent.deadline_at - agent.submitted_at,
+            deadline_s=(agent.deadline_at if agent.deadline_at is not None else now) - agent.submitted_at,
             bound=agent.bound,
             requests_total=agent.requests_total,
             requests_done=agent.requests_done,

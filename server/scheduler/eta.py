@@ -63,6 +63,8 @@ class WorkArrivals:
     promise_rate: float = 0.0  # max(rate, the long window's)
 
     def add(self, t: float, cost: float) -> None:
+        if self.window_s <= 0:  # allowance switched off
+            return
         if self._first is None:
             self._first = t
         self._events.append((t, cost))

@@ -115,7 +115,8 @@ class AgentState:
     # one does not slow the virtual clock (docs/concepts.md, "Promises no one else can break").
     in_reference: bool = False
     eta_at: float | None = None  # ETA (caller's clock) from the last refresh_etas pass
-    deadline_at: float = 0.0  # the promised deadline (caller's clock)
+    fair_at: float | None = None  # GPS finish from that pass (None: its tag changed since)
+    deadline_at: float | None = None  # the promised deadline (caller's clock), set at registration
     promise: str = "firm"  # "firm", "widened" (promise_reason says why) or "none"
     promise_reason: str = ""
     consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)

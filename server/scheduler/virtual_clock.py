@@ -120,6 +120,21 @@ class VirtualClock:
             return self._project(reading, tag, now)
         return self.departures.get(key, now)
 
+    def projection(self, now: float) -> dict[object, float]:
+        """The GPS finish time of every backlogged agent as seen at `now` (no further
+        arrivals), in one walk of the tags: O(n) for all of them, where `finish_time` is
+        O(k log n) for one. A read: the clock does not move."""
+        reading = self.peek(now)
+        out = {key: (t_dep if key in self._live else now) for key, t_dep in reading.departed}
+        t, v, n, rate = now, reading.V, reading.backlog, self.rate
+        for f, _, key in islice(self._sorted, len(reading.departed), None):
+            if f > v:
+                t += (f - v) * n / rate
+                v = f
+            n -= 1
+            out[key] = t
+        return out
+
     def arrival_finish_time(self, cost: float, now: float) -> float:
         """GPS finish time of an agent that would arrive at `now` with `cost` (it joins B, so
         the backlog is one larger than today's). A read: the clock does not move."""
