@@ -241,3 +241,15 @@ def test_tau_estimator_is_pessimistic_and_widens_while_cold() -> None:
     d = Dispatcher("justitia", 1000, 0.01)
     d.set_iteration_time(est.tau_s, 1.0, **warm)
     assert d.register_agent("a", 1_000.0, 1.0).promise == "firm"
+
+
+def test_tau_is_the_sustained_rate_not_a_mean_dominated_by_prefill_steps() -> None:
+    """Issue 18: the server's tau read 0.08-0.30 s for 10 ms engine steps. Nine decode steps
+    of 10 ms with the cache in use as filled, and one prefill step of 90 ms with a tenth of
+    it in use: a full cache serves 9 + 0.1 iterations' worth in 0.18 s."""
+    est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.01, half_life_s=1e9)
+    for _ in range(50):
+        for _ in range(9):
+            est.observe_step(0.01, kv_in_use=1000)
+        est.observe_step(0.09, kv_in_use=100, kv_reserved=1000)
+    assert est.tau_s == pytest.approx(0.18 / 9.1, rel=1e-3)  # the old mean read 0.455 s

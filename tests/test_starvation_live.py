@@ -23,10 +23,12 @@ from tests.conftest import serve_with_keys
 
 KEYS = {"stream": "key-stream", "big": "key-big"}
 STREAM_EVERY_S = 0.1  # ~10 small agents a second
-STREAM_LIMIT_S = 60.0
-# The stream offers more work than the engine serves, so the small agents queue up: the
-# large one must get its fair share all the same.
-SMALL = [(400, 96)] * 3  # one stage of three requests (prompt, output)
+STREAM_LIMIT_S = 90.0
+# Small agents: one stage of three requests (prompt, output). With (300, 64) the stream
+# offers about 65% of the engine's measured rate (the promise is firm), with (300, 80) about
+# 90% (the promise may be widened: work arrives near the rate). Either way the small agents
+# queue up behind each other and the large one must get its fair share all the same.
+SMALLS = {"two_thirds": [(300, 64)] * 3, "near_rate": [(300, 80)] * 3}
 LARGE = [[(300, 120)] * 6 for _ in range(3)]  # three stages of six requests
 LARGE_AT_S = 5.0  # the stream is under way and the engine's rate measured
 DRAIN_S = 60.0  # after the large agent, the small ones still queued get this long, then go
@@ -66,7 +68,7 @@ async def _run(session: aiohttp.ClientSession, tenant: str, stages: list[list[tu
     return {"first": first, "jct_s": time.monotonic() - t0, "registered": t0}
 
 
-async def _scenario(url: str) -> dict:
+async def _scenario(url: str, small_agent: list[tuple[int, int]]) -> dict:
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)
     async with aiohttp.ClientSession(url, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -78,7 +80,7 @@ async def _scenario(url: str) -> dict:
         async def stream() -> None:
             k = 0
             while not big_done.is_set() and time.monotonic() - t0 < STREAM_LIMIT_S:
-                small.append(asyncio.create_task(_run(session, "stream", [SMALL], rng, "small")))
+                small.append(asyncio.create_task(_run(session, "stream", [small_agent], rng, "small")))
                 k += 1
                 await asyncio.sleep(max(0.0, t0 + k * STREAM_EVERY_S - time.monotonic()))
 
@@ -118,8 +120,10 @@ async def _scenario(url: str) -> dict:
 
 
 @pytest.mark.engine
-def test_large_agent_finishes_by_its_registration_deadline_under_a_stream(two_tenant_server) -> None:
-    out = asyncio.run(_scenario(two_tenant_server.url))
+@pytest.mark.parametrize("load", list(SMALLS))
+def test_large_agent_finishes_by_its_registration_deadline_under_a_stream(two_tenant_server, load: str) -> None:
+    out = asyncio.run(_scenario(two_tenant_server.url, SMALLS[load]))
+    out["load"] = load
     print("\nstarvation live:", json.dumps(out, indent=1))
     assert out["large_jct_s"] < STREAM_LIMIT_S, out  # done while the stream still ran
     assert out["small_per_s"] >= 5.0, out  # the stream went on (about 10 a second)

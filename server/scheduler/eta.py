@@ -33,6 +33,7 @@ from typing import Any, Protocol
 # No more than this share of the engine is assumed to go to work arriving ahead of an agent:
 # beyond it the long-run load exceeds the rate, no finite promise holds, and deadlines say so.
 MAX_ARRIVAL_SHARE = 0.9
+PROMISE_MIN_SPAN_S = 2.0  # the shortest history a promise's arrival rate is taken over
 
 
 class TimeModel(Protocol):
@@ -53,7 +54,7 @@ class WorkArrivals:
     window_s: float = 60.0
     long_window_s: float = 600.0
     max_samples: int = 4096
-    min_window_s: float = 10.0  # a rate over less history than this is noise
+    min_window_s: float = 10.0  # an ETA's rate over less history than this is noise
     _events: collections.deque = field(default_factory=collections.deque)  # (t, cost)
     _first: float | None = None
     # the sorted sample and its prefix sums, rebuilt by `freeze` (once per refresh)
@@ -71,12 +72,12 @@ class WorkArrivals:
         if len(self._events) > self.max_samples:
             self._events.popleft()
 
-    def _rate(self, now: float, window: float) -> float:
+    def _rate(self, now: float, window: float, min_span: float) -> float:
         total = sum(c for t, c in reversed(self._events) if t >= now - window) if window < self.long_window_s \
             else self._prefix[-1]
-        span = min(window, max(self.min_window_s, now - self._first)) if self._first is not None else window
+        span = min(window, max(min_span, now - self._first)) if self._first is not None else window
         if len(self._events) == self.max_samples:  # a full sample covers less than the window
-            span = min(span, max(self.min_window_s, now - self._events[0][0]))
+            span = min(span, max(min_span, now - self._events[0][0]))
         return total / span
 
     def freeze(self, now: float) -> None:
@@ -88,8 +89,11 @@ class WorkArrivals:
         if not self._events:
             self.rate = self.promise_rate = 0.0
             return
-        self.rate = self._rate(now, self.window_s)
-        self.promise_rate = max(self.rate, self._rate(now, self.long_window_s))
+        self.rate = self._rate(now, self.window_s, self.min_window_s)
+        # A promise takes the rate over the history there is (a floor of 10 s would halve
+        # the rate of a stream 5 s old and promise too early): pessimistic, not smooth.
+        self.promise_rate = max(self._rate(now, self.window_s, PROMISE_MIN_SPAN_S),
+                                self._rate(now, self.long_window_s, PROMISE_MIN_SPAN_S))
 
     def ahead(self, gap: float) -> float:
         """Rate of arriving work from agents of cost below `gap` (they go entirely ahead)."""
