@@ -253,3 +253,16 @@ def test_tau_is_the_sustained_rate_not_a_mean_dominated_by_prefill_steps() -> No
             est.observe_step(0.01, kv_in_use=1000)
         est.observe_step(0.09, kv_in_use=100, kv_reserved=1000)
     assert est.tau_s == pytest.approx(0.18 / 9.1, rel=1e-3)  # the old mean read 0.455 s
+
+
+def test_the_critical_path_uses_the_time_model() -> None:
+    class Steps:  # the server's fitted model names it step_s (EngineProfile: iteration_s)
+        def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
+            return 0.01
+
+    d = Dispatcher("justitia", 1000, 0.1, arrival_window_s=0, time_model=Steps())
+    d.register_agent("a", 100.0, 0.0, shape=AgentShape(2, 98))
+    d.submit(req("a0", "a", 10, 10), 0.0)
+    d.refresh_etas(0.0)
+    # (98 + 2) steps of 10 ms, not of tau = 0.1 s
+    assert d.view("a", 0.0).eta_s == pytest.approx(1.0)

@@ -173,6 +173,11 @@ class Dispatcher:
         self.uncertainty = uncertainty
         self.clock.set_rate(self._rate(), now)
 
+    def set_time_model(self, time_model: TimeModel | None) -> None:
+        """The engine's iteration time as a function of its batch (plain data: an
+        EngineProfile, or the server's fitted model), for ETAs' critical paths."""
+        self.time_model = time_model
+
     def set_kv_capacity(self, kv_capacity_tokens: int, now: float) -> None:
         """Replicas added or removed: new M (and R) from `now` on."""
         if kv_capacity_tokens <= 0:
@@ -580,15 +585,17 @@ class Dispatcher:
         step, else tau."""
         if self.time_model is None:
             return self.typical_iteration_s or self.tau
+        # EngineProfile names it iteration_s, the server's fitted TimeModel step_s: same form
+        step = getattr(self.time_model, "iteration_s", None) or self.time_model.step_s
         # the memory the work known now fills, or what the measured arrivals keep filled
         utilisation = min(1.0, self.arrivals.rate / self.rate)
         kv = min(self.kv_capacity, max(self.reserved_kv + self.pending_kv, utilisation * self.kv_capacity))
         p, d = self._mean_prompt, max(1.0, self._mean_decode)
         if kv <= 0 or p + d <= 0:
-            return self.time_model.iteration_s(1, 0, 0)
+            return step(1, 0, 0)
         batch = max(1.0, kv / (p + d))
         # a request holds p + d/2 on average over its life, and prefills p once per d steps
-        return self.time_model.iteration_s(round(batch), round(batch * p / d), int(batch * (p + d / 2)))
+        return step(round(batch), round(batch * p / d), int(batch * (p + d / 2)))
 
     def _critical_path_s(self, agent: AgentState, it: float) -> float:
         """The agent's remaining critical path: its declared shape scaled by the share of its

@@ -38,7 +38,8 @@ PROMISE_MIN_SPAN_S = 2.0  # the shortest history a promise's arrival rate is tak
 
 class TimeModel(Protocol):
     """The engine's iteration time as a function of the batch (EngineProfile has it; the
-    server's online model will): plain data, no clock."""
+    server's fitted `time_model.TimeModel` has the same as `step_s`, which the dispatcher
+    also accepts): plain data, no clock."""
 
     def iteration_s(self, batch: int, prefill_tokens: int, kv_tokens: int) -> float:
         ...
