@@ -266,3 +266,19 @@ def test_the_critical_path_uses_the_time_model() -> None:
     d.refresh_etas(0.0)
     # (98 + 2) steps of 10 ms, not of tau = 0.1 s
     assert d.view("a", 0.0).eta_s == pytest.approx(1.0)
+
+
+def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:
+    """Views of agents that have not sent a request are O(1) after a pass too: the pass's
+    projection of an arrival (one binary search) is the clock's walk."""
+    d = Dispatcher("justitia", 1000, 0.1)
+    for i, cost in enumerate((30_000.0, 5_000.0, 12_000.0)):
+        d.register_agent(f"a{i}", cost, 0.0)
+        d.submit(req(f"r{i}", f"a{i}", 10, 10), 0.0)
+    for cost in (1_000.0, 8_000.0, 50_000.0):
+        d.register_agent(f"idle{cost:g}", cost, 0.0)
+    d.refresh_etas(0.5)
+    for cost in (1_000.0, 8_000.0, 50_000.0):
+        assert d.agents[f"idle{cost:g}"].fair_at == pytest.approx(d.clock.arrival_finish_time(cost, 0.5))
+    for i in range(3):
+        assert d.agents[f"a{i}"].fair_at == pytest.approx(d.clock.finish_time(f"a{i}", d.agents[f"a{i}"].virtual_finish, 0.5))

@@ -248,6 +248,7 @@ class Dispatcher:
         """The agent's first request: it joins the GPS reference now, F = V(now) + charge.
         An agent that waited after registering has its deadline moved by its own wait."""
         agent.in_reference = True
+        agent.fair_at = None  # the pass projected it as if joining then; it joins now
         agent.virtual_finish = self.clock.arrive(agent.agent_id, agent.charged_cost, now)
         if now > agent.submitted_at:
             self._promise(agent, now)
@@ -528,10 +529,10 @@ class Dispatcher:
         agent that has not sent a request yet, as if it joined now. A read: the clock does
         not move."""
         agent = self._agent(agent_id)
+        if agent.fair_at is not None:  # the last refresh_etas pass's (views stay O(1))
+            return agent.fair_at if agent.in_reference else max(now, agent.fair_at)
         if not agent.in_reference:
             return self.clock.arrival_finish_time(agent.charged_cost, now)
-        if agent.fair_at is not None:  # the last refresh_etas pass's (views stay O(1))
-            return agent.fair_at
         return self.clock.finish_time(agent_id, agent.virtual_finish, now)
 
     # -- ETAs (eta.py) -------------------------------------------------------------
@@ -572,7 +573,7 @@ class Dispatcher:
             start = total / r
             finish = (total + own) / r
             a.eta_at = now + (finish if finish > start + path else start + path)
-            a.fair_at = fair.get(a.agent_id) if a.in_reference else None
+            a.fair_at = fair.finish.get(a.agent_id) if a.in_reference else fair.arrival(charged)
             total += own
             prefix[k + 1] = total
         self._eta = EtaPass(now, rate, keys, prefix)

@@ -35,6 +35,7 @@ Two operations go beyond the textbook:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -50,6 +51,29 @@ class ClockReading(NamedTuple):
     V: float
     backlog: int  # |B|
     departed: list[tuple[object, float]]  # (key, GPS finish time) since the clock's time
+
+
+@dataclass
+class Projection:
+    """GPS finish times at `now`: of the backlogged agents (`finish`), and of an agent that
+    would join with some cost. GPS serves every backlogged agent alike until it leaves, so
+    V reaches x when R t = sum over B of (min(F_j, x) - V): with the tags sorted and their
+    prefix sums that is one binary search; a joining agent adds its own (x - V)."""
+
+    now: float
+    V: float
+    rate: float
+    finish: dict
+    tags: list
+    prefix: list
+
+    def arrival(self, cost: float) -> float:
+        if cost <= 0:
+            return self.now
+        x = self.V + cost
+        k = bisect.bisect_left(self.tags, x)
+        work = self.prefix[k] - k * self.V + (len(self.tags) - k) * (x - self.V)
+        return self.now + (work + cost) / self.rate
 
 
 @dataclass
@@ -120,20 +144,25 @@ class VirtualClock:
             return self._project(reading, tag, now)
         return self.departures.get(key, now)
 
-    def projection(self, now: float) -> dict[object, float]:
+    def projection(self, now: float) -> "Projection":
         """The GPS finish time of every backlogged agent as seen at `now` (no further
         arrivals), in one walk of the tags: O(n) for all of them, where `finish_time` is
-        O(k log n) for one. A read: the clock does not move."""
+        O(k log n) for one; and what an arrival at `now` would get (`Projection.arrival`,
+        O(log n)). A read: the clock does not move."""
         reading = self.peek(now)
         out = {key: (t_dep if key in self._live else now) for key, t_dep in reading.departed}
         t, v, n, rate = now, reading.V, reading.backlog, self.rate
+        tags: list[float] = []
+        prefix = [0.0]
         for f, _, key in islice(self._sorted, len(reading.departed), None):
             if f > v:
                 t += (f - v) * n / rate
                 v = f
             n -= 1
             out[key] = t
-        return out
+            tags.append(f)
+            prefix.append(prefix[-1] + f)
+        return Projection(now, reading.V, rate, out, tags, prefix)
 
     def arrival_finish_time(self, cost: float, now: float) -> float:
         """GPS finish time of an agent that would arrive at `now` with `cost` (it joins B, so
