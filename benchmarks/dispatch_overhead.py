@@ -12,6 +12,12 @@ and `ewsjf_refit` times one refit that moves every edge and reroutes the 10,000 
 requests (ewsjf refits every 32 finished requests, and reroutes only when the edges move by more
 than its hysteresis).
 
+The rows `eta-upkeep` time the ETA upkeep (server/scheduler/eta.py) with 10,000 agents
+queued (one pending request each, justitia): the same loop, plus `refresh_etas` every
+`--refresh-every` decisions (250: a quarter second at the loop's 1 ms of simulated time per
+decision), against the same loop without it. The upkeep per decision is the difference of the
+median steps; the refresh itself is amortised over the decisions between two refreshes (mean).
+
     .venv/bin/python benchmarks/dispatch_overhead.py [--agents 1000] [--per-agent 10] [--steps 20000]
 """
 
@@ -104,14 +110,76 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -
     }
 
 
+def bench_eta(agents: int, steps: int, refresh_every: int, refresh: bool, seed: int = 0) -> dict:
+    """justitia with `agents` agents of one pending request each; `refresh`: run the ETA pass
+    every `refresh_every` decisions (its cost lands in the step it follows)."""
+    rng = random.Random(seed)
+    d = Dispatcher("justitia", kv_capacity_tokens=10**9, iteration_time_s=0.025)
+    now, lengths = 0.0, {}
+    for a in range(agents):
+        d.register_agent(f"a{a}", kv_cost(1000, 200) * rng.uniform(0.2, 5), now, tenant=f"t{a % 8}")
+        p, o = rng.randint(50, 3000), rng.randint(10, 800)
+        d.submit(RequestSpec(f"r{a}", f"a{a}", p, o, o), now)
+        lengths[f"r{a}"] = (p, o)
+    k, step, passes = agents, [], []
+    for i in range(steps):
+        now += 0.001
+        t0 = time.perf_counter_ns()
+        if refresh and i % refresh_every == 0:
+            d.refresh_etas(now)
+            passes.append((time.perf_counter_ns() - t0) / 1e6)
+        spec = d.admit(now, engine_free_slots=1)[0]
+        d.on_request_finished(spec.request_id, *lengths.pop(spec.request_id), now)
+        p, o = rng.randint(50, 3000), rng.randint(10, 800)
+        d.submit(RequestSpec(f"r{k}", spec.agent_id, p, o, o), now)
+        lengths[f"r{k}"] = (p, o)
+        k += 1
+        step.append((time.perf_counter_ns() - t0) / 1000)
+    assert d.pending_count == agents
+    return {
+        "agents": agents,
+        "refresh_every": refresh_every if refresh else None,
+        "median_step_us": statistics.median(step),
+        "mean_step_us": statistics.fmean(step),
+        "median_refresh_ms": statistics.median(passes) if passes else None,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, default=1000)
     ap.add_argument("--per-agent", type=int, default=10)
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--out", default="benchmarks/results/dispatch_overhead.json")
+    ap.add_argument("--eta-agents", type=int, default=10_000)
+    ap.add_argument("--refresh-every", type=int, default=250)
+    ap.add_argument("--eta-only", action="store_true", help="only the eta-upkeep rows")
     args = ap.parse_args()
-    rows = []
+    eta_rows = []
+    for run in range(3):  # alternated, so that the machine's load hits both alike
+        for refresh in (False, True):
+            eta_rows.append({"run": run, **bench_eta(args.eta_agents, args.steps, args.refresh_every, refresh)})
+    base = statistics.median(r["median_step_us"] for r in eta_rows if r["refresh_every"] is None)
+    with_eta = [r for r in eta_rows if r["refresh_every"] is not None]
+    upkeep = {
+        "median_step_without_us": base,
+        "median_step_with_us": statistics.median(r["median_step_us"] for r in with_eta),
+        "mean_step_without_us": statistics.median(r["mean_step_us"] for r in eta_rows if r["refresh_every"] is None),
+        "mean_step_with_us": statistics.median(r["mean_step_us"] for r in with_eta),
+        "median_refresh_ms": statistics.median(r["median_refresh_ms"] for r in with_eta),
+    }
+    print(f"eta-upkeep    {args.eta_agents} agents queued: median step {upkeep['median_step_without_us']:.1f} us "
+          f"without, {upkeep['median_step_with_us']:.1f} us with refresh_etas every {args.refresh_every} decisions; "
+          f"mean {upkeep['mean_step_without_us']:.1f} / {upkeep['mean_step_with_us']:.1f} us; "
+          f"one refresh {upkeep['median_refresh_ms']:.1f} ms")
+    rows: list[dict] = []
+    if args.eta_only:
+        args.out = args.out.replace(".json", "_eta.json")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"python": sys.version.split()[0], "eta_upkeep": upkeep,
+                                              "eta_rows": eta_rows}, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return 0
     for policy in (*POLICY_NAMES, "ewsjf-8groups"):
         r = bench(policy, args.agents, args.per_agent, args.steps)
         rows.append(r)
@@ -121,7 +189,8 @@ def main() -> int:
         if "refit_ms" in r:
             print(f"{'':13s} one refit that moves every edge: {r['refit_ms']:.1f} ms ({r['rerouted']} requests rerouted)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"python": sys.version.split()[0], "rows": rows}, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps({"python": sys.version.split()[0], "rows": rows, "eta_upkeep": upkeep,
+                                          "eta_rows": eta_rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -136,7 +136,15 @@ class AgentRecord(BaseModel):
     fair_finish_s: float = Field(description="GPS finish projected from now, no further arrivals.")
     eta_s: float = Field(description="Projected finish under the running policy.")
     delay_bound_s: float = Field(description="Promise: finish by fair_finish_s + delay_bound_s.")
-    deadline_s: float
+    deadline_s: float = Field(description=(
+        "Promised at registration: the GPS finish with the work expected to arrive ahead of "
+        "the agent, at a pessimistic rate, plus delay_bound_s. Moves only by the agent's own "
+        "doing (it starts late, or uses more than predicted)."))
+    promise: Literal["firm", "widened", "none"] = Field(default="firm", description=(
+        "firm: the server expects to keep deadline_s; widened: it could not promise firmly "
+        "and widened the deadline by its uncertainty (promise_reason says why); none: the "
+        "policy keeps no delay bound."))
+    promise_reason: str = Field(default="", description="Why the promise is widened (or none).")
     first_eta_s: float | None = Field(default=None, description="ETA given at registration.")
     cost_source: CostSource = Field(
         default="fallback",

@@ -90,6 +90,7 @@ class LiveConfig:
     retention_s: float = 3600.0  # terminal agents stay readable this long
     max_num_seqs: int = 256
     housekeeping_s: float = 1.0
+    eta_refresh_s: float = 0.25  # ETAs are replayed this often, off the request path
     quotas: Quotas = field(default_factory=Quotas)
     # Where the engine's time model starts before it has seen a step (server/scheduler/time_model.py).
     time_model_prior: TimeModel = DEFAULT_PRIOR
@@ -143,6 +144,8 @@ class LiveScheduler:
         # R = M / tau must be the rate the engine really serves with the memory it fills,
         # not M over the raw step time (see server/scheduler/rate.py).
         self.tau = TauEstimator(engine.info.kv_capacity_tokens, config.initial_tau_s)
+        # until the engine's rate is measured, promises are widened and say so
+        self.dispatcher.set_iteration_time(config.initial_tau_s, 0.0, **self.tau.promise_times())
         add_listener = getattr(engine, "add_step_listener", None)
         if add_listener is not None:
             add_listener(self._on_engine_step)
@@ -201,9 +204,19 @@ class LiveScheduler:
         self._fail_waiting(EngineError("the server is shutting down"))
 
     async def _housekeeping(self) -> None:
+        last = self.now()
+        every = self.config.eta_refresh_s
         while True:
-            await asyncio.sleep(self.config.housekeeping_s)
+            await asyncio.sleep(min(self.config.housekeeping_s, every))
             try:
+                t0 = time.perf_counter()
+                self.dispatcher.refresh_etas(self.now())
+                # The ETA pass is O(N log N): with many agents queued it runs less often, so
+                # that it never takes more than 5% of the event loop.
+                every = max(self.config.eta_refresh_s, 20.0 * (time.perf_counter() - t0))
+                if self.now() - last < self.config.housekeeping_s:
+                    continue
+                last = self.now()
                 self._update_tau()
                 await self._expire_idle_agents()
                 self._prune()
@@ -213,9 +226,7 @@ class LiveScheduler:
                 log.exception("housekeeping round failed")
 
     def _update_tau(self) -> None:
-        tau = self.tau.tau_s
-        if abs(tau - self.dispatcher.tau) > 0.02 * self.dispatcher.tau:
-            self.dispatcher.set_iteration_time(tau, self.now())
+        self.dispatcher.set_iteration_time(self.tau.tau_s, self.now(), **self.tau.promise_times())
 
     def _fail_waiting(self, error: Exception) -> None:
         for ticket in self._tickets.values():
@@ -243,7 +254,7 @@ class LiveScheduler:
             cost_source = "request" if auto else "declared"
         agent_id = new_agent_id()
         view = self.dispatcher.register_agent(
-            agent_id, predicted_cost, now, agent_type=agent_type, shape=_shape(metadata)
+            agent_id, predicted_cost, now, agent_type=agent_type, shape=_shape(metadata), tenant=tenant
         )
         entry = AgentEntry(
             id=agent_id,
@@ -350,6 +361,8 @@ class LiveScheduler:
             "eta_s": v.eta_s,
             "delay_bound_s": v.delay_bound_s,
             "deadline_s": v.deadline_s,
+            "promise": v.promise,
+            "promise_reason": v.promise_reason,
         }
 
     async def finish(self, entry: AgentEntry, error: str | None = None) -> AgentEntry:

@@ -154,7 +154,10 @@ def test_register_returns_a_complete_record(fake_client: httpx.Client) -> None:
     assert rec["state"] == "queued" and rec["metadata"] == {"source": "test"}
     assert rec["predicted_cost"] > 0 and rec["virtual_finish"] > 0
     assert rec["fair_finish_s"] > 0 and rec["eta_s"] > 0 and rec["delay_bound_s"] > 0
-    assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"])
+    # the deadline was promised at registration (no arrivals measured yet, so the GPS finish
+    # plus the bound); the fair finish is projected at the read, a moment later
+    assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"], abs=0.5)
+    assert rec["promise"] in ("firm", "widened") and isinstance(rec["promise_reason"], str)
     assert rec["finished_at"] is None
     assert fake_client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
     assert rec["id"] in {a["id"] for a in all_agents(fake_client)}
@@ -246,13 +249,26 @@ def test_eta_and_bound_are_the_cores_for_the_same_registrations(tmp_path) -> Non
         recs = [register(c, type_=f"eta_agent{i}", predicted_cost=cost)
                 for i, cost in enumerate(costs)]
         after = c.get("/v1/scheduler").json()
+    # The bound's C_max counts the tenant's own predictions (the primer's is the largest);
+    # its rate and iteration time are the server's pessimistic ones (widened while cold).
+    lim = after["limits"]
+    lim["max_agent_cost"] = max(lim["max_agent_cost"], max(costs))
     core = Dispatcher("justitia", kv_capacity_tokens=after["M"], iteration_time_s=after["tau"],
-                      limits=BoundLimits(**after["limits"]), block_size=32)
+                      limits=BoundLimits(**lim), block_size=32)
+    core.set_iteration_time(after["tau"], 0.0, bound_tau=after["bound_tau"],
+                            bound_iteration_s=after["bound_iteration_s"],
+                            uncertainty=after["promise_reason"] or None)
     t0 = recs[0]["submitted_at"]
     for rec, cost in zip(recs, costs):
         view = core.register_agent(rec["id"], cost, rec["submitted_at"] - t0)
-        for key in ("fair_finish_s", "eta_s", "delay_bound_s", "deadline_s"):
+        # agents without a request are not in the GPS reference: each is projected alone
+        for key in ("fair_finish_s", "delay_bound_s"):
             assert rec[key] == pytest.approx(getattr(view, key), rel=0.02, abs=0.01), key
+        assert rec["promise"] == view.promise and rec["promise_reason"] == view.promise_reason
+        # ETAs and deadlines also count the work the server saw arrive (measured off the
+        # request path): never less than the core's without it
+        assert rec["deadline_s"] >= view.deadline_s - 0.01
+        assert rec["eta_s"] > 0
     assert recs[2]["fair_finish_s"] < recs[0]["fair_finish_s"]
 
 

@@ -178,15 +178,18 @@ def test_views_and_snapshot():
     d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
     v = d.register_agent("a", 50_000.0, 0.0, shape=AgentShape(2, 300))
     assert v.fair_finish_s == pytest.approx(5.0)
+    # no arrivals measured yet and tau exact: the promise is the GPS finish plus the bound
     assert v.deadline_s == pytest.approx(v.fair_finish_s + v.delay_bound_s)
+    assert v.promise == "firm" and v.promise_reason == ""
     assert v.eta_s >= v.fair_finish_s - 1e-9
+    d.submit(req("a0", "a", 10, 10), 0.0)  # a enters the GPS reference with its request
     d.register_agent("b", 50_000.0, 1.0)
+    d.submit(req("b0", "b", 10, 10), 1.0)
     # two backlogged: a had 40,000 left at t=1, now served at 5,000/s
     assert d.view("a", 1.0).fair_finish_s == pytest.approx(1.0 + 8.0)
-    d.submit(req("b0", "b", 10, 10), 1.0)
     snap = d.snapshot(1.0)
     assert snap["policy"] == "justitia" and snap["M"] == 1000 and snap["backlog"] == 2
-    assert [q["agent_id"] for q in snap["queue"]] == ["b"]
+    assert [q["agent_id"] for q in snap["queue"]] == ["a", "b"]
     d.set_iteration_time(0.05, 1.0)
     assert d.rate == pytest.approx(20_000.0)
     d.set_kv_capacity(2000, 1.0)

@@ -66,9 +66,16 @@ class DelayBound:
         return {**asdict(self), "total_s": self.total_s}
 
 
-def delay_bound(limits: BoundLimits, shape: AgentShape, kv_capacity: int, tau: float) -> DelayBound:
-    """delay_bound_j in seconds for an agent of `shape` (see the module docstring)."""
+def delay_bound(limits: BoundLimits, shape: AgentShape, kv_capacity: int, tau: float,
+                iteration_s: float | None = None) -> DelayBound:
+    """delay_bound_j in seconds for an agent of `shape` (see the module docstring).
+
+    `tau` sets the rate R = M / tau of term (i); `iteration_s` (default: tau) is the duration
+    of one engine iteration in terms (ii) and (iii). The live server passes pessimistic
+    values for both (a high percentile of recent steps), so that the bound holds on an
+    engine whose steps vary."""
     rate = kv_capacity / tau
+    tau = tau if iteration_s is None else iteration_s
     stages = max(1, shape.stages)
     cp_tokens = shape.critical_path_tokens
     if cp_tokens is None:

@@ -36,18 +36,27 @@ bookkeeping (queued requests, provisional charges) is back to zero.
 
 Events (register, submit, admit, finish, cancel) advance the virtual clock to `now`; reads
 (`view`, `fair_finish_time`, `snapshot`) do not. docs/architecture.md shows the modules.
+
+Promises (docs/concepts.md, "Promises no one else can break"): an agent enters the GPS
+reference with its first request, not at registration; when it ends, the charge it did not
+use is settled out of the reference, and ended agents' leftover fluid work is flushed when
+the real system runs dry. The bound's C_max counts real (committed) work, plus the
+predictions of the agent's own tenant only. ETAs come from `refresh_etas(now)` (eta.py), a
+replay the caller runs off the request path; views read its cached result.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .bounds import AgentShape, BoundLimits, delay_bound
 from .cost import COMPUTE, compute_cost, cost_function, kv_cost, kv_footprint
-from .policies import FOOTPRINT, Policy, get_policy
+from .eta import MAX_ARRIVAL_SHARE, EtaPass, TimeModel, WorkArrivals, eta_of
+from .policies import FOOTPRINT, Justitia, Policy, get_policy
 from .queues import RequestQueue
 from .state import (
     AgentState,
@@ -81,6 +90,8 @@ class Dispatcher:
         now: float = 0.0,
         block_size: int = 1,
         seed: int = 0,
+        time_model: TimeModel | None = None,
+        arrival_window_s: float = 60.0,
     ) -> None:
         # A stateful policy (ewsjf, equinox) gets an instance of its own, seeded.
         self.policy = (get_policy(policy) if isinstance(policy, str) else policy).bind(seed)
@@ -89,6 +100,17 @@ class Dispatcher:
             raise ValueError("kv_capacity_tokens and iteration_time_s must be positive")
         self.kv_capacity = int(kv_capacity_tokens)
         self.tau = float(iteration_time_s)
+        # The bound's iteration time and rate (a pessimistic percentile on the live server;
+        # tau itself in the simulator), the typical iteration for ETAs, and why promises are
+        # widened (None: firm). Set by `set_iteration_time`.
+        self.bound_tau = self.tau
+        self.bound_iteration_s = self.tau
+        self.typical_iteration_s: float | None = None
+        self.uncertainty: str | None = None
+        self.time_model = time_model
+        self.arrivals = WorkArrivals(window_s=arrival_window_s)
+        self._eta: EtaPass | None = None
+        self._ended_backlog: set[str] = set()  # ended agents GPS has not finished yet
         self.backfill = backfill
         # A paged engine allocates whole blocks: a request holds ceil((p + d) / block) blocks,
         # so footprints are rounded up to blocks, or the engine runs out before M does.
@@ -108,6 +130,11 @@ class Dispatcher:
         self.reserved_kv = 0  # footprints of admitted, unfinished requests
         self.reserved_prompt = 0  # prompts of admitted, unfinished requests
         self.pending_count = 0
+        self.pending_kv = 0  # footprints of pending requests (the load an ETA expects)
+        # recency-weighted prompt and output of a request: the batch an ETA expects and the
+        # prompt tokens it prefills per step (each prompt once over its d decode steps)
+        self._mean_prompt = 0.0
+        self._mean_decode = 0.0
         self.running_count = 0
 
     # -- rate and capacity ------------------------------------------------------
@@ -128,12 +155,28 @@ class Dispatcher:
         """R: cost units per second at full memory."""
         return self.clock.rate
 
-    def set_iteration_time(self, tau: float, now: float) -> None:
-        """A new measured iteration time: R = M / tau from `now` on."""
-        if tau <= 0:
+    def set_iteration_time(self, tau: float, now: float, *, bound_tau: float | None = None,
+                           bound_iteration_s: float | None = None, typical_iteration_s: float | None = None,
+                           uncertainty: str | None = None) -> None:
+        """A new measured iteration time: R = M / tau from `now` on.
+
+        bound_tau / bound_iteration_s: the pessimistic rate (M / bound_tau) and iteration time
+        of the deadlines promised from now on (default: tau); typical_iteration_s: one
+        engine step, for ETAs' critical paths when there is no time model; uncertainty: why
+        the server cannot promise firmly (promises are then "widened" and say why)."""
+        if tau <= 0 or (bound_tau is not None and bound_tau <= 0):
             raise ValueError("tau must be positive")
         self.tau = float(tau)
+        self.bound_tau = max(self.tau, float(bound_tau)) if bound_tau is not None else self.tau
+        self.bound_iteration_s = float(bound_iteration_s) if bound_iteration_s else self.bound_tau
+        self.typical_iteration_s = typical_iteration_s
+        self.uncertainty = uncertainty
         self.clock.set_rate(self._rate(), now)
+
+    def set_time_model(self, time_model: TimeModel | None) -> None:
+        """The engine's iteration time as a function of its batch (plain data: an
+        EngineProfile, or the server's fitted model), for ETAs' critical paths."""
+        self.time_model = time_model
 
     def set_kv_capacity(self, kv_capacity_tokens: int, now: float) -> None:
         """Replicas added or removed: new M (and R) from `now` on."""
@@ -145,9 +188,18 @@ class Dispatcher:
     @property
     def limits(self) -> BoundLimits:
         """Declared workload limits, or the largest costs seen so far."""
+        return self.limits_for(None)
+
+    def limits_for(self, tenant: str | None) -> BoundLimits:
+        """The limits an agent of `tenant` is promised against: the operator's, or what the
+        scheduler can trust (real work of anyone, predictions of `tenant` only)."""
         if self._declared_limits is not None:
             return self._declared_limits
-        return self._observed.as_limits()
+        return self._observed.as_limits(tenant)
+
+    def _bound(self, agent: AgentState) -> None:
+        agent.bound = delay_bound(self.limits_for(agent.tenant), agent.shape, self.kv_capacity,
+                                  self.bound_tau, self.bound_iteration_s)
 
     # -- agents -----------------------------------------------------------------
     def register_agent(
@@ -159,8 +211,12 @@ class Dispatcher:
         agent_type: str | None = None,
         predicted_compute_cost: float | None = None,
         shape: AgentShape | None = None,
+        tenant: str | None = None,
     ) -> AgentView:
-        """Admit an agent with its predicted KV cost: its tag is F = V(now) + cost."""
+        """Admit an agent with its predicted KV cost: its tag will be F = V + cost at its
+        first request (V(now) + cost if that is now). `tenant`: whose predictions may widen
+        its bound (None: one shared tenant)."""
+        self.clock.advance(now)  # an event: the promise below reads the clock at `now`
         if agent_id in self.agents:
             raise ValueError(f"agent {agent_id!r} is already registered")
         predicted_cost = max(0.0, float(predicted_cost))
@@ -169,9 +225,7 @@ class Dispatcher:
             if predicted_compute_cost is None:
                 predicted_compute_cost = predicted_cost * self.compute_per_kv
             charge = max(0.0, float(predicted_compute_cost))
-        self._observed.max_agent_cost = max(self._observed.max_agent_cost, predicted_cost)
-        shape = shape or AgentShape()
-        tag = self.clock.arrive(agent_id, charge, now)
+        self._observed.declare(tenant, predicted_cost)
         agent = AgentState(
             agent_id=agent_id,
             seq=next(self._seq),
@@ -179,12 +233,54 @@ class Dispatcher:
             submitted_at=now,
             predicted_cost=predicted_cost,
             charged_cost=charge,
-            virtual_finish=tag,
-            bound=delay_bound(self.limits, shape, self.kv_capacity, self.tau),
-            shape=shape,
+            virtual_finish=self.clock.peek(now).V + charge,  # provisional until it enters B
+            bound=None,  # type: ignore[arg-type]  # set just below
+            shape=shape or AgentShape(),
+            tenant=tenant,
         )
+        self._bound(agent)
         self.agents[agent_id] = agent
+        self._promise(agent, now)
+        self.arrivals.add(now, charge)  # after its own promise: it is not ahead of itself
         return self.view(agent_id, now)
+
+    def _enter(self, agent: AgentState, now: float) -> None:
+        """The agent's first request: it joins the GPS reference now, F = V(now) + charge.
+        An agent that waited after registering has its deadline moved by its own wait."""
+        agent.in_reference = True
+        agent.fair_at = None  # the pass projected it as if joining then; it joins now
+        agent.virtual_finish = self.clock.arrive(agent.agent_id, agent.charged_cost, now)
+        if now > agent.submitted_at:
+            self._promise(agent, now)
+
+    def _promise(self, agent: AgentState, now: float) -> None:
+        """The deadline promised at `now`: the GPS finish projected with the work expected to
+        arrive ahead of the agent, at the pessimistic rate, plus the delay bound at the
+        pessimistic iteration time. Never a promise the scheduler expects to break: where
+        its assumptions fail, the promise is widened and says why. Made again when the
+        agent starts late or over-runs; it then only moves later."""
+        v = self.clock.peek(now).V
+        fluid = self.fair_finish_time(agent.agent_id, now) - now
+        rate = self.rate
+        share = self.arrivals.fluid_ahead(max(0.0, agent.virtual_finish - v)) / rate
+        reasons = []
+        if self.uncertainty:
+            reasons.append(self.uncertainty)
+        if share > MAX_ARRIVAL_SHARE:
+            reasons.append(f"work arrives at {share:.0%} of the engine's rate: the deadline assumes "
+                           f"{MAX_ARRIVAL_SHARE:.0%}")
+            share = MAX_ARRIVAL_SHARE
+        fluid = fluid / (1.0 - share) * (self.bound_tau / self.tau)
+        deadline = now + fluid + agent.bound.total_s
+        if agent.deadline_at is not None and deadline <= agent.deadline_at:
+            return  # made again (late start, over-run): a promise only ever moves later
+        agent.deadline_at = deadline
+        if not isinstance(self.policy, Justitia):
+            agent.promise = "none"
+            agent.promise_reason = f"policy {self.policy.name} does not keep the delay bound (Justitia's)"
+        else:
+            agent.promise = "widened" if reasons else "firm"
+            agent.promise_reason = "; ".join(reasons)
 
     def finish_agent(self, agent_id: str, now: float) -> AgentView:
         """The agent is done: forget it (pending requests, if any, are dropped)."""
@@ -199,6 +295,8 @@ class Dispatcher:
         return self._drop(agent_id, now, cancel=True)
 
     def _drop(self, agent_id: str, now: float, cancel: bool) -> list[str]:
+        """Forget the agent (finished, failed, cancelled or expired alike for the reference:
+        the charge it did not use leaves the GPS backlog; what it used stays)."""
         agent = self._agent(agent_id)
         running: list[str] = []
         pending: list[RequestState] = []
@@ -211,6 +309,7 @@ class Dispatcher:
                 self._release(req)
             else:
                 self.pending_count -= 1
+                self.pending_kv -= req.footprint
                 pending.append(req)
         self.queue.remove_agent(agent, pending)
         for req in pending:
@@ -218,11 +317,21 @@ class Dispatcher:
         agent.pending = 0
         agent.request_ids.clear()
         agent.running = 0
-        if cancel:
-            self.clock.remove(agent_id, now)  # its GPS work disappears
+        if agent.in_reference and self.clock.settle(
+                agent_id, agent.charged_cost - agent.consumed_cost, now) is not None:
+            if self.clock.tag(agent_id) is not None:
+                self._ended_backlog.add(agent_id)
         self.clock.forget(agent_id)
         del self.agents[agent_id]
+        self._flush_if_dry(now)
         return running
+
+    def _flush_if_dry(self, now: float) -> None:
+        """The real system has nothing pending or running: every ended agent's work is done,
+        so what GPS still holds of theirs is phantom (no backlog while the server is idle)."""
+        if self._ended_backlog and self.pending_count == 0 and self.running_count == 0:
+            self.clock.flush(self._ended_backlog, now)
+            self._ended_backlog.clear()
 
     # -- requests ---------------------------------------------------------------
     def submit(self, spec: RequestSpec, now: float) -> None:
@@ -230,6 +339,8 @@ class Dispatcher:
         agent = self._agent(spec.agent_id)
         if spec.request_id in self.requests:
             raise ValueError(f"request {spec.request_id!r} already submitted")
+        if not agent.in_reference:
+            self._enter(agent, now)
         p, d, n = int(spec.prompt_tokens), spec.expected_tokens, spec.n
         req = RequestState(
             spec=spec,
@@ -247,12 +358,21 @@ class Dispatcher:
         observed = self._observed
         observed.max_request_cost = max(observed.max_request_cost, req.est_kv_cost)
         observed.max_output_tokens = max(observed.max_output_tokens, spec.max_tokens)
+        agent.committed_kv += req.est_kv_cost
+        agent.longest_decode = max(agent.longest_decode, d)
+        observed.max_agent_cost = max(observed.max_agent_cost, agent.committed_kv)
         self.requests[spec.request_id] = req
         agent.request_ids.add(spec.request_id)
         agent.requests_total += 1
         first = agent.pending == 0
         agent.pending += 1
         self.pending_count += 1
+        self.pending_kv += req.footprint
+        if self._mean_prompt + self._mean_decode <= 0:
+            self._mean_prompt, self._mean_decode = float(p), float(d)
+        else:
+            self._mean_prompt += 0.05 * (p - self._mean_prompt)
+            self._mean_decode += 0.05 * (d - self._mean_decode)
         self.queue.push(agent, req)
         if self._hooked:
             self.policy.on_submit(self, agent, req, now, first)
@@ -286,13 +406,17 @@ class Dispatcher:
             req.status = DONE
             agent.pending -= 1
             self.pending_count -= 1
+            self.pending_kv -= req.footprint
         lengths = each or (output_tokens,)
         real = sum(self._cost(prompt_tokens, d) for d in lengths)
+        real_kv = sum(kv_cost(prompt_tokens, d) for d in lengths)
         agent.consumed_cost += real
-        agent.consumed_kv += sum(kv_cost(prompt_tokens, d) for d in lengths)
+        agent.consumed_kv += real_kv
+        agent.committed_kv += real_kv - req.est_kv_cost
         agent.requests_done += 1
         self._commit(agent, real - req.est_cost, now)
         self.queue.requeue(agent)
+        self._flush_if_dry(now)
         return True
 
     def _commit(self, agent: AgentState, delta: float, now: float) -> None:
@@ -302,7 +426,9 @@ class Dispatcher:
         if excess > 1e-9 * max(1.0, agent.charged_cost):
             agent.virtual_finish = self.clock.extend(agent.agent_id, agent.virtual_finish, excess, now)
             agent.charged_cost += excess
-            agent.bound = delay_bound(self.limits, agent.shape, self.kv_capacity, self.tau)
+            agent.fair_at = None  # its tag moved: the cached projection no longer applies
+            self._bound(agent)
+            self._promise(agent, now)  # its own over-run moves its deadline
 
     # -- admission --------------------------------------------------------------
     def admit(
@@ -368,6 +494,7 @@ class Dispatcher:
         agent.pending -= 1
         agent.running += 1
         self.pending_count -= 1
+        self.pending_kv -= req.footprint
         self.running_count += 1
         self.reserved_kv += req.footprint
         self.reserved_prompt += req.spec.prompt_tokens
@@ -398,22 +525,102 @@ class Dispatcher:
         return self.policy.priority(agent, req)
 
     def fair_finish_time(self, agent_id: str, now: float) -> float:
-        """GPS finish time of the agent projected from now (no further arrivals).
-        A read: the clock does not move."""
+        """GPS finish time of the agent projected from now (no further arrivals); for an
+        agent that has not sent a request yet, as if it joined now. A read: the clock does
+        not move."""
         agent = self._agent(agent_id)
+        if agent.fair_at is not None:  # the last refresh_etas pass's (views stay O(1))
+            return agent.fair_at if agent.in_reference else max(now, agent.fair_at)
+        if not agent.in_reference:
+            return self.clock.arrival_finish_time(agent.charged_cost, now)
         return self.clock.finish_time(agent_id, agent.virtual_finish, now)
 
+    # -- ETAs (eta.py) -------------------------------------------------------------
+    def refresh_etas(self, now: float) -> None:
+        """Replay the policy's order once (O(N log N)) and cache every agent's ETA. Called
+        off the request path: the live server's housekeeping, the simulator's timer."""
+        self.arrivals.freeze(now)
+        v = self.clock.peek(now).V
+        fair = self.clock.projection(now)  # every backlogged agent's GPS finish, one walk
+        policy, rate, it = self.policy, self.rate, self._iteration_s()
+        agents = list(self.agents.values())
+        keys = list(map(policy.static_key, agents))
+        order = sorted(range(len(agents)), key=keys.__getitem__)
+        keys = [keys[i] for i in order]
+        prefix = [0.0] * (len(agents) + 1)
+        # eta_of and _critical_path_s, inlined: this loop is the whole cost of the upkeep
+        gap, costs, cprefix = policy.arrival_gap, self.arrivals._costs, self.arrivals._prefix
+        scale = self.arrivals.rate / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
+        cap = MAX_ARRIVAL_SHARE * rate
+        total = 0.0
+        for k, i in enumerate(order):
+            a = agents[i]
+            charged = a.charged_cost
+            own = charged - a.consumed_cost
+            if own < 0.0:
+                own = 0.0
+            g = gap(a, v) if scale else 0.0
+            arriving = scale * cprefix[bisect_left(costs, g)] if g > 0.0 else 0.0
+            r = rate - (arriving if arriving < cap else cap)
+            shape = a.shape
+            if shape.critical_path_tokens is not None:
+                left = own / charged if charged > 0.0 else 1.0
+                path = (shape.critical_path_tokens + max(1, shape.stages)) * it * left
+            elif a.pending or a.running:
+                path = (a.longest_decode + 1) * it
+            else:
+                path = 0.0
+            start = total / r
+            finish = (total + own) / r
+            a.eta_at = now + (finish if finish > start + path else start + path)
+            a.fair_at = fair.finish.get(a.agent_id) if a.in_reference else fair.arrival(charged)
+            total += own
+            prefix[k + 1] = total
+        self._eta = EtaPass(now, rate, keys, prefix)
+        # ended agents that GPS has finished since need no flush
+        self._ended_backlog = {k for k in self._ended_backlog if self.clock.tag(k) is not None}
+
+    def _iteration_s(self) -> float:
+        """One engine step with the work known now admitted: the time model's at the batch
+        and KV the running and pending requests make (up to M), else the measured typical
+        step, else tau."""
+        if self.time_model is None:
+            return self.typical_iteration_s or self.tau
+        # EngineProfile names it iteration_s, the server's fitted TimeModel step_s: same form
+        step = getattr(self.time_model, "iteration_s", None) or self.time_model.step_s
+        # the memory the work known now fills, or what the measured arrivals keep filled
+        utilisation = min(1.0, self.arrivals.rate / self.rate)
+        kv = min(self.kv_capacity, max(self.reserved_kv + self.pending_kv, utilisation * self.kv_capacity))
+        p, d = self._mean_prompt, max(1.0, self._mean_decode)
+        if kv <= 0 or p + d <= 0:
+            return step(1, 0, 0)
+        batch = max(1.0, kv / (p + d))
+        # a request holds p + d/2 on average over its life, and prefills p once per d steps
+        return step(round(batch), round(batch * p / d), int(batch * (p + d / 2)))
+
+    def _critical_path_s(self, agent: AgentState, it: float) -> float:
+        """The agent's remaining critical path: its declared shape scaled by the share of its
+        charge not yet consumed, else the longest decode of its known requests."""
+        left = 1.0 - agent.consumed_cost / agent.charged_cost if agent.charged_cost > 0 else 1.0
+        left = min(1.0, max(0.0, left))
+        shape = agent.shape
+        if shape.critical_path_tokens is not None:
+            return (shape.critical_path_tokens + max(1, shape.stages)) * it * left
+        if agent.pending or agent.running:
+            return (agent.longest_decode + 1) * it
+        return 0.0
+
     def eta_time(self, agent_id: str, now: float) -> float:
-        """Projected finish under the running policy: the work ordered at or before the
-        agent, served at R, and no sooner than its own remaining critical path."""
+        """Projected finish under the running policy (cached by `refresh_etas`; an agent the
+        last pass did not see is placed in its order by binary search, O(log N))."""
         agent = self._agent(agent_id)
-        key = self.policy.static_key(agent)
-        ahead = 0.0
-        for other in self.agents.values():
-            if other is agent or self.policy.static_key(other) <= key:
-                ahead += max(0.0, other.charged_cost - other.consumed_cost)
-        own = agent.bound.critical_path_s * (1.0 - agent.requests_done / max(1, agent.requests_total))
-        return now + max(ahead / self.rate, own)
+        if agent.eta_at is not None:
+            return max(now, agent.eta_at)
+        before = self._eta.work_before(self.policy.static_key(agent)) if self._eta is not None else 0.0
+        own = max(0.0, agent.charged_cost - agent.consumed_cost)
+        v = self.clock.peek(now).V
+        ahead = self.arrivals.ahead(self.policy.arrival_gap(agent, v))
+        return eta_of(now, before, own, self.rate, ahead, self._critical_path_s(agent, self._iteration_s()))
 
     def view(self, agent_id: str, now: float) -> AgentView:
         """The agent's record: tag, costs and times (seconds from its submission)."""
@@ -431,12 +638,14 @@ class Dispatcher:
             fair_finish_s=fair,
             eta_s=self.eta_time(agent_id, now) - agent.submitted_at,
             delay_bound_s=bound,
-            deadline_s=fair + bound,
+            deadline_s=(agent.deadline_at if agent.deadline_at is not None else now) - agent.submitted_at,
             bound=agent.bound,
             requests_total=agent.requests_total,
             requests_done=agent.requests_done,
             pending=agent.pending,
             running=agent.running,
+            promise=agent.promise,
+            promise_reason=agent.promise_reason,
         )
 
     def snapshot(self, now: float, max_queue: int = 50) -> dict:
@@ -450,7 +659,13 @@ class Dispatcher:
             "V": gps.V,
             "M": self.kv_capacity,
             "tau": self.tau,
+            "bound_tau": self.bound_tau,
+            "bound_iteration_s": self.bound_iteration_s,
+            "promise": "widened" if self.uncertainty else "firm",
+            "promise_reason": self.uncertainty or "",
             "rate": self.rate,
+            "arrival_rate": self.arrivals.rate,
+            "etas_refreshed_at": self._eta.now if self._eta is not None else None,
             "backlog": gps.backlog,
             "agents": len(self.agents),
             "pending_requests": self.pending_count,

@@ -82,6 +82,11 @@ class Policy:
         """An int rank for vLLM's priority scheduling (lower runs first)."""
         return 0
 
+    def arrival_gap(self, agent: AgentState, v: float) -> float:
+        """ETA allowance: a new agent whose cost is below this is served before `agent`
+        (default, fair-share policies: one with less work than `agent` has left)."""
+        return max(0.0, agent.charged_cost - agent.consumed_cost)
+
     # -- state and feedback (stateful policies only) -------------------------------------
     # A policy that learns or keeps counters needs to hear what happens to requests; these
     # hooks are how the dispatcher tells it. All take `now` from the caller (no clock here).
@@ -131,6 +136,9 @@ class FCFS(Policy):
     def static_key(self, agent):
         return agent.seq
 
+    def arrival_gap(self, agent, v):
+        return 0.0  # nothing that arrives later goes first
+
 
 class SJF(Policy):
     """Shortest predicted request first."""
@@ -147,6 +155,9 @@ class SJF(Policy):
     def priority(self, agent, req):
         return int(req.est_cost) if req is not None else int(agent.predicted_cost)
 
+    def arrival_gap(self, agent, v):
+        return agent.predicted_cost
+
 
 class Parrot(Policy):
     """Agent-level FCFS."""
@@ -156,6 +167,9 @@ class Parrot(Policy):
 
     def priority(self, agent, req):
         return agent.seq
+
+    def arrival_gap(self, agent, v):
+        return 0.0
 
 
 class SRJF(Policy):
@@ -169,6 +183,9 @@ class SRJF(Policy):
 
     def priority(self, agent, req):
         return int(agent.remaining_predicted)
+
+    def arrival_gap(self, agent, v):
+        return agent.remaining_predicted
 
 
 class VTC(Policy):
@@ -212,6 +229,11 @@ class Justitia(Policy):
     def priority(self, agent, req):
         # vLLM needs an int; flooring a tag keeps the order (ties fall back to arrival).
         return int(agent.virtual_finish)
+
+    def arrival_gap(self, agent, v):
+        # A newcomer goes ahead if its tag V + c is below F_j; V closes the gap F_j - V while
+        # the agent waits, so the wait's average gap is half of today's.
+        return 0.5 * (agent.virtual_finish - v)
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,32 @@ or the memory in use itself (policies that let the engine fill and preempt). A s
 same use per filled token, serve `kv_in_use * M / fill` units in about the same time, so it
 is worth a tau sample of `duration * fill / kv_in_use` (the raw step time when the cache is
 used as full as it is filled). Steps with `fill` under `min_fill * M` are skipped (a nearly
-empty cache mostly measures fixed per-step overheads). Samples are averaged with exponential
-decay over `half_life_s` seconds of busy time, weighted by step duration.
+empty cache mostly measures fixed per-step overheads). The estimate is busy time over the
+full-cache iterations served (the sum of `duration / sample`), both decayed exponentially
+over `half_life_s` seconds of busy time: the rate the engine sustained, not a mean of the
+samples (which long prefill steps with little KV in use would dominate).
 
     est = TauEstimator(kv_capacity_tokens=45_000, initial_tau_s=0.040)
     est.observe_step(duration_s, kv_in_use=usage * M, kv_reserved=dispatcher.reserved_kv)
-    dispatcher.set_iteration_time(est.tau_s, now)          # e.g. once a second
+    dispatcher.set_iteration_time(est.tau_s, now, **est.promise_times())   # e.g. once a second
+
+Deadlines must hold on the engine as it runs, not on average: `promise_times` gives the
+dispatcher the bound's iteration time as the larger of the p90 of the recent raw step times
+and the slowest mean over 32 consecutive steps (a critical path is a sum of many steps, and
+long prefill steps make the mean heavier than the p90), and its rate from the slower of tau scaled by the same percentile over the median (a
+slow stretch of steps slows the rate as much) and the p90 of the recent tau samples. Until a step with a full-enough cache has been measured, tau
+is only the initial guess: promises are then widened (`COLD_WIDENING` times the guess) and
+say so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+import statistics
+from dataclasses import dataclass, field
+
+COLD_WIDENING = 3.0  # deadlines assume this many times the initial tau until tau is measured
+PESSIMISTIC_QUANTILE = 0.9
 
 
 @dataclass
@@ -31,19 +46,34 @@ class TauEstimator:
     initial_tau_s: float
     half_life_s: float = 30.0
     min_fill: float = 0.5
+    step_window: int = 512  # raw step durations kept for the percentiles
     _weight: float = 0.0  # decayed busy seconds observed
-    _weighted_tau: float = 0.0
+    _weighted_tau: float = 0.0  # decayed full-cache iterations served (sum of duration / sample)
+    _steps: collections.deque = field(default_factory=collections.deque)
+    _samples: collections.deque = field(default_factory=collections.deque)  # recent tau samples
+
+    def __post_init__(self) -> None:
+        self._steps = collections.deque(maxlen=self.step_window)
+        self._samples = collections.deque(maxlen=self.step_window)
 
     def observe_step(self, duration_s: float, kv_in_use: float, kv_reserved: float | None = None) -> None:
         """Record one engine step: its duration, the KV tokens it held and, for footprint
         policies, the KV tokens the dispatcher had reserved."""
+        if duration_s > 0 and kv_in_use > 0:
+            self._steps.append(duration_s)
         fill = kv_in_use if kv_reserved is None else max(kv_reserved, kv_in_use)
         if duration_s <= 0 or kv_in_use <= 0 or fill < self.min_fill * self.kv_capacity_tokens:
             return
         sample = duration_s * fill / kv_in_use
+        self._samples.append(sample)
         decay = 0.5 ** (duration_s / self.half_life_s)
         self._weight = self._weight * decay + duration_s
-        self._weighted_tau = self._weighted_tau * decay + duration_s * sample
+        # What a full cache serves in this step, in full-cache iterations (duration / sample):
+        # tau = busy time / that, the rate's own definition. (A mean of the samples weighted
+        # by duration, as before, let a few long prefill steps with little KV in use weigh
+        # like many decode steps: on the CPU engine it read 0.08-0.30 s for 10 ms steps and
+        # V ran about 30 times too slowly, issue 18.)
+        self._weighted_tau = self._weighted_tau * decay + duration_s / sample
 
     def set_kv_capacity(self, kv_capacity_tokens: int) -> None:
         """Replicas changed: samples already taken stay valid (they are per full cache)."""
@@ -52,6 +82,56 @@ class TauEstimator:
     @property
     def tau_s(self) -> float:
         """The current estimate (the initial value until a step with a full-enough cache)."""
-        if self._weight <= 0:
+        if self._weight <= 0 or self._weighted_tau <= 0:
             return self.initial_tau_s
-        return self._weighted_tau / self._weight
+        return self._weight / self._weighted_tau
+
+    @property
+    def measured(self) -> bool:
+        """True once a step with a full-enough cache has set tau (else tau is the guess)."""
+        return self._weight > 0
+
+    def step_quantile(self, q: float) -> float | None:
+        """The q-quantile of the recent raw step durations (None before any step)."""
+        if not self._steps:
+            return None
+        if len(self._steps) == 1:
+            return self._steps[0]
+        return statistics.quantiles(self._steps, n=100, method="inclusive")[min(98, max(0, round(q * 100) - 1))]
+
+    def _slowest_stretch(self, steps: int = 32) -> float:
+        """The slowest mean over `steps` consecutive recent steps. An agent's critical path
+        is a sum of many steps, and step times have a heavy tail (prefill steps are many
+        times a decode step): their mean can exceed the p90 of single steps."""
+        xs = list(self._steps)
+        if len(xs) < steps:
+            return sum(xs) / len(xs) if xs else 0.0
+        return max(sum(xs[i:i + steps]) / steps for i in range(0, len(xs) - steps + 1, steps))
+
+    def promise_times(self) -> dict:
+        """Keyword arguments of `Dispatcher.set_iteration_time` beyond tau: the pessimistic
+        rate and iteration time of the bound, the typical step for ETAs, and the uncertainty
+        that widens promises (None when they are firm)."""
+        median = self.step_quantile(0.5)
+        high = self.step_quantile(PESSIMISTIC_QUANTILE)
+        spread = high / median if median and high else 1.0
+        if not self.measured:
+            guess = COLD_WIDENING * self.tau_s
+            return {
+                "bound_tau": guess * spread,
+                "bound_iteration_s": max(guess, high or 0.0),
+                "typical_iteration_s": median,
+                "uncertainty": (f"the engine's rate is not measured yet: the deadline assumes "
+                                f"{COLD_WIDENING:g}x the initial iteration time"),
+            }
+        # The rate a promise may count on: the slower of tau scaled by the steps' spread and
+        # the p90 of the recent tau samples (how much KV time a step serves varies with how
+        # full the cache is of reservations that are not yet in use, not only with step time).
+        samples = sorted(self._samples)
+        high_tau = samples[min(len(samples) - 1, int(PESSIMISTIC_QUANTILE * len(samples)))]
+        return {
+            "bound_tau": max(self.tau_s * spread, high_tau),
+            "bound_iteration_s": max(high, self._slowest_stretch()),
+            "typical_iteration_s": median,
+            "uncertainty": None,
+        }

@@ -108,6 +108,17 @@ class AgentState:
     bound: DelayBound
     shape: AgentShape
     committed_cost: float = 0.0  # estimates of submitted requests, corrected on finish
+    committed_kv: float = 0.0  # the same in KV token-time: real work, not a declaration
+    longest_decode: int = 0  # longest expected output of its requests (ETA critical path)
+    tenant: str | None = None  # whose declarations may widen this agent's bound
+    # In the GPS reference (B) only from its first request on: an agent that never sends
+    # one does not slow the virtual clock (docs/concepts.md, "Promises no one else can break").
+    in_reference: bool = False
+    eta_at: float | None = None  # ETA (caller's clock) from the last refresh_etas pass
+    fair_at: float | None = None  # GPS finish from that pass (None: its tag changed since)
+    deadline_at: float | None = None  # the promised deadline (caller's clock), set at registration
+    promise: str = "firm"  # "firm", "widened" (promise_reason says why) or "none"
+    promise_reason: str = ""
     consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)
     consumed_kv: float = 0.0  # real KV token-time of finished requests
     request_ids: set[str] = field(default_factory=set)  # submitted, unfinished requests
@@ -155,19 +166,34 @@ class AgentView:
     requests_done: int
     pending: int
     running: int
+    promise: str = "firm"  # "firm" | "widened" | "none": how far deadline_s can be trusted
+    promise_reason: str = ""  # why a promise is widened (or none)
 
 
 # -- what the dispatcher has observed ------------------------------------------------------
 @dataclass
 class ObservedLimits:
-    """The largest costs seen so far: the delay bound's limits when none are declared."""
+    """The largest costs the scheduler can trust: the delay bound's limits when none are
+    declared.
+
+    c_max and d_max come from submitted requests (real prompts and max_tokens, which the
+    server caps at the engine's context length). C_max is the largest *real* agent cost seen
+    (KV token-time of its submitted requests, corrected to their true lengths), and, for an
+    agent's own bound, the predictions of its own tenant: a declaration widens the bounds of
+    the tenant that made it and no one else's.
+    """
 
     max_request_cost: float = 0.0  # c_max: KV token-time of the largest request
-    max_agent_cost: float = 0.0  # C_max: predicted KV token-time of the largest agent
+    max_agent_cost: float = 0.0  # C_max: largest committed KV token-time of any agent
     max_output_tokens: int = 0  # d_max: the largest max_tokens
+    declared: dict[str | None, float] = field(default_factory=dict)  # tenant -> largest prediction
 
-    def as_limits(self) -> BoundLimits:
-        return BoundLimits(self.max_request_cost, self.max_agent_cost, int(self.max_output_tokens))
+    def declare(self, tenant: str | None, predicted_cost: float) -> None:
+        self.declared[tenant] = max(self.declared.get(tenant, 0.0), predicted_cost)
+
+    def as_limits(self, tenant: str | None = None) -> BoundLimits:
+        c_big = max(self.max_agent_cost, self.declared.get(tenant, 0.0))
+        return BoundLimits(self.max_request_cost, c_big, int(self.max_output_tokens))
 
 
 @dataclass

@@ -27,10 +27,15 @@ Two operations go beyond the textbook:
   WFQ's rule for a new job of the same flow: F = max(F_old, V(now)) + extra. An agent that
   GPS had already finished re-enters B.
 * `remove(key, now)` drops a cancelled agent from B (its remaining GPS work disappears).
+* `settle(key, unused, now)` takes back work an agent was charged and never used (it finished
+  or expired under its prediction): its tag moves down by that much, and it leaves B if V has
+  passed the new tag. `flush(keys, now)` drops finished agents whose real work is all done
+  when the real system runs dry (no phantom backlog while the server is idle).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -46,6 +51,29 @@ class ClockReading(NamedTuple):
     V: float
     backlog: int  # |B|
     departed: list[tuple[object, float]]  # (key, GPS finish time) since the clock's time
+
+
+@dataclass
+class Projection:
+    """GPS finish times at `now`: of the backlogged agents (`finish`), and of an agent that
+    would join with some cost. GPS serves every backlogged agent alike until it leaves, so
+    V reaches x when R t = sum over B of (min(F_j, x) - V): with the tags sorted and their
+    prefix sums that is one binary search; a joining agent adds its own (x - V)."""
+
+    now: float
+    V: float
+    rate: float
+    finish: dict
+    tags: list
+    prefix: list
+
+    def arrival(self, cost: float) -> float:
+        if cost <= 0:
+            return self.now
+        x = self.V + cost
+        k = bisect.bisect_left(self.tags, x)
+        work = self.prefix[k] - k * self.V + (len(self.tags) - k) * (x - self.V)
+        return self.now + (work + cost) / self.rate
 
 
 @dataclass
@@ -116,11 +144,39 @@ class VirtualClock:
             return self._project(reading, tag, now)
         return self.departures.get(key, now)
 
-    def _project(self, reading: ClockReading, tag: float, now: float) -> float:
+    def projection(self, now: float) -> "Projection":
+        """The GPS finish time of every backlogged agent as seen at `now` (no further
+        arrivals), in one walk of the tags: O(n) for all of them, where `finish_time` is
+        O(k log n) for one; and what an arrival at `now` would get (`Projection.arrival`,
+        O(log n)). A read: the clock does not move."""
+        reading = self.peek(now)
+        out = {key: (t_dep if key in self._live else now) for key, t_dep in reading.departed}
+        t, v, n, rate = now, reading.V, reading.backlog, self.rate
+        tags: list[float] = []
+        prefix = [0.0]
+        for f, _, key in islice(self._sorted, len(reading.departed), None):
+            if f > v:
+                t += (f - v) * n / rate
+                v = f
+            n -= 1
+            out[key] = t
+            tags.append(f)
+            prefix.append(prefix[-1] + f)
+        return Projection(now, reading.V, rate, out, tags, prefix)
+
+    def arrival_finish_time(self, cost: float, now: float) -> float:
+        """GPS finish time of an agent that would arrive at `now` with `cost` (it joins B, so
+        the backlog is one larger than today's). A read: the clock does not move."""
+        reading = self.peek(now)
+        if cost <= 0:
+            return now
+        return self._project(reading, reading.V + cost, now, joining=1)
+
+    def _project(self, reading: ClockReading, tag: float, now: float, joining: int = 0) -> float:
         v = reading.V
         if tag <= v:
             return now
-        t, n, gone = now, reading.backlog, len(reading.departed)
+        t, n, gone = now, reading.backlog + joining, len(reading.departed)
         # the live tags below `tag` that are still backlogged at `now` (departed ones come first)
         for f, _, _ in islice(self._sorted.irange(maximum=(tag, -1)), gone, None):
             t += (f - v) * n / self.rate
@@ -204,6 +260,31 @@ class VirtualClock:
         self.advance(now)
         self._tags.pop(key, None)
         self._untrack(key)
+
+    def settle(self, key: object, unused: float, now: float) -> float | None:
+        """`key` ended having used `unused` less than it was charged: that work was never
+        real, so it leaves the backlog. Its tag moves down by `unused`; if V has passed the
+        new tag it leaves B. Returns the settled tag (None if it was not backlogged)."""
+        self.advance(now)
+        f = self._tags.get(key)
+        if f is None:
+            return None
+        f = max(f - max(0.0, unused), self.V)
+        if f <= self.V:
+            del self._tags[key]  # its heap entry goes stale
+            self._untrack(key)
+            return f
+        self._tags[key] = f
+        self._track(key, f)
+        return f
+
+    def flush(self, keys: "set[object]", now: float) -> None:
+        """Drop `keys` from B: agents that have ended and whose real work is done, when the
+        real system has nothing left to serve (their remaining fluid work is phantom)."""
+        self.advance(now)
+        for key in keys:
+            if self._tags.pop(key, None) is not None:
+                self._untrack(key)
 
     def set_rate(self, rate: float, now: float) -> None:
         """Change R (new tau or new capacity) from `now` on: V is piecewise linear."""

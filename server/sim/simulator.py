@@ -22,6 +22,9 @@ from .profiles import EngineProfile
 from .workload import AgentSpec
 
 
+ETA_REFRESH_S = 0.25  # simulated seconds between two ETA passes (the live server: 0.25 s too)
+
+
 @dataclass
 class Predictions:
     """Predicted agent costs, shared by every policy of a run."""
@@ -184,7 +187,7 @@ def simulate(
     if gps_finish is None:
         gps_finish = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], m / tau)
     pol = get_policy(policy) if isinstance(policy, str) else policy
-    disp = Dispatcher(pol, m, tau, limits=limits, backfill=backfill, seed=seed)
+    disp = Dispatcher(pol, m, tau, limits=limits, backfill=backfill, seed=seed, time_model=profile)
     engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"))
 
     index = {a.id: i for i, a in enumerate(agents)}
@@ -205,7 +208,11 @@ def simulate(
         for k, (p, d) in enumerate(st):
             disp.submit(RequestSpec(f"{a.id}/{stage_of[i]}/{k}", a.id, p, d, d), now)
 
+    next_refresh = 0.0
     while done < len(agents):
+        if t >= next_refresh:  # ETAs are refreshed off the decision path, as on the server
+            disp.refresh_etas(t)
+            next_refresh = t + ETA_REFRESH_S
         while nxt < len(agents) and agents[nxt].arrival <= t:
             a = agents[nxt]
             view = disp.register_agent(

@@ -1,0 +1,135 @@
+"""ETAs by forward replay, and the arrival allowance of ETAs and deadlines.
+
+An agent's ETA is what the running policy will do with what is known now. `replay` walks the
+agents once in the policy's order (one sort: O(N log N) for N agents) and, for each, adds up
+the remaining work of the agents served before it:
+
+    start_j = W_<j / R_j                      work ordered before j, at the rate left to it
+    eta_j   = now + max((W_<j + w_j) / R_j,   all of it, served at full memory
+                        start_j + cp_j)       then j's own remaining critical path
+
+where w_j is j's remaining charged work (charged minus consumed, policy cost units), cp_j the
+time of its remaining critical path (its declared shape, `AgentShape`, else the longest
+decode of its known requests) at the time model's iteration time, and R_j = R - a_j: the
+engine's rate R = M / tau minus the rate a_j of work that will arrive *ahead of j* while it
+waits (new agents the policy orders before j: under justitia, those whose cost is below
+j's tag minus V, halved for the wait; none under fcfs). The arrival rate of work and its cost distribution are
+measured over the recent registrations (`WorkArrivals`).
+
+The pass keeps its sorted keys and prefix sums, so the ETA of an agent registered since (or
+a view between two passes) is one binary search: O(log N). `Dispatcher.refresh_etas(now)`
+runs the pass; the live server calls it from its housekeeping loop, the simulator every
+quarter second of simulated time; views read the cached value. Nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+# No more than this share of the engine is assumed to go to work arriving ahead of an agent:
+# beyond it the long-run load exceeds the rate, no finite promise holds, and deadlines say so.
+MAX_ARRIVAL_SHARE = 0.9
+PROMISE_MIN_SPAN_S = 2.0  # the shortest history a promise's arrival rate is taken over
+
+
+class TimeModel(Protocol):
+    """The engine's iteration time as a function of the batch (EngineProfile has it; the
+    server's fitted `time_model.TimeModel` has the same as `step_s`, which the dispatcher
+    also accepts): plain data, no clock."""
+
+    def iteration_s(self, batch: int, prefill_tokens: int, kv_tokens: int) -> float:
+        ...
+
+
+@dataclass
+class WorkArrivals:
+    """Agents registered recently: the arrival rate of work and its cost distribution
+    (policy cost units). ETAs use the rate over the last `window_s` (current conditions);
+    promises the larger of that and the rate over `long_window_s` (a deadline looks further
+    ahead than one burst or lull)."""
+
+    window_s: float = 60.0
+    long_window_s: float = 600.0
+    max_samples: int = 4096
+    min_window_s: float = 10.0  # an ETA's rate over less history than this is noise
+    _events: collections.deque = field(default_factory=collections.deque)  # (t, cost)
+    _first: float | None = None
+    # the sorted sample and its prefix sums, rebuilt by `freeze` (once per refresh)
+    _costs: list[float] = field(default_factory=list)
+    _prefix: list[float] = field(default_factory=list)
+    rate: float = 0.0  # cost units arriving per second, recent window
+    promise_rate: float = 0.0  # max(rate, the long window's)
+
+    def add(self, t: float, cost: float) -> None:
+        if self.window_s <= 0:  # allowance switched off
+            return
+        if self._first is None:
+            self._first = t
+        self._events.append((t, cost))
+        if len(self._events) > self.max_samples:
+            self._events.popleft()
+
+    def _rate(self, now: float, window: float, min_span: float) -> float:
+        total = sum(c for t, c in reversed(self._events) if t >= now - window) if window < self.long_window_s \
+            else self._prefix[-1]
+        span = min(window, max(min_span, now - self._first)) if self._first is not None else window
+        if len(self._events) == self.max_samples:  # a full sample covers less than the window
+            span = min(span, max(min_span, now - self._events[0][0]))
+        return total / span
+
+    def freeze(self, now: float) -> None:
+        """Drop events older than the long window; sort the rest (O(K log K), K events)."""
+        while self._events and self._events[0][0] < now - self.long_window_s:
+            self._events.popleft()
+        self._costs = sorted(c for _, c in self._events)
+        self._prefix = list(itertools.accumulate(self._costs, initial=0.0))
+        if not self._events:
+            self.rate = self.promise_rate = 0.0
+            return
+        self.rate = self._rate(now, self.window_s, self.min_window_s)
+        # A promise takes the rate over the history there is (a floor of 10 s would halve
+        # the rate of a stream 5 s old and promise too early): pessimistic, not smooth.
+        self.promise_rate = max(self._rate(now, self.window_s, PROMISE_MIN_SPAN_S),
+                                self._rate(now, self.long_window_s, PROMISE_MIN_SPAN_S))
+
+    def ahead(self, gap: float) -> float:
+        """Rate of arriving work from agents of cost below `gap` (they go entirely ahead)."""
+        if not self._costs or gap <= 0 or self._prefix[-1] <= 0:
+            return 0.0
+        k = bisect.bisect_left(self._costs, gap)
+        return self.rate * self._prefix[k] / self._prefix[-1]
+
+    def fluid_ahead(self, gap: float) -> float:
+        """Rate of arriving work GPS serves before V advances `gap` (min(cost, gap) of each),
+        at the promise rate."""
+        if not self._costs or gap <= 0 or self._prefix[-1] <= 0:
+            return 0.0
+        k = bisect.bisect_left(self._costs, gap)
+        part = self._prefix[k] + gap * (len(self._costs) - k)
+        return self.promise_rate * part / self._prefix[-1]
+
+
+@dataclass
+class EtaPass:
+    """One replay: the policy order's keys and the work ahead of each position."""
+
+    now: float
+    rate: float  # R, cost units per second
+    keys: list[Any] = field(default_factory=list)  # sorted policy keys
+    prefix: list[float] = field(default_factory=lambda: [0.0])  # remaining work before index i
+
+    def work_before(self, key: Any) -> float:
+        """Remaining work of the agents ordered before `key` (O(log N))."""
+        return self.prefix[bisect.bisect_left(self.keys, key)]
+
+
+def eta_of(now: float, before: float, own: float, rate: float, arrivals_ahead: float,
+           critical_path_s: float) -> float:
+    """The ETA formula of the module docstring for one agent."""
+    r = rate - min(arrivals_ahead, MAX_ARRIVAL_SHARE * rate)
+    start = before / r
+    return now + max((before + own) / r, start + critical_path_s)

@@ -1,0 +1,284 @@
+"""Promises the scheduler can keep (issue 18 items 3, 4, 6): ETAs by forward replay, the
+settlement of the GPS reference, idle registrations, bound constants no other tenant can
+widen, and the pessimistic, widened deadlines. Fast: the scheduler core only."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from server.scheduler import AgentShape, Dispatcher, RequestSpec, TauEstimator, kv_cost
+from server.scheduler.eta import WorkArrivals
+
+
+def req(rid: str, agent: str, p: int, d: int) -> RequestSpec:
+    return RequestSpec(rid, agent, prompt_tokens=p, max_tokens=d, expected_output_tokens=d)
+
+
+# -- ETA by forward replay ---------------------------------------------------------------
+def test_replay_eta_is_exact_on_a_simple_queue() -> None:
+    # R = 10,000 per second, one step 0.1 s; no arrival allowance (tested below)
+    d = Dispatcher("justitia", 1000, 0.1, arrival_window_s=0)
+    d.register_agent("a", 20_000.0, 0.0)
+    d.submit(req("a0", "a", 10, 10), 0.0)
+    d.register_agent("b", 50_000.0, 0.0, shape=AgentShape(2, 100))
+    d.submit(req("b0", "b", 10, 10), 0.0)
+    d.register_agent("c", 5_000.0, 0.0, shape=AgentShape(3, 200))
+    d.submit(req("c0", "c", 10, 10), 0.0)
+    d.refresh_etas(0.0)
+    # order by tag: c (5k), a (20k), b (50k)
+    # c: nothing before; its own work 0.5 s, its critical path (200 + 3) steps = 20.3 s
+    assert d.view("c", 0.0).eta_s == pytest.approx(20.3)
+    # a: 5k before (0.5 s), then its longest decode (10 + 1 steps): max(2.5, 0.5 + 1.1)
+    assert d.view("a", 0.0).eta_s == pytest.approx(2.5)
+    # b: 25k before (2.5 s), then (100 + 2) steps: max(7.5, 2.5 + 10.2)
+    assert d.view("b", 0.0).eta_s == pytest.approx(12.7)
+
+
+def test_replay_eta_of_an_agent_registered_after_the_pass_is_its_place_in_it() -> None:
+    d = Dispatcher("fcfs", 1000, 0.1, arrival_window_s=0)
+    for i, cost in enumerate((10_000.0, 30_000.0)):
+        d.register_agent(f"a{i}", cost, 0.0)
+        d.submit(req(f"r{i}", f"a{i}", 10, 10), 0.0)
+    d.refresh_etas(0.0)
+    v = d.view(d.register_agent("late", 20_000.0, 0.0).agent_id, 0.0)
+    assert v.eta_s == pytest.approx((10_000 + 30_000 + 20_000) / 10_000)  # fcfs: last in line
+    d.refresh_etas(0.0)  # a full pass agrees (the new agent has no request yet: no path)
+    assert d.view("late", 0.0).eta_s == pytest.approx(v.eta_s)
+
+
+def test_replay_eta_counts_the_work_that_will_arrive_ahead() -> None:
+    d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
+    # a stream of small agents over 20 s: 2,000 units each, one per second
+    for i in range(20):
+        d.register_agent(f"s{i}", 2_000.0, float(i))
+        d.finish_agent(f"s{i}", float(i))
+    d.register_agent("big", 100_000.0, 20.0)
+    d.submit(req("b0", "big", 10, 10), 20.0)
+    d.refresh_etas(20.0)
+    # 140,000 units registered over 20 s (big's own included): 7,000 per second, of which
+    # the small agents' 2,000 per second are below big's gap / 2 (50,000) and go ahead of
+    # it, so big is left 8,000 per second: its 100,000 take 12.5 s
+    assert d.arrivals.rate == pytest.approx(7_000.0)
+    assert d.view("big", 20.0).eta_s == pytest.approx(100_000 / 8_000)
+
+
+def test_work_arrivals_rate_and_shares() -> None:
+    w = WorkArrivals(window_s=60.0)
+    for t, c in ((0.0, 100.0), (5.0, 300.0), (10.0, 600.0)):
+        w.add(t, c)
+    w.freeze(20.0)
+    assert w.rate == pytest.approx(1000.0 / 20.0)
+    assert w.ahead(400.0) == pytest.approx(50.0 * 400.0 / 1000.0)  # 100 + 300 go ahead
+    assert w.fluid_ahead(400.0) == pytest.approx(50.0 * (100 + 300 + 400) / 1000.0)  # min(c, gap)
+    assert w.ahead(0.0) == 0.0
+
+
+def test_refresh_is_one_pass_and_views_read_its_cache() -> None:
+    """ETA upkeep is O(N log N) per pass, and views are O(1): the old eta_time walked every
+    agent for every view (GET /v1/agents was O(N^2))."""
+    n = 10_000
+    d = Dispatcher("justitia", 10**7, 0.025)
+    for i in range(n):  # each new tag is the smallest: registration's projection walks none
+        d.register_agent(f"a{i}", 10_000.0 + n - i, 0.0)  # above its request: no over-run
+        d.submit(req(f"r{i}", f"a{i}", 100, 50), 0.0)
+    calls = 0
+    static_key = d.policy.static_key
+
+    def counting(agent):
+        nonlocal calls
+        calls += 1
+        return static_key(agent)
+
+    object.__setattr__(d.policy, "static_key", counting)  # the bound instance, this test only
+    t0 = time.perf_counter()
+    d.refresh_etas(0.001)
+    refresh_s = time.perf_counter() - t0
+    assert calls == n
+    calls = 0
+    t0 = time.perf_counter()
+    etas = [d.view(f"a{i}", 0.002).eta_s for i in range(0, n, 10)]
+    views_s = time.perf_counter() - t0
+    assert calls == 0  # cached: no walk over the other agents
+    assert etas == sorted(etas, reverse=True)  # tag order is cost order here
+    # generous wall-clock limits (the machine is shared): ~20-60 ms and ~5 ms measured
+    assert refresh_s < 2.0 and views_s < 1.0
+
+
+# -- settlement and idle registrations ------------------------------------------------------
+def test_unused_charge_leaves_the_backlog_when_an_agent_finishes_early() -> None:
+    d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
+    d.register_agent("a", 50_000.0, 0.0)
+    d.submit(req("a0", "a", 10, 10), 0.0)
+    d.register_agent("b", 50_000.0, 0.0)
+    d.submit(req("b0", "b", 10, 10), 0.0)
+    d.admit(0.0)
+    used = kv_cost(10, 10)
+    d.on_request_finished("a0", 10, 10, 1.0)
+    d.finish_agent("a", 1.0)  # used 155 of its 50,000
+    # at t=1 V = 5,000: a's settled tag (155) is behind V, so a leaves B; b alone has
+    # 45,000 left at the full rate
+    assert d.clock.backlog == 1
+    assert d.view("b", 1.0).fair_finish_s == pytest.approx(1.0 + 45_000 / 10_000)
+    assert used < 50_000
+
+
+def test_no_phantom_backlog_once_the_real_system_is_idle() -> None:
+    d = Dispatcher("justitia", 1000, 0.1)
+    for i in range(5):
+        d.register_agent(f"a{i}", 40_000.0, 0.0)  # over-predicted: each uses 155
+        d.submit(req(f"r{i}", f"a{i}", 10, 10), 0.0)
+    for spec in d.admit(0.0):
+        d.on_request_finished(spec.request_id, 10, 10, 0.2)
+    for i in range(5):
+        d.finish_agent(f"a{i}", 0.2)
+    assert d.is_idle()
+    assert d.clock.backlog == 0  # the old code kept 5 agents backlogged, V running on
+
+
+def test_expired_agent_with_running_work_is_settled() -> None:
+    d = Dispatcher("justitia", 1000, 0.1)
+    d.register_agent("a", 50_000.0, 0.0)
+    d.submit(req("a0", "a", 10, 10), 0.0)
+    d.register_agent("b", 50_000.0, 0.0)
+    d.submit(req("b0", "b", 10, 10), 0.0)
+    d.admit(0.0)
+    assert d.cancel_agent("a", 1.0) == ["a0"]  # expired or cancelled: its charge is unused
+    assert d.clock.backlog == 1
+    assert d.view("b", 1.0).fair_finish_s == pytest.approx(1.0 + 45_000 / 10_000)
+
+
+def test_idle_registrations_do_not_slow_the_virtual_clock() -> None:
+    def fair_finish_of_x(idle: int) -> float:
+        d = Dispatcher("justitia", 1000, 0.1)
+        for i in range(idle):
+            d.register_agent(f"idle{i}", 50_000.0, 0.0, tenant="squatter")  # never send a request
+        d.register_agent("x", 20_000.0, 1.0, tenant="other")
+        d.submit(req("x0", "x", 10, 10), 1.0)
+        return d.view("x", 1.0).fair_finish_s
+
+    assert fair_finish_of_x(1000) == pytest.approx(fair_finish_of_x(0)) == pytest.approx(2.0)
+
+
+def test_an_agent_enters_the_reference_with_its_first_request() -> None:
+    d = Dispatcher("justitia", 1000, 0.1)
+    d.register_agent("a", 10_000.0, 0.0)
+    d.register_agent("b", 10_000.0, 0.0)
+    d.submit(req("b0", "b", 10, 10), 0.0)
+    assert d.clock.backlog == 1
+    d.submit(req("a0", "a", 10, 10), 5.0)  # a waited 5 s: its tag starts from V(5)
+    assert d.agents["a"].virtual_finish == pytest.approx(d.clock.V + 10_000.0)
+    assert d.view("a", 5.0).deadline_s > 5.0  # its own wait moved its deadline
+
+
+# -- bound constants no other tenant can widen -----------------------------------------------
+def test_a_huge_declaration_widens_only_its_own_tenants_bounds() -> None:
+    d = Dispatcher("justitia", 1000, 0.1)
+    d.register_agent("w", 50_000.0, 0.0, tenant="B")
+    d.submit(req("w0", "w", 100, 100), 0.0)
+    before = d.register_agent("x", 20_000.0, 0.0, tenant="B").delay_bound_s
+    d.register_agent("huge", 1e18, 0.0, tenant="A")
+    after = d.register_agent("y", 20_000.0, 0.0, tenant="B")
+    assert after.delay_bound_s == pytest.approx(before)
+    assert after.bound.lag_s < 100.0
+    # the declaring tenant's own later agents are promised against its declaration
+    assert d.register_agent("z", 20_000.0, 0.0, tenant="A").bound.lag_s > 1e12
+    d.cancel_agent("huge", 1.0)
+    assert d.register_agent("v", 20_000.0, 1.0, tenant="B").delay_bound_s == pytest.approx(before)
+
+
+def test_real_work_does_set_c_max_for_everyone() -> None:
+    d = Dispatcher("justitia", 1000, 0.1)
+    d.register_agent("big", 10.0, 0.0, tenant="A")  # under-declared...
+    for i in range(4):
+        d.submit(req(f"b{i}", "big", 500, 500), 0.0)  # ...but real requests are work
+    real = 4 * kv_cost(500, 500)
+    lag = d.register_agent("x", 1_000.0, 0.0, tenant="B").bound.lag_s
+    assert lag == pytest.approx((2 * kv_cost(500, 500) + real) / 10_000)
+
+
+# -- deadlines that hold ----------------------------------------------------------------------
+def test_deadline_uses_the_pessimistic_rate_and_iteration_time() -> None:
+    d = Dispatcher("justitia", 1000, 0.1)
+    firm = d.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    assert firm.promise == "firm"
+    d2 = Dispatcher("justitia", 1000, 0.1)
+    d2.set_iteration_time(0.1, 0.0, bound_tau=0.2, bound_iteration_s=0.3)
+    v = d2.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    # the fluid part at half the rate (2 s instead of 1 s), the bound's steps at 0.3 s
+    assert v.fair_finish_s == pytest.approx(1.0)
+    assert v.bound.critical_path_s == pytest.approx(11 * 0.3)
+    assert v.deadline_s == pytest.approx(2.0 + v.delay_bound_s)
+    assert v.deadline_s > firm.deadline_s
+
+
+def test_promises_say_when_they_are_widened_and_why() -> None:
+    d = Dispatcher("justitia", 1000, 0.1)
+    d.set_iteration_time(0.1, 0.0, bound_tau=0.3, uncertainty="the engine's rate is not measured yet")
+    v = d.register_agent("a", 10_000.0, 0.0)
+    assert v.promise == "widened" and "not measured" in v.promise_reason
+    # work arriving faster than the engine serves it: no finite promise at that load
+    d = Dispatcher("justitia", 1000, 0.1)
+    for i in range(20):
+        d.register_agent(f"s{i}", 20_000.0, float(i))  # 20,000 per second against R = 10,000
+    d.refresh_etas(20.0)
+    v = d.register_agent("late", 50_000.0, 20.0)
+    assert v.promise == "widened" and "arrives at" in v.promise_reason
+    assert Dispatcher("fcfs", 1000, 0.1).register_agent("f", 1.0, 0.0).promise == "none"
+
+
+def test_tau_estimator_is_pessimistic_and_widens_while_cold() -> None:
+    est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.01)
+    cold = est.promise_times()
+    assert cold["uncertainty"] and cold["bound_tau"] == pytest.approx(0.03)
+    for i in range(100):  # steps of 10 ms, one in ten of 50 ms, cache full
+        est.observe_step(0.05 if i % 10 == 9 else 0.01, kv_in_use=900)
+    warm = est.promise_times()
+    assert warm["uncertainty"] is None
+    assert warm["typical_iteration_s"] == pytest.approx(0.01)
+    assert warm["bound_iteration_s"] >= 0.01 and warm["bound_tau"] > est.tau_s
+    d = Dispatcher("justitia", 1000, 0.01)
+    d.set_iteration_time(est.tau_s, 1.0, **warm)
+    assert d.register_agent("a", 1_000.0, 1.0).promise == "firm"
+
+
+def test_tau_is_the_sustained_rate_not_a_mean_dominated_by_prefill_steps() -> None:
+    """Issue 18: the server's tau read 0.08-0.30 s for 10 ms engine steps. Nine decode steps
+    of 10 ms with the cache in use as filled, and one prefill step of 90 ms with a tenth of
+    it in use: a full cache serves 9 + 0.1 iterations' worth in 0.18 s."""
+    est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.01, half_life_s=1e9)
+    for _ in range(50):
+        for _ in range(9):
+            est.observe_step(0.01, kv_in_use=1000)
+        est.observe_step(0.09, kv_in_use=100, kv_reserved=1000)
+    assert est.tau_s == pytest.approx(0.18 / 9.1, rel=1e-3)  # the old mean read 0.455 s
+
+
+def test_the_critical_path_uses_the_time_model() -> None:
+    class Steps:  # the server's fitted model names it step_s (EngineProfile: iteration_s)
+        def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
+            return 0.01
+
+    d = Dispatcher("justitia", 1000, 0.1, arrival_window_s=0, time_model=Steps())
+    d.register_agent("a", 100.0, 0.0, shape=AgentShape(2, 98))
+    d.submit(req("a0", "a", 10, 10), 0.0)
+    d.refresh_etas(0.0)
+    # (98 + 2) steps of 10 ms, not of tau = 0.1 s
+    assert d.view("a", 0.0).eta_s == pytest.approx(1.0)
+
+
+def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:
+    """Views of agents that have not sent a request are O(1) after a pass too: the pass's
+    projection of an arrival (one binary search) is the clock's walk."""
+    d = Dispatcher("justitia", 1000, 0.1)
+    for i, cost in enumerate((30_000.0, 5_000.0, 12_000.0)):
+        d.register_agent(f"a{i}", cost, 0.0)
+        d.submit(req(f"r{i}", f"a{i}", 10, 10), 0.0)
+    for cost in (1_000.0, 8_000.0, 50_000.0):
+        d.register_agent(f"idle{cost:g}", cost, 0.0)
+    d.refresh_etas(0.5)
+    for cost in (1_000.0, 8_000.0, 50_000.0):
+        assert d.agents[f"idle{cost:g}"].fair_at == pytest.approx(d.clock.arrival_finish_time(cost, 0.5))
+    for i in range(3):
+        assert d.agents[f"a{i}"].fair_at == pytest.approx(d.clock.finish_time(f"a{i}", d.agents[f"a{i}"].virtual_finish, 0.5))
