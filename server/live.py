@@ -227,6 +227,11 @@ class LiveScheduler:
 
     def _update_tau(self) -> None:
         self.dispatcher.set_iteration_time(self.tau.tau_s, self.now(), **self.tau.promise_times())
+        # ETAs time critical paths with the engine's fitted step time (one engine here; with
+        # replicas, whichever has learned from the most steps).
+        models = self.time_models.models()
+        if models:
+            self.dispatcher.set_time_model(max(models.values(), key=lambda m: m.samples))
 
     def _fail_waiting(self, error: Exception) -> None:
         for ticket in self._tickets.values():
