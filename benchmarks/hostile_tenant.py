@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -86,9 +87,10 @@ class Prober:
 
     def summary(self) -> dict:
         lat = sorted(self.latencies) or [0.0]
+        p99 = lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]  # nearest rank
         return {"healthz_probes": len(self.latencies), "healthz_failures": self.failures,
                 "healthz_p50_ms": round(1000 * statistics.median(lat), 1),
-                "healthz_p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 1),
+                "healthz_p99_ms": round(1000 * p99, 1),
                 "healthz_max_ms": round(1000 * lat[-1], 1)}
 
 
