@@ -35,8 +35,8 @@ from justitia_sdk._models import AgentRecord, Completion, Usage
 
 if TYPE_CHECKING:
     from justitia_sdk._agent import Agent
-    from justitia_sdk._context import AgentRun
     from justitia_sdk._batch import AgentHandle, Batch
+    from justitia_sdk._context import AgentRun
 
 T = TypeVar("T")
 #: After an interrupt, how long the sync client waits for its agents to be cancelled.

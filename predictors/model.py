@@ -26,8 +26,8 @@ microseconds instead of about a millisecond.
 from __future__ import annotations
 
 import functools
-from collections import Counter
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 

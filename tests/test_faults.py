@@ -7,11 +7,9 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 
 import httpx
 import psutil
-import pytest
 
 from justitia_sdk import AsyncClient, agent, current_agent, llm
 from tests.streams import BackgroundStream, sse_json

@@ -5,7 +5,8 @@ import random
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.scheduler import Dispatcher, RequestSpec
 from server.scheduler.ewsjf import EwsjfConfig, refine_and_prune

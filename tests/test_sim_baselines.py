@@ -4,7 +4,8 @@ is reproducible by seed, and neither starves the large agent of the starvation e
 import random
 import statistics
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from server.sim.profiles import get_profile
 from server.sim.simulator import make_predictions, simulate

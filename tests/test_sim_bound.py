@@ -1,7 +1,8 @@
 """Property tests of the simulator under Justitia: the delay bound, accounting, GPS."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from server.scheduler import gps_finish_times
 from server.sim.profiles import get_profile

@@ -265,7 +265,7 @@ class EwsjfState:
     _obs: deque = field(default_factory=deque)
     _epoch_sum: float = 0.0
     _epoch_n: int = 0
-    _tuner: "GridThompsonTuner | None" = None
+    _tuner: GridThompsonTuner | None = None
     _grid: list[tuple[float, float, float]] = field(default_factory=list)
     _ctx: SchedulerContext | None = None
 
@@ -280,7 +280,7 @@ class EwsjfState:
         self.params = self._grid[start]
         self._set_weights()
 
-    def attach(self, ctx: SchedulerContext) -> "EwsjfState":
+    def attach(self, ctx: SchedulerContext) -> EwsjfState:
         """Serve as the queue of the dispatcher behind `ctx` (peek reads its tau)."""
         self._ctx = ctx
         return self

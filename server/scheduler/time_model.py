@@ -90,7 +90,7 @@ class TimeModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TimeModel":
+    def from_dict(cls, d: dict) -> TimeModel:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         missing = [k for k in FEATURES if k not in known]
         if missing:

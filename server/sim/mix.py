@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import csv
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from .profiles import EngineProfile
 from .workload import AgentSpec
@@ -64,7 +64,7 @@ class Traces:
     arrivals_ms: list[int]
 
     @classmethod
-    def load(cls) -> "Traces":
+    def load(cls) -> Traces:
         moon = []
         with open(DATA / "mooncake_conversation.csv", newline="", encoding="utf-8") as fh:
             moon = [(int(r["timestamp_ms"]), int(r["input_length"]), int(r["output_length"])) for r in csv.DictReader(fh)]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from server.scheduler import AgentShape, BoundLimits, Dispatcher, Policy, RequestSpec, get_policy, gps_finish_times
 from server.scheduler.cost import kv_cost
@@ -20,7 +20,6 @@ from server.scheduler.cost import kv_cost
 from .engine import EngineModel, SimRequest
 from .profiles import EngineProfile
 from .workload import AgentSpec
-
 
 ETA_REFRESH_S = 0.25  # simulated seconds between two ETA passes (the live server: 0.25 s too)
 
@@ -165,7 +164,7 @@ def _quantile(sorted_xs: list[float], q: float) -> float:
 
 def simulate(
     agents: Sequence[AgentSpec],
-    policy: "str | Policy",
+    policy: str | Policy,
     profile: EngineProfile,
     kv_tokens: int | None = None,
     predictions: Predictions | None = None,
