@@ -154,7 +154,7 @@ def test_ewsjf_learns_groups_and_tunes_from_measured_service():
     rng = random.Random(1)
     d.register_agent("a", 1.0, 0.0)
     now, k, running = 0.0, 0, {}
-    for step in range(1200):
+    for _ in range(1200):
         now += 0.1
         p, out = (100, 10) if rng.random() < 0.8 else (2000, 100)
         d.submit(req(f"r{k}", "a", p, out), now)

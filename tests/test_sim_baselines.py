@@ -23,7 +23,7 @@ def test_new_baselines_finish_everything_and_accounting_returns_to_zero(specs, m
     res = simulate(agents, policy, PROFILE, m, make_predictions(agents, "noisy:3", seed=1), seed=seed)
     assert res.accounting_zero  # no reservation, queued request or provisional charge left
     assert all(a.finish_s >= a.arrival_s for a in res.agents)
-    for a, spec in zip(sorted(res.agents, key=lambda x: x.arrival_s), sorted(agents, key=lambda x: x.arrival)):
+    for a, spec in zip(sorted(res.agents, key=lambda x: x.arrival_s), sorted(agents, key=lambda x: x.arrival), strict=True):
         assert a.jct_s >= spec.critical_path_tokens * PROFILE.base_s - 1e-9
 
 

@@ -294,7 +294,7 @@ def _live(args: argparse.Namespace) -> int:
         # oracle costs (the simulator has no server predictor to stand in for `server`).
         predicted = run_comparison(agents, policies, profile, args.kv_tokens,
                                    make_predictions(agents, "oracle"))
-        for live_r, sim_r in zip(results, predicted):
+        for live_r, sim_r in zip(results, predicted, strict=True):
             live_mean = live_r.summary()["mean_jct_s"]
             sim_mean = sim_r.summary()["mean_jct_s"]
             live_r.extra["sim_mean_jct_s"] = sim_mean

@@ -25,6 +25,7 @@ then divided by 2 or 3 for the 2x and 3x densities.
 from __future__ import annotations
 
 import csv
+import itertools
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -190,7 +191,7 @@ def make_mix(
     ts = traces.arrivals_ms
     start = rng.randrange(0, max(1, len(ts) - n_agents))
     window = ts[start : start + n_agents]
-    gaps = [(b - a) / 1000.0 for a, b in zip(window, window[1:])] + [0.0]
+    gaps = [(b - a) / 1000.0 for a, b in itertools.pairwise(window)] + [0.0]
     gaps = gaps[: n_agents]
     while len(gaps) < n_agents:
         gaps.append(gaps[-1] if gaps else 1.0)
@@ -201,7 +202,7 @@ def make_mix(
     span = sum(gaps[:-1]) or 1.0
     k = total_cost / (rate * load_1x * span)  # stretch so that 1x offers load_1x
     t = 0.0
-    for a, g in zip(agents, gaps):
+    for a, g in zip(agents, gaps, strict=True):
         a.arrival = round(t, 6)
         t += g * k / density
     return agents

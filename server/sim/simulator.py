@@ -47,8 +47,8 @@ def make_predictions(agents: Sequence[AgentSpec], mode: str = "oracle", seed: in
             raise ValueError("noisy:LAMBDA needs LAMBDA >= 1")
         rng = random.Random(seed)
         factors = [lam ** rng.uniform(-1.0, 1.0) for _ in agents]
-        return Predictions([c * f for c, f in zip(true_kv, factors)],
-                           [c * f for c, f in zip(true_c, factors)], mode)
+        return Predictions([c * f for c, f in zip(true_kv, factors, strict=True)],
+                           [c * f for c, f in zip(true_c, factors, strict=True)], mode)
     if mode.startswith("model:"):
         if predictor is None:
             raise ValueError("model predictions need a predictor")
