@@ -21,7 +21,8 @@ SAMPLES_FILE = "samples.jsonl"
 
 # -- sample sources -------------------------------------------------------------------------
 
-def _get_history(base: str, params: dict[str, str], api_key: str | None, timeout: float) -> tuple[list[Any], str | None]:
+def _get_history(base: str, params: dict[str, str], api_key: str | None,
+                 timeout: float) -> tuple[list[Any], str | None]:
     """The ``samples`` rows of one page of ``GET {base}/v1/history`` and its next cursor."""
     import httpx
 
@@ -29,9 +30,11 @@ def _get_history(base: str, params: dict[str, str], api_key: str | None, timeout
     try:
         r = httpx.get(f"{base}/v1/history", params=params, headers=headers, timeout=timeout)
     except httpx.TimeoutException:
-        raise CommandError(f"server {base} did not answer within {timeout:g} s; check it is running or raise --timeout") from None
+        raise CommandError(f"server {base} did not answer within {timeout:g} s; "
+                           "check it is running or raise --timeout") from None
     except httpx.HTTPError as exc:
-        raise CommandError(f"cannot reach server {base} ({exc.__class__.__name__}); start it with `justitia serve` or fix the URL") from None
+        raise CommandError(f"cannot reach server {base} ({exc.__class__.__name__}); "
+                           "start it with `justitia serve` or fix the URL") from None
     if r.status_code in (401, 403):
         raise CommandError(f"server {base} refused the request ({r.status_code}); pass a valid --api-key")
     if r.status_code == 404:

@@ -24,7 +24,8 @@ def test_round_trip_and_extra_fields_are_ignored(tmp_path):
     assert [a.stages for a in load_workload(tmp_path / "w2.jsonl")] == [a.stages for a in agents]
 
 
-@pytest.mark.parametrize("line", ['{"id": "a", "stages": []}', '{"id": "a", "arrival": 0, "stages": [[{"p": 1, "d": 0}]]}', "nope"])
+@pytest.mark.parametrize("line", ['{"id": "a", "stages": []}',
+                                  '{"id": "a", "arrival": 0, "stages": [[{"p": 1, "d": 0}]]}', "nope"])
 def test_bad_workloads_are_rejected(tmp_path, line):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")

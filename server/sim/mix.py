@@ -68,7 +68,8 @@ class Traces:
     def load(cls) -> Traces:
         moon = []
         with open(DATA / "mooncake_conversation.csv", newline="", encoding="utf-8") as fh:
-            moon = [(int(r["timestamp_ms"]), int(r["input_length"]), int(r["output_length"])) for r in csv.DictReader(fh)]
+            moon = [(int(r["timestamp_ms"]), int(r["input_length"]), int(r["output_length"]))
+                    for r in csv.DictReader(fh)]
         return cls(
             sharegpt=_pairs("sharegpt_lengths.csv", "num_prefill_tokens", "num_decode_tokens"),
             arxiv=_pairs("arxiv_summarization_lengths.csv", "num_prefill_tokens", "num_decode_tokens"),
@@ -124,7 +125,8 @@ class _Gen:
 
     def kqa_verification(self, size):
         ap, ad = self.draw(self.t.sharegpt)
-        qs = [(ad + self.draw(self.t.sharegpt)[0] // 4, max(8, self.draw(self.t.sharegpt)[1] // 4)) for _ in range(self.n(size))]
+        qs = [(ad + self.draw(self.t.sharegpt)[0] // 4, max(8, self.draw(self.t.sharegpt)[1] // 4))
+              for _ in range(self.n(size))]
         final_p = ap + ad + sum(d for _, d in qs)
         return [[self.fit(ap, ad)], [self.fit(p, d) for p, d in qs], [self.fit(final_p, ad)]]
 
