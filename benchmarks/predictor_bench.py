@@ -87,6 +87,11 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool) -> dict:
                     continue
                 errs[t][name] += list(relative_errors([fn(s.prompt, s.features) for s in val], y))
             lat[t].append(measure_latency(p.predict, val, min_calls=300))
+    return _report(types, errs, train_s, train_n, lat)
+
+
+def _report(types: list[str], errs: dict, train_s: dict, train_n: dict, lat: dict) -> dict:
+    """Per-type and overall errors, latencies and training times of `bench_dataset`'s splits."""
     out = {"per_type": {}, "overall": {}}
     for t in types:
         row = {"train_samples": train_n[t], "heldout_samples": len(errs[t]["mlp"]),

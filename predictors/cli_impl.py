@@ -145,6 +145,20 @@ def resolve_agent(name: str, module: str | None, file: str | None) -> Any:
     return found
 
 
+def _read_inputs(inputs: Path) -> list[Any]:
+    """The inputs of an `--inputs` JSON Lines file (blank lines skipped), at least one."""
+    rows = []
+    for lineno, line in enumerate(inputs.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise CommandError(f"{inputs}:{lineno}: not valid JSON") from None
+    if not rows:
+        raise CommandError(f"--inputs {inputs} holds no inputs")
+    return rows
+
+
 def samples_from_inputs(args: argparse.Namespace) -> list[Sample]:
     """Profile the agent over an inputs file against a running server (needs the SDK)."""
     inputs = Path(args.inputs)
@@ -161,15 +175,7 @@ def samples_from_inputs(args: argparse.Namespace) -> list[Sample]:
         )
     url = args.server or justitia_sdk.default_url()
     _check_reachable(url)
-    rows = []
-    for lineno, line in enumerate(inputs.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise CommandError(f"{inputs}:{lineno}: not valid JSON") from None
-    if not rows:
-        raise CommandError(f"--inputs {inputs} holds no inputs")
+    rows = _read_inputs(inputs)
     try:
         records = profile(fn, rows, server=url, api_key=args.api_key or os.environ.get("JUSTITIA_API_KEY"),
                           concurrency=args.concurrency)
