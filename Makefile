@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent: seconds when done).
-.PHONY: setup demo test test-fast docs
+.PHONY: setup demo test test-fast check docs
 
 setup:
 	@bash scripts/setup.sh
@@ -14,3 +14,9 @@ test: setup
 # The tests that need no engine (docs/architecture.md, Testing); `test` runs them too.
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not engine"
+
+# Lint, types and import contracts (docs/architecture.md, Testing); CI runs it before `test`.
+check: setup
+	.venv/bin/ruff check .
+	.venv/bin/mypy
+	.venv/bin/lint-imports

@@ -187,7 +187,8 @@ def main() -> int:
         print(f"{policy:13s} median decision {r['median_decision_us']:6.1f} us   p99 {r['p99_decision_us']:6.1f} us   "
               f"admit+finish+submit {r['median_step_us']:6.1f} us   ({r['queued_requests']} queued{more})")
         if "refit_ms" in r:
-            print(f"{'':13s} one refit that moves every edge: {r['refit_ms']:.1f} ms ({r['rerouted']} requests rerouted)")
+            print(f"{'':13s} one refit that moves every edge: {r['refit_ms']:.1f} ms "
+                  f"({r['rerouted']} requests rerouted)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"python": sys.version.split()[0], "rows": rows, "eta_upkeep": upkeep,
                                           "eta_rows": eta_rows}, indent=1) + "\n")

@@ -78,7 +78,7 @@ async def run_agent(session: aiohttp.ClientSession, i: int, requests: int, max_t
                 data = await r.json()
                 ok = r.status == 200 and data["usage"]["completion_tokens"] == max_tokens
                 reason = "ok" if ok else f"{r.status}: {str(data)[:120]}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, KeyError, ValueError) as exc:
             ok, reason = False, type(exc).__name__
         if ok:
             stats.requests_ok += 1

@@ -119,7 +119,8 @@ def build(data: Path, n: int, seed: int) -> list[Sample]:
         k = int(rng.integers(1, 17))
         batch = [claims[int(i)] for i in rng.choice(len(claims), size=k, replace=False)]
         stages, feats = am.fact_verification(batch, lengths, seed)
-        out.append(Sample(agent_type="fact_verification", prompt="\n".join(batch), cost=agent_cost(stages), features=feats))
+        out.append(Sample(agent_type="fact_verification", prompt="\n".join(batch), cost=agent_cost(stages),
+                          features=feats))
 
     questions = [json.loads(line)["question"] for line in open(data / "gsm8k" / "test.jsonl", encoding="utf-8")]
     for i in rng.choice(len(questions), size=n, replace=False):
@@ -128,7 +129,8 @@ def build(data: Path, n: int, seed: int) -> list[Sample]:
         stages, feats = am.self_consistency(q, paths, lengths, seed)
         out.append(Sample(agent_type="self_consistency", prompt=q, cost=agent_cost(stages), features=feats))
 
-    problems = [json.loads(line)["prompt"] for line in gzip.open(data / "humaneval" / "HumanEval.jsonl.gz", "rt", encoding="utf-8")]
+    humaneval = gzip.open(data / "humaneval" / "HumanEval.jsonl.gz", "rt", encoding="utf-8")
+    problems = [json.loads(line)["prompt"] for line in humaneval]
     for i in rng.permutation(len(problems))[:n]:
         prob = problems[int(i)]
         cands = int(rng.integers(1, 9))
@@ -141,7 +143,8 @@ def build(data: Path, n: int, seed: int) -> list[Sample]:
     for r in rows[:n]:
         docs = [r[f"document{j}"] for j in range(1, 5)]
         stages, feats = am.doc_merge(docs, lengths, seed)
-        out.append(Sample(agent_type="doc_merge", prompt="\n\n---\n\n".join(docs), cost=agent_cost(stages), features=feats))
+        out.append(Sample(agent_type="doc_merge", prompt="\n\n---\n\n".join(docs), cost=agent_cost(stages),
+                          features=feats))
     return out
 
 

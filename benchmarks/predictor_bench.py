@@ -77,7 +77,8 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool) -> dict:
                 preds["mlp_uncalibrated"] = fit_predictor(train, t, seed=seed, calibrate=False).predict
             cold = ColdStartEstimator()
             preds["cold_start_prior"] = lambda q, f, c=cold, t=t: c.predict(t, q, f)
-            errs[t]["cold_start_prior"] += list(relative_errors([preds["cold_start_prior"](s.prompt, s.features) for s in val], y))
+            prior = [preds["cold_start_prior"](s.prompt, s.features) for s in val]
+            errs[t]["cold_start_prior"] += list(relative_errors(prior, y))
             for s in train:
                 cold.observe(t, s.prompt, s.cost, s.features)
             preds["cold_start"] = lambda q, f, c=cold, t=t: c.predict(t, q, f)
@@ -86,6 +87,11 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool) -> dict:
                     continue
                 errs[t][name] += list(relative_errors([fn(s.prompt, s.features) for s in val], y))
             lat[t].append(measure_latency(p.predict, val, min_calls=300))
+    return _report(types, errs, train_s, train_n, lat)
+
+
+def _report(types: list[str], errs: dict, train_s: dict, train_n: dict, lat: dict) -> dict:
+    """Per-type and overall errors, latencies and training times of `bench_dataset`'s splits."""
     out = {"per_type": {}, "overall": {}}
     for t in types:
         row = {"train_samples": train_n[t], "heldout_samples": len(errs[t]["mlp"]),
@@ -111,7 +117,8 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool) -> dict:
 def print_dataset(name: str, res: dict) -> None:
     cols = ("mlp", "mlp_uncalibrated", "mean", "global", "length_linear", "cold_start", "cold_start_prior")
     print(f"\n== {name}: mean relative error on held-out samples (median in brackets)")
-    head = f"{'agent type':18s} " + " ".join(f"{c:>17s}" for c in cols) + f" {'p50 ms':>7s} {'p99 ms':>7s} {'train s':>7s}"
+    head = (f"{'agent type':18s} " + " ".join(f"{c:>17s}" for c in cols)
+            + f" {'p50 ms':>7s} {'p99 ms':>7s} {'train s':>7s}")
     print(head)
     rows = list(res["per_type"].items()) + [("OVERALL", res["overall"])]
     for t, r in rows:
@@ -140,14 +147,16 @@ def main() -> None:
     datasets = {}
     if not args.no_example:
         datasets["synthetic-example"] = (read_samples(EXAMPLE), "predictors/data/example_samples.jsonl.gz")
-        datasets["example-agents-profiled"] = (read_samples(PROFILED), "predictors/data/example_agents_profiled.jsonl.gz")
+        datasets["example-agents-profiled"] = (read_samples(PROFILED),
+                                               "predictors/data/example_agents_profiled.jsonl.gz")
     for f in args.samples:
         datasets[Path(f).name] = (read_samples(f), f)
     if args.data:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from make_predictor_samples import build
 
-        datasets["public-data"] = (build(Path(args.data), 150, 0), f"make_predictor_samples.build({args.data}, 150, seed 0)")
+        datasets["public-data"] = (build(Path(args.data), 150, 0),
+                                   f"make_predictor_samples.build({args.data}, 150, seed 0)")
     results = {
         "config": {"splits": args.splits, "per_type": args.per_type, "validation_fraction": 0.2,
                    "command": "python " + " ".join(sys.argv)},

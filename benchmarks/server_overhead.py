@@ -115,7 +115,7 @@ def paired(rounds: list[float], direct_rounds: list[float]) -> dict:
     """The median over rounds of (this server's round p50 - the direct round p50 measured just
     before it), with a bootstrap 95% interval. Pairing neighbouring rounds cancels the slow
     drift of this shared machine; the median ignores the rounds that a burst elsewhere hit."""
-    diffs = [a - b for a, b in zip(rounds, direct_rounds)]
+    diffs = [a - b for a, b in zip(rounds, direct_rounds, strict=True)]
     rng = random.Random(0)
     boot = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
     return {"paired_p50_ms": statistics.median(diffs), "paired_ci95_ms": [boot[50], boot[1949]],

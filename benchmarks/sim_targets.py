@@ -42,7 +42,8 @@ def main() -> int:
         for density in (2, 3):
             agents = make_mix(300, profile, density=density, load_1x=args.load, seed=seed, traces=traces)
             res = run_comparison(agents, ["vtc", "srjf", "justitia", "justitia-c", *extra], profile)
-            noisy = run_comparison(agents, ["justitia"], profile, predictions=make_predictions(agents, "noisy:3", seed=seed))[0]
+            noisy = run_comparison(agents, ["justitia"], profile,
+                                   predictions=make_predictions(agents, "noisy:3", seed=seed))[0]
             mean = {r.policy: r.summary()["mean_jct_s"] for r in res}
             vs_vtc = compare(res, "justitia", "vtc")
             row = {
@@ -62,7 +63,8 @@ def main() -> int:
                 row[f"justitia_over_{b}"] = mean["justitia"] / mean[b]
                 row[f"{b}_share_not_later_than_vtc"] = compare(res, b, "vtc")["share_not_later"]
             rows.append(row)
-            print(f"seed {seed} {density}x: j/vtc {row['justitia_over_vtc']:.3f}  j/srjf {row['justitia_over_srjf']:.3f}  "
+            print(f"seed {seed} {density}x: j/vtc {row['justitia_over_vtc']:.3f}  "
+                  f"j/srjf {row['justitia_over_srjf']:.3f}  "
                   f"not later than vtc {100 * row['share_not_later_than_vtc']:.0f}%  worst vs vtc "
                   f"{100 * row['worst_slowdown_vs_vtc']:+.0f}%  jc/j {row['justitia_c_over_justitia']:.3f}  "
                   f"noisy3/oracle {row['noisy3_over_oracle']:.3f}  over bound {row['justitia_bound_violations']}"

@@ -47,11 +47,10 @@ def server_url(url: str | None, kv_tokens: int) -> Iterator[str]:
     if url:
         yield url
         return
+    import httpx
     from rich.console import Console
 
     from server.launcher import EmbeddedServer
-
-    import httpx
 
     with Console().status("starting the embedded server (vLLM CPU engine, ~30 s)..."):
         srv = EmbeddedServer(["--kv-tokens", str(kv_tokens)]).start()

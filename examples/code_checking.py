@@ -38,7 +38,7 @@ async def code_checking(spec: str, code: str, max_tokens: int = 64) -> dict[str,
         [src for _, src in funcs],
     )
     listing = "\n".join(f"- {name}: {' '.join(r.split()[:40])}"
-                        for (name, _), r in zip(funcs, reviews))
+                        for (name, _), r in zip(funcs, reviews, strict=True))
     verdict = await llm(VERDICT_PROMPT.format(spec=spec, reviews=listing),
                         max_tokens=max_tokens, temperature=0)
     passed = syntax_ok and "FAIL" not in verdict.upper()

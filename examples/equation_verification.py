@@ -63,11 +63,11 @@ async def equation_verification(problem: str, steps: list[str],
     exact = [arithmetic_holds(s) for s in steps]
     checks = "\n".join(
         f"- {s} | exact: {'n/a' if e is None else e} | model: {' '.join(j.split()[:20])}"
-        for s, e, j in zip(steps, exact, judgements))
+        for s, e, j in zip(steps, exact, judgements, strict=True))
     summary = await llm(SUMMARY_PROMPT.format(problem=problem, checks=checks),
                         max_tokens=2 * max_tokens, temperature=0)
     return {"steps": [{"step": s, "arithmetic_ok": e, "model": j}
-                      for s, e, j in zip(steps, exact, judgements)],
+                      for s, e, j in zip(steps, exact, judgements, strict=True)],
             "all_arithmetic_ok": all(e is not False for e in exact), "summary": summary}
 
 

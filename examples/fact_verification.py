@@ -36,7 +36,7 @@ async def fact_verification(claim: str, evidence: list[str], max_tokens: int = 4
     votes = Counter(labels)
     decisive = {k: v for k, v in votes.items() if k != "NOT ENOUGH INFO"}
     label = max(decisive, key=lambda k: decisive[k]) if decisive else "NOT ENOUGH INFO"
-    listing = "\n".join(f"- {lab}: {' '.join(j.split()[:30])}" for lab, j in zip(labels, judgements))
+    listing = "\n".join(f"- {lab}: {' '.join(j.split()[:30])}" for lab, j in zip(labels, judgements, strict=True))
     verdict = await llm(VERDICT_PROMPT.format(claim=claim, judgements=listing),
                         max_tokens=2 * max_tokens, temperature=0)
     return {"claim": claim, "label": label, "votes": dict(votes), "verdict": verdict}

@@ -116,11 +116,13 @@ FUNCTIONS = [
     ("title_case(s) capitalizes the first letter of every word.",
      "def title_case(s):\n    return ' '.join(w[:1].upper() + w[1:] for w in s.split())\n"),
     ("running_max(xs) returns the running maximum of a list of numbers.",
-     "def running_max(xs):\n    out, best = [], None\n    for x in xs:\n        best = x if best is None or x > best else best\n        out.append(best)\n    return out\n"),
+     "def running_max(xs):\n    out, best = [], None\n    for x in xs:\n"
+     "        best = x if best is None or x > best else best\n        out.append(best)\n    return out\n"),
 ]
 
 QUESTION_TEMPLATES = [
-    "A bus leaves at {h}:{m:02d} and the trip takes {d} minutes. At what minute past the hour does it arrive, if it stays within the hour?",
+    "A bus leaves at {h}:{m:02d} and the trip takes {d} minutes. "
+    "At what minute past the hour does it arrive, if it stays within the hour?",
     "A crate holds {a} bottles. How many crates are needed for {b} bottles?",
     "If {a} tickets cost {c} coins in total, how much do {b} tickets cost?",
     "A garden bed is {a} meters long and {b} meters wide. What is its area in square meters?",

@@ -133,7 +133,8 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         from server.launcher import EmbeddedServer
 
-        with console.status("starting the embedded server (vLLM CPU engine, tiny model, about a minute on 2 CPU cores)..."):
+        with console.status("starting the embedded server "
+                            "(vLLM CPU engine, tiny model, about a minute on 2 CPU cores)..."):
             server = EmbeddedServer(["--kv-tokens", str(args.kv_tokens),
                                      "--policy", args.policy]).start()
         url = server.url

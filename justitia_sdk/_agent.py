@@ -74,7 +74,7 @@ class Agent(Generic[P, R]):
         self.name = name or fn.__name__
         self.prompt_extractor = prompt
         self.metadata = dict(metadata or {})
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        functools.update_wrapper(self, fn)
         _REGISTRY[self.name] = self
 
     def __repr__(self) -> str:
@@ -221,8 +221,10 @@ async def _ambient_call(method: str, *args: Any, **kwargs: Any) -> Completion:
     if client is None:
         # Outside any agent and any client: a one-off, untagged request.
         async with AsyncClient() as own:
-            return await getattr(own, method)(*args, **kwargs)
-    return await getattr(client, method)(*args, **kwargs)
+            completion: Completion = await getattr(own, method)(*args, **kwargs)
+            return completion
+    completion = await getattr(client, method)(*args, **kwargs)
+    return completion
 
 
 async def complete(prompt: str, *, max_tokens: int = 256, **sampling: Any) -> Completion:

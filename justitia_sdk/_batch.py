@@ -392,7 +392,7 @@ def check_inputs(inputs: Any) -> list[Any]:
 def make_batch(agent: Any, inputs: Iterable[Any], title: str | None = None) -> Batch:
     values = check_inputs(inputs)
     agents = resolve_agents(agent, len(values))
-    handles = [AgentHandle(i, a, v) for i, (a, v) in enumerate(zip(agents, values))]
+    handles = [AgentHandle(i, a, v) for i, (a, v) in enumerate(zip(agents, values, strict=True))]
     names = sorted({a.name for a in agents})
     return Batch(handles, title or f"{len(handles)} agents ({', '.join(names)})")
 

@@ -8,6 +8,7 @@ safe to retry (connection refused, 429 and 503, with exponential backoff and jit
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -16,9 +17,9 @@ import queue
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -35,10 +36,12 @@ from justitia_sdk._models import AgentRecord, Completion, Usage
 
 if TYPE_CHECKING:
     from justitia_sdk._agent import Agent
-    from justitia_sdk._context import AgentRun
     from justitia_sdk._batch import AgentHandle, Batch
+    from justitia_sdk._context import AgentRun
 
 T = TypeVar("T")
+_R = TypeVar("_R")
+_P = ParamSpec("_P")
 #: After an interrupt, how long the sync client waits for its agents to be cancelled.
 _INTERRUPT_CLEANUP_S = 20.0
 
@@ -239,7 +242,7 @@ class AsyncClient:
     def _backoff(attempt: int) -> float:
         # Exponential with full jitter, so that many agents refused at once do not retry in
         # lockstep.
-        return min(8.0, 0.25 * 2**attempt) * (0.5 + random.random())
+        return min(8.0, 0.25 * 2.0**attempt) * (0.5 + random.random())
 
     # -- the agent API ----------------------------------------------------------------------
 
@@ -336,10 +339,12 @@ class AsyncClient:
 
     async def scheduler(self) -> dict[str, Any]:
         """The scheduler's snapshot: policy, V, M, tau, backlog, queue."""
-        return await self._request("GET", "/v1/scheduler")
+        snapshot: dict[str, Any] = await self._request("GET", "/v1/scheduler")
+        return snapshot
 
     async def models(self) -> list[dict[str, Any]]:
-        return (await self._request("GET", "/v1/models"))["data"]
+        models: list[dict[str, Any]] = (await self._request("GET", "/v1/models"))["data"]
+        return models
 
     async def ready(self) -> bool:
         """True when the server answers /readyz with 200 (no retries)."""
@@ -456,7 +461,8 @@ class AsyncClient:
         """Submit one agent run on this client and wait for its result."""
         from justitia_sdk._batch import resolve_agents
 
-        return await resolve_agents(agent, 1)[0].invoke(args, kwargs, client=self)
+        result: T = await resolve_agents(agent, 1)[0].invoke(args, kwargs, client=self)
+        return result
 
     async def submit_many(
         self,
@@ -542,7 +548,7 @@ class _Default(AbstractContextManager["AsyncClient"]):
         current_client.reset(self._token)
 
 
-def _result(future: Any) -> Any:
+def _result(future: concurrent.futures.Future[_R]) -> _R:
     """`future.result()` in short waits, so that Ctrl-C lands at once on any platform."""
     while True:
         try:
@@ -577,7 +583,7 @@ class Client:
         self._async: AsyncClient = self._portal.call(make)
         self.base_url = self._async.base_url
 
-    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _call(self, fn: Callable[_P, Awaitable[_R]], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         return self._portal.call(functools.partial(fn, *args, **kwargs))
 
     def __enter__(self) -> Client:
@@ -607,12 +613,12 @@ class Client:
         """The latest batch started on this client: still here after an interrupt."""
         return self._async.last_batch
 
-    def _run_interruptibly(self, fn: Callable[[], Any]) -> Any:
+    def _run_interruptibly(self, fn: Callable[[], Awaitable[_R]]) -> _R:
         """Run `fn()` on the portal's loop. On Ctrl-C, cancel it there (its agents are
         cancelled on the server) and wait for that before re-raising."""
         finished = threading.Event()
 
-        async def task() -> Any:
+        async def task() -> _R:
             try:
                 return await fn()
             finally:

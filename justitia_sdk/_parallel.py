@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import anyio
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
 
 T = TypeVar("T")
 

@@ -43,8 +43,8 @@ def profile_agent(
     """Run `agent` once per input on a server and return the training samples.
 
     Inputs follow `submit_many` (a dict is keyword arguments). Failed runs are left out.
-    `concurrency` limits the runs in flight (default 64, as `submit_many`); profiling one run at a time (`concurrency=1`)
-    gives each run the whole engine, as in the paper's profiling.
+    `concurrency` limits the runs in flight (default 64, as `submit_many`); profiling one run at a
+    time (`concurrency=1`) gives each run the whole engine, as in the paper's profiling.
     """
     from justitia_sdk._client import Client
 

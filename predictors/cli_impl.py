@@ -21,7 +21,8 @@ SAMPLES_FILE = "samples.jsonl"
 
 # -- sample sources -------------------------------------------------------------------------
 
-def _get_history(base: str, params: dict[str, str], api_key: str | None, timeout: float) -> tuple[list[Any], str | None]:
+def _get_history(base: str, params: dict[str, str], api_key: str | None,
+                 timeout: float) -> tuple[list[Any], str | None]:
     """The ``samples`` rows of one page of ``GET {base}/v1/history`` and its next cursor."""
     import httpx
 
@@ -29,9 +30,11 @@ def _get_history(base: str, params: dict[str, str], api_key: str | None, timeout
     try:
         r = httpx.get(f"{base}/v1/history", params=params, headers=headers, timeout=timeout)
     except httpx.TimeoutException:
-        raise CommandError(f"server {base} did not answer within {timeout:g} s; check it is running or raise --timeout") from None
+        raise CommandError(f"server {base} did not answer within {timeout:g} s; "
+                           "check it is running or raise --timeout") from None
     except httpx.HTTPError as exc:
-        raise CommandError(f"cannot reach server {base} ({exc.__class__.__name__}); start it with `justitia serve` or fix the URL") from None
+        raise CommandError(f"cannot reach server {base} ({exc.__class__.__name__}); "
+                           "start it with `justitia serve` or fix the URL") from None
     if r.status_code in (401, 403):
         raise CommandError(f"server {base} refused the request ({r.status_code}); pass a valid --api-key")
     if r.status_code == 404:
@@ -142,6 +145,20 @@ def resolve_agent(name: str, module: str | None, file: str | None) -> Any:
     return found
 
 
+def _read_inputs(inputs: Path) -> list[Any]:
+    """The inputs of an `--inputs` JSON Lines file (blank lines skipped), at least one."""
+    rows = []
+    for lineno, line in enumerate(inputs.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise CommandError(f"{inputs}:{lineno}: not valid JSON") from None
+    if not rows:
+        raise CommandError(f"--inputs {inputs} holds no inputs")
+    return rows
+
+
 def samples_from_inputs(args: argparse.Namespace) -> list[Sample]:
     """Profile the agent over an inputs file against a running server (needs the SDK)."""
     inputs = Path(args.inputs)
@@ -158,15 +175,7 @@ def samples_from_inputs(args: argparse.Namespace) -> list[Sample]:
         )
     url = args.server or justitia_sdk.default_url()
     _check_reachable(url)
-    rows = []
-    for lineno, line in enumerate(inputs.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise CommandError(f"{inputs}:{lineno}: not valid JSON") from None
-    if not rows:
-        raise CommandError(f"--inputs {inputs} holds no inputs")
+    rows = _read_inputs(inputs)
     try:
         records = profile(fn, rows, server=url, api_key=args.api_key or os.environ.get("JUSTITIA_API_KEY"),
                           concurrency=args.concurrency)

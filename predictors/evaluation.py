@@ -72,7 +72,7 @@ class MeanBaseline:
 
     name = "training mean"
 
-    def fit(self, samples: Sequence[Sample]) -> "MeanBaseline":
+    def fit(self, samples: Sequence[Sample]) -> MeanBaseline:
         self.mean_ = float(np.mean([s.cost for s in samples]))
         return self
 
@@ -85,7 +85,7 @@ class LengthLinearBaseline:
 
     name = "length-only linear"
 
-    def fit(self, samples: Sequence[Sample]) -> "LengthLinearBaseline":
+    def fit(self, samples: Sequence[Sample]) -> LengthLinearBaseline:
         x = np.array([estimate_tokens(s.prompt) for s in samples], dtype=float)
         y = np.array([s.cost for s in samples], dtype=float)
         A = np.vstack([np.ones_like(x), x]).T

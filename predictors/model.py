@@ -26,8 +26,8 @@ microseconds instead of about a millisecond.
 from __future__ import annotations
 
 import functools
-from collections import Counter
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -133,7 +133,7 @@ class _FastPath:
         self.W0_text = W0[: self.n_text]
         self.W0_num = np.ascontiguousarray(W0[self.n_text :])
         self.b0 = mlp.intercepts_[0]
-        self.layers = list(zip(mlp.coefs_[1:], mlp.intercepts_[1:]))
+        self.layers = list(zip(mlp.coefs_[1:], mlp.intercepts_[1:], strict=True))
         self.inverse = model.inverse_func
 
     def __call__(self, prompt: str, features: Mapping[str, Any] | None) -> float:

@@ -100,7 +100,8 @@ def read_samples(path: str | Path) -> list[Sample]:
     except FileNotFoundError:
         raise SampleError(f"samples file {p} does not exist; give the path of a JSON Lines file") from None
     except (OSError, EOFError, UnicodeDecodeError) as exc:
-        raise SampleError(f"cannot read samples file {p} ({exc.__class__.__name__}); check the path and that it is UTF-8 JSON Lines") from None
+        raise SampleError(f"cannot read samples file {p} ({exc.__class__.__name__}); "
+                          "check the path and that it is UTF-8 JSON Lines") from None
     rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

@@ -75,7 +75,8 @@ def _paragraphs(rng: np.random.Generator, words: int) -> str:
 
 
 def _document(rng):
-    title = f"= {_NAMES[int(rng.integers(len(_NAMES)))]} {['History', 'Harbour', 'Railway', 'Festival'][int(rng.integers(4))]} ="
+    place = _NAMES[int(rng.integers(len(_NAMES)))]
+    title = f"= {place} {['History', 'Harbour', 'Railway', 'Festival'][int(rng.integers(4))]} ="
     words = int(np.exp(rng.uniform(np.log(120), np.log(2400))))
     return title + "\n\n" + _paragraphs(rng, words)
 
@@ -92,7 +93,8 @@ def _question(rng):
     item, name = _ITEMS[int(rng.integers(len(_ITEMS)))], _NAMES[int(rng.integers(len(_NAMES)))]
     parts = [f"{name} has {a} {item}.", f"A friend gives {name} {b} more {item}."]
     for _ in range(int(rng.integers(0, 4))):
-        parts.append(f"Then {name} gives away {int(rng.integers(1, 9))} {item} and buys {c} packs of {int(rng.integers(2, 6))}.")
+        gives = int(rng.integers(1, 9))
+        parts.append(f"Then {name} gives away {gives} {item} and buys {c} packs of {int(rng.integers(2, 6))}.")
     parts.append(f"How many {item} does {name} have at the end?")
     return " ".join(parts)
 
@@ -129,7 +131,8 @@ def _nda(rng):
     n_clauses = int(rng.integers(4, 14))
     lines = ["NON-DISCLOSURE AGREEMENT", ""]
     for i in range(n_clauses):
-        c = _CLAUSES[int(rng.integers(len(_CLAUSES)))].format(n=_NAMES[int(rng.integers(len(_NAMES)))], k=int(rng.integers(1, 10)))
+        clause = _CLAUSES[int(rng.integers(len(_CLAUSES)))]
+        c = clause.format(n=_NAMES[int(rng.integers(len(_NAMES)))], k=int(rng.integers(1, 10)))
         lines.append(f"{i + 1}. {c}")
     return "\n".join(lines)
 

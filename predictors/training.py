@@ -82,7 +82,6 @@ def fit_predictor(samples: Sequence[Sample], agent_type: str, alpha: float = DEF
     import warnings
 
     from sklearn.exceptions import ConvergenceWarning
-
     from threadpoolctl import threadpool_limits
 
     # Tiny matrices: BLAS threads only add contention (7x slower on a busy 2-core machine).
@@ -110,7 +109,7 @@ def fit_predictor(samples: Sequence[Sample], agent_type: str, alpha: float = DEF
         "sample_count": len(samples),
         "train_seconds": train_seconds,
         "seed": seed,
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     meta.update(extra_metadata or {})
     return CostPredictor(model, meta)

@@ -26,7 +26,6 @@ from server.engine.base import EngineError, InvalidRequestError
 from server.limits import QuotaExceeded
 from server.live import AgentConflict, AgentNotFound
 
-
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 

@@ -263,7 +263,7 @@ class History:
             names = [c[0] for c in cur.description]
         if row is None:
             return None
-        rec = dict(zip(names, row))
+        rec = dict(zip(names, row, strict=True))
         rec["metadata"] = json.loads(rec["metadata"])
         rec["requests"] = json.loads(rec["requests"])
         return rec

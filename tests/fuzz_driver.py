@@ -138,26 +138,31 @@ def fuzz_operation(operation: Any, *, headers: dict[str, str], examples: int,
 
     `fixed` pins parts of every input (`{"path_parameters": {"agent_id": ...}}`,
     `{"headers": {...}}`: as_strategy's arguments); `label` names such a variant."""
-    tallies = []
-    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-        tally = Tally(label or operation.label, mode.value)
-        strategy = operation.as_strategy(generation_mode=mode, **(fixed or {}))
+    return [_fuzz_mode(operation, mode, Tally(label or operation.label, mode.value), examples=examples,
+                       seed=seed, headers=headers, timeout_s=timeout_s, fixed=fixed)
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
 
-        # No shrinking: nothing raises here, and every input is sent once.
-        @hypothesis.seed(seed)
-        @hypothesis.settings(max_examples=examples, deadline=None, database=None,
-                             phases=[Phase.generate],
-                             suppress_health_check=list(HealthCheck))
-        @hypothesis.given(case=strategy)
-        def run(case: Any) -> None:
-            _send(case, tally, headers, timeout_s)
 
-        try:
-            run()
-        except Unsatisfiable:
-            pass  # an operation with no parameters has no negative inputs
-        tallies.append(tally)
-    return tallies
+def _fuzz_mode(operation: Any, mode: GenerationMode, tally: Tally, *, examples: int, seed: int,
+               headers: dict[str, str], timeout_s: float, fixed: dict[str, Any] | None) -> Tally:
+    """One generation mode of `fuzz_operation`, its cases counted in `tally` (a function of its
+    own so that the hypothesis test binds this mode's tally, not the loop's last one)."""
+    strategy = operation.as_strategy(generation_mode=mode, **(fixed or {}))
+
+    # No shrinking: nothing raises here, and every input is sent once.
+    @hypothesis.seed(seed)
+    @hypothesis.settings(max_examples=examples, deadline=None, database=None,
+                         phases=[Phase.generate],
+                         suppress_health_check=list(HealthCheck))
+    @hypothesis.given(case=strategy)
+    def run(case: Any) -> None:
+        _send(case, tally, headers, timeout_s)
+
+    try:
+        run()
+    except Unsatisfiable:
+        pass  # an operation with no parameters has no negative inputs
+    return tally
 
 
 def summarize(tallies: list[Tally]) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def test_eta_and_bound_are_the_cores_for_the_same_registrations(client: httpx.Cl
                             bound_iteration_s=after["bound_iteration_s"],
                             uncertainty=after["promise_reason"] or None)
     t0 = recs[0]["submitted_at"]
-    for rec, cost in zip(recs, costs):
+    for rec, cost in zip(recs, costs, strict=True):
         view = core.register_agent(rec["id"], cost, rec["submitted_at"] - t0)
         # agents without a request are not in the GPS reference: each is projected alone
         for key in ("fair_finish_s", "delay_bound_s"):
@@ -116,7 +116,7 @@ def test_agent_lifecycle_accounts_every_request(client: httpx.Client) -> None:
     mid = client.get(f"/v1/agents/{rec['id']}").json()
     assert mid["state"] == "running"
     assert mid["requests_total"] == mid["requests_done"] == 3
-    expected = sum(kv_cost(p, d) for p, (_, d) in zip(prompt_tokens, sizes))
+    expected = sum(kv_cost(p, d) for p, (_, d) in zip(prompt_tokens, sizes, strict=True))
     assert mid["consumed_cost"] == pytest.approx(expected)
 
     done = client.post(f"/v1/agents/{rec['id']}/finish").json()

@@ -12,7 +12,6 @@ import pytest
 
 from justitia_cli import main
 
-
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from justitia_sdk import AsyncClient
 from justitia_cli.demo import DEMO_AGENTS, load_example
+from justitia_sdk import AsyncClient
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

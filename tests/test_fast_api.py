@@ -259,7 +259,7 @@ def test_eta_and_bound_are_the_cores_for_the_same_registrations(tmp_path) -> Non
                             bound_iteration_s=after["bound_iteration_s"],
                             uncertainty=after["promise_reason"] or None)
     t0 = recs[0]["submitted_at"]
-    for rec, cost in zip(recs, costs):
+    for rec, cost in zip(recs, costs, strict=True):
         view = core.register_agent(rec["id"], cost, rec["submitted_at"] - t0)
         # agents without a request are not in the GPS reference: each is projected alone
         for key in ("fair_finish_s", "delay_bound_s"):

@@ -228,7 +228,7 @@ def test_a_full_disk_is_reported_and_the_rows_are_written_once_there_is_room(tmp
             pages = history._db.execute("PRAGMA page_count").fetchone()[0]
             history._db.execute(f"PRAGMA max_page_count = {pages}")
         ids = []
-        for i in range(3):
+        for _ in range(3):
             rec = c.post("/v1/agents", json={"type": "full", "prompt": "x" * 5000}).json()
             _finish_with_request(c, rec["id"])
             ids.append(rec["id"])

@@ -7,11 +7,9 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 
 import httpx
 import psutil
-import pytest
 
 from justitia_sdk import AsyncClient, agent, current_agent, llm
 from tests.streams import BackgroundStream, sse_json
@@ -129,7 +127,7 @@ def test_seeded_requests_under_load_are_served_and_reproducible(server) -> None:
     assert [r.status_code for r in answers] == [200] * 20, [r.text for r in answers if r.status_code != 200]
     with httpx.Client(base_url=server.url, timeout=120) as c:
         assert c.get("/readyz").status_code == 200
-        for body, answer in zip(bodies, answers):
+        for body, answer in zip(bodies, answers, strict=True):
             if "seed" in body:
                 again = c.post("/v1/completions", json=body)
                 assert again.json()["choices"][0]["text"] == answer.json()["choices"][0]["text"]

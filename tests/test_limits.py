@@ -75,7 +75,7 @@ def test_retry_after_is_whole_seconds_rounded_up() -> None:
 
 def test_no_limits_by_default() -> None:
     limiter = RateLimiter(PerTenant())
-    for i in range(10_000):
+    for _ in range(10_000):
         limiter.check("t", now=0.0)
     check_request_size(PerTenant(), "t", prompt_tokens=10**6, max_tokens=10**6)
 

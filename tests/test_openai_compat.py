@@ -189,7 +189,7 @@ def test_completion_logprobs(oai: openai.OpenAI, model: str) -> None:
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert _visible("".join(lp.tokens)) == _visible(r.choices[0].text)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
-    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert 1 <= len(top) <= 2 and sampled <= 0.0  # keyed by text: two may share one
         # greedy: the sampled token is the most likely one
         assert sampled == pytest.approx(max(top.values()), abs=1e-4)

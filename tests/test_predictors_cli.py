@@ -26,7 +26,8 @@ def samples_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def model_dir(samples_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models") / "fv"
-    assert main(["train-predictor", "fact_verification", "--samples", str(samples_file), "--out", str(out), "--quiet"]) == 0
+    assert main(["train-predictor", "fact_verification", "--samples", str(samples_file), "--out", str(out),
+                 "--quiet"]) == 0
     return out
 
 

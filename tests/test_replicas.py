@@ -88,7 +88,7 @@ def test_load_spreads_over_both_replicas(jc: httpx.Client, replicas) -> None:
     assert [r.status_code for r in results] == [200] * 6
     assert all(r.json()["usage"]["completion_tokens"] == 500 for r in results)
     wait_until(lambda: sum(generated(r) for r in replicas) - sum(before) >= 3000)
-    served = [generated(r) - b for r, b in zip(replicas, before)]
+    served = [generated(r) - b for r, b in zip(replicas, before, strict=True)]
     assert min(served) >= 500, served  # each replica ran at least one of them
     snap = jc.get("/v1/scheduler").json()
     assert snap["engine"]["preemptions_total"] == 0
@@ -120,11 +120,11 @@ def test_an_agent_keeps_to_the_replica_holding_its_prefix(jc: httpx.Client, repl
     for t in threads:
         t.join()
     wait_until(lambda: sum(generated(r) for r in replicas) - sum(before) >= 16)
-    assert [generated(r) - b for r, b in zip(replicas, before)] == [8, 8]
+    assert [generated(r) - b for r, b in zip(replicas, before, strict=True)] == [8, 8]
     for _ in range(3):
         assert complete(jc, mine, 8).status_code == 200
     wait_until(lambda: sum(generated(r) for r in replicas) - sum(before) >= 40)
-    assert [generated(r) - b for r, b in zip(replicas, before)] == [8, 32]
+    assert [generated(r) - b for r, b in zip(replicas, before, strict=True)] == [8, 32]
     for a in (first_agent, mine):
         jc.post(f"/v1/agents/{a}/finish")
 

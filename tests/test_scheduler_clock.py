@@ -1,7 +1,8 @@
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.scheduler import VirtualClock, gps_finish_times
 
@@ -91,7 +92,7 @@ def test_gps_reference_is_work_conserving(jobs, rate):
     arrivals = [a for a, _ in jobs]
     costs = [c for _, c in jobs]
     ref = gps_finish_times(arrivals, costs, rate)
-    for a, c, f in zip(arrivals, costs, ref):
+    for a, c, f in zip(arrivals, costs, ref, strict=True):
         assert f >= a + c / rate - 1e-6  # no agent beats running alone
     # the last departure is when a work-conserving server drains everything
     busy_until = 0.0

@@ -1,4 +1,5 @@
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from server.scheduler import compute_cost, cost_function, kv_cost, kv_footprint
 

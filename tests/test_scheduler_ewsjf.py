@@ -5,7 +5,8 @@ import random
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.scheduler import Dispatcher, RequestSpec
 from server.scheduler.ewsjf import EwsjfConfig, refine_and_prune
@@ -153,7 +154,7 @@ def test_ewsjf_learns_groups_and_tunes_from_measured_service():
     rng = random.Random(1)
     d.register_agent("a", 1.0, 0.0)
     now, k, running = 0.0, 0, {}
-    for step in range(1200):
+    for _ in range(1200):
         now += 0.1
         p, out = (100, 10) if rng.random() < 0.8 else (2000, 100)
         d.submit(req(f"r{k}", "a", p, out), now)

@@ -281,4 +281,5 @@ def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:
     for cost in (1_000.0, 8_000.0, 50_000.0):
         assert d.agents[f"idle{cost:g}"].fair_at == pytest.approx(d.clock.arrival_finish_time(cost, 0.5))
     for i in range(3):
-        assert d.agents[f"a{i}"].fair_at == pytest.approx(d.clock.finish_time(f"a{i}", d.agents[f"a{i}"].virtual_finish, 0.5))
+        agent = d.agents[f"a{i}"]
+        assert agent.fair_at == pytest.approx(d.clock.finish_time(f"a{i}", agent.virtual_finish, 0.5))

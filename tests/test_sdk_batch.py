@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from justitia_sdk import AsyncClient, Batch, Client, agent, current_agent_id, llm, openai_client, parallel_map
 from justitia_cli import main
+from justitia_sdk import AsyncClient, Batch, Client, agent, current_agent_id, llm, openai_client, parallel_map
 
 pytestmark = pytest.mark.anyio
 

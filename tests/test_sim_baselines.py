@@ -4,7 +4,8 @@ is reproducible by seed, and neither starves the large agent of the starvation e
 import random
 import statistics
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from server.sim.profiles import get_profile
 from server.sim.simulator import make_predictions, simulate
@@ -22,7 +23,8 @@ def test_new_baselines_finish_everything_and_accounting_returns_to_zero(specs, m
     res = simulate(agents, policy, PROFILE, m, make_predictions(agents, "noisy:3", seed=1), seed=seed)
     assert res.accounting_zero  # no reservation, queued request or provisional charge left
     assert all(a.finish_s >= a.arrival_s for a in res.agents)
-    for a, spec in zip(sorted(res.agents, key=lambda x: x.arrival_s), sorted(agents, key=lambda x: x.arrival)):
+    by_arrival = sorted(agents, key=lambda x: x.arrival)
+    for a, spec in zip(sorted(res.agents, key=lambda x: x.arrival_s), by_arrival, strict=True):
         assert a.jct_s >= spec.critical_path_tokens * PROFILE.base_s - 1e-9
 
 
@@ -34,7 +36,10 @@ def mixed_workload(n=400, seed=0):
     for i in range(n):
         t += rng.expovariate(6.0) if (i // 50) % 2 == 0 else rng.expovariate(1.0)
         short = rng.random() < 0.8
-        p, d = (rng.randint(50, 300), rng.randint(10, 60)) if short else (rng.randint(1500, 3000), rng.randint(600, 1500))
+        if short:
+            p, d = rng.randint(50, 300), rng.randint(10, 60)
+        else:
+            p, d = rng.randint(1500, 3000), rng.randint(600, 1500)
         agents.append(AgentSpec(f"{'s' if short else 'l'}{i}", "short" if short else "long", t, [[(p, d)]]))
     return agents
 

@@ -1,7 +1,8 @@
 """Property tests of the simulator under Justitia: the delay bound, accounting, GPS."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from server.scheduler import gps_finish_times
 from server.sim.profiles import get_profile
@@ -31,7 +32,8 @@ def test_every_policy_finishes_everything_and_accounting_returns_to_zero(specs, 
     assert all(a.finish_s >= a.arrival_s for a in res.agents)
     # the engine can never beat an agent's critical path (one token per iteration)
     tau_min = get_profile("a100-llama7b").base_s
-    for a, spec in zip(sorted(res.agents, key=lambda x: x.arrival_s), sorted(agents, key=lambda x: x.arrival)):
+    by_arrival = sorted(agents, key=lambda x: x.arrival)
+    for a, spec in zip(sorted(res.agents, key=lambda x: x.arrival_s), by_arrival, strict=True):
         assert a.jct_s >= spec.critical_path_tokens * tau_min - 1e-9
 
 

@@ -20,7 +20,8 @@ def workload(tmp_path_factory):
 
 def test_bench_sim_writes_the_design_contract(workload, tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = main(["bench", "sim", "--workload", str(workload), "--policies", "fcfs,sjf,parrot,srjf,vtc,justitia,justitia-c",
+    rc = main(["bench", "sim", "--workload", str(workload),
+               "--policies", "fcfs,sjf,parrot,srjf,vtc,justitia,justitia-c",
                "--kv-tokens", "20000", "--json", str(out), "--prediction", "noisy:3", "--profile", "a100-llama7b",
                "--quiet"])
     assert rc == 0
@@ -78,5 +79,6 @@ def test_starvation_command(tmp_path, capsys):
     out = tmp_path / "s.json"
     assert main(["bench", "starvation", "--minutes", "1,2", "--policies", "srjf,justitia", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["flood_minutes"], r["policy"]) for r in rows} == {(1, "srjf"), (1, "justitia"), (2, "srjf"), (2, "justitia")}
+    assert {(r["flood_minutes"], r["policy"]) for r in rows} == {
+        (1, "srjf"), (1, "justitia"), (2, "srjf"), (2, "justitia")}
     assert all(r["within_bound"] for r in rows if r["policy"] == "justitia")

@@ -56,12 +56,16 @@ def test_stretch_stops_at_the_first_boundary_after_an_arrival():
     assert now == pytest.approx(0.05)
 
 
+def _series_total(k: int, a: float, c: float) -> float:
+    """Time of k iterations that take a, a + c, a + 2c, ... seconds."""
+    return k * a + c * k * (k - 1) / 2
+
+
 def test_iteration_count_solves_the_growing_series():
     for a, c, gap in [(0.01, 0.0, 0.1), (0.01, 0.001, 0.5), (0.02, 0.0003, 3.0)]:
         n = _iterations_to_reach(gap, a, c)
-        total = lambda k: k * a + c * k * (k - 1) / 2  # noqa: E731
-        assert total(n) >= gap - 1e-12
-        assert n == 1 or total(n - 1) < gap
+        assert _series_total(n, a, c) >= gap - 1e-12
+        assert n == 1 or _series_total(n - 1, a, c) < gap
 
 
 def test_profiles_have_a_positive_gps_tau():

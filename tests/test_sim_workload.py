@@ -24,7 +24,8 @@ def test_round_trip_and_extra_fields_are_ignored(tmp_path):
     assert [a.stages for a in load_workload(tmp_path / "w2.jsonl")] == [a.stages for a in agents]
 
 
-@pytest.mark.parametrize("line", ['{"id": "a", "stages": []}', '{"id": "a", "arrival": 0, "stages": [[{"p": 1, "d": 0}]]}', "nope"])
+@pytest.mark.parametrize("line", ['{"id": "a", "stages": []}',
+                                  '{"id": "a", "arrival": 0, "stages": [[{"p": 1, "d": 0}]]}', "nope"])
 def test_bad_workloads_are_rejected(tmp_path, line):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")
@@ -62,8 +63,8 @@ def test_output_scale_stretches_only_the_named_types_outputs():
     plain = make_mix(120, profile, seed=2)
     stretched = make_mix(120, profile, seed=2, output_scale={"equation_verification": 4.0})
     assert [a.type for a in plain] == [a.type for a in stretched]  # the same draws
-    for a, b in zip(plain, stretched):
-        pairs = list(zip((r for st in a.stages for r in st), (r for st in b.stages for r in st)))
+    for a, b in zip(plain, stretched, strict=True):
+        pairs = list(zip((r for st in a.stages for r in st), (r for st in b.stages for r in st), strict=True))
         if a.type == "equation_verification":
             for (p, d), (p2, d2) in pairs:
                 assert d2 == min(4 * d, profile.max_model_len // 2)
@@ -77,7 +78,7 @@ def test_output_scale_stretches_only_the_named_types_outputs():
 def test_noisy_predictions_stay_within_the_factor():
     agents = make_mix(40, get_profile("a100-llama7b"), seed=2)
     pred = make_predictions(agents, "noisy:3", seed=5)
-    ratios = [p / a.kv_cost for p, a in zip(pred.kv, agents)]
+    ratios = [p / a.kv_cost for p, a in zip(pred.kv, agents, strict=True)]
     assert all(1 / 3 - 1e-9 <= r <= 3 + 1e-9 for r in ratios)
     assert max(ratios) > 1.5 and min(ratios) < 0.67
     assert make_predictions(agents, "oracle").kv == [a.kv_cost for a in agents]

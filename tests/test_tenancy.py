@@ -199,7 +199,7 @@ def test_errors_reveal_nothing_of_other_tenants(keyed_server) -> None:
     with as_tenant(keyed_server, "alice") as alice, as_tenant(keyed_server, "bob") as bob:
         aid = _register(alice, "confidential_type", "alice's confidential prompt")
         unknown = "agt-0000000000000000"
-        for taken, free in zip(_calls_naming(aid), _calls_naming(unknown)):
+        for taken, free in zip(_calls_naming(aid), _calls_naming(unknown), strict=True):
             method, path, headers, body = taken
             r = bob.request(method, path, headers=headers, json=body)
             assert r.status_code == 404, (path, r.text)

@@ -38,7 +38,7 @@ def test_fitter_recovers_known_coefficients_from_noisy_steps() -> None:
     for s in _samples(TRUE, 4000, random.Random(3)):
         fitter.observe(s)
     m = fitter.refit()
-    for got, want in zip(m.coefficients, TRUE.coefficients):
+    for got, want in zip(m.coefficients, TRUE.coefficients, strict=True):
         assert got == pytest.approx(want, rel=0.15)
     assert m.samples == 4000
     assert m.error_p50 is not None and m.error_p50 < 0.2  # the noise is 15%

@@ -17,7 +17,7 @@ The footprint of a request is the peak KV it needs, p + d: what admission contro
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 KV = "kv"
 COMPUTE = "compute"

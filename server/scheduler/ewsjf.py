@@ -91,7 +91,7 @@ class Partition:
     @property
     def sse(self) -> float:
         """Squared error of y around the group means: what the partition leaves unexplained."""
-        return sum(n * s * s for n, s in zip(self.sizes, self.spreads))
+        return sum(n * s * s for n, s in zip(self.sizes, self.spreads, strict=True))
 
     def group(self, x: float) -> int:
         return bisect.bisect_right(self.edges, x)
@@ -265,7 +265,7 @@ class EwsjfState:
     _obs: deque = field(default_factory=deque)
     _epoch_sum: float = 0.0
     _epoch_n: int = 0
-    _tuner: "GridThompsonTuner | None" = None
+    _tuner: GridThompsonTuner | None = None
     _grid: list[tuple[float, float, float]] = field(default_factory=list)
     _ctx: SchedulerContext | None = None
 
@@ -280,7 +280,7 @@ class EwsjfState:
         self.params = self._grid[start]
         self._set_weights()
 
-    def attach(self, ctx: SchedulerContext) -> "EwsjfState":
+    def attach(self, ctx: SchedulerContext) -> EwsjfState:
         """Serve as the queue of the dispatcher behind `ctx` (peek reads its tau)."""
         self._ctx = ctx
         return self
@@ -429,7 +429,7 @@ class EwsjfState:
         """exp(-alpha * (y_g - y_all)): urgency of each group, relative to the average."""
         part = self.partition
         total = sum(part.sizes)
-        y_all = sum(m * s for m, s in zip(part.means, part.sizes)) / total if total else 0.0
+        y_all = sum(m * s for m, s in zip(part.means, part.sizes, strict=True)) / total if total else 0.0
         alpha = self.params[0]
         self.weights = [math.exp(-alpha * (m - y_all)) for m in part.means]
 

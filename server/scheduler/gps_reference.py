@@ -7,7 +7,7 @@ departure), in O(n^2). Tests compare the two; the simulator reports `gps_finish_
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], rate: float) -> list[float]:

@@ -92,7 +92,7 @@ class Policy:
     # hooks are how the dispatcher tells it. All take `now` from the caller (no clock here).
     hooked = False  # the dispatcher calls the hooks below only when this is True
 
-    def bind(self, seed: int = 0) -> "Policy":
+    def bind(self, seed: int = 0) -> Policy:
         """The instance one dispatcher uses: stateless policies are shared; stateful ones
         return a fresh copy, seeded, so that runs are reproducible and never share state."""
         return self
@@ -247,7 +247,7 @@ class EWSJF(Policy):
 
     hooked = True
 
-    def bind(self, seed: int = 0) -> "EWSJF":
+    def bind(self, seed: int = 0) -> EWSJF:
         return replace(self, state=EwsjfState(self.config, seed))
 
     def make_queue(self, ctx, backfill_depth):
@@ -290,7 +290,7 @@ class Equinox(Policy):
 
     hooked = True
 
-    def bind(self, seed: int = 0) -> "Equinox":
+    def bind(self, seed: int = 0) -> Equinox:
         return replace(self, state=_Outstanding())
 
     def _counters(self, agent: AgentState) -> FairCounters:

@@ -24,9 +24,10 @@ samples (which long prefill steps with little KV in use would dominate).
 Deadlines must hold on the engine as it runs, not on average: `promise_times` gives the
 dispatcher the bound's iteration time as the larger of the p90 of the recent raw step times
 and the slowest mean over 32 consecutive steps (a critical path is a sum of many steps, and
-long prefill steps make the mean heavier than the p90), and its rate from the slower of tau scaled by the same percentile over the median (a
-slow stretch of steps slows the rate as much) and the p90 of the recent tau samples. Until a step with a full-enough cache has been measured, tau
-is only the initial guess: promises are then widened (`COLD_WIDENING` times the guess) and
+long prefill steps make the mean heavier than the p90), and its rate from the slower of tau
+scaled by the same percentile over the median (a slow stretch of steps slows the rate as much)
+and the p90 of the recent tau samples. Until a step with a full-enough cache has been measured,
+tau is only the initial guess: promises are then widened (`COLD_WIDENING` times the guess) and
 say so.
 """
 

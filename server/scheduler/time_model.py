@@ -90,7 +90,7 @@ class TimeModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TimeModel":
+    def from_dict(cls, d: dict) -> TimeModel:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         missing = [k for k in FEATURES if k not in known]
         if missing:
@@ -160,7 +160,7 @@ class TimeModelFitter:
         # In units of each feature's typical magnitude, so that the normal equations are
         # well conditioned and the ridge weighs every coefficient alike.
         sc = FEATURE_SCALES
-        prior = [c * s for c, s in zip(self.prior.coefficients, sc)]
+        prior = [c * s for c, s in zip(self.prior.coefficients, sc, strict=True)]
         lam = self.prior_weight
         a = [[self._xtx[i][j] / (sc[i] * sc[j]) + (lam if i == j else 0.0) for j in range(4)]
              for i in range(4)]
@@ -174,7 +174,7 @@ class TimeModelFitter:
                 sol = _solve_linear([[a[i][j] for j in free] for i in free], [b[i] for i in free])
                 if sol is None or min(sol) < 0.0:
                     continue
-                for i, v in zip(free, sol):
+                for i, v in zip(free, sol, strict=True):
                     theta[i] = v
             # objective up to a constant: theta' A theta - 2 b' theta
             obj = sum(theta[i] * a[i][j] * theta[j] for i in range(4) for j in range(4)) \
@@ -182,7 +182,7 @@ class TimeModelFitter:
             if best is None or obj < best[0] - 1e-15 * max(1.0, abs(best[0])):
                 best = (obj, theta)
         assert best is not None  # the empty subset is always feasible
-        return tuple(t / s for t, s in zip(best[1], sc))  # type: ignore[return-value]
+        return tuple(t / s for t, s in zip(best[1], sc, strict=True))  # type: ignore[return-value]
 
     def _errors(self) -> tuple[float | None, float | None, float | None]:
         pairs = [(p, y) for p, y in self._recent if y > 0]

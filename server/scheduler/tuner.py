@@ -16,7 +16,7 @@ numpy is imported here, not by the dispatcher, so that policies that do not tune
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

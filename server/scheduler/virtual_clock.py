@@ -85,7 +85,7 @@ class VirtualClock:
     V: float = 0.0
     _heap: list[tuple[float, int, object]] = field(default_factory=list)
     _tags: dict[object, float] = field(default_factory=dict)  # key -> live tag (backlogged)
-    _seq: "itertools.count[int]" = field(default_factory=itertools.count)
+    _seq: itertools.count[int] = field(default_factory=itertools.count)
     departures: dict[object, float] = field(default_factory=dict)  # key -> GPS finish time
     _live: set = field(default_factory=set)  # keys whose departure time is worth recording
     # The live tags again, in order (f, seq, key), so that reads walk only the tags they need
@@ -144,7 +144,7 @@ class VirtualClock:
             return self._project(reading, tag, now)
         return self.departures.get(key, now)
 
-    def projection(self, now: float) -> "Projection":
+    def projection(self, now: float) -> Projection:
         """The GPS finish time of every backlogged agent as seen at `now` (no further
         arrivals), in one walk of the tags: O(n) for all of them, where `finish_time` is
         O(k log n) for one; and what an arrival at `now` would get (`Projection.arrival`,
@@ -278,7 +278,7 @@ class VirtualClock:
         self._track(key, f)
         return f
 
-    def flush(self, keys: "set[object]", now: float) -> None:
+    def flush(self, keys: set[object], now: float) -> None:
         """Drop `keys` from B: agents that have ended and whose real work is done, when the
         real system has nothing left to serve (their remaining fluid work is phantom)."""
         self.advance(now)

@@ -24,8 +24,8 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from server.scheduler.time_model import StepSample, TimeModel, fit_samples
 

@@ -25,7 +25,9 @@ def register(commands: Commands) -> None:
         ),
         formatter_class=formatter,
     )
-    sim.add_argument("--workload", required=True, metavar="FILE", help='workload file: JSON Lines, one agent per line, {"id", "arrival", "stages": [[{"p", "d"}, ...], ...]}')
+    sim.add_argument("--workload", required=True, metavar="FILE",
+                     help='workload file: JSON Lines, one agent per line, '
+                          '{"id", "arrival", "stages": [[{"p", "d"}, ...], ...]}')
     sim.add_argument("--policies", default=ALL_POLICIES, metavar="LIST",
                      help=f"comma-separated policies: {', '.join(POLICY_NAMES)}")
     sim.add_argument("--kv-tokens", type=int, default=None, metavar="M",
@@ -54,9 +56,12 @@ def register(commands: Commands) -> None:
     )
     mk.add_argument("--out", required=True, metavar="FILE", help="workload file to write (JSON Lines)")
     mk.add_argument("--agents", type=int, default=300, help="number of agents")
-    mk.add_argument("--density", type=float, default=1.0, help="arrival density multiplier (1, 2, 3: gaps divided by it)")
-    mk.add_argument("--load", type=float, default=0.6, help="offered load at density 1, as a fraction of the engine's sustained rate")
-    mk.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile the load and lengths are fitted to")
+    mk.add_argument("--density", type=float, default=1.0,
+                    help="arrival density multiplier (1, 2, 3: gaps divided by it)")
+    mk.add_argument("--load", type=float, default=0.6,
+                    help="offered load at density 1, as a fraction of the engine's sustained rate")
+    mk.add_argument("--profile", default="a100-llama7b", metavar="NAME",
+                    help="engine profile the load and lengths are fitted to")
     mk.add_argument("--kv-tokens", type=int, default=None, metavar="M", help="KV capacity (default: the profile's)")
     mk.add_argument("--length-scale", type=float, default=None,
                     help="multiply trace lengths by this (default: the profile's; cpu-tiny shrinks them)")
@@ -111,7 +116,8 @@ def register(commands: Commands) -> None:
         ),
         formatter_class=formatter,
     )
-    cal.add_argument("--kv-tokens", type=int, required=True, metavar="M", help="KV cache capacity of the engine in tokens")
+    cal.add_argument("--kv-tokens", type=int, required=True, metavar="M",
+                     help="KV cache capacity of the engine in tokens")
     cal.add_argument("--max-model-len", type=int, default=2048, metavar="N",
                      help="engine context length; prompts of the grid go up to it")
     cal.add_argument("--out", required=True, metavar="PROFILE.json", help="profile file to write")
@@ -133,7 +139,8 @@ def register(commands: Commands) -> None:
     st.add_argument("--minutes", default="2,4,6,8,10", metavar="LIST", help="flood lengths in simulated minutes")
     st.add_argument("--policies", default="srjf,justitia,vtc,ewsjf,equinox", metavar="LIST", help="policies to compare")
     st.add_argument("--load", type=float, default=1.15,
-                    help="offered load of the small agents, as a fraction of the (conservative) rate the engine sustains on them")
+                    help="offered load of the small agents, as a fraction of the (conservative) rate "
+                         "the engine sustains on them")
     st.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile")
     st.add_argument("--kv-tokens", type=int, default=None, metavar="M", help="KV capacity (default: the profile's)")
     st.add_argument("--seed", type=int, default=0, help="random seed")
@@ -294,7 +301,7 @@ def _live(args: argparse.Namespace) -> int:
         # oracle costs (the simulator has no server predictor to stand in for `server`).
         predicted = run_comparison(agents, policies, profile, args.kv_tokens,
                                    make_predictions(agents, "oracle"))
-        for live_r, sim_r in zip(results, predicted):
+        for live_r, sim_r in zip(results, predicted, strict=True):
             live_mean = live_r.summary()["mean_jct_s"]
             sim_mean = sim_r.summary()["mean_jct_s"]
             live_r.extra["sim_mean_jct_s"] = sim_mean
@@ -377,7 +384,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"   ({model.samples} steps; per-step error p50 {100 * (model.error_p50 or 0):.0f}%, "
         f"p90 {100 * (model.error_p90 or 0):.0f}%; per point: fit {100 * summary['point_fit_error_mean']:.0f}% mean, "
         f"simulator {100 * summary['point_sim_error_mean']:.0f}% mean)")
-    console.print(f"wrote {args.out}: use it with `bench sim --profile {args.out}` or `bench live --profile {args.out}`")
+    console.print(f"wrote {args.out}: use it with `bench sim --profile {args.out}` "
+                  f"or `bench live --profile {args.out}`")
     return 0
 
 
@@ -417,10 +425,12 @@ def _starvation(args: argparse.Namespace) -> int:
     for col in ("flood min", "policy", "large JCT s", "GPS finish s", "bound s", "within bound", "small mean JCT s"):
         table.add_column(col)
     for r in rows:
-        table.add_row(f"{r['flood_minutes']:g}", r["policy"], f"{r['large_jct_s']:.1f}", f"{r['large_gps_finish_s']:.1f}",
-                      f"{r['large_delay_bound_s']:.1f}", "yes" if r["within_bound"] else "NO", f"{r['small_mean_jct_s']:.1f}")
+        table.add_row(f"{r['flood_minutes']:g}", r["policy"], f"{r['large_jct_s']:.1f}",
+                      f"{r['large_gps_finish_s']:.1f}", f"{r['large_delay_bound_s']:.1f}",
+                      "yes" if r["within_bound"] else "NO", f"{r['small_mean_jct_s']:.1f}")
     Console().print(table)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"config": vars(args) | {"handler": None}, "rows": rows}, indent=1) + "\n")
+        report = {"config": vars(args) | {"handler": None}, "rows": rows}
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -24,9 +24,9 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import aiohttp
 
@@ -135,7 +135,7 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         AgentResult(id=a.id, type=a.type, arrival_s=o["arrival"], finish_s=o["finish"],
                     gps_finish_s=g, delay_bound_s=float(o["final"]["delay_bound_s"]),
                     first_eta_s=float(o["first"]["eta_s"]), first_deadline_s=float(o["first"]["deadline_s"]))
-        for a, o, g in zip(agents, outs, gps)
+        for a, o, g in zip(agents, outs, gps, strict=True)
     ]
     preemptions = metric_value(snap["metrics_text"], "justitia_engine_preemptions") or 0
     extra = {

@@ -25,10 +25,11 @@ then divided by 2 or 3 for the 2x and 3x densities.
 from __future__ import annotations
 
 import csv
+import itertools
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from .profiles import EngineProfile
 from .workload import AgentSpec
@@ -64,10 +65,11 @@ class Traces:
     arrivals_ms: list[int]
 
     @classmethod
-    def load(cls) -> "Traces":
+    def load(cls) -> Traces:
         moon = []
         with open(DATA / "mooncake_conversation.csv", newline="", encoding="utf-8") as fh:
-            moon = [(int(r["timestamp_ms"]), int(r["input_length"]), int(r["output_length"])) for r in csv.DictReader(fh)]
+            moon = [(int(r["timestamp_ms"]), int(r["input_length"]), int(r["output_length"]))
+                    for r in csv.DictReader(fh)]
         return cls(
             sharegpt=_pairs("sharegpt_lengths.csv", "num_prefill_tokens", "num_decode_tokens"),
             arxiv=_pairs("arxiv_summarization_lengths.csv", "num_prefill_tokens", "num_decode_tokens"),
@@ -123,7 +125,8 @@ class _Gen:
 
     def kqa_verification(self, size):
         ap, ad = self.draw(self.t.sharegpt)
-        qs = [(ad + self.draw(self.t.sharegpt)[0] // 4, max(8, self.draw(self.t.sharegpt)[1] // 4)) for _ in range(self.n(size))]
+        qs = [(ad + self.draw(self.t.sharegpt)[0] // 4, max(8, self.draw(self.t.sharegpt)[1] // 4))
+              for _ in range(self.n(size))]
         final_p = ap + ad + sum(d for _, d in qs)
         return [[self.fit(ap, ad)], [self.fit(p, d) for p, d in qs], [self.fit(final_p, ad)]]
 
@@ -190,7 +193,7 @@ def make_mix(
     ts = traces.arrivals_ms
     start = rng.randrange(0, max(1, len(ts) - n_agents))
     window = ts[start : start + n_agents]
-    gaps = [(b - a) / 1000.0 for a, b in zip(window, window[1:])] + [0.0]
+    gaps = [(b - a) / 1000.0 for a, b in itertools.pairwise(window)] + [0.0]
     gaps = gaps[: n_agents]
     while len(gaps) < n_agents:
         gaps.append(gaps[-1] if gaps else 1.0)
@@ -201,7 +204,7 @@ def make_mix(
     span = sum(gaps[:-1]) or 1.0
     k = total_cost / (rate * load_1x * span)  # stretch so that 1x offers load_1x
     t = 0.0
-    for a, g in zip(agents, gaps):
+    for a, g in zip(agents, gaps, strict=True):
         a.arrival = round(t, 6)
         t += g * k / density
     return agents

@@ -83,7 +83,7 @@ class EngineProfile:
                          source=f"profile {self.name}")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EngineProfile":
+    def from_dict(cls, d: dict) -> EngineProfile:
         """A profile from its fields (extra keys, such as a calibration's fit, are ignored)."""
         names = {f.name for f in fields(cls)}
         missing = sorted(n for n in names - {"length_scale", "source"} if n not in d)
@@ -98,7 +98,7 @@ class EngineProfile:
                 raise ValueError(f"{k} must be a positive integer, not {kw[k]!r}")
         return cls(**kw)
 
-    def effective_tau_s(self, kv_tokens: int, requests: "list[tuple[int, int]]") -> float:
+    def effective_tau_s(self, kv_tokens: int, requests: list[tuple[int, int]]) -> float:
         """The tau that makes R = M / tau the KV token-time rate this engine sustains on a
         request mix, with its KV cache full of reservations (p + d per running request).
 

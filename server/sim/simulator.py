@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from server.scheduler import AgentShape, BoundLimits, Dispatcher, Policy, RequestSpec, get_policy, gps_finish_times
 from server.scheduler.cost import kv_cost
@@ -20,7 +20,6 @@ from server.scheduler.cost import kv_cost
 from .engine import EngineModel, SimRequest
 from .profiles import EngineProfile
 from .workload import AgentSpec
-
 
 ETA_REFRESH_S = 0.25  # simulated seconds between two ETA passes (the live server: 0.25 s too)
 
@@ -48,8 +47,8 @@ def make_predictions(agents: Sequence[AgentSpec], mode: str = "oracle", seed: in
             raise ValueError("noisy:LAMBDA needs LAMBDA >= 1")
         rng = random.Random(seed)
         factors = [lam ** rng.uniform(-1.0, 1.0) for _ in agents]
-        return Predictions([c * f for c, f in zip(true_kv, factors)],
-                           [c * f for c, f in zip(true_c, factors)], mode)
+        return Predictions([c * f for c, f in zip(true_kv, factors, strict=True)],
+                           [c * f for c, f in zip(true_c, factors, strict=True)], mode)
     if mode.startswith("model:"):
         if predictor is None:
             raise ValueError("model predictions need a predictor")
@@ -165,7 +164,7 @@ def _quantile(sorted_xs: list[float], q: float) -> float:
 
 def simulate(
     agents: Sequence[AgentSpec],
-    policy: "str | Policy",
+    policy: str | Policy,
     profile: EngineProfile,
     kv_tokens: int | None = None,
     predictions: Predictions | None = None,
@@ -190,73 +189,11 @@ def simulate(
     disp = Dispatcher(pol, m, tau, limits=limits, backfill=backfill, seed=seed, time_model=profile)
     engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"))
 
-    index = {a.id: i for i, a in enumerate(agents)}
-    stage_of = [0] * len(agents)
-    left_in_stage = [0] * len(agents)
-    finish = [math.nan] * len(agents)
-    bounds = [0.0] * len(agents)
-    first_eta = [0.0] * len(agents)
-    first_deadline = [0.0] * len(agents)
-    t = 0.0
-    nxt = 0
-    done = 0
-
-    def submit_stage(i: int, now: float) -> None:
-        a = agents[i]
-        st = a.stages[stage_of[i]]
-        left_in_stage[i] = len(st)
-        for k, (p, d) in enumerate(st):
-            disp.submit(RequestSpec(f"{a.id}/{stage_of[i]}/{k}", a.id, p, d, d), now)
-
-    next_refresh = 0.0
-    while done < len(agents):
-        if t >= next_refresh:  # ETAs are refreshed off the decision path, as on the server
-            disp.refresh_etas(t)
-            next_refresh = t + ETA_REFRESH_S
-        while nxt < len(agents) and agents[nxt].arrival <= t:
-            a = agents[nxt]
-            view = disp.register_agent(
-                a.id, predictions.kv[nxt], t, agent_type=a.type,
-                predicted_compute_cost=predictions.compute[nxt],
-                shape=AgentShape(len(a.stages), a.critical_path_tokens),
-            )
-            bounds[nxt] = view.delay_bound_s
-            first_eta[nxt], first_deadline[nxt] = view.eta_s, view.deadline_s
-            if a.stages:
-                submit_stage(nxt, t)
-            else:
-                disp.finish_agent(a.id, t)
-                finish[nxt] = t
-                done += 1
-            nxt += 1
-        engine.resume()
-        if not engine.waiting:
-            for spec in disp.admit(t, engine.free_kv, engine.free_slots):
-                engine.add(SimRequest(spec.request_id, spec.agent_id, spec.prompt_tokens, spec.max_tokens,
-                                      priority=disp.priority(spec.agent_id, spec.request_id)))
-        if engine.idle():
-            if nxt < len(agents):
-                t = max(t, agents[nxt].arrival)
-                continue
-            if done < len(agents):
-                raise RuntimeError("simulator stalled: requests pending but nothing admitted")
-            break
-        until = agents[nxt].arrival if nxt < len(agents) else math.inf
-        t, finished = engine.step(t, until)
-        for r in finished:
-            i = index[r.agent_id]
-            disp.on_request_finished(r.request_id, r.prompt_tokens, r.output_tokens, t)
-            left_in_stage[i] -= 1
-            if left_in_stage[i] == 0:
-                stage_of[i] += 1
-                if stage_of[i] < len(agents[i].stages):
-                    submit_stage(i, t)
-                else:
-                    disp.finish_agent(r.agent_id, t)
-                    finish[i] = t
-                    done += 1
+    run = _Run(agents, disp, engine, predictions)
+    run.loop()
     results = [
-        AgentResult(a.id, a.type, a.arrival, finish[i], gps_finish[i], bounds[i], first_eta[i], first_deadline[i])
+        AgentResult(a.id, a.type, a.arrival, run.finish[i], gps_finish[i], run.bounds[i], run.first_eta[i],
+                    run.first_deadline[i])
         for i, a in enumerate(agents)
     ]
     return PolicyResult(
@@ -268,6 +205,96 @@ def simulate(
         sim_wall_s=time.perf_counter() - wall0,
         extra={"policy_state": state} if (state := disp.policy.describe()) else {},
     )
+
+
+class _Run:
+    """One policy's run over a workload in `simulate`: arrivals, admission and stage
+    completions as steps of one event loop (ETAs refreshed off the decision path)."""
+
+    def __init__(self, agents: Sequence[AgentSpec], disp: Dispatcher, engine: EngineModel,
+                 predictions: Predictions) -> None:
+        self.agents, self.disp, self.engine, self.predictions = agents, disp, engine, predictions
+        n = len(agents)
+        self.index = {a.id: i for i, a in enumerate(agents)}
+        self.stage_of = [0] * n
+        self.left_in_stage = [0] * n
+        self.finish = [math.nan] * n
+        self.bounds = [0.0] * n
+        self.first_eta = [0.0] * n
+        self.first_deadline = [0.0] * n
+        self.nxt = 0  # the next agent to arrive
+        self.done = 0
+
+    def loop(self) -> None:
+        agents, disp, engine = self.agents, self.disp, self.engine
+        t = 0.0
+        next_refresh = 0.0
+        while self.done < len(agents):
+            if t >= next_refresh:  # ETAs are refreshed off the decision path, as on the server
+                disp.refresh_etas(t)
+                next_refresh = t + ETA_REFRESH_S
+            self.arrive(t)
+            engine.resume()
+            if not engine.waiting:
+                self.admit(t)
+            if engine.idle():
+                if self.nxt < len(agents):
+                    t = max(t, agents[self.nxt].arrival)
+                    continue
+                if self.done < len(agents):
+                    raise RuntimeError("simulator stalled: requests pending but nothing admitted")
+                break
+            until = agents[self.nxt].arrival if self.nxt < len(agents) else math.inf
+            t, finished = engine.step(t, until)
+            for r in finished:
+                self.request_finished(r, t)
+
+    def arrive(self, t: float) -> None:
+        """Registers the agents that have arrived by `t` and submits their first stage."""
+        while self.nxt < len(self.agents) and self.agents[self.nxt].arrival <= t:
+            i, a = self.nxt, self.agents[self.nxt]
+            view = self.disp.register_agent(
+                a.id, self.predictions.kv[i], t, agent_type=a.type,
+                predicted_compute_cost=self.predictions.compute[i],
+                shape=AgentShape(len(a.stages), a.critical_path_tokens),
+            )
+            self.bounds[i] = view.delay_bound_s
+            self.first_eta[i], self.first_deadline[i] = view.eta_s, view.deadline_s
+            if a.stages:
+                self.submit_stage(i, t)
+            else:
+                self.agent_done(i, t)
+            self.nxt += 1
+
+    def admit(self, t: float) -> None:
+        for spec in self.disp.admit(t, self.engine.free_kv, self.engine.free_slots):
+            self.engine.add(SimRequest(spec.request_id, spec.agent_id, spec.prompt_tokens, spec.max_tokens,
+                                       priority=self.disp.priority(spec.agent_id, spec.request_id)))
+
+    def submit_stage(self, i: int, now: float) -> None:
+        a = self.agents[i]
+        st = a.stages[self.stage_of[i]]
+        self.left_in_stage[i] = len(st)
+        for k, (p, d) in enumerate(st):
+            self.disp.submit(RequestSpec(f"{a.id}/{self.stage_of[i]}/{k}", a.id, p, d, d), now)
+
+    def request_finished(self, r: SimRequest, t: float) -> None:
+        """Feeds back a finished request; a finished stage submits the next one or ends the agent."""
+        i = self.index[r.agent_id]
+        self.disp.on_request_finished(r.request_id, r.prompt_tokens, r.output_tokens, t)
+        self.left_in_stage[i] -= 1
+        if self.left_in_stage[i] > 0:
+            return
+        self.stage_of[i] += 1
+        if self.stage_of[i] < len(self.agents[i].stages):
+            self.submit_stage(i, t)
+        else:
+            self.agent_done(i, t)
+
+    def agent_done(self, i: int, t: float) -> None:
+        self.disp.finish_agent(self.agents[i].id, t)
+        self.finish[i] = t
+        self.done += 1
 
 
 def run_comparison(
