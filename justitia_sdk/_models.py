@@ -11,7 +11,7 @@ TERMINAL_STATES: frozenset[str] = frozenset({"finished", "failed", "cancelled", 
 
 
 class AgentRecord(BaseModel):
-    """The server's view of one agent (DESIGN.md section 8).
+    """The server's view of one agent (docs/server.md, "Agents").
 
     `fair_finish_s`, `eta_s`, `delay_bound_s` and `deadline_s` are seconds from
     `submitted_at`; `submitted_at` and `finished_at` are unix seconds on the server's clock.
@@ -69,7 +69,7 @@ class Usage(BaseModel):
 
     @property
     def kv_cost(self) -> float:
-        """KV token-time of the request: p*d + d*(d+1)/2 (DESIGN.md section 2)."""
+        """KV token-time of the request: p*d + d*(d+1)/2 (docs/concepts.md, "Cost model")."""
         p, d = self.prompt_tokens, self.completion_tokens
         return float(p * d + d * (d + 1) // 2)
 

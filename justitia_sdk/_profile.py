@@ -2,7 +2,7 @@
 
 A sample is what `justitia train-predictor` reads (predictors/samples.py): the agent type,
 the prompt the server saw at submission, and the run's KV token-time cost, the sum over its
-requests of p*d + d*(d+1)/2 (DESIGN.md section 2), from the token counts the server reported.
+requests of p*d + d*(d+1)/2 (docs/concepts.md, "Cost model"), from the token counts the server reported.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ a parametric stand-in in :mod:`predictors.synthetic`). Draws are seeded from the
 the same input always gets the same cost (profiling at temperature 0).
 
 Every builder returns ``(stages, features)``: ``stages`` is a list of stages, each a list of
-``{"p": prompt_tokens, "d": output_tokens}`` requests (the workload format of DESIGN.md
-section 8), ``features`` the numeric features known when the agent is submitted.
+``{"p": prompt_tokens, "d": output_tokens}`` requests (the workload format,
+docs/benchmarks.md), ``features`` the numeric features known when the agent is submitted.
 """
 
 from __future__ import annotations

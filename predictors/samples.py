@@ -6,7 +6,7 @@
      "cost": 1234567.0, "features": {"n_items": 6}}
 
 ``cost`` is the agent's total KV token-time cost, the sum over its requests of
-``p*d + d*(d+1)/2`` (DESIGN.md section 2); it must be a positive number. ``features`` is
+``p*d + d*(d+1)/2`` (docs/concepts.md, "Cost model"); it must be a positive number. ``features`` is
 optional: numeric values known when the agent is submitted (non-numeric values are ignored).
 """
 
@@ -151,5 +151,5 @@ def request_cost(p: int | float, d: int | float) -> float:
 
 
 def agent_cost(stages: Iterable[Iterable[dict]]) -> float:
-    """Total cost of an agent given its stages of ``{"p", "d"}`` requests (DESIGN.md section 8)."""
+    """Total cost of an agent given its stages of ``{"p", "d"}`` requests (the workload format, docs/benchmarks.md)."""
     return sum(request_cost(r["p"], r["d"]) for stage in stages for r in stage)

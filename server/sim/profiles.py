@@ -17,13 +17,13 @@ a100-llama7b
     figures, not measured here:
     * KV per token = 2 (K and V) x 32 layers x 4096 x 2 bytes = 512 KiB. Of 40 GB, vLLM with
       gpu_memory_utilization 0.9 leaves about 22 GiB for the cache after 12.6 GiB of weights
-      and activation workspace: M = 45,000 tokens (the figure DESIGN.md uses; the vLLM paper,
+      and activation workspace: M = 45,000 tokens (the figure the design notes use; the vLLM paper,
       Kwon et al. SOSP'23, reports the same order for 13B on A100-40GB).
     * A decode step streams the weights (13.5 GB at the A100's 1.555 TB/s: ~8.7 ms) plus the
       KV in use (45,000 x 512 KiB = 23.6 GB: ~15 ms at full memory), hence base 9 ms and
       0.33 us per KV token; ~0.05 ms of per-sequence overhead (sampling, scheduling).
     * Prefill is compute bound: 2 x 6.7 GFLOP per token at ~50% of 312 TFLOPS: ~90 us/token.
-    * tau_ref = 9 + 15 + 64 x 0.05 ms = ~27 ms, close to the 25 ms of DESIGN.md.
+    * tau_ref = 9 + 15 + 64 x 0.05 ms = ~27 ms, close to the 25 ms of the design notes.
 cpu-tiny
     The 2-layer, hidden-128 Llama of `justitia model init-tiny` on the vLLM CPU engine of a
     2-core machine, fitted by least squares to the iteration times measured by
