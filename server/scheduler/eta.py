@@ -27,8 +27,8 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 # No more than this share of the engine is assumed to go to work arriving ahead of an agent:

@@ -240,7 +240,7 @@ def _ranges(xs: list[float], edges: list[float]) -> list[tuple[int, int]]:
     return [(cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1)]
 
 
-def _ticket(req: RequestState) -> GroupTicket:
+def ticket_of(req: RequestState) -> GroupTicket:
     """The ticket `EwsjfState.enqueue` gave a request (every request in its queues has one)."""
     if req.ticket is None:
         raise RuntimeError(f"request {req.spec.request_id!r} was never queued by EWSJF")
@@ -353,7 +353,7 @@ class EwsjfState:
 
     def _head(self, g: int) -> RequestState | None:
         q = self.queues[g]
-        while q and _ticket(q[0]).group is None:
+        while q and ticket_of(q[0]).group is None:
             q.popleft()  # entries of requests dropped while queued
         return q[0] if q else None
 
@@ -375,7 +375,7 @@ class EwsjfState:
 
     def take(self, req: RequestState) -> None:
         """The selected head was admitted: pop it (its group index stays for priority)."""
-        g = _ticket(req).group
+        g = ticket_of(req).group
         if g is None or self._head(g) is not req:
             raise RuntimeError("EWSJF admitted a request that is not the head of its group")
         self.queues[g].popleft()
@@ -431,7 +431,7 @@ class EwsjfState:
 
     def _reroute(self) -> None:
         # every queue is in arrival (seq) order already: merge them instead of sorting
-        live = [r for r in heapq.merge(*self.queues, key=lambda r: r.seq) if _ticket(r).group is not None]
+        live = [r for r in heapq.merge(*self.queues, key=lambda r: r.seq) if ticket_of(r).group is not None]
         n = len(self.partition.means)
         self.queues = [deque() for _ in range(n)]
         self.counts = [0] * n

@@ -218,7 +218,8 @@ class TimeModelBank:
                 "engines": {name: m.as_dict() for name, m in self.models().items()}}
 
 
-def fit_samples(samples: Iterable[StepSample], prior: TimeModel = DEFAULT_PRIOR, prior_weight: float = 1.0) -> TimeModel:
+def fit_samples(samples: Iterable[StepSample], prior: TimeModel = DEFAULT_PRIOR,
+                prior_weight: float = 1.0) -> TimeModel:
     """A one-off fit (no decay): what `bench calibrate` does with its measured steps."""
     samples = list(samples)
     fitter = TimeModelFitter(prior, decay=1.0, prior_weight=prior_weight, refit_every=10**9,
