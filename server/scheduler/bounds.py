@@ -62,7 +62,7 @@ class DelayBound:
     def total_s(self) -> float:
         return self.lag_s + self.blocking_s + self.critical_path_s
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total_s": self.total_s}
 
 

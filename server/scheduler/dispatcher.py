@@ -55,7 +55,7 @@ from typing import Any
 
 from .bounds import AgentShape, BoundLimits, delay_bound
 from .cost import COMPUTE, compute_cost, cost_function, kv_cost, kv_footprint
-from .eta import MAX_ARRIVAL_SHARE, EtaPass, TimeModel, WorkArrivals, eta_of
+from .eta import MAX_ARRIVAL_SHARE, EtaPass, TimeModel, WorkArrivals, eta_of, step_function
 from .policies import FOOTPRINT, Justitia, Policy, get_policy
 from .queues import RequestQueue
 from .state import (
@@ -587,7 +587,7 @@ class Dispatcher:
         if self.time_model is None:
             return self.typical_iteration_s or self.tau
         # EngineProfile names it iteration_s, the server's fitted TimeModel step_s: same form
-        step = getattr(self.time_model, "iteration_s", None) or self.time_model.step_s
+        step = step_function(self.time_model)
         # the memory the work known now fills, or what the measured arrivals keep filled
         utilisation = min(1.0, self.arrivals.rate / self.rate)
         kv = min(self.kv_capacity, max(self.reserved_kv + self.pending_kv, utilisation * self.kv_capacity))
@@ -648,7 +648,7 @@ class Dispatcher:
             promise_reason=agent.promise_reason,
         )
 
-    def snapshot(self, now: float, max_queue: int = 50) -> dict:
+    def snapshot(self, now: float, max_queue: int = 50) -> dict[str, Any]:
         """Plain-data state: policy, V, M, tau, backlog, queue (head first) with tags.
         A read: the clock does not move."""
         gps = self.clock.peek(now)

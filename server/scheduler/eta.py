@@ -27,8 +27,9 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 # No more than this share of the engine is assumed to go to work arriving ahead of an agent:
 # beyond it the long-run load exceeds the rate, no finite promise holds, and deadlines say so.
@@ -36,13 +37,34 @@ MAX_ARRIVAL_SHARE = 0.9
 PROMISE_MIN_SPAN_S = 2.0  # the shortest history a promise's arrival rate is taken over
 
 
-class TimeModel(Protocol):
-    """The engine's iteration time as a function of the batch (EngineProfile has it; the
-    server's fitted `time_model.TimeModel` has the same as `step_s`, which the dispatcher
-    also accepts): plain data, no clock."""
+class IterationTimeModel(Protocol):
+    """The engine's iteration time as a function of the batch, named `iteration_s`
+    (the simulator's EngineProfile): plain data, no clock."""
 
     def iteration_s(self, batch: int, prefill_tokens: int, kv_tokens: int) -> float:
         ...
+
+
+class StepTimeModel(Protocol):
+    """The same function named `step_s` (the server's fitted `time_model.TimeModel`)."""
+
+    def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
+        ...
+
+
+# What the dispatcher accepts as its time model: either spelling of one engine step's time.
+TimeModel = IterationTimeModel | StepTimeModel
+StepFunction = Callable[[int, int, int], float]  # (batch, prefill tokens, KV tokens) -> seconds
+
+
+def step_function(model: TimeModel) -> StepFunction:
+    """The model's step-time function, whichever name it has (iteration_s wins when a model
+    has both: they are the same form)."""
+    iteration_s = getattr(model, "iteration_s", None)
+    if callable(iteration_s):
+        return cast(StepFunction, iteration_s)
+    # not an IterationTimeModel, so the union leaves the step_s one
+    return cast(StepTimeModel, model).step_s
 
 
 @dataclass
@@ -56,7 +78,7 @@ class WorkArrivals:
     long_window_s: float = 600.0
     max_samples: int = 4096
     min_window_s: float = 10.0  # an ETA's rate over less history than this is noise
-    _events: collections.deque = field(default_factory=collections.deque)  # (t, cost)
+    _events: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)  # (t, cost)
     _first: float | None = None
     # the sorted sample and its prefix sums, rebuilt by `freeze` (once per refresh)
     _costs: list[float] = field(default_factory=list)

@@ -46,7 +46,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import product
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .state import AgentState, GroupTicket, RequestState, RequestStatus, SchedulerContext
 
@@ -240,6 +240,13 @@ def _ranges(xs: list[float], edges: list[float]) -> list[tuple[int, int]]:
     return [(cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1)]
 
 
+def ticket_of(req: RequestState) -> GroupTicket:
+    """The ticket `EwsjfState.enqueue` gave a request (every request in its queues has one)."""
+    if req.ticket is None:
+        raise RuntimeError(f"request {req.spec.request_id!r} was never queued by EWSJF")
+    return req.ticket
+
+
 # -- the per-dispatcher state -------------------------------------------------------------
 @dataclass
 class EwsjfState:
@@ -252,7 +259,7 @@ class EwsjfState:
     config: EwsjfConfig
     seed: int = 0
     partition: Partition = field(default_factory=Partition)
-    queues: list[deque] = field(default_factory=lambda: [deque()])
+    queues: list[deque[RequestState]] = field(default_factory=lambda: [deque()])
     counts: list[int] = field(default_factory=lambda: [0])
     weights: list[float] = field(default_factory=lambda: [1.0])
     params: tuple[float, float, float] = (2.0, 0.0, 0.5)
@@ -261,11 +268,11 @@ class EwsjfState:
     epochs: int = 0
     refits: int = 0
     reroutes: int = 0
-    history: list[dict] = field(default_factory=list)  # one entry per epoch: params, score
-    _obs: deque = field(default_factory=deque)
+    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per epoch: params, score
+    _obs: deque[tuple[float, float]] = field(default_factory=deque)  # (work, ln service)
     _epoch_sum: float = 0.0
     _epoch_n: int = 0
-    _tuner: GridThompsonTuner | None = None
+    _tuner: GridThompsonTuner = field(init=False)  # made in __post_init__ (numpy is lazy)
     _grid: list[tuple[float, float, float]] = field(default_factory=list)
     _ctx: SchedulerContext | None = None
 
@@ -285,12 +292,19 @@ class EwsjfState:
         self._ctx = ctx
         return self
 
+    @property
+    def ctx(self) -> SchedulerContext:
+        """The context `attach` gave (the queue is unusable before)."""
+        if self._ctx is None:
+            raise RuntimeError("EWSJF's queue is not attached to a dispatcher: call attach(ctx) first")
+        return self._ctx
+
     # -- the RequestQueue protocol (queues.py) ------------------------------------------------
     def push(self, agent: AgentState, req: RequestState) -> None:
         self.enqueue(req)
 
     def peek(self, now: float) -> RequestState | None:
-        return self.select(now, self._ctx.tau)
+        return self.select(now, self.ctx.tau)
 
     def pop(self, agent: AgentState, req: RequestState) -> None:
         self.take(req)
@@ -339,7 +353,7 @@ class EwsjfState:
 
     def _head(self, g: int) -> RequestState | None:
         q = self.queues[g]
-        while q and q[0].ticket.group is None:
+        while q and ticket_of(q[0]).group is None:
             q.popleft()  # entries of requests dropped while queued
         return q[0] if q else None
 
@@ -353,6 +367,7 @@ class EwsjfState:
             if n == 0:
                 continue
             head = self._head(g)
+            assert head is not None  # counts[g] > 0: a live request is still in the queue
             score = (now - head.submitted_at + tau) * self.weights[g] * (1.0 + phi * math.log1p(n))
             if score > best_score:  # ties: the shorter group (lower index) wins
                 best, best_score = head, score
@@ -360,8 +375,8 @@ class EwsjfState:
 
     def take(self, req: RequestState) -> None:
         """The selected head was admitted: pop it (its group index stays for priority)."""
-        g = req.ticket.group
-        if self._head(g) is not req:
+        g = ticket_of(req).group
+        if g is None or self._head(g) is not req:
             raise RuntimeError("EWSJF admitted a request that is not the head of its group")
         self.queues[g].popleft()
         self.counts[g] -= 1
@@ -416,7 +431,7 @@ class EwsjfState:
 
     def _reroute(self) -> None:
         # every queue is in arrival (seq) order already: merge them instead of sorting
-        live = [r for r in heapq.merge(*self.queues, key=lambda r: r.seq) if r.ticket.group is not None]
+        live = [r for r in heapq.merge(*self.queues, key=lambda r: r.seq) if ticket_of(r).group is not None]
         n = len(self.partition.means)
         self.queues = [deque() for _ in range(n)]
         self.counts = [0] * n
@@ -433,7 +448,7 @@ class EwsjfState:
         alpha = self.params[0]
         self.weights = [math.exp(-alpha * (m - y_all)) for m in part.means]
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         alpha, phi, split = self.params
         best = self._grid[self._tuner.best()]
         return {

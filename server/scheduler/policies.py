@@ -50,9 +50,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .cost import COMPUTE, KV
-from .ewsjf import EwsjfConfig, EwsjfState
+from .ewsjf import EwsjfConfig, EwsjfState, ticket_of
 from .queues import AgentHeapQueue, RequestQueue
-from .state import AgentState, Charge, FairCounters, RequestState, RequestStatus, SchedulerContext
+from .state import (
+    AgentState,
+    Charge,
+    FairCounters,
+    RequestState,
+    RequestStatus,
+    SchedulerContext,
+    SortKey,
+)
 
 FOOTPRINT = "footprint"
 PROMPT = "prompt"
@@ -66,11 +74,11 @@ class Policy:
     admission: str = FOOTPRINT
     cost_model: str = KV  # cost units of the virtual clock and of consumed_cost
 
-    def request_order(self, req: RequestState) -> tuple:
+    def request_order(self, req: RequestState) -> SortKey:
         """Order of an agent's own pending requests (default: arrival)."""
         return (req.seq,)
 
-    def agent_key(self, agent: AgentState, head: RequestState) -> tuple:
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
         """Key of an agent whose first pending request is `head`; smallest runs first."""
         raise NotImplementedError
 
@@ -122,7 +130,7 @@ class Policy:
         """True when the policy's own bookkeeping is back to zero (nothing queued or charged)."""
         return True
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """Plain-data state worth reporting after a run (learned parameters, ...)."""
         return {}
 
@@ -130,61 +138,61 @@ class Policy:
 class FCFS(Policy):
     """Request arrival order (vLLM's default)."""
 
-    def agent_key(self, agent, head):
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
         return (head.seq,)
 
-    def static_key(self, agent):
+    def static_key(self, agent: AgentState) -> Any:
         return agent.seq
 
-    def arrival_gap(self, agent, v):
+    def arrival_gap(self, agent: AgentState, v: float) -> float:
         return 0.0  # nothing that arrives later goes first
 
 
 class SJF(Policy):
     """Shortest predicted request first."""
 
-    def request_order(self, req):
+    def request_order(self, req: RequestState) -> SortKey:
         return (req.est_cost, req.seq)
 
-    def agent_key(self, agent, head):
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
         return (head.est_cost, head.seq)
 
-    def static_key(self, agent):
+    def static_key(self, agent: AgentState) -> Any:
         return agent.predicted_cost
 
-    def priority(self, agent, req):
+    def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return int(req.est_cost) if req is not None else int(agent.predicted_cost)
 
-    def arrival_gap(self, agent, v):
+    def arrival_gap(self, agent: AgentState, v: float) -> float:
         return agent.predicted_cost
 
 
 class Parrot(Policy):
     """Agent-level FCFS."""
 
-    def agent_key(self, agent, head):
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
         return (agent.seq, head.seq)
 
-    def priority(self, agent, req):
+    def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return agent.seq
 
-    def arrival_gap(self, agent, v):
+    def arrival_gap(self, agent: AgentState, v: float) -> float:
         return 0.0
 
 
 class SRJF(Policy):
     """Shortest predicted remaining agent cost first."""
 
-    def agent_key(self, agent, head):
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
         return (agent.remaining_predicted, agent.seq, head.seq)
 
-    def static_key(self, agent):
+    def static_key(self, agent: AgentState) -> Any:
         return (agent.remaining_predicted, agent.seq)
 
-    def priority(self, agent, req):
+    def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return int(agent.remaining_predicted)
 
-    def arrival_gap(self, agent, v):
+    def arrival_gap(self, agent: AgentState, v: float) -> float:
         return agent.remaining_predicted
 
 
@@ -193,16 +201,17 @@ class VTC(Policy):
 
     hooked = True
 
-    def agent_key(self, agent, head):
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
         return (agent.vtc_counter, agent.seq, head.seq)
 
-    def static_key(self, agent):
+    def static_key(self, agent: AgentState) -> Any:
         return (agent.vtc_counter, agent.seq)
 
-    def priority(self, agent, req):
+    def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return int(agent.vtc_counter)
 
-    def on_submit(self, ctx, agent, req, now, first):
+    def on_submit(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, now: float,
+                  first: bool) -> None:
         if first:
             # The counter lift: a newly backlogged agent starts no lower than the least-served
             # backlogged agent, so idle time earns no credit.
@@ -210,27 +219,28 @@ class VTC(Policy):
             if leader is not None and leader is not agent:
                 agent.vtc_counter = max(agent.vtc_counter, leader.vtc_counter)
 
-    def on_admit(self, ctx, agent, req, now):
+    def on_admit(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, now: float) -> None:
         agent.vtc_counter += req.spec.prompt_tokens
 
-    def on_finish(self, ctx, agent, req, prompt_tokens, output_tokens, now):
+    def on_finish(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, prompt_tokens: int,
+                  output_tokens: int, now: float) -> None:
         agent.vtc_counter += 2.0 * output_tokens
 
 
 class Justitia(Policy):
     """GPS virtual finish tags (KV token-time, or compute tokens for justitia-c)."""
 
-    def agent_key(self, agent, head):
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
         return (agent.virtual_finish, agent.seq, head.seq)
 
-    def static_key(self, agent):
+    def static_key(self, agent: AgentState) -> Any:
         return (agent.virtual_finish, agent.seq)
 
-    def priority(self, agent, req):
+    def priority(self, agent: AgentState, req: RequestState | None) -> int:
         # vLLM needs an int; flooring a tag keeps the order (ties fall back to arrival).
         return int(agent.virtual_finish)
 
-    def arrival_gap(self, agent, v):
+    def arrival_gap(self, agent: AgentState, v: float) -> float:
         # A newcomer goes ahead if its tag V + c is below F_j; V closes the gap F_j - V while
         # the agent waits, so the wait's average gap is half of today's.
         return 0.5 * (agent.virtual_finish - v)
@@ -250,27 +260,35 @@ class EWSJF(Policy):
     def bind(self, seed: int = 0) -> EWSJF:
         return replace(self, state=EwsjfState(self.config, seed))
 
-    def make_queue(self, ctx, backfill_depth):
-        return self.state.attach(ctx)  # the group queues; no backfill past the chosen head
+    @property
+    def bound_state(self) -> EwsjfState:
+        """The state `bind` made (the shared configuration instance in POLICIES has none)."""
+        if self.state is None:
+            raise RuntimeError("the ewsjf policy is not bound to a dispatcher: use policy.bind()")
+        return self.state
 
-    def agent_key(self, agent, head):  # never used: the group queues order requests
-        return (head.seq,)
+    def make_queue(self, ctx: SchedulerContext, backfill_depth: int) -> RequestQueue:
+        return self.bound_state.attach(ctx)  # the group queues; no backfill past the chosen head
 
-    def on_admit(self, ctx, agent, req, now):
-        req.ticket.admitted_at = now  # service time is measured from here
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
+        return (head.seq,)  # never used: the group queues order requests
 
-    def on_finish(self, ctx, agent, req, prompt_tokens, output_tokens, now):
-        self.state.observe(req, now, ctx.tau)
+    def on_admit(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, now: float) -> None:
+        ticket_of(req).admitted_at = now  # service time is measured from here
 
-    def priority(self, agent, req):
+    def on_finish(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, prompt_tokens: int,
+                  output_tokens: int, now: float) -> None:
+        self.bound_state.observe(req, now, ctx.tau)
+
+    def priority(self, agent: AgentState, req: RequestState | None) -> int:
         # the group index: if the engine must preempt, it preempts the slowest group first
         ticket = req.ticket if req is not None else None
         return int(ticket.group) if ticket is not None and ticket.group is not None else 0
 
-    def is_idle(self):
+    def is_idle(self) -> bool:
         return self.state is None or self.state.queued == 0
 
-    def describe(self):
+    def describe(self) -> dict[str, Any]:
         return self.state.describe() if self.state is not None else {}
 
 
@@ -293,6 +311,13 @@ class Equinox(Policy):
     def bind(self, seed: int = 0) -> Equinox:
         return replace(self, state=_Outstanding())
 
+    @property
+    def outstanding(self) -> _Outstanding:
+        """The state `bind` made (the shared configuration instance in POLICIES has none)."""
+        if self.state is None:
+            raise RuntimeError("the equinox policy is not bound to a dispatcher: use policy.bind()")
+        return self.state
+
     def _counters(self, agent: AgentState) -> FairCounters:
         if agent.fair is None:
             agent.fair = FairCounters()
@@ -305,16 +330,17 @@ class Equinox(Policy):
         # so that with alpha = 0.5 both counters weigh the same for the average request.
         return Charge(u, r, self.alpha * u + (1.0 - self.alpha) * ctx.compute_per_kv * r)
 
-    def agent_key(self, agent, head):
-        return (agent.fair.key, agent.seq, head.seq)
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
+        return (_fair(agent).key, agent.seq, head.seq)
 
-    def static_key(self, agent):
+    def static_key(self, agent: AgentState) -> Any:
         return (agent.fair.key if agent.fair is not None else 0.0, agent.seq)
 
-    def priority(self, agent, req):
+    def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return int(agent.fair.key) if agent.fair is not None else 0
 
-    def on_submit(self, ctx, agent, req, now, first):
+    def on_submit(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, now: float,
+                  first: bool) -> None:
         c = self._counters(agent)
         if first:
             # VTC's lift: a newly backlogged agent starts no lower than the least-served
@@ -323,38 +349,48 @@ class Equinox(Policy):
             if leader is not None and leader is not agent and leader.fair is not None:
                 c.key = max(c.key, leader.fair.key)
 
-    def on_admit(self, ctx, agent, req, now):
+    def on_admit(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, now: float) -> None:
         # Charged before it runs, with the predicted output length (the request's estimate)
-        c = agent.fair
+        c = _fair(agent)
         charge = self._charge(ctx, req.spec.prompt_tokens, req.spec.expected_tokens)
         c.user += charge.user
         c.resource += charge.resource
         c.key += charge.key
         c.provisional += 1
         req.charge = charge
-        self.state.charges += 1
+        self.outstanding.charges += 1
 
-    def on_finish(self, ctx, agent, req, prompt_tokens, output_tokens, now):
+    def on_finish(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, prompt_tokens: int,
+                  output_tokens: int, now: float) -> None:
         # ... and corrected when the true length is known: shorter than predicted credits back.
-        c = agent.fair
+        c = _fair(agent)
         old = req.charge
+        if old is None:
+            raise RuntimeError(f"equinox: request {req.spec.request_id!r} finished without an admission charge")
         new = self._charge(ctx, prompt_tokens, output_tokens)
         c.user += new.user - old.user
         c.resource += new.resource - old.resource
         c.key += new.key - old.key
         c.provisional -= 1
         req.charge = None
-        self.state.charges -= 1
+        self.outstanding.charges -= 1
 
-    def on_drop(self, ctx, agent, req):
+    def on_drop(self, ctx: SchedulerContext, agent: AgentState, req: RequestState) -> None:
         if req.status is RequestStatus.RUNNING and req.charge is not None:
             req.charge = None  # a cancelled request: its charge goes too
-            self.state.charges -= 1
+            self.outstanding.charges -= 1
             if agent.fair is not None:
                 agent.fair.provisional -= 1
 
-    def is_idle(self):
+    def is_idle(self) -> bool:
         return self.state is None or self.state.charges == 0
+
+
+def _fair(agent: AgentState) -> FairCounters:
+    """Equinox's counters of an agent with a submitted request (`on_submit` makes them)."""
+    if agent.fair is None:
+        raise RuntimeError(f"equinox: agent {agent.agent_id!r} has no counters: no request was submitted")
+    return agent.fair
 
 
 POLICIES: dict[str, Policy] = {

@@ -23,9 +23,9 @@ import heapq
 from collections.abc import Callable
 from typing import Protocol
 
-from .state import AgentState, RequestState
+from .state import AgentState, RequestState, SortKey
 
-AgentKey = Callable[[AgentState, RequestState], tuple]
+AgentKey = Callable[[AgentState, RequestState], SortKey]
 
 
 class RequestQueue(Protocol):
@@ -81,7 +81,7 @@ class AgentHeapQueue:
         self._depth = backfill_depth  # 0: strict order, never look past a blocked head
         # (key, version, agent seq, agent): keys are unique across agents (they end in a
         # sequence number), so ties never reach the AgentState.
-        self._heap: list[tuple[tuple, int, int, AgentState]] = []
+        self._heap: list[tuple[SortKey, int, int, AgentState]] = []
         self._deferred: list[AgentState] = []
 
     def push(self, agent: AgentState, req: RequestState) -> None:

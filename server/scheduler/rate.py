@@ -36,9 +36,20 @@ from __future__ import annotations
 import collections
 import statistics
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 COLD_WIDENING = 3.0  # deadlines assume this many times the initial tau until tau is measured
 PESSIMISTIC_QUANTILE = 0.9
+
+
+class PromiseTimes(TypedDict):
+    """`TauEstimator.promise_times`: the keyword arguments of `Dispatcher.set_iteration_time`
+    beyond tau."""
+
+    bound_tau: float
+    bound_iteration_s: float
+    typical_iteration_s: float | None
+    uncertainty: str | None
 
 
 @dataclass
@@ -50,8 +61,8 @@ class TauEstimator:
     step_window: int = 512  # raw step durations kept for the percentiles
     _weight: float = 0.0  # decayed busy seconds observed
     _weighted_tau: float = 0.0  # decayed full-cache iterations served (sum of duration / sample)
-    _steps: collections.deque = field(default_factory=collections.deque)
-    _samples: collections.deque = field(default_factory=collections.deque)  # recent tau samples
+    _steps: collections.deque[float] = field(default_factory=collections.deque)
+    _samples: collections.deque[float] = field(default_factory=collections.deque)  # recent tau samples
 
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.step_window)
@@ -109,7 +120,7 @@ class TauEstimator:
             return sum(xs) / len(xs) if xs else 0.0
         return max(sum(xs[i:i + steps]) / steps for i in range(0, len(xs) - steps + 1, steps))
 
-    def promise_times(self) -> dict:
+    def promise_times(self) -> PromiseTimes:
         """Keyword arguments of `Dispatcher.set_iteration_time` beyond tau: the pessimistic
         rate and iteration time of the bound, the typical step for ETAs, and the uncertainty
         that widens promises (None when they are firm)."""
@@ -128,6 +139,8 @@ class TauEstimator:
         # The rate a promise may count on: the slower of tau scaled by the steps' spread and
         # the p90 of the recent tau samples (how much KV time a step serves varies with how
         # full the cache is of reservations that are not yet in use, not only with step time).
+        # measured: a step was recorded (observe_step keeps every step it measures by)
+        assert high is not None
         samples = sorted(self._samples)
         high_tau = samples[min(len(samples) - 1, int(PESSIMISTIC_QUANTILE * len(samples)))]
         return {

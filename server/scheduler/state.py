@@ -75,6 +75,11 @@ class GroupTicket:
 
 
 # -- requests and agents -------------------------------------------------------------------
+# A policy's ordering key (`request_order`, `agent_key`): numbers compared element-wise,
+# smallest first, ending in a sequence number so that no two are equal.
+SortKey = tuple[float, ...]
+
+
 @dataclass
 class RequestState:
     """A submitted request: its estimates, its place in the order and its status."""
@@ -85,13 +90,13 @@ class RequestState:
     footprint: int  # KV tokens reserved when admitted (p + expected d, whole blocks)
     est_cost: float  # estimated cost in the policy's cost units
     est_kv_cost: float
-    order: tuple = ()  # the policy's order among the agent's own pending requests
+    order: SortKey = ()  # the policy's order among the agent's own pending requests
     status: RequestStatus = RequestStatus.PENDING
     ticket: GroupTicket | None = None  # EWSJF's routing
     charge: Charge | None = None  # Equinox's provisional charge while running
 
 
-HeapEntry = tuple[tuple, int, RequestState]  # (order, seq, request): an agent's pending heap
+HeapEntry = tuple[SortKey, int, RequestState]  # (order, seq, request): an agent's pending heap
 
 
 @dataclass

@@ -39,7 +39,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 FEATURES = ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s")
 # Typical magnitude of each feature (constant, decode sequences, prefill tokens, KV tokens
@@ -86,11 +88,11 @@ class TimeModel:
     def coefficients(self) -> tuple[float, float, float, float]:
         return (self.base_s, self.per_seq_s, self.per_prefill_token_s, self.per_kv_token_s)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> TimeModel:
+    def from_dict(cls, d: Mapping[str, Any]) -> TimeModel:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         missing = [k for k in FEATURES if k not in known]
         if missing:
@@ -142,7 +144,7 @@ class TimeModelFitter:
         if self._since_fit >= self.refit_every:
             self.refit()
 
-    def observe_all(self, samples) -> TimeModel:
+    def observe_all(self, samples: Iterable[StepSample]) -> TimeModel:
         for s in samples:
             self.observe(s)
         return self.refit()
@@ -211,12 +213,13 @@ class TimeModelBank:
     def models(self) -> dict[str, TimeModel]:
         return {name: f.model for name, f in self.fitters.items()}
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"prior": self.prior.as_dict(),
                 "engines": {name: m.as_dict() for name, m in self.models().items()}}
 
 
-def fit_samples(samples, prior: TimeModel = DEFAULT_PRIOR, prior_weight: float = 1.0) -> TimeModel:
+def fit_samples(samples: Iterable[StepSample], prior: TimeModel = DEFAULT_PRIOR,
+                prior_weight: float = 1.0) -> TimeModel:
     """A one-off fit (no decay): what `bench calibrate` does with its measured steps."""
     samples = list(samples)
     fitter = TimeModelFitter(prior, decay=1.0, prior_weight=prior_weight, refit_every=10**9,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -50,7 +51,8 @@ class GridThompsonTuner:
 
     def _kernel(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         d2 = ((a[:, None, :] - b[None, :, :]) ** 2).sum(axis=2)
-        return np.exp(-d2 / self._ls2)
+        # d2 is an array of a's rows by b's, so exp of it is one too (numpy types it as Any)
+        return cast(np.ndarray, np.exp(-d2 / self._ls2))
 
     @property
     def observations(self) -> list[tuple[int, float]]:

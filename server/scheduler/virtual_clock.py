@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
@@ -63,9 +64,9 @@ class Projection:
     now: float
     V: float
     rate: float
-    finish: dict
-    tags: list
-    prefix: list
+    finish: dict[object, float]  # backlogged key -> GPS finish time
+    tags: list[float]
+    prefix: list[float]
 
     def arrival(self, cost: float) -> float:
         if cost <= 0:
@@ -87,7 +88,7 @@ class VirtualClock:
     _tags: dict[object, float] = field(default_factory=dict)  # key -> live tag (backlogged)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
     departures: dict[object, float] = field(default_factory=dict)  # key -> GPS finish time
-    _live: set = field(default_factory=set)  # keys whose departure time is worth recording
+    _live: set[object] = field(default_factory=set)  # keys whose departure time is worth recording
     # The live tags again, in order (f, seq, key), so that reads walk only the tags they need
     # (O(k log n)) instead of sorting the whole backlog for every agent view.
     _sorted: SortedList = field(default_factory=SortedList)
@@ -278,7 +279,7 @@ class VirtualClock:
         self._track(key, f)
         return f
 
-    def flush(self, keys: set[object], now: float) -> None:
+    def flush(self, keys: Iterable[object], now: float) -> None:
         """Drop `keys` from B: agents that have ended and whose real work is done, when the
         real system has nothing left to serve (their remaining fluid work is phantom)."""
         self.advance(now)
