@@ -99,7 +99,8 @@ class ColdStartEstimator:
             if features:
                 out = features.get("output_tokens")
                 nreq = features.get("n_requests", features.get("requests"))
-                if _positive(out) and _positive(nreq):
+                if isinstance(out, (int, float)) and isinstance(nreq, (int, float)) and \
+                        _positive(out) and _positive(nreq):
                     self._out_tokens += float(out)
                     self._out_requests += float(nreq)
 

@@ -71,8 +71,8 @@ class PredictorRegistry:
     def refresh(self) -> None:
         """Rescan ``models_dir`` (new or retrained predictors are picked up)."""
         found, errors = scan(self.models_dir)
-        for path, exc in errors.items():
-            log.warning("skipping predictor %s: %s", path, exc)
+        for bad, exc in errors.items():
+            log.warning("skipping predictor %s: %s", bad, exc)
         for agent_type, (path, meta) in found.items():
             log.info("cost predictor for %r: %s", agent_type, describe(meta, path))
         with self._lock:

@@ -196,8 +196,8 @@ def _check_predictors(path: str) -> None:
     # Printed, not logged: nothing routes the server's own loggers to the console.
     for agent_type, (p, meta) in sorted(found.items()):
         print(f"cost predictor for {agent_type!r}: {describe(meta, p)}", file=sys.stderr, flush=True)
-    for p, error in errors.items():
-        print(f"skipping predictor {p}: {error}", file=sys.stderr, flush=True)
+    for bad, error in errors.items():
+        print(f"skipping predictor {bad}: {error}", file=sys.stderr, flush=True)
 
 
 def run_serve(args: argparse.Namespace) -> int:

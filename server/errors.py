@@ -208,7 +208,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        headers = exc.headers
+        headers = dict(exc.headers) if exc.headers else None
         if exc.status_code == 405:
             allowed = allowed_methods(request)
             detail = f"{request.method} is not allowed here; allowed: {', '.join(allowed)}"

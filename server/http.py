@@ -27,8 +27,8 @@ def with_header_timeout(protocol: type, timeout_s: float) -> type:
     """`protocol` (one of uvicorn's HTTP protocol classes) that closes a connection whose
     first request has not started (headers incomplete) `timeout_s` after it was made."""
 
-    class HeaderTimeout(protocol):  # type: ignore[misc, valid-type]
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    class HeaderTimeout(protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
 
@@ -46,10 +46,15 @@ def with_header_timeout(protocol: type, timeout_s: float) -> type:
 
 def http_protocol(timeout_s: float = HEADER_TIMEOUT_S) -> type:
     """uvicorn's fastest available HTTP protocol, with the header timeout."""
+    base: type
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
     except ImportError:  # httptools is optional for uvicorn
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
     return with_header_timeout(base, timeout_s)
 
 

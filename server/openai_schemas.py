@@ -37,7 +37,7 @@ MAX_LOGPROBS = 20
 
 # Fields some OpenAI or vLLM API defines, which this server does not implement, with the
 # values that mean "off" (accepted) and why the rest are refused.
-_OFF = (None, False, [], {}, "")
+_OFF: tuple[Any, ...] = (None, False, [], {}, "")
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": (_OFF, "tool calling is not supported by this server"),
     "tool_choice": ((*_OFF, "none"), "tool calling is not supported by this server"),

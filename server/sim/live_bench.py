@@ -24,6 +24,7 @@ import json
 import random
 import tempfile
 import time
+from typing import Any
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
                      opts: LiveOptions) -> dict:
     await asyncio.sleep(max(0.0, t0 + agent.arrival - time.monotonic()))
     arrival = time.monotonic() - t0
-    body = {
+    body: dict[str, Any] = {
         "type": agent.type,
         "prompt": agent.prompt or agent.type,
         # The agent's structure lets the server state a bound that covers its critical path.

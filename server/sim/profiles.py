@@ -59,7 +59,7 @@ class EngineProfile:
     length_scale: float = 1.0  # default scale of trace lengths for workloads of this profile
     source: str = ""
 
-    def iteration_s(self, batch: int, prefill_tokens: int, kv_tokens: int) -> float:
+    def iteration_s(self, batch: float, prefill_tokens: float, kv_tokens: float) -> float:
         """Duration of one iteration (seconds)."""
         return (
             self.base_s
