@@ -34,7 +34,7 @@ from server.agents import (
     RequestLog,
     new_agent_id,
 )
-from server.engine.base import Engine, EngineError, EngineOutput, EngineRequest
+from server.engine.base import Capabilities, Engine, EngineError, EngineOutput, EngineRequest
 from server.limits import QuotaExceeded, Quotas
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, kv_cost
 from server.scheduler.policies import FOOTPRINT
@@ -107,8 +107,11 @@ class LiveScheduler:
         metrics: Any = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        capabilities: Capabilities | None = None,
     ) -> None:
         self.engine = engine
+        # What the engine offers beyond `Engine`, found once (server/engine/base.py).
+        self.capabilities = capabilities or Capabilities.of(engine)
         self.config = config
         self.predictors = predictors
         self.history = history
@@ -146,25 +149,20 @@ class LiveScheduler:
         self.tau = TauEstimator(engine.info.kv_capacity_tokens, config.initial_tau_s)
         # until the engine's rate is measured, promises are widened and say so
         self.dispatcher.set_iteration_time(config.initial_tau_s, 0.0, **self.tau.promise_times())
-        add_listener = getattr(engine, "add_step_listener", None)
-        if add_listener is not None:
-            add_listener(self._on_engine_step)
+        caps = self.capabilities
+        if caps.step_statistics is not None:
+            caps.step_statistics.add_step_listener(self._on_engine_step)
         # The engine's step time as a function of its batch, learned from its own steps
         # (one model per engine; engines that report no step shapes keep none).
         self.time_models = TimeModelBank(config.time_model_prior)
-        add_sample_listener = getattr(engine, "add_sample_listener", None)
-        if add_sample_listener is not None:
-            add_sample_listener(self.time_models.observe)
+        if caps.step_samples is not None:
+            caps.step_samples.add_sample_listener(self.time_models.observe)
         # Engines of several replicas: requests need a replica with room, and M follows
         # the replicas that serve (added, removed, failed, back).
-        self._place = getattr(engine, "place", None)
-        self._release = getattr(engine, "release", None)
-        add_capacity_listener = getattr(engine, "add_capacity_listener", None)
-        if add_capacity_listener is not None:
-            add_capacity_listener(self._on_capacity_change)
-        add_state_listener = getattr(engine, "add_state_listener", None)
-        if add_state_listener is not None:
-            add_state_listener(self._on_engine_state)
+        if caps.capacity_changes is not None:
+            caps.capacity_changes.add_capacity_listener(self._on_capacity_change)
+        if caps.supervision is not None:
+            caps.supervision.add_state_listener(self._on_engine_state)
 
     def _on_engine_state(self, state: str, detail: str) -> None:
         """The engine restarted: admit what waited. It gave up: fail what waits, with why."""
@@ -175,7 +173,8 @@ class LiveScheduler:
 
     def _engine_recovering(self) -> bool:
         """The engine is down but being restarted: queued requests wait for it."""
-        return bool(getattr(self.engine, "recovering", False))
+        supervised = self.capabilities.supervision
+        return supervised is not None and supervised.recovering
 
     def _on_capacity_change(self, kv_capacity_tokens: int) -> None:
         self.dispatcher.set_kv_capacity(kv_capacity_tokens, self.now())
@@ -555,8 +554,9 @@ class LiveScheduler:
         if ticket.waiting:  # its consumer went away before admission
             self._queued_count[entry.tenant] -= 1
             ticket.opened.set()
-        if self._release is not None:
-            self._release(ticket.request_id)  # a placement the request never used
+        if self.capabilities.placement is not None:
+            # A placement the request never used.
+            self.capabilities.placement.release(ticket.request_id)
         d = last.output_tokens if last is not None else 0  # over all its sequences
         each = tuple(q.output_tokens for q in last.sequences) if last is not None else ()
         if ticket.request_id in self.dispatcher.requests:
@@ -601,10 +601,12 @@ class LiveScheduler:
         if slots <= 0 or d.pending_count == 0:
             return
         now = self.now()
-        place = None
-        if self._place is not None:
-            engine_place = self._place
-            place = lambda spec, footprint: engine_place(spec.request_id, spec.agent_id, footprint)  # noqa: E731
+        place: Callable[[RequestSpec, int], bool] | None = None
+        placement = self.capabilities.placement
+        if placement is not None:
+            def on_replica(spec: RequestSpec, footprint: int) -> bool:
+                return placement.place(spec.request_id, spec.agent_id, footprint)
+            place = on_replica
         for spec in d.admit(now, engine_free_slots=slots, place=place):
             ticket = self._tickets.get(spec.request_id)
             if ticket is not None:

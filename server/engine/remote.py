@@ -38,12 +38,15 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
 from server.engine.base import (
+    NOT_RUNNING,
+    CapacityListener,
     EngineError,
     EngineInfo,
     EngineOutput,
@@ -52,9 +55,10 @@ from server.engine.base import (
     InvalidRequestError,
     SamplingOptions,
     SequenceOutput,
+    StepListener,
     TokenLogprob,
 )
-from server.engine.tokens import fast_encoder
+from server.engine.tokens import TokenizerEngine, fast_encoder
 
 log = logging.getLogger("justitia.engine.remote")
 
@@ -114,8 +118,12 @@ class _ReplicaFailed(Exception):
 AFFINITY_ENTRIES = 10_000  # agents remembered for prefix affinity (least recently used go)
 
 
-class RemoteVLLMEngine:
-    """vLLM OpenAI servers as one engine: M is the sum of their KV capacities."""
+class RemoteVLLMEngine(TokenizerEngine):
+    """vLLM OpenAI servers as one engine: M is the sum of their KV capacities.
+
+    Capabilities (server/engine/base.py): `StepStatistics`, `Placement`, `CapacityChanges`
+    and `ReplicaAdmin`.
+    """
 
     def __init__(self, urls: list[str], *, tokenizer: str | None = None,
                  poll_interval_s: float = 0.5, send_priority: bool = True) -> None:
@@ -126,22 +134,15 @@ class RemoteVLLMEngine:
         self.poll_interval_s = poll_interval_s
         self.send_priority = send_priority
         self._session: aiohttp.ClientSession | None = None
-        self._tokenizer = None
-        self._info: EngineInfo | None = None
-        self._poller: asyncio.Task | None = None
-        self._listeners: list[Callable[[float, float], None]] = []
-        self._capacity_listeners: list[Callable[[int], None]] = []
+        self._served_name = ""
+        self._poller: asyncio.Task[None] | None = None
+        self._listeners: list[StepListener] = []
+        self._capacity_listeners: list[CapacityListener] = []
         self._streams: dict[str, aiohttp.ClientResponse] = {}
         self._placed: dict[str, tuple[Replica, int]] = {}
         self._affinity: collections.OrderedDict[str, Replica] = collections.OrderedDict()
 
     # -- lifecycle --------------------------------------------------------------------
-    @property
-    def info(self) -> EngineInfo:
-        if self._info is None:
-            raise EngineError("the engine has not started")
-        return self._info
-
     @property
     def healthy(self) -> bool:
         return self._session is not None and any(r.serving for r in self.replicas)
@@ -165,6 +166,7 @@ class RemoteVLLMEngine:
             kv_capacity_tokens=sum(r.kv_capacity_tokens for r in self.replicas),
             block_size=max(r.block_size for r in self.replicas),
             max_model_len=min(r.max_model_len for r in self.replicas),
+            served_name=self._served_name,
         )
         self._poller = asyncio.create_task(self._poll_forever(), name="justitia-remote-metrics")
 
@@ -188,7 +190,7 @@ class RemoteVLLMEngine:
         r.last_poll = time.monotonic()
         self._served_name = models[0]["id"]
 
-    def _load_tokenizer(self):
+    def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
         name = self.tokenizer_name or self.replicas[0].model
@@ -240,7 +242,7 @@ class RemoteVLLMEngine:
             for listener in self._listeners:
                 listener(step_s, kv_in_use)
 
-    def add_step_listener(self, listener: Callable[[float, float], None]) -> None:
+    def add_step_listener(self, listener: StepListener) -> None:
         self._listeners.append(listener)
 
     # -- capacity and replicas --------------------------------------------------------
@@ -249,7 +251,7 @@ class RemoteVLLMEngine:
         """M: the KV tokens of the replicas taking requests now."""
         return sum(r.kv_capacity_tokens for r in self.replicas if r.serving)
 
-    def add_capacity_listener(self, listener: Callable[[int], None]) -> None:
+    def add_capacity_listener(self, listener: CapacityListener) -> None:
         """`listener(M)` after every change of M (replica added, removed, failed, back)."""
         self._capacity_listeners.append(listener)
 
@@ -273,10 +275,10 @@ class RemoteVLLMEngine:
             log.warning("replica %s stopped answering; its capacity leaves M", r.url)
         self._capacity_changed()
 
-    def describe_replicas(self) -> list[dict]:
+    def describe_replicas(self) -> list[dict[str, Any]]:
         return [r.describe() for r in self.replicas]
 
-    async def add_replica(self, url: str) -> dict:
+    async def add_replica(self, url: str) -> dict[str, Any]:
         """Serve from one more replica; M grows by its capacity."""
         url = url.rstrip("/")
         if any(r.url == url for r in self.replicas):
@@ -293,7 +295,7 @@ class RemoteVLLMEngine:
         self._capacity_changed()
         return r.describe()
 
-    def remove_replica(self, url: str) -> dict:
+    def remove_replica(self, url: str) -> dict[str, Any]:
         """Stop sending requests to a replica; it leaves once its requests have finished."""
         url = url.rstrip("/")
         r = next((r for r in self.replicas if r.url == url), None)
@@ -352,11 +354,6 @@ class RemoteVLLMEngine:
         )
 
     # -- requests ---------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        if self._tokenizer is None:
-            raise EngineError("the engine has not started")
-        return self._encode(text)
-
     def _route(self, exclude: list[Replica]) -> Replica:
         """A request admitted without a placement: the serving replica with the most room."""
         live = [r for r in self.replicas if r.serving and r not in exclude]
@@ -383,9 +380,9 @@ class RemoteVLLMEngine:
         if resp is not None:
             resp.close()  # vLLM aborts a request whose client went away
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         if self._session is None:
-            raise EngineError("the engine is not running")
+            raise EngineError(NOT_RUNNING)
         footprint = request.sampling.n * (len(request.prompt_token_ids) + request.sampling.max_tokens)
         placed = self._placed.pop(request.request_id, None)
         failed: list[Replica] = []
