@@ -37,7 +37,6 @@ from server.admission import Admission, Ticket
 from server.agent_listeners import (
     AgentListener,
     AgentListeners,
-    HistoryStore,
     HistoryWriter,
     MetricsRecorder,
     PredictorFeedback,
@@ -68,6 +67,7 @@ from server.scheduler.rate import TauEstimator
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
 
 if TYPE_CHECKING:
+    from server.history import History
     from server.metrics import Metrics
 
 log = logging.getLogger("justitia.live")
@@ -110,7 +110,7 @@ class LiveScheduler:
         config: LiveConfig,
         *,
         predictors: Predictors | None = None,
-        history: HistoryStore | None = None,
+        history: History | None = None,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
