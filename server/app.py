@@ -15,9 +15,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import errors
+from server.agents_api import router as agents_router
 from server.config import ServerConfig
 from server.engine.base import NOT_RUNNING, Capabilities, Engine, Supervised
-from server.agents_api import router as agents_router
 from server.history import History
 from server.limits import PerTenant, Quotas, RateLimiter
 from server.live import LiveConfig, LiveScheduler
@@ -138,7 +138,7 @@ EXIT_ENGINE_FAILED = 69  # EX_UNAVAILABLE (sysexits.h); uvicorn uses 3 for a fai
 FORCED_EXIT_AFTER_S = 30.0
 
 
-def _exit_when_engine_fails(app: FastAPI, engine: Supervised) -> None:
+def _exit_when_engine_fails(app: FastAPI, engine: Supervised | None) -> None:
     """Once the engine is dead for good, shut the server down with a non-zero status, so
     that a supervisor (systemd, Kubernetes, Docker) restarts the whole process instead of
     a server answering 503 forever."""
@@ -159,7 +159,8 @@ def _exit_when_engine_fails(app: FastAPI, engine: Supervised) -> None:
         timer.daemon = True
         timer.start()
 
-    engine.add_state_listener(on_state)
+    if engine is not None:  # an engine nobody restarts has no state to follow
+        engine.add_state_listener(on_state)
 
 
 def _engine_status(request: Request) -> tuple[str, str]:
@@ -200,8 +201,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         if engine is None:
             engine, model_name = build_engine(config)
         capabilities = Capabilities.of(engine)  # what the engine offers, found once
-        if capabilities.supervision is not None:
-            _exit_when_engine_fails(app, capabilities.supervision)
+        _exit_when_engine_fails(app, capabilities.supervision)
         await engine.start()
         if not model_name:
             model_name = engine.info.served_name or engine.info.model

@@ -613,7 +613,7 @@ class LiveScheduler:
             while True:
                 try:
                     await asyncio.wait_for(feed.wake.wait(), heartbeat_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     yield None
                     continue
                 await asyncio.sleep(interval_s)
@@ -638,7 +638,7 @@ class LiveScheduler:
                 return
             try:
                 await asyncio.wait_for(changed.wait(), heartbeat_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 yield None
 
 

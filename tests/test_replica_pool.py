@@ -12,7 +12,7 @@ from server.engine.replicas import ReplicaPool
 
 def pool(*capacities: int) -> tuple[ReplicaPool, list[int]]:
     p = ReplicaPool([f"http://r{i}" for i in range(len(capacities))])
-    for r, m in zip(p.replicas, capacities):
+    for r, m in zip(p.replicas, capacities, strict=True):
         r.kv_capacity_tokens, r.healthy = m, True
     heard: list[int] = []
     p.add_capacity_listener(heard.append)

@@ -132,4 +132,4 @@ def _logprobs(lp: dict[str, Any] | None, k: int) -> list[TokenLogprob]:
     tops = lp.get("top_logprobs") or [None] * len(tokens)
     return [TokenLogprob(tok, float(v) if v is not None else float("-inf"),
                          tuple(sorted((top or {}).items(), key=lambda kv: -kv[1])[:k]))
-            for tok, v, top in zip(tokens, values, tops)]
+            for tok, v, top in zip(tokens, values, tops, strict=False)]

@@ -229,7 +229,7 @@ class RemoteVLLMEngine(TokenizerEngine):
                                 break  # aborted: what is still buffered is not relayed
                             if seqs.update(choices, usage):
                                 yield seqs.output(request.request_id, p, finished=False)
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     if request.request_id in self._streams:  # not our abort: the replica failed
                         self.pool.set_health(replica, False)
                         raise _ReplicaFailed(f"replica {replica.url} failed mid-request: {exc}") from exc

@@ -131,10 +131,11 @@ class ReplicaPool:
                 models = (await resp.json())["data"]
             async with self._session.get(r.url + "/metrics") as resp:
                 values, cache = parse_metrics(await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, KeyError, ValueError) as exc:
             raise EngineError(f"replica {r.url} did not answer as a vLLM OpenAI server: {exc}") from exc
         if not models or "num_gpu_blocks" not in cache:
-            raise EngineError(f"replica {r.url} reports no model or no KV cache configuration (is it running with --disable-log-stats? Justitia reads its /metrics)")
+            raise EngineError(f"replica {r.url} reports no model or no KV cache configuration (is it "
+                              "running with --disable-log-stats? Justitia reads its /metrics)")
         r.model = models[0].get("root") or models[0]["id"]
         r.served_name = models[0]["id"]
         r.max_model_len = int(models[0].get("max_model_len") or 0)
@@ -154,7 +155,7 @@ class ReplicaPool:
             async with self._session.get(r.url + "/metrics",
                                          timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 values, _ = parse_metrics(await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             self.set_health(r, False)
             return
         before, then = r.metrics, r.last_poll

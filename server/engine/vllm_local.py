@@ -22,8 +22,8 @@ from server.engine.base import (
     EngineRequest,
     EngineStats,
     InvalidRequestError,
-    SamplingOptions,
     SampleListener,
+    SamplingOptions,
     SequenceOutput,
     StateListener,
     StepListener,
@@ -486,7 +486,7 @@ class LocalVLLMEngine(TokenizerEngine):
             changed = self._changed
             try:  # a death not noticed yet leaves the state "running": look again soon
                 await asyncio.wait_for(changed.wait(), DEATH_POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def add_step_listener(self, listener: StepListener) -> None:
