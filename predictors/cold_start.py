@@ -104,10 +104,6 @@ class ColdStartEstimator:
                     self._out_tokens += float(out)
                     self._out_requests += float(nreq)
 
-    def for_type(self, agent_type: str) -> ColdStartPredictor:
-        """A predictor-shaped view of this estimator for one agent type."""
-        return ColdStartPredictor(self, agent_type)
-
 
 class ColdStartPredictor:
     """``predict(prompt, features)`` for one agent type, backed by a :class:`ColdStartEstimator`."""

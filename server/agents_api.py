@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from server import errors
 from server.agents import AgentEntry, AgentRecord
 from server.auth import rate_limited_tenant, require_admin, tenant_of
-from server.engine.base import EngineError
+from server.engine.base import EngineError, ReplicaAdmin
 from server.live import LiveScheduler
 from server.openai_schemas import SSE_EVENT
 from server.validation import RequestBody
@@ -238,9 +238,9 @@ class ReplicaRef(RequestBody):
     url: str = Field(min_length=1, max_length=2048, description="A vLLM OpenAI server's base URL.")
 
 
-def _replicas(request: Request):
-    engine = _scheduler(request).engine
-    if not hasattr(engine, "add_replica"):
+def _replicas(request: Request) -> ReplicaAdmin:
+    engine = _scheduler(request).capabilities.replica_admin
+    if engine is None:
         raise HTTPException(409, "this server runs an in-process engine; replicas exist only "
                                  "with --engine-url")
     return engine

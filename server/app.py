@@ -15,9 +15,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import errors
-from server.config import ServerConfig
-from server.engine.base import Engine
 from server.agents_api import router as agents_router
+from server.config import ServerConfig
+from server.engine.base import NOT_RUNNING, Capabilities, Engine, Supervised
 from server.history import History
 from server.limits import PerTenant, Quotas, RateLimiter
 from server.live import LiveConfig, LiveScheduler
@@ -138,7 +138,7 @@ EXIT_ENGINE_FAILED = 69  # EX_UNAVAILABLE (sysexits.h); uvicorn uses 3 for a fai
 FORCED_EXIT_AFTER_S = 30.0
 
 
-def _exit_when_engine_fails(app: FastAPI, engine: Engine) -> None:
+def _exit_when_engine_fails(app: FastAPI, engine: Supervised | None) -> None:
     """Once the engine is dead for good, shut the server down with a non-zero status, so
     that a supervisor (systemd, Kubernetes, Docker) restarts the whole process instead of
     a server answering 503 forever."""
@@ -159,9 +159,8 @@ def _exit_when_engine_fails(app: FastAPI, engine: Engine) -> None:
         timer.daemon = True
         timer.start()
 
-    add_state_listener = getattr(engine, "add_state_listener", None)
-    if add_state_listener is not None:
-        add_state_listener(on_state)
+    if engine is not None:  # an engine nobody restarts has no state to follow
+        engine.add_state_listener(on_state)
 
 
 def _engine_status(request: Request) -> tuple[str, str]:
@@ -170,11 +169,12 @@ def _engine_status(request: Request) -> tuple[str, str]:
     service = getattr(request.app.state, "service", None)
     if service is None:
         return "starting", "the engine is starting"
-    engine = service.engine
-    if engine.healthy:
+    if service.engine.healthy:
         return "running", ""
-    state = getattr(engine, "state", "failed")
-    detail = getattr(engine, "state_detail", "") or "the engine is not running"
+    supervised = service.scheduler.capabilities.supervision
+    if supervised is None:  # nobody restarts it
+        return "failed", NOT_RUNNING
+    state, detail = supervised.state, supervised.state_detail or NOT_RUNNING
     if state == "running":
         return "down", "the engine died"
     return state, detail
@@ -200,10 +200,11 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         nonlocal engine, model_name
         if engine is None:
             engine, model_name = build_engine(config)
-        _exit_when_engine_fails(app, engine)
+        capabilities = Capabilities.of(engine)  # what the engine offers, found once
+        _exit_when_engine_fails(app, capabilities.supervision)
         await engine.start()
         if not model_name:
-            model_name = getattr(engine, "_served_name", "") or engine.info.model
+            model_name = engine.info.served_name or engine.info.model
         await _warm_up(engine)
         history = History(_data_dir(config) / "history.sqlite3",
                           retention_s=config.history_retention_s or None)
@@ -222,6 +223,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
             predictors=_predictors(config),
             history=history,
             metrics=metrics,
+            capabilities=capabilities,
         )
         metrics.bind(scheduler)
         await scheduler.start()
@@ -230,7 +232,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         app.state.scheduler = scheduler
         app.state.service = InferenceService(engine, model_name, scheduler)
         app.state.ready = True
-        log.info("engine ready: %s; policy %s", engine.info, config.policy)
+        log.info("engine ready: %s; capabilities %s; policy %s", engine.info,
+                 ", ".join(sorted(capabilities.names)) or "none", config.policy)
         try:
             yield
         finally:

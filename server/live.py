@@ -1,10 +1,18 @@
 """The live scheduler: the scheduler core driven by real time, in front of a real engine.
 
-Requests wait here, not in the engine. Each submitted request holds a ticket; after every
-event (a request submitted, a request finished, an agent cancelled) the dispatcher is asked
-which requests to admit now, and their tickets open. An admitted request goes to the engine
-with an int priority from its agent's rank, so that if the engine must preempt anyway it
-preempts the lowest-ranked agent.
+`LiveScheduler` is the face the API and the service use; it holds the table of agents and
+joins the pieces that each do one thing:
+
+- `server/lifecycle.py`: an agent's states and the one function that validates and
+  applies a transition (queued, running, finished, failed, cancelled, expired);
+- `server/admission.py`: requests wait for admission there, each with a ticket that the
+  dispatcher's decision opens; per-tenant queued counts and quotas; pause and resume;
+- `server/agent_listeners.py`: the side effects of agents' lives (history rows, predictor
+  feedback, metrics) as listeners registered once, called on registration, on each
+  request's end and on the agent's end.
+
+An admitted request goes to the engine with an int priority from its agent's rank, so that
+if the engine must preempt anyway it preempts the lowest-ranked agent.
 
 Everything here runs on the server's single event loop, so the dispatcher (which is not
 thread-safe) is only touched from there and needs no lock. The clock is read here and only
@@ -15,60 +23,59 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedDict
 
+from server.admission import Admission, Ticket
+from server.agent_listeners import (
+    AgentListener,
+    AgentListeners,
+    HistoryWriter,
+    MetricsRecorder,
+    PredictorFeedback,
+    Predictors,
+)
 from server.agents import (
     MAX_ERROR_CHARS,
     AgentEntry,
     AgentRecord,
+    AgentStateName,
     CostSource,
     RequestLog,
     new_agent_id,
 )
-from server.engine.base import Engine, EngineError, EngineOutput, EngineRequest
+from server.engine.base import (
+    Capabilities,
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    SamplingOptions,
+)
+from server.lifecycle import ABANDONED, AgentConflict, AgentNotFound, transition
 from server.limits import QuotaExceeded, Quotas
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
 
+if TYPE_CHECKING:
+    from server.history import History
+    from server.metrics import Metrics
+
 log = logging.getLogger("justitia.live")
 
-_ABANDONED = ("cancelled", "expired")
 # Of a registered prompt (up to 1 MB), only this much is kept once its cost is predicted.
-KEPT_PROMPT_CHARS = 64 * 1024  # an agent ended under its running requests
+KEPT_PROMPT_CHARS = 64 * 1024
 
-
-class AgentNotFound(LookupError):
-    pass
-
-
-class AgentConflict(Exception):
-    """The agent's state does not allow the call (finished, cancelled, requests in flight)."""
-
-
-@dataclass
-class _Ticket:
-    request_id: str
-    agent: AgentEntry
-    prompt_tokens: int
-    submitted: float
-    opened: asyncio.Event = field(default_factory=asyncio.Event)
-    admitted: float | None = None
-    error: Exception | None = None
-
-    @property
-    def waiting(self) -> bool:
-        return not self.opened.is_set()
+__all__ = ["AgentConflict", "AgentNotFound", "LiveConfig", "LiveScheduler"]
 
 
 @dataclass(eq=False)
@@ -102,13 +109,17 @@ class LiveScheduler:
         engine: Engine,
         config: LiveConfig,
         *,
-        predictors: Any = None,
-        history: Any = None,
-        metrics: Any = None,
+        predictors: Predictors | None = None,
+        history: History | None = None,
+        metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        capabilities: Capabilities | None = None,
+        listeners: list[AgentListener] | None = None,
     ) -> None:
         self.engine = engine
+        # What the engine offers beyond `Engine`, found once (server/engine/base.py).
+        self.capabilities = capabilities or Capabilities.of(engine)
         self.config = config
         self.predictors = predictors
         self.history = history
@@ -122,18 +133,13 @@ class LiveScheduler:
         # many ended agents are kept readable.
         self._open: set[str] = set()
         self._ended: collections.deque[str] = collections.deque()
-        self._tickets: dict[str, _Ticket] = {}
         self._feeds: dict[str, set[_Feed]] = {}
-        # Per tenant: its agents in registration order (pages of GET /v1/agents), how many
-        # are live and how many requests wait for admission (the quotas).
+        # Per tenant: its agents in registration order (pages of GET /v1/agents) and how
+        # many are live (the max_agents quotas).
         self._by_tenant: dict[str, SortedDict] = {}
         self._live_count: collections.Counter[str] = collections.Counter()
-        self._queued_count: collections.Counter[str] = collections.Counter()
         self._agent_seq = itertools.count(1)
-        # History writes the API has not yet waited for (finish and cancel wait for theirs).
-        self._writes: dict[str, concurrent.futures.Future[None]] = {}
-        self._task: asyncio.Task | None = None
-        self.paused = False
+        self._task: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
             config.policy,
             kv_capacity_tokens=engine.info.kv_capacity_tokens,
@@ -146,36 +152,48 @@ class LiveScheduler:
         self.tau = TauEstimator(engine.info.kv_capacity_tokens, config.initial_tau_s)
         # until the engine's rate is measured, promises are widened and say so
         self.dispatcher.set_iteration_time(config.initial_tau_s, 0.0, **self.tau.promise_times())
-        add_listener = getattr(engine, "add_step_listener", None)
-        if add_listener is not None:
-            add_listener(self._on_engine_step)
+        self.admission = Admission(
+            self.dispatcher, config.quotas, config.max_num_seqs, self.now,
+            placement=self.capabilities.placement,
+            engine_recovering=self._engine_recovering,
+        )
+        self._history_writer = HistoryWriter(history) if history is not None else None
+        self.listeners = AgentListeners()
+        for listener in (self._history_writer,
+                         PredictorFeedback(predictors) if predictors is not None else None,
+                         MetricsRecorder(metrics) if metrics is not None else None,
+                         *(listeners or [])):
+            if listener is not None:
+                self.listeners.add(listener)
+        self.time_models = TimeModelBank(config.time_model_prior)
+        self._listen_to_engine()
+
+    def _listen_to_engine(self) -> None:
+        caps = self.capabilities
+        if caps.step_statistics is not None:
+            caps.step_statistics.add_step_listener(self._on_engine_step)
         # The engine's step time as a function of its batch, learned from its own steps
         # (one model per engine; engines that report no step shapes keep none).
-        self.time_models = TimeModelBank(config.time_model_prior)
-        add_sample_listener = getattr(engine, "add_sample_listener", None)
-        if add_sample_listener is not None:
-            add_sample_listener(self.time_models.observe)
-        # Engines of several replicas: requests need a replica with room, and M follows
-        # the replicas that serve (added, removed, failed, back).
-        self._place = getattr(engine, "place", None)
-        self._release = getattr(engine, "release", None)
-        add_capacity_listener = getattr(engine, "add_capacity_listener", None)
-        if add_capacity_listener is not None:
-            add_capacity_listener(self._on_capacity_change)
-        add_state_listener = getattr(engine, "add_state_listener", None)
-        if add_state_listener is not None:
-            add_state_listener(self._on_engine_state)
+        if caps.step_samples is not None:
+            caps.step_samples.add_sample_listener(self.time_models.observe)
+        # Engines of several replicas: M follows the replicas that serve (added, removed,
+        # failed, back).
+        if caps.capacity_changes is not None:
+            caps.capacity_changes.add_capacity_listener(self._on_capacity_change)
+        if caps.supervision is not None:
+            caps.supervision.add_state_listener(self._on_engine_state)
 
     def _on_engine_state(self, state: str, detail: str) -> None:
         """The engine restarted: admit what waited. It gave up: fail what waits, with why."""
         if state == "running":
             self._pump()
         elif state == "failed":
-            self._fail_waiting(EngineError(f"the engine is not running: {detail}"))
+            self.admission.fail_waiting(EngineError(f"the engine is not running: {detail}"))
 
     def _engine_recovering(self) -> bool:
         """The engine is down but being restarted: queued requests wait for it."""
-        return bool(getattr(self.engine, "recovering", False))
+        supervised = self.capabilities.supervision
+        return supervised is not None and supervised.recovering
 
     def _on_capacity_change(self, kv_capacity_tokens: int) -> None:
         self.dispatcher.set_kv_capacity(kv_capacity_tokens, self.now())
@@ -201,7 +219,7 @@ class LiveScheduler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._fail_waiting(EngineError("the server is shutting down"))
+        self.admission.fail_waiting(EngineError("the server is shutting down"))
 
     async def _housekeeping(self) -> None:
         last = self.now()
@@ -221,7 +239,7 @@ class LiveScheduler:
                 await self._expire_idle_agents()
                 self._prune()
                 if not self.engine.healthy and not self._engine_recovering():
-                    self._fail_waiting(EngineError("the engine is not running"))
+                    self.admission.fail_waiting(EngineError("the engine is not running"))
             except Exception:  # housekeeping must survive anything one round throws
                 log.exception("housekeeping round failed")
 
@@ -232,11 +250,6 @@ class LiveScheduler:
         models = self.time_models.models()
         if models:
             self.dispatcher.set_time_model(max(models.values(), key=lambda m: m.samples))
-
-    def _fail_waiting(self, error: Exception) -> None:
-        for ticket in self._tickets.values():
-            if ticket.admitted is None and ticket.waiting:
-                self._open_ticket(ticket, error=error)
 
     # -- agents -------------------------------------------------------------------
     def register(
@@ -283,8 +296,7 @@ class LiveScheduler:
         self._by_tenant.setdefault(tenant, SortedDict())[entry.seq] = entry
         self._live_count[tenant] += 1
         self._open.add(agent_id)
-        if self.metrics:
-            self.metrics.agent_registered(entry)
+        self.listeners.on_agent_registered(entry)
         self._on_agent_change(entry)
         return entry
 
@@ -375,7 +387,7 @@ class LiveScheduler:
         (its code raised). Requests of it still in flight are orphans (the agent's code
         has returned or raised without them), so they are aborted, as on cancel."""
         self.require_live(entry)
-        state = "finished" if error is None else "failed"
+        state: AgentStateName = "finished" if error is None else "failed"
         if error is not None:
             entry.error = error[:MAX_ERROR_CHARS]
         if entry.in_flight:
@@ -394,15 +406,10 @@ class LiveScheduler:
     async def _durable(self, entry: AgentEntry) -> None:
         """Return once the agent's history row is committed: an agent the API reported
         ended is in the history even if the process is killed right after."""
-        write = self._writes.pop(entry.id, None)
-        if write is None:
-            return
-        try:
-            await asyncio.wrap_future(write)
-        except Exception:  # logged by the writer; the agent's end stands
-            pass
+        if self._history_writer is not None:
+            await self._history_writer.durable(entry)
 
-    async def _cancel(self, entry: AgentEntry, state: str) -> None:
+    async def _cancel(self, entry: AgentEntry, state: AgentStateName) -> None:
         entry.final_view = self._view(entry)
         now = self.now()
         if state in ("finished", "failed"):
@@ -413,9 +420,7 @@ class LiveScheduler:
         else:
             running = self.dispatcher.cancel_agent(entry.id, now)
         self._close(entry, state, forget=False)
-        for ticket in list(self._tickets.values()):
-            if ticket.agent is entry and ticket.admitted is None and ticket.waiting:
-                self._open_ticket(ticket, error=AgentConflict(f"agent {entry.id} was {state}"))
+        self.admission.fail_waiting(AgentConflict(f"agent {entry.id} was {state}"), agent=entry)
         for request_id in running:
             # The engine ends the request with finish_reason "abort" and frees its KV.
             await self.engine.abort(request_id)
@@ -425,39 +430,19 @@ class LiveScheduler:
         if entry.terminal:
             raise AgentConflict(f"agent {entry.id} is {entry.state}")
 
-    def _close(self, entry: AgentEntry, state: str, forget: bool = True) -> None:
+    def _close(self, entry: AgentEntry, state: AgentStateName, forget: bool = True) -> None:
+        """End the agent: its state changes (IllegalTransition, before anything else, if it
+        had ended), the dispatcher forgets it (unless `forget` is False: the caller did),
+        it leaves the live agents, and the listeners hear of it."""
+        transition(entry, state, wall=self._wall(), now=self.now())
         if forget:
             entry.final_view = self._view(entry)
             self.dispatcher.finish_agent(entry.id, self.now())
-        entry.state = state  # type: ignore[assignment]
         if entry.id in self._open:
             self._live_count[entry.tenant] -= 1
         self._open.discard(entry.id)
         self._ended.append(entry.id)
-        entry.finished_at = self._wall()
-        entry.last_activity_mono = self.now()
-        if self.history is not None:
-            try:
-                # An untagged request's agent is nobody's to wait for.
-                write = self.history.record(entry, urgent=not entry.auto)
-                if not entry.auto:
-                    self._writes[entry.id] = write
-                    write.add_done_callback(lambda _, i=entry.id: self._writes.pop(i, None))
-            except Exception:
-                log.exception("could not write agent %s to the history", entry.id)
-        # Only a complete run is a training sample: a failed or cancelled agent's cost is
-        # that of the part it ran.
-        if state == "finished" and entry.requests:
-            features = {
-                "n_requests": len(entry.requests),
-                "output_tokens": sum(r.output_tokens for r in entry.requests),
-                "prompt_tokens": sum(r.prompt_tokens for r in entry.requests),
-            }
-            if self.predictors is not None:
-                self.predictors.observe(entry.type, entry.prompt, entry.consumed_kv_cost, features,
-                                        tenant=entry.tenant)
-        if self.metrics:
-            self.metrics.agent_closed(entry)
+        self.listeners.on_agent_ended(entry)
         entry.touch()
 
     async def _expire_idle_agents(self) -> None:
@@ -491,7 +476,7 @@ class LiveScheduler:
         entry: AgentEntry,
         request_id: str,
         prompt_token_ids: tuple[int, ...],
-        sampling: Any,
+        sampling: SamplingOptions,
     ) -> AsyncIterator[EngineOutput]:
         """Queue one request of `entry`, wait for admission, then stream it from the engine.
 
@@ -499,20 +484,15 @@ class LiveScheduler:
         an engine error) its real usage is accounted and the next requests are admitted.
         """
         self.require_live(entry)
+        now = self.now()
+        spec = RequestSpec(request_id, entry.id, prompt_tokens=len(prompt_token_ids),
+                           max_tokens=sampling.max_tokens, n=sampling.n)
         try:
-            self.config.quotas.check_queued(entry.tenant, self._queued_count[entry.tenant])
+            ticket = self.admission.submit(entry, spec, now)
         except QuotaExceeded:
             if entry.auto and entry.in_flight == 0:  # its one request was refused
                 self._close(entry, "cancelled")
             raise
-        now = self.now()
-        p = len(prompt_token_ids)
-        spec = RequestSpec(request_id, entry.id, prompt_tokens=p, max_tokens=sampling.max_tokens,
-                           n=getattr(sampling, "n", 1))
-        ticket = _Ticket(request_id, entry, p, submitted=now)
-        self._tickets[request_id] = ticket
-        self._queued_count[entry.tenant] += 1
-        self.dispatcher.submit(spec, now)
         entry.in_flight += 1
         entry.last_activity_mono = now
         entry.touch()
@@ -523,7 +503,7 @@ class LiveScheduler:
             if ticket.error is not None:
                 raise ticket.error
             if entry.state == "queued":
-                entry.state = "running"
+                transition(entry, "running", wall=self._wall(), now=self.now())
                 entry.touch()
             request = EngineRequest(
                 request_id=request_id,
@@ -533,30 +513,21 @@ class LiveScheduler:
             )
             async with contextlib.aclosing(self.engine.generate(request)) as outputs:
                 async for out in outputs:
-                    if entry.state in _ABANDONED and not out.finished:
+                    if entry.state in ABANDONED and not out.finished:
                         continue  # the engine is still flushing outputs; only the end matters
                     last = out
                     yield out
-            if entry.state in _ABANDONED:
+            if entry.state in ABANDONED:
                 raise AgentConflict(f"agent {entry.id} was {entry.state}")
         finally:
             self._settle(ticket, last)
 
-    def _open_ticket(self, ticket: _Ticket, error: Exception | None = None) -> None:
-        """The request stops waiting: admitted, or failed with `error`."""
-        ticket.error = error
-        self._queued_count[ticket.agent.tenant] -= 1
-        ticket.opened.set()
-
-    def _settle(self, ticket: _Ticket, last: EngineOutput | None) -> None:
+    def _settle(self, ticket: Ticket, last: EngineOutput | None) -> None:
+        """Whatever ended the request: account its real usage, log it in its agent, end an
+        untagged request's agent, and admit the next requests."""
         entry = ticket.agent
         now = self.now()
-        self._tickets.pop(ticket.request_id, None)
-        if ticket.waiting:  # its consumer went away before admission
-            self._queued_count[entry.tenant] -= 1
-            ticket.opened.set()
-        if self._release is not None:
-            self._release(ticket.request_id)  # a placement the request never used
+        self.admission.settle(ticket)
         d = last.output_tokens if last is not None else 0  # over all its sequences
         each = tuple(q.output_tokens for q in last.sequences) if last is not None else ()
         if ticket.request_id in self.dispatcher.requests:
@@ -576,40 +547,26 @@ class LiveScheduler:
                 preemptions=last.num_preemptions if last is not None else 0,
             ))
             entry.consumed_kv_cost += sum(kv_cost(ticket.prompt_tokens, x) for x in each or (d,))
-        if self.metrics and last is not None:
-            self.metrics.request_finished(last)
+        if last is not None:
+            self.listeners.on_request_finished(entry, last)
         entry.touch()
         if entry.auto and not entry.terminal and entry.in_flight == 0:
             self._close(entry, "finished")
         self._pump()
 
+    @property
+    def paused(self) -> bool:
+        return self.admission.paused
+
     def pause(self) -> None:
         """Stop admitting: requests queue, running ones finish (drain, maintenance)."""
-        self.paused = True
+        self.admission.pause()
 
     def resume(self) -> None:
-        self.paused = False
-        self._pump()
+        self.admission.resume()
 
     def _pump(self) -> None:
-        """Admit what the policy allows now and open those tickets (none while the engine
-        restarts: they stay queued, in policy order, until it is back)."""
-        if self.paused or self._engine_recovering():
-            return
-        d = self.dispatcher
-        slots = self.config.max_num_seqs - d.running_count
-        if slots <= 0 or d.pending_count == 0:
-            return
-        now = self.now()
-        place = None
-        if self._place is not None:
-            engine_place = self._place
-            place = lambda spec, footprint: engine_place(spec.request_id, spec.agent_id, footprint)  # noqa: E731
-        for spec in d.admit(now, engine_free_slots=slots, place=place):
-            ticket = self._tickets.get(spec.request_id)
-            if ticket is not None:
-                ticket.admitted = now
-                self._open_ticket(ticket)
+        self.admission.pump()
 
     # -- observation ----------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -656,7 +613,7 @@ class LiveScheduler:
             while True:
                 try:
                     await asyncio.wait_for(feed.wake.wait(), heartbeat_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     yield None
                     continue
                 await asyncio.sleep(interval_s)
@@ -681,7 +638,7 @@ class LiveScheduler:
                 return
             try:
                 await asyncio.wait_for(changed.wait(), heartbeat_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 yield None
 
 

@@ -259,9 +259,8 @@ async def chat_completions(
     x_justitia_agent: str | None = Header(default=None),
     tenant: str = Depends(rate_limited_tenant),
 ) -> Response:
-    tokenizer = getattr(_service(request).engine, "_tokenizer", None)
     prompt = await off_loop_if(len(body.messages) > 1000, render_chat,
-                               [m.model_dump() for m in body.messages], tokenizer)
+                               [m.model_dump() for m in body.messages], _service(request).engine)
     service, prepared, agent = await _start(request, body, prompt, prompt, x_justitia_agent,
                                       tenant, "chatcmpl")
     rid = prepared.request_id

@@ -20,6 +20,9 @@ from server.engine.base import (
     EngineOutput,
     InvalidRequestError,
     SamplingOptions,
+    check_context,
+    check_min_tokens,
+    check_vocabulary,
 )
 from server.scheduler import kv_cost
 
@@ -54,18 +57,12 @@ class PreparedRequest:
     sampling: SamplingOptions
 
 
-def render_chat(messages: Sequence[dict[str, str]], tokenizer: object | None = None) -> str:
+def render_chat(messages: Sequence[dict[str, str]], engine: Engine) -> str:
     """The model's chat template when it has one; a plain role-prefixed transcript if not
     (the embedded tiny model has none)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if template:
-        try:
-            return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                list(messages), tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # a template refuses some conversations (roles out of order)
-            raise InvalidRequestError(
-                f"the model's chat template refuses these messages: {exc}") from exc
+    templated = engine.apply_chat_template(messages)
+    if templated is not None:
+        return templated
     lines = [f"{m['role']}: {m['content']}" for m in messages]
     return "\n".join(lines) + "\nassistant:"
 
@@ -98,11 +95,7 @@ class InferenceService:
             room = self._room(len(ids), sampling.n, token_cap)
             sampling = dataclasses.replace(sampling, max_tokens=max(1, room))
         self._check_fits(len(ids), sampling)
-        if sampling.min_tokens > sampling.max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens "
-                f"({sampling.max_tokens})", param="min_tokens"
-            )
+        check_min_tokens(sampling)
         info = self.engine.info
         if sampling.logprobs is not None and sampling.logprobs > info.max_logprobs:
             raise InvalidRequestError(
@@ -129,13 +122,7 @@ class InferenceService:
 
     def _check_fits(self, p: int, sampling: SamplingOptions) -> None:
         info = self.engine.info
-        limit = info.max_model_len
-        if p + sampling.max_tokens > limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens; the prompt has "
-                f"{p} tokens and max_tokens asks for {sampling.max_tokens} more: "
-                "shorten the prompt or lower max_tokens", param="max_tokens"
-            )
+        check_context(p, sampling.max_tokens, info.max_model_len)
         # vLLM holds a copy of the prompt per sequence; the scheduler admits a request only
         # when all of it fits, so one that never can would wait forever.
         block = info.block_size
@@ -158,13 +145,9 @@ class InferenceService:
                 return self.engine.tokenize(prompt)
             except (TypeError, ValueError) as exc:  # text the tokenizer cannot take
                 raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
-        vocab = self.engine.info.vocab_size
         # Checked here, before the request queues: vLLM refuses such ids only once the
         # request reaches it, and the refusal used to surface as a 500.
-        if vocab is not None and prompt and not (0 <= min(prompt) and max(prompt) < vocab):
-            bad = next(i for i in prompt if not 0 <= i < vocab)
-            raise InvalidRequestError(
-                f"token id {bad} is not in the model's vocabulary (0 to {vocab - 1})")
+        check_vocabulary(prompt, self.engine.info.vocab_size)
         return list(prompt)
 
     def agent_for(

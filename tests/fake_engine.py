@@ -13,7 +13,8 @@ cannot tell the difference through the contract (server/engine/base.py):
 - `abort` ends a stream with finish_reason "abort"; a consumer that stops iterating aborts
   its request (the cancellation contract);
 - `stats()` reports KV usage, running/waiting, preemptions and the step time, and step
-  listeners hear every busy step;
+  listeners hear every busy step (its one optional capability, `StepStatistics`);
+- it has no chat template (the server writes a plain transcript of chat messages);
 - `kill()` makes it unhealthy and fails every stream with `EngineError`, as a dead engine
   core does; `revive()` brings it back.
 
@@ -28,7 +29,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,15 @@ from typing import Any
 import httpx
 
 from server.engine.base import (
+    NOT_RUNNING,
+    ChatMessages,
     EngineError,
     EngineInfo,
     EngineOutput,
     EngineRequest,
     EngineStats,
-    InvalidRequestError,
+    StepListener,
+    check_request,
 )
 
 BOS, EOS = 1, 2
@@ -104,12 +108,12 @@ class FakeEngine:
         self.eos_after = eos_after
         self._healthy = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._waiting: list[_Running] = []
         self._running: list[_Running] = []
         self._arrivals = 0
-        self._listeners: list[Callable[[float, float], None]] = []
+        self._listeners: list[StepListener] = []
         self._preemptions_total = 0
         self._steps_total = 0
         self._iteration_time_s: float | None = None
@@ -139,10 +143,10 @@ class FakeEngine:
     def tokenize(self, text: str) -> list[int]:
         return encode(text)
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        return decode(token_ids)
+    def apply_chat_template(self, messages: ChatMessages) -> str | None:
+        return None  # no template, as the embedded tiny model
 
-    def add_step_listener(self, listener: Callable[[float, float], None]) -> None:
+    def add_step_listener(self, listener: StepListener) -> None:
         self._listeners.append(listener)
 
     def stats(self) -> EngineStats:
@@ -157,10 +161,10 @@ class FakeEngine:
         )
 
     # -- the contract: requests -------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         if not self._healthy:
-            raise EngineError("the engine is not running")
-        self._check(request)
+            raise EngineError(NOT_RUNNING)
+        check_request(request, self._info)  # what vLLM refuses when the request reaches it
         self.requests.append(request)
         prompt = request.prompt_token_ids
         run = _Running(request, self._arrivals, asyncio.Queue(),
@@ -187,22 +191,6 @@ class FakeEngine:
         for run in (*self._running, *self._waiting):
             if run.request.request_id == request_id and not run.done:
                 self._finish(run, "abort")
-
-    def _check(self, request: EngineRequest) -> None:
-        """What vLLM refuses when the request reaches it."""
-        s, ids = request.sampling, request.prompt_token_ids
-        if s.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {s.max_tokens}")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if not all(0 <= i < self._info.vocab_size for i in ids):
-            raise InvalidRequestError("a prompt token id is out of vocabulary")
-        if len(ids) + s.max_tokens > self._info.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({s.max_tokens}) exceed the "
-                f"maximum context length {self._info.max_model_len}")
-        if s.min_tokens > s.max_tokens:
-            raise InvalidRequestError("min_tokens must not exceed max_tokens")
 
     # -- faults -------------------------------------------------------------------------------
     def kill(self) -> None:

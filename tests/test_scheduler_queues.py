@@ -184,7 +184,7 @@ def test_a_metrics_scrape_does_not_advance_the_clock():
     before = clock_state(disp.clock)
     collector = _SchedulerCollector()
     collector.scheduler = SimpleNamespace(dispatcher=disp, now=lambda: t + 5.0, agents={},
-                                          engine=SimpleNamespace(stats=EngineStats))
+                                          history=None, engine=SimpleNamespace(stats=EngineStats))
     gauges = {m.name: m.samples[0].value for m in collector.collect() if m.samples}
     assert clock_state(disp.clock) == before
     disp.clock.advance(t + 5.0)

@@ -1,6 +1,8 @@
 """Engine backends behind one interface (see `server.engine.base`)."""
 
 from server.engine.base import (
+    Capabilities,
+    CapacityChanges,
     Engine,
     EngineError,
     EngineInfo,
@@ -8,10 +10,16 @@ from server.engine.base import (
     EngineRequest,
     EngineStats,
     InvalidRequestError,
+    Placement,
+    ReplicaAdmin,
     SamplingOptions,
+    StepStatistics,
+    Supervised,
 )
 
 __all__ = [
+    "Capabilities",
+    "CapacityChanges",
     "Engine",
     "EngineError",
     "EngineInfo",
@@ -19,5 +27,9 @@ __all__ = [
     "EngineRequest",
     "EngineStats",
     "InvalidRequestError",
+    "Placement",
+    "ReplicaAdmin",
     "SamplingOptions",
+    "StepStatistics",
+    "Supervised",
 ]

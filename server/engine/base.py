@@ -1,20 +1,30 @@
 """The engine interface: what the server needs from an inference engine.
 
 Like httpx's transports, backends are swappable behind one small interface: the in-process
-vLLM engine (`LocalVLLMEngine`) and, for scale-out, remote vLLM OpenAI servers. The server
-never talks to vLLM directly; it hands an `EngineRequest` to `Engine.generate` and reads
-`EngineOutput`s until one is `finished`.
+vLLM engine (`LocalVLLMEngine`), remote vLLM OpenAI servers (`RemoteVLLMEngine`) and the
+test suite's `FakeEngine`. The server never talks to vLLM directly; it hands an
+`EngineRequest` to `Engine.generate` and reads `EngineOutput`s until one is `finished`.
+
+`Engine` is what every backend offers. What only some offer is a capability, each its own
+small protocol (`StepStatistics`, `StepSamples`, `Placement`, `CapacityChanges`, `ReplicaAdmin`,
+`Supervised`); `Capabilities.of(engine)` finds which an engine has, once, when the
+scheduler and the application are built, so that no other code probes engines with
+`getattr`.
 
 Cancellation contract: when the consumer of `generate` stops iterating (the client went
 away, the agent was cancelled, a sibling task failed), the backend aborts the request in
-the engine so that its KV cache is freed. `abort` does the same explicitly.
+the engine so that its KV cache is freed. `abort` does the same explicitly. That is why
+`generate` is an async generator: closing it (`aclose`) runs the backend's cleanup at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from server.scheduler.time_model import StepSample
 
 
 class EngineError(Exception):
@@ -123,6 +133,9 @@ class EngineInfo:
     vocab_size: int | None = None
     # The most `logprobs` a request may ask for (vLLM's max_logprobs, 20 by default).
     max_logprobs: int = 20
+    # The name the engine serves the model under (a remote replica's `id` in /v1/models);
+    # empty: the server names it (`--served-model-name`, or `model`).
+    served_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,29 +148,199 @@ class EngineStats:
     steps_total: int = 0
 
 
+# The messages of a chat request: dicts with "role" and "content".
+ChatMessages = Sequence[dict[str, str]]
+# `listener(step_seconds, kv_tokens_in_use)`, after every busy engine step.
+StepListener = Callable[[float, float], None]
+# `listener(engine_name, sample)`, after every busy engine step: its duration and batch shape.
+SampleListener = Callable[[str, "StepSample"], None]
+# `listener(state, detail)`, on every change of a supervised engine's state.
+StateListener = Callable[[str, str], None]
+# `listener(kv_capacity_tokens)`, after every change of the engine's KV capacity M.
+CapacityListener = Callable[[int], None]
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What every engine backend provides."""
 
     @property
-    def info(self) -> EngineInfo: ...
+    def info(self) -> EngineInfo:
+        """The model and the engine's limits; EngineError before `start`."""
+        ...
 
     @property
-    def healthy(self) -> bool: ...
+    def healthy(self) -> bool:
+        """Requests can run now."""
+        ...
 
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
 
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str) -> list[int]:
+        """The model's token ids of `text` (BOS included, as vLLM would add it)."""
+        ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+    def apply_chat_template(self, messages: ChatMessages) -> str | None:
+        """The prompt the model's chat template makes of `messages`; None when the model
+        has no template (the server then writes a plain transcript). InvalidRequestError
+        when the template refuses the messages."""
+        ...
+
+    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """The request's cumulative outputs, the last one `finished` (see the module's
+        cancellation contract)."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
 
-    def add_step_listener(self, listener: Callable[[float, float], None]) -> None:
-        """Call `listener(step_seconds, kv_tokens_in_use)` after every busy engine step
-        (the scheduler measures its service rate from these)."""
+
+# -- optional capabilities ------------------------------------------------------------------
+# Each one is checked with isinstance (they are runtime-checkable) by `Capabilities.of`.
+# None of their members may raise when read: Python 3.11's isinstance reads them.
+
+
+@runtime_checkable
+class StepStatistics(Protocol):
+    """The engine reports its busy steps (the scheduler measures its service rate tau)."""
+
+    def add_step_listener(self, listener: StepListener) -> None: ...
+
+
+@runtime_checkable
+class StepSamples(Protocol):
+    """The engine reports each busy step's duration and batch shape (the input of the
+    scheduler's time model, server/scheduler/time_model.py)."""
+
+    def add_sample_listener(self, listener: SampleListener) -> None: ...
+
+
+@runtime_checkable
+class Placement(Protocol):
+    """Requests need room on one part of the engine (a replica): the scheduler admits a
+    request only once `place` reserved it; `release` drops a placement never used."""
+
+    def place(self, request_id: str, agent_id: str, footprint: int) -> bool: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class CapacityChanges(Protocol):
+    """The KV capacity M changes while serving (replicas added, removed, failed, back)."""
+
+    def add_capacity_listener(self, listener: CapacityListener) -> None: ...
+
+
+@runtime_checkable
+class ReplicaAdmin(Protocol):
+    """Replicas an operator adds and removes while serving (/v1/admin/replicas)."""
+
+    @property
+    def capacity(self) -> int:
+        """M: the KV tokens of the replicas taking requests now."""
         ...
+
+    def describe_replicas(self) -> list[dict[str, Any]]: ...
+
+    async def add_replica(self, url: str) -> dict[str, Any]:
+        """InvalidRequestError (or EngineError) when the replica cannot join."""
+        ...
+
+    def remove_replica(self, url: str) -> dict[str, Any]:
+        """LookupError for an unknown replica, InvalidRequestError for the last one."""
+        ...
+
+
+@runtime_checkable
+class Supervised(Protocol):
+    """The engine is watched and restarted when it dies.
+
+    `state`: stopped, starting, running, restarting or failed (dead for good).
+    """
+
+    state: str
+    state_detail: str
+
+    @property
+    def recovering(self) -> bool:
+        """Down now, but being brought back: hold requests rather than fail them."""
+        ...
+
+    def add_state_listener(self, listener: StateListener) -> None: ...
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The optional capabilities of one engine, found once; None where it has none."""
+
+    step_statistics: StepStatistics | None = None
+    step_samples: StepSamples | None = None
+    placement: Placement | None = None
+    capacity_changes: CapacityChanges | None = None
+    replica_admin: ReplicaAdmin | None = None
+    supervision: Supervised | None = None
+
+    @classmethod
+    def of(cls, engine: object) -> Capabilities:
+        return cls(
+            step_statistics=engine if isinstance(engine, StepStatistics) else None,
+            step_samples=engine if isinstance(engine, StepSamples) else None,
+            placement=engine if isinstance(engine, Placement) else None,
+            capacity_changes=engine if isinstance(engine, CapacityChanges) else None,
+            replica_admin=engine if isinstance(engine, ReplicaAdmin) else None,
+            supervision=engine if isinstance(engine, Supervised) else None,
+        )
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The capabilities present, by field name (for logs and tests)."""
+        return frozenset(k for k, v in vars(self).items() if v is not None)
+
+
+# -- shared guards --------------------------------------------------------------------------
+
+NOT_STARTED = "the engine has not started"
+NOT_RUNNING = "the engine is not running"
+
+
+def check_vocabulary(ids: Sequence[int], vocab_size: int | None) -> None:
+    """Every id is in the model's vocabulary (vocab_size None: the engine checks)."""
+    if vocab_size is not None and ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        bad = next(i for i in ids if not 0 <= i < vocab_size)
+        raise InvalidRequestError(
+            f"token id {bad} is not in the model's vocabulary (0 to {vocab_size - 1})")
+
+
+def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Prompt plus output fit the model's context."""
+    if prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_tokens} tokens and max_tokens asks for {max_tokens} more: "
+            "shorten the prompt or lower max_tokens", param="max_tokens"
+        )
+
+
+def check_min_tokens(sampling: SamplingOptions) -> None:
+    if sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens "
+            f"({sampling.max_tokens})", param="min_tokens"
+        )
+
+
+def check_request(request: EngineRequest, info: EngineInfo) -> None:
+    """What vLLM refuses when a request reaches it, refused here the same way."""
+    s, ids = request.sampling, request.prompt_token_ids
+    if s.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be at least 1, got {s.max_tokens}",
+                                  param="max_tokens")
+    if not ids:
+        raise InvalidRequestError("the prompt is empty")
+    check_vocabulary(ids, info.vocab_size)
+    check_context(len(ids), s.max_tokens, info.max_model_len)
+    check_min_tokens(s)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from server.engine.base import NOT_STARTED, ChatMessages, EngineError, EngineInfo, InvalidRequestError
+
 SAMPLES = (
     "Justitia schedules agents fairly.",
     "hello",
@@ -53,3 +55,37 @@ def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     except Exception:
         same = False
     return fast if same else slow
+
+
+class TokenizerEngine:
+    """What the engines that load the model's Hugging Face tokenizer share: `info`,
+    `tokenize` and the chat template, each refused with one message before `start`.
+
+    A subclass sets `_info`, `_tokenizer` and `_encode` (see `fast_encoder`) when it starts.
+    """
+
+    _info: EngineInfo | None = None
+    _tokenizer: Any = None
+    _encode: Callable[[str], list[int]] | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError(NOT_STARTED)
+        return self._info
+
+    def tokenize(self, text: str) -> list[int]:
+        if self._encode is None:
+            raise EngineError(NOT_STARTED)
+        return self._encode(text)
+
+    def apply_chat_template(self, messages: ChatMessages) -> str | None:
+        # Before start, or a model without a template (the embedded tiny one): None.
+        if not getattr(self._tokenizer, "chat_template", None):
+            return None
+        try:
+            return str(self._tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True))
+        except Exception as exc:  # a template refuses some conversations (roles out of order)
+            raise InvalidRequestError(
+                f"the model's chat template refuses these messages: {exc}") from exc

@@ -10,22 +10,26 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from server.engine.base import (
+    NOT_RUNNING,
     EngineError,
     EngineInfo,
     EngineOutput,
     EngineRequest,
     EngineStats,
     InvalidRequestError,
+    SampleListener,
     SamplingOptions,
     SequenceOutput,
+    StateListener,
+    StepListener,
     TokenLogprob,
 )
-from server.engine.tokens import fast_encoder
+from server.engine.tokens import TokenizerEngine, fast_encoder
 from server.scheduler.time_model import StepSample
 
 log = logging.getLogger("justitia.engine")
@@ -86,7 +90,7 @@ class _StatsCollector:
         self.iteration_time_s: float | None = None
         self._last_busy_step: float | None = None
         self.kv_capacity_tokens = 0
-        self.listeners: list = []
+        self.listeners: list[StepListener] = []
         # Listeners of whole step samples (duration and batch shape: the time model's input).
         self.sample_listeners: list[Callable[[StepSample], None]] = []
         self._step_gen_tokens = 0
@@ -266,8 +270,10 @@ def _token_logprob(token_id: int, step: dict[int, Any], k: int, tokenizer: Any) 
     return TokenLogprob(text(token_id, sampled), float(sampled.logprob), top)
 
 
-class LocalVLLMEngine:
+class LocalVLLMEngine(TokenizerEngine):
     """vLLM's AsyncLLM in this process (its engine core runs in a child process).
+
+    Capabilities (server/engine/base.py): `StepStatistics`, `StepSamples` and `Supervised`.
 
     A supervisor task watches the engine. When it dies, its requests fail with an
     `EngineError` (vLLM ends their streams) and the engine is restarted with exponential
@@ -279,22 +285,14 @@ class LocalVLLMEngine:
     def __init__(self, config: LocalEngineConfig) -> None:
         self.config = config
         self._llm: Any = None
-        self._info: EngineInfo | None = None
         self._stats = _StatsCollector()
-        self._tokenizer: Any = None
         self.state: EngineState = "stopped"
         self.state_detail = "the engine has not started"
         self._restarts_in_a_row = 0
         self._running_since = 0.0
         self._changed = asyncio.Event()
-        self._state_listeners: list[Callable[[str, str], None]] = []
-        self._supervisor: asyncio.Task | None = None
-
-    @property
-    def info(self) -> EngineInfo:
-        if self._info is None:
-            raise EngineError("the engine has not started")
-        return self._info
+        self._state_listeners: list[StateListener] = []
+        self._supervisor: asyncio.Task[None] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -305,7 +303,7 @@ class LocalVLLMEngine:
         """Down now, but being brought back: hold requests rather than fail them."""
         return self.state in ("starting", "restarting")
 
-    def add_state_listener(self, listener: Callable[[str, str], None]) -> None:
+    def add_state_listener(self, listener: StateListener) -> None:
         """Call `listener(state, detail)` on every change of `state`."""
         self._state_listeners.append(listener)
 
@@ -474,7 +472,7 @@ class LocalVLLMEngine:
         output tasks at the first request, and the first steps are slow)."""
         from vllm import SamplingParams
 
-        ids = self._encode("Justitia warms up the restarted engine.")
+        ids = self.tokenize("Justitia warms up the restarted engine.")
         params = SamplingParams(max_tokens=4, ignore_eos=True)
         async for _ in self._llm.generate({"prompt_token_ids": ids}, params,
                                           f"justitia-warmup-{time.monotonic_ns()}"):
@@ -484,18 +482,18 @@ class LocalVLLMEngine:
         """Wait while the engine (re)starts; EngineError once it will not run again."""
         while not self.healthy:
             if self.state in ("stopped", "failed"):
-                raise EngineError(f"the engine is not running: {self.state_detail}")
+                raise EngineError(f"{NOT_RUNNING}: {self.state_detail}")
             changed = self._changed
             try:  # a death not noticed yet leaves the state "running": look again soon
                 await asyncio.wait_for(changed.wait(), DEATH_POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
-    def add_step_listener(self, listener) -> None:
+    def add_step_listener(self, listener: StepListener) -> None:
         """Call `listener(step_seconds, kv_tokens_in_use)` after every busy engine step."""
         self._stats.listeners.append(listener)
 
-    def add_sample_listener(self, listener: Callable[[str, StepSample], None]) -> None:
+    def add_sample_listener(self, listener: SampleListener) -> None:
         """Call `listener(engine_name, sample)` after every busy engine step, with its
         duration and batch shape (the input of the scheduler's time model)."""
         self._stats.sample_listeners.append(lambda sample: listener(ENGINE_NAME, sample))
@@ -512,14 +510,6 @@ class LocalVLLMEngine:
             self._llm.shutdown()
             self._llm = None
 
-    def tokenize(self, text: str) -> list[int]:
-        if self._tokenizer is None:
-            raise EngineError("the engine has not started")
-        return self._encode(text)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids)
-
     def stats(self) -> EngineStats:
         return self._stats.snapshot()
 
@@ -527,7 +517,7 @@ class LocalVLLMEngine:
         if self.healthy:
             await self._llm.abort(request_id)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         if not self.healthy:
             await self._until_running()
         # vLLM's "the request is at fault" errors are not ValueErrors in every version.

@@ -1,0 +1,146 @@
+"""Side effects of agents' lives, as listeners of the live scheduler.
+
+The scheduler decides; what follows from its decisions elsewhere (a history row, a
+predictor's training sample, metrics) is done by listeners registered once when it is
+built. It calls each listener's `on_agent_registered`, `on_agent_ended` and
+`on_request_finished`, in registration order; a listener that fails is logged and the
+others still run: a side effect must never undo or block the scheduler's own decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from server.agents import AgentEntry
+    from server.engine.base import EngineOutput
+    from server.metrics import Metrics
+
+log = logging.getLogger("justitia.live")
+
+
+class AgentListener:
+    """What a listener may hear; each method does nothing unless overridden."""
+
+    def on_agent_registered(self, entry: AgentEntry) -> None:
+        """A new agent (state queued)."""
+
+    def on_agent_ended(self, entry: AgentEntry) -> None:
+        """The agent reached an end state (finished, failed, cancelled or expired)."""
+
+    def on_request_finished(self, entry: AgentEntry, out: EngineOutput) -> None:
+        """One of the agent's requests ended; `out` is its last output."""
+
+
+class AgentListeners(AgentListener):
+    """All the listeners, called in order; one listener's failure stops none of the rest."""
+
+    def __init__(self, listeners: list[AgentListener] | None = None) -> None:
+        self.listeners = list(listeners or [])
+
+    def add(self, listener: AgentListener) -> None:
+        self.listeners.append(listener)
+
+    def on_agent_registered(self, entry: AgentEntry) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_agent_registered(entry)
+            except Exception:
+                log.exception("%s failed on agent %s", type(listener).__name__, entry.id)
+
+    def on_agent_ended(self, entry: AgentEntry) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_agent_ended(entry)
+            except Exception:
+                log.exception("%s failed on agent %s", type(listener).__name__, entry.id)
+
+    def on_request_finished(self, entry: AgentEntry, out: EngineOutput) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_request_finished(entry, out)
+            except Exception:
+                log.exception("%s failed on a request of agent %s", type(listener).__name__,
+                              entry.id)
+
+
+class HistoryStore(Protocol):
+    """server/history.py's `History`, as far as the scheduler uses it."""
+
+    def record(self, entry: AgentEntry, *, urgent: bool = ...) -> concurrent.futures.Future[None]:
+        ...
+
+
+class HistoryWriter(AgentListener):
+    """Writes each ended agent to the history. `durable(entry)` returns once its row is
+    committed, so that an agent the API reported ended survives a kill right after."""
+
+    def __init__(self, history: HistoryStore) -> None:
+        self.history = history
+        # Writes the API has not yet waited for (finish and cancel wait for theirs).
+        self._writes: dict[str, concurrent.futures.Future[None]] = {}
+
+    def on_agent_ended(self, entry: AgentEntry) -> None:
+        # An untagged request's agent is nobody's to wait for.
+        write = self.history.record(entry, urgent=not entry.auto)
+        if not entry.auto:
+            self._writes[entry.id] = write
+            write.add_done_callback(lambda _, i=entry.id: self._writes.pop(i, None))
+
+    async def durable(self, entry: AgentEntry) -> None:
+        write = self._writes.pop(entry.id, None)
+        if write is None:
+            return
+        try:
+            await asyncio.wrap_future(write)
+        except Exception:  # logged by the writer; the agent's end stands
+            pass
+
+
+class Predictors(Protocol):
+    """predictors' `PredictorRegistry`, as far as the scheduler uses it."""
+
+    def get(self, agent_type: str, tenant: str | None = ...) -> Any: ...
+
+    def observe(self, agent_type: str, prompt: str, cost: float,
+                features: Mapping[str, Any] | None = ..., tenant: str | None = ...) -> None:
+        ...
+
+
+class PredictorFeedback(AgentListener):
+    """Gives each finished agent's real cost to its type's predictor. Only a complete run
+    is a training sample: a failed or cancelled agent's cost is that of the part it ran."""
+
+    def __init__(self, predictors: Predictors) -> None:
+        self.predictors = predictors
+
+    def on_agent_ended(self, entry: AgentEntry) -> None:
+        if entry.state != "finished" or not entry.requests:
+            return
+        features = {
+            "n_requests": len(entry.requests),
+            "output_tokens": sum(r.output_tokens for r in entry.requests),
+            "prompt_tokens": sum(r.prompt_tokens for r in entry.requests),
+        }
+        self.predictors.observe(entry.type, entry.prompt, entry.consumed_kv_cost, features,
+                                tenant=entry.tenant)
+
+
+class MetricsRecorder(AgentListener):
+    """Counts agents and requests in the Prometheus metrics (server/metrics.py)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def on_agent_registered(self, entry: AgentEntry) -> None:
+        self.metrics.agent_registered(entry)
+
+    def on_agent_ended(self, entry: AgentEntry) -> None:
+        self.metrics.agent_closed(entry)
+
+    def on_request_finished(self, entry: AgentEntry, out: EngineOutput) -> None:
+        self.metrics.request_finished(out)

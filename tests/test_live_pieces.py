@@ -1,0 +1,157 @@
+"""The live scheduler's pieces (docs/architecture.md, "The live scheduler"): the agent
+lifecycle's one transition function, admission, and the side effects as listeners; run
+in front of the fake engine (no vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from server.agent_listeners import AgentListener
+from server.agents import TERMINAL, AgentEntry
+from server.engine.base import EngineOutput, SamplingOptions
+from server.lifecycle import TRANSITIONS, AgentConflict, IllegalTransition, transition
+from server.limits import PerTenant, QuotaExceeded, Quotas
+from server.live import LiveConfig, LiveScheduler
+from tests.fake_engine import FakeEngine
+
+STATES = list(TRANSITIONS)
+
+
+def entry(state: str = "queued") -> AgentEntry:
+    e = AgentEntry(id="agt-1", type="t", tenant="x", prompt="p", metadata={},
+                   submitted_at=0.0, submitted_mono=0.0, predicted_cost=1.0)
+    e.state = state  # type: ignore[assignment]
+    return e
+
+
+@pytest.mark.parametrize("start", STATES)
+@pytest.mark.parametrize("to", STATES)
+def test_the_transition_function_applies_legal_moves_and_refuses_the_rest(start, to) -> None:
+    e = entry(start)
+    legal = (start, to) in {("queued", "running")} | {
+        (s, t) for s in ("queued", "running") for t in TERMINAL}
+    if not legal:
+        with pytest.raises(IllegalTransition, match=f"is {start}; it cannot become {to}"):
+            transition(e, to, wall=5.0, now=2.0)
+        assert e.state == start and e.finished_at is None
+        return
+    transition(e, to, wall=5.0, now=2.0)
+    assert e.state == to
+    assert (e.finished_at, e.last_activity_mono) == ((5.0, 2.0) if to in TERMINAL else (None, 0.0))
+
+
+def test_an_illegal_transition_is_a_conflict_for_the_api() -> None:
+    assert issubclass(IllegalTransition, AgentConflict)  # answered 409, never 500
+
+
+class Recorder(AgentListener):
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, str, str]] = []
+
+    def on_agent_registered(self, entry: AgentEntry) -> None:
+        self.heard.append(("registered", entry.id, entry.state))
+
+    def on_agent_ended(self, entry: AgentEntry) -> None:
+        self.heard.append(("ended", entry.id, entry.state))
+
+    def on_request_finished(self, entry: AgentEntry, out: EngineOutput) -> None:
+        self.heard.append(("request", entry.id, out.finish_reason or ""))
+
+
+class Broken(AgentListener):
+    def on_agent_ended(self, entry: AgentEntry) -> None:
+        raise RuntimeError("a listener's bug")
+
+
+def live_run(body: Callable[[LiveScheduler], Awaitable[Any]], *,
+             listeners: list[AgentListener] | None = None, **config: Any) -> Any:
+    async def main() -> Any:
+        engine = FakeEngine()
+        await engine.start()
+        live = LiveScheduler(engine, LiveConfig(**config), listeners=listeners)
+        try:
+            return await asyncio.wait_for(body(live), 20)
+        finally:
+            await live.close()
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+async def one_request(live: LiveScheduler, e: AgentEntry, rid: str, tokens: int = 5) -> int:
+    last = None
+    async for out in live.run(e, rid, (1, 5, 6, 7), SamplingOptions(max_tokens=tokens,
+                                                                    ignore_eos=True)):
+        last = out
+    assert last is not None
+    return last.output_tokens
+
+
+def test_listeners_hear_each_event_once_and_a_broken_one_stops_nothing() -> None:
+    recorder = Recorder()
+
+    async def body(live: LiveScheduler) -> AgentEntry:
+        e = live.register("t", "prompt", "x", predicted_cost=1e4)
+        assert await one_request(live, e, "r1") == 5
+        await live.finish(e)
+        # A second end (a cancel racing the finish) is refused by the lifecycle, and the
+        # listeners do not hear the agent end twice.
+        with pytest.raises(AgentConflict):
+            await live.cancel(e)
+        with pytest.raises(IllegalTransition):
+            live._close(e, "cancelled")
+        return e
+
+    e = live_run(body, listeners=[Broken(), recorder])
+    assert e.state == "finished" and e.finished_at is not None
+    assert recorder.heard == [("registered", e.id, "queued"), ("request", e.id, "length"),
+                              ("ended", e.id, "finished")]
+
+
+def test_an_agent_runs_once_admitted_and_a_failed_one_keeps_its_error() -> None:
+    async def body(live: LiveScheduler) -> tuple[list[str], AgentEntry]:
+        e = live.register("t", "prompt", "x", predicted_cost=1e4)
+        seen = [e.state]
+        await one_request(live, e, "r1")
+        seen.append(e.state)
+        await live.finish(e, error="ValueError: boom")
+        seen.append(e.state)
+        return seen, e
+
+    seen, e = live_run(body)
+    assert seen == ["queued", "running", "failed"] and e.error == "ValueError: boom"
+
+
+def test_paused_admission_holds_requests_and_resume_admits_them() -> None:
+    async def body(live: LiveScheduler) -> tuple[str, int, int]:
+        e = live.register("t", "prompt", "x", predicted_cost=1e4)
+        live.pause()
+        task = asyncio.create_task(one_request(live, e, "held"))
+        await asyncio.sleep(0.05)
+        held = (e.state, live.dispatcher.pending_count)
+        live.resume()
+        tokens = await task
+        return held[0], held[1], tokens
+
+    assert live_run(body) == ("queued", 1, 5)
+
+
+def test_the_queued_quota_is_counted_by_admission_and_given_back() -> None:
+    quotas = Quotas(queued_requests=PerTenant(1, {}))
+
+    async def body(live: LiveScheduler) -> int:
+        e = live.register("t", "prompt", "x", predicted_cost=1e4)
+        live.pause()
+        first = asyncio.create_task(one_request(live, e, "a"))
+        await asyncio.sleep(0.02)
+        with pytest.raises(QuotaExceeded):
+            await one_request(live, e, "b")
+        live.resume()
+        await first
+        return await one_request(live, e, "c")  # the quota was given back
+
+    assert live_run(body, quotas=quotas) == 5
