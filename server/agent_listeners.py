@@ -89,7 +89,12 @@ class HistoryWriter(AgentListener):
         write = self.history.record(entry, urgent=not entry.auto)
         if not entry.auto:
             self._writes[entry.id] = write
-            write.add_done_callback(lambda _, i=entry.id: self._writes.pop(i, None))
+            agent_id = entry.id
+
+            def forget(_: object) -> None:
+                self._writes.pop(agent_id, None)
+
+            write.add_done_callback(forget)
 
     async def durable(self, entry: AgentEntry) -> None:
         write = self._writes.pop(entry.id, None)

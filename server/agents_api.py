@@ -93,7 +93,8 @@ class AgentFinish(RequestBody):
 MAX_WATCH_IDS = 1000
 
 
-_EVENTS = {200: {"description": "Server-sent events: `event: agent` with the record as `data`, "
+_EVENTS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Server-sent events: `event: agent` with the record as `data`, "
                               "at every change until the agent ends; `: keep-alive` comments "
                               "every 15 s",
                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}

@@ -22,12 +22,13 @@ here; the dispatcher gets `now` as an argument.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -326,7 +327,7 @@ class LiveScheduler:
         return list(self._by_tenant.get(tenant, {}).values())
 
     def page(self, tenant: str, limit: int, after: int = 0,
-             state: str | None = None) -> tuple[list[AgentEntry], int | None]:
+             state: str | None = None) -> tuple[builtins.list[AgentEntry], int | None]:
         """Up to `limit` of the tenant's agents registered after the one numbered `after`
         (`entry.seq`), and the number to continue after (None on the last page). O(log n +
         what it reads), whatever the tenant holds."""
@@ -477,7 +478,7 @@ class LiveScheduler:
         request_id: str,
         prompt_token_ids: tuple[int, ...],
         sampling: SamplingOptions,
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Queue one request of `entry`, wait for admission, then stream it from the engine.
 
         Whatever ends the request (completion, a cancelled consumer, the agent's cancel,
@@ -596,7 +597,7 @@ class LiveScheduler:
         *,
         interval_s: float = 0.25,
         heartbeat_s: float = 15.0,
-    ) -> AsyncIterator[list[AgentRecord] | None]:
+    ) -> AsyncIterator[builtins.list[AgentRecord] | None]:
         """The records of a tenant's agents (all, or those in `ids`) as they change: first
         the live ones, then at most one batch per `interval_s` of those that changed (None:
         heartbeat). One stream serves a whole batch of agents, so a client watching 10,000

@@ -65,7 +65,7 @@ class _SchedulerCollector:
         yield from _time_model_gauges(s)
 
 
-def _time_model_gauges(s: "LiveScheduler"):
+def _time_model_gauges(s: LiveScheduler):
     """The fitted step-time model of each engine: coefficients and recent error."""
     coef = GaugeMetricFamily("justitia_time_model_coefficient",
                              "Fitted engine step-time coefficient (seconds per unit of the term).",

@@ -223,7 +223,7 @@ async def completions(
     if body.stream:
 
         async def chunks() -> AsyncIterator[dict]:
-            news, offsets = _News(), defaultdict(int)
+            news, offsets = _News(), defaultdict[int, int](int)
             async for out in service.stream(prepared, agent):
                 choices = []
                 for q, finish, _ in news.of(out):

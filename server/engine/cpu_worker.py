@@ -56,7 +56,6 @@ class SeedSafeCPUModelRunner(CPUModelRunner):
 
     def _sample(self, logits: Any, spec_decode_metadata: Any) -> Any:
         saved = {i: g.get_state() for i, g in self._discarded_generators().items()}
-        if saved: print("JDEBUG discard", list(saved), flush=True)
         try:
             return super()._sample(logits, spec_decode_metadata)
         finally:

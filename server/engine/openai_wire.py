@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,7 +89,7 @@ class RemoteSequences:
 
 async def read_stream(
     resp: aiohttp.ClientResponse, k: int = 0,
-) -> AsyncIterator[tuple[dict[int, _ChoiceUpdate], int | None]]:
+) -> AsyncGenerator[tuple[dict[int, _ChoiceUpdate], int | None], None]:
     """(what each choice added, usage's token count) once per network read; `k`: the
     alternatives per token asked for (logprobs).
 

@@ -252,7 +252,7 @@ class _Sequences:
         if self._logprobs is None or not c.logprobs:
             return ()
         return tuple(_token_logprob(tid, step, self._logprobs, self._tokenizer)
-                     for tid, step in zip(c.token_ids[sent:], c.logprobs[sent:]))
+                     for tid, step in zip(c.token_ids[sent:], c.logprobs[sent:], strict=True))
 
 
 def _token_logprob(token_id: int, step: dict[int, Any], k: int, tokenizer: Any) -> TokenLogprob:

@@ -24,10 +24,10 @@ import json
 import random
 import tempfile
 import time
-from typing import Any
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
