@@ -118,7 +118,7 @@ async def register_agent(body: AgentCreate, request: Request,
     return s.record(entry)
 
 
-@router.get("/v1/agents", response_model=AgentList, responses=errors.responses(401))
+@router.get("/v1/agents", response_model=AgentList, responses=errors.responses(400, 401))
 async def list_agents(request: Request, tenant: str = Depends(tenant_of),
                       state: str | None = Query(default=None),
                       limit: int = Query(default=DEFAULT_PAGE, ge=1, le=MAX_PAGE,
@@ -130,7 +130,7 @@ async def list_agents(request: Request, tenant: str = Depends(tenant_of),
     """The caller's agents in registration order, a page at a time."""
     after = 0
     if cursor is not None:
-        if not cursor.isdigit():
+        if not cursor.isdigit() or int(cursor) >= 2**63:
             raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
         after = int(cursor)
     s = _scheduler(request)
@@ -192,7 +192,7 @@ async def agent_events(agent_id: str, request: Request,
 
 
 @router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord,
-             responses=errors.responses(401, 404, 409))
+             responses=errors.responses(400, 401, 404, 409))
 async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of),
                        body: AgentFinish | None = None) -> AgentRecord:
     """The agent is done: `finished`, or `failed` with `{"error": "..."}` when its code
@@ -296,7 +296,7 @@ async def history_samples(request: Request, tenant: str = Depends(tenant_of),
     a page at a time (`next_cursor`: null on the last page)."""
     after = 0
     if cursor is not None:
-        if not cursor.isdigit():
+        if not cursor.isdigit() or int(cursor) >= 2**63:
             raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
         after = int(cursor)
     history = request.app.state.history

@@ -37,6 +37,15 @@ class Flaky(Exception):
 _flaky_calls: dict[int, int] = {}
 
 
+@agent("robust_long")
+async def long_run(i: int) -> str:
+    """Several long requests one after another: many seconds, whatever the engine's speed."""
+    out = ""
+    for k in range(6):
+        out += await llm(f"go on {i} {k}", max_tokens=1800, ignore_eos=True)
+    return out
+
+
 @agent("robust_flaky")
 async def flaky(i: int) -> str:
     _flaky_calls[i] = _flaky_calls.get(i, 0) + 1
@@ -140,7 +149,7 @@ def test_ctrl_c_in_the_sync_client_cancels_the_batch_on_the_server_and_keeps_res
 def test_sync_as_completed_yields_runs_as_they_end(server) -> None:
     with Client(server.url) as client:
         seen = []
-        for handle in client.as_completed(slow, [{"i": 0, "tokens": 300}, {"i": 1, "tokens": 2}],
+        for handle in client.as_completed([long_run, slow], [{"i": 0}, {"i": 1, "tokens": 2}],
                                           progress=False):
             seen.append((handle.index, handle.status))
     assert seen == [(1, "finished"), (0, "finished")]
@@ -163,7 +172,7 @@ def test_leaving_as_completed_early_cancels_the_rest(server) -> None:
 async def test_async_batch_context_gives_results_as_they_complete(server) -> None:
     async with AsyncClient(server.url) as client:
         order = []
-        async with client.batch(slow, [{"i": 0, "tokens": 300}, {"i": 1, "tokens": 2}],
+        async with client.batch([long_run, slow], [{"i": 0}, {"i": 1, "tokens": 2}],
                                 progress=False) as batch:
             async for handle in batch.as_completed():
                 order.append(handle.index)
@@ -172,8 +181,8 @@ async def test_async_batch_context_gives_results_as_they_complete(server) -> Non
 
 async def test_per_agent_timeout_cancels_the_run_on_the_server(server) -> None:
     async with AsyncClient(server.url) as client:
-        batch = await client.submit_many(slow, [{"i": 0, "tokens": 1500}, {"i": 1, "tokens": 2}],
-                                         timeout=1.0, progress=False)
+        batch = await client.submit_many([long_run, slow], [{"i": 0}, {"i": 1, "tokens": 2}],
+                                         timeout=1.5, progress=False)
         assert batch[1].status == "finished"
         assert batch[0].status == "timed out" and isinstance(batch[0].error, AgentTimeoutError)
         assert isinstance(batch[0].error, TimeoutError)
