@@ -283,3 +283,35 @@ def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:
     for i in range(3):
         agent = d.agents[f"a{i}"]
         assert agent.fair_at == pytest.approx(d.clock.finish_time(f"a{i}", agent.virtual_finish, 0.5))
+
+
+def test_the_bounds_rate_is_a_sustained_stretch_not_single_prefill_samples() -> None:
+    """Issue 18, live: a step that prefills a newly admitted stage holds little of the memory
+    reserved for it, so its tau sample reads many times the sustained tau; the p90 of single
+    samples made deadlines of 10^5 s for agents that finished in 100 s."""
+    est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.01, half_life_s=1e9)
+    for _ in range(40):
+        for _ in range(4):
+            est.observe_step(0.01, kv_in_use=1000)
+        est.observe_step(0.02, kv_in_use=10, kv_reserved=1000)  # a sample of 2 s
+    bound_tau = est.promise_times()["bound_tau"]
+    assert est.tau_s < bound_tau < 3 * est.tau_s  # the p90 of the samples: 2 s, 70 x tau
+
+
+def test_a_burst_that_has_just_begun_widens_the_promise() -> None:
+    """Issue 18's contended run: agents registered in the first tenth of a second of a burst
+    were promised as if the load were light, and the fifth broke its promise."""
+    d = Dispatcher("justitia", 1000, 0.1)
+    first = d.register_agent("a0", 10_000.0, 0.0)
+    assert first.promise == "firm"  # nothing has arrived: no sign of load
+    for i in range(1, 5):
+        d.register_agent(f"a{i}", 1_000.0, 0.05 * i)  # 20% of the rate, over a 2 s floor
+    d.refresh_etas(0.2)
+    v = d.register_agent("a5", 10_000.0, 0.2)
+    assert v.promise == "widened" and "arrivals measured over 0.2 s" in v.promise_reason
+    # the same arrivals spread over a long history: a firm promise
+    d = Dispatcher("justitia", 1000, 0.1)
+    for i in range(5):
+        d.register_agent(f"a{i}", 1_000.0, 20.0 * i)
+    d.refresh_etas(100.0)
+    assert d.register_agent("late", 10_000.0, 100.0).promise == "firm"

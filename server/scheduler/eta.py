@@ -34,7 +34,7 @@ from typing import Any, Protocol, cast
 # No more than this share of the engine is assumed to go to work arriving ahead of an agent:
 # beyond it the long-run load exceeds the rate, no finite promise holds, and deadlines say so.
 MAX_ARRIVAL_SHARE = 0.9
-PROMISE_MIN_SPAN_S = 2.0  # the shortest history a promise's arrival rate is taken over
+PROMISE_MIN_SPAN_S = 2.0
 
 
 class IterationTimeModel(Protocol):
@@ -117,6 +117,10 @@ class WorkArrivals:
         # the rate of a stream 5 s old and promise too early): pessimistic, not smooth.
         self.promise_rate = max(self._rate(now, self.window_s, PROMISE_MIN_SPAN_S),
                                 self._rate(now, self.long_window_s, PROMISE_MIN_SPAN_S))
+
+    def history_s(self, now: float) -> float | None:
+        """How long arrivals have been measured for (None: none arrived yet)."""
+        return None if self._first is None else max(0.0, now - self._first)
 
     def ahead(self, gap: float) -> float:
         """Rate of arriving work from agents of cost below `gap` (they go entirely ahead)."""

@@ -26,7 +26,7 @@ dispatcher the bound's iteration time as the larger of the p90 of the recent raw
 and the slowest mean over 32 consecutive steps (a critical path is a sum of many steps, and
 long prefill steps make the mean heavier than the p90), and its rate from the slower of tau
 scaled by the same percentile over the median (a slow stretch of steps slows the rate as much)
-and the p90 of the recent tau samples. Until a step with a full-enough cache has been measured,
+and the slowest tau sustained over 64 consecutive measured steps. Until a step with a full-enough cache has been measured,
 tau is only the initial guess: promises are then widened (`COLD_WIDENING` times the guess) and
 say so.
 """
@@ -40,6 +40,7 @@ from typing import TypedDict
 
 COLD_WIDENING = 3.0  # deadlines assume this many times the initial tau until tau is measured
 PESSIMISTIC_QUANTILE = 0.9
+RATE_STRETCH_STEPS = 64  # the bound's rate: the slowest stretch of this many measured steps
 
 
 class PromiseTimes(TypedDict):
@@ -62,7 +63,8 @@ class TauEstimator:
     _weight: float = 0.0  # decayed busy seconds observed
     _weighted_tau: float = 0.0  # decayed full-cache iterations served (sum of duration / sample)
     _steps: collections.deque[float] = field(default_factory=collections.deque)
-    _samples: collections.deque[float] = field(default_factory=collections.deque)  # recent tau samples
+    # recent measured steps: (duration, full-cache iterations served)
+    _samples: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
 
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.step_window)
@@ -77,7 +79,7 @@ class TauEstimator:
         if duration_s <= 0 or kv_in_use <= 0 or fill < self.min_fill * self.kv_capacity_tokens:
             return
         sample = duration_s * fill / kv_in_use
-        self._samples.append(sample)
+        self._samples.append((duration_s, duration_s / sample))
         decay = 0.5 ** (duration_s / self.half_life_s)
         self._weight = self._weight * decay + duration_s
         # What a full cache serves in this step, in full-cache iterations (duration / sample):
@@ -120,6 +122,20 @@ class TauEstimator:
             return sum(xs) / len(xs) if xs else 0.0
         return max(sum(xs[i:i + steps]) / steps for i in range(0, len(xs) - steps + 1, steps))
 
+    def _slowest_rate_stretch(self, steps: int = RATE_STRETCH_STEPS) -> float:
+        """The slowest tau over `steps` consecutive measured steps (busy time over the
+        full-cache iterations they served). Not a percentile of single samples: a step that
+        prefills a newly admitted stage holds little of the memory reserved for it, and its
+        sample reads many times the tau a stretch sustains (live, the p90 of single samples
+        made deadlines of 10^5 s for agents that finished in 100 s, issue 18)."""
+        pairs = list(self._samples)
+        if not pairs:
+            return self.tau_s
+        if len(pairs) < steps:
+            steps = len(pairs)
+        return max(sum(d for d, _ in pairs[i:i + steps]) / sum(it for _, it in pairs[i:i + steps])
+                   for i in range(0, len(pairs) - steps + 1, steps))
+
     def promise_times(self) -> PromiseTimes:
         """Keyword arguments of `Dispatcher.set_iteration_time` beyond tau: the pessimistic
         rate and iteration time of the bound, the typical step for ETAs, and the uncertainty
@@ -137,14 +153,12 @@ class TauEstimator:
                                 f"{COLD_WIDENING:g}x the initial iteration time"),
             }
         # The rate a promise may count on: the slower of tau scaled by the steps' spread and
-        # the p90 of the recent tau samples (how much KV time a step serves varies with how
-        # full the cache is of reservations that are not yet in use, not only with step time).
+        # the slowest stretch of measured steps (how much KV time a step serves varies with
+        # how full the cache is of reservations not yet in use, not only with step time).
         # measured: a step was recorded (observe_step keeps every step it measures by)
         assert high is not None
-        samples = sorted(self._samples)
-        high_tau = samples[min(len(samples) - 1, int(PESSIMISTIC_QUANTILE * len(samples)))]
         return {
-            "bound_tau": max(self.tau_s * spread, high_tau),
+            "bound_tau": max(self.tau_s * spread, self._slowest_rate_stretch()),
             "bound_iteration_s": max(high, self._slowest_stretch()),
             "typical_iteration_s": median,
             "uncertainty": None,
