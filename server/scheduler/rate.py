@@ -26,8 +26,8 @@ dispatcher the bound's iteration time as the larger of the p90 of the recent raw
 and the slowest mean over 32 consecutive steps (a critical path is a sum of many steps, and
 long prefill steps make the mean heavier than the p90), and its rate from the slower of tau
 scaled by the same percentile over the median (a slow stretch of steps slows the rate as much)
-and the slowest tau sustained over 64 consecutive measured steps. Until a step with a full-enough cache has been measured,
-tau is only the initial guess: promises are then widened (`COLD_WIDENING` times the guess) and
+and the slowest tau sustained over 64 consecutive measured steps. Until a step with a
+full-enough cache has been measured, tau is only the initial guess: promises are then widened (`COLD_WIDENING` times the guess) and
 say so.
 """
 
