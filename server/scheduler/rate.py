@@ -27,8 +27,8 @@ and the slowest mean over 32 consecutive steps (a critical path is a sum of many
 long prefill steps make the mean heavier than the p90), and its rate from the slower of tau
 scaled by the same percentile over the median (a slow stretch of steps slows the rate as much)
 and the slowest tau sustained over 64 consecutive measured steps. Until a step with a
-full-enough cache has been measured, tau is only the initial guess: promises are then widened (`COLD_WIDENING` times the guess) and
-say so.
+full-enough cache has been measured, tau is only the initial guess: promises are then
+widened (`COLD_WIDENING` times the guess) and say so.
 """
 
 from __future__ import annotations
