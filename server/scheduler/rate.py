@@ -24,9 +24,8 @@ samples (which long prefill steps with little KV in use would dominate).
 Deadlines must hold on the engine as it runs, not on average: `promise_times` gives the
 dispatcher the bound's iteration time as the larger of the p90 of the recent raw step times
 and the slowest mean over 32 consecutive steps (a critical path is a sum of many steps, and
-long prefill steps make the mean heavier than the p90), and its rate from the slower of tau
-scaled by the same percentile over the median (a slow stretch of steps slows the rate as much)
-and the slowest tau sustained over 64 consecutive measured steps. Until a step with a
+long prefill steps make the mean heavier than the p90), and its rate from the slowest tau
+sustained over 64 consecutive measured steps (at least tau). Until a step with a
 full-enough cache has been measured, tau is only the initial guess: promises are then
 widened (`COLD_WIDENING` times the guess) and say so.
 """
@@ -133,8 +132,9 @@ class TauEstimator:
             return self.tau_s
         if len(pairs) < steps:
             steps = len(pairs)
+        # windows aligned on the newest step: the latest stretch always counts
         return max(sum(d for d, _ in pairs[i:i + steps]) / sum(it for _, it in pairs[i:i + steps])
-                   for i in range(0, len(pairs) - steps + 1, steps))
+                   for i in range(len(pairs) % steps, len(pairs) - steps + 1, steps))
 
     def promise_times(self) -> PromiseTimes:
         """Keyword arguments of `Dispatcher.set_iteration_time` beyond tau: the pessimistic
@@ -142,23 +142,24 @@ class TauEstimator:
         that widens promises (None when they are firm)."""
         median = self.step_quantile(0.5)
         high = self.step_quantile(PESSIMISTIC_QUANTILE)
-        spread = high / median if median and high else 1.0
         if not self.measured:
             guess = COLD_WIDENING * self.tau_s
             return {
-                "bound_tau": guess * spread,
+                "bound_tau": guess,
                 "bound_iteration_s": max(guess, high or 0.0),
                 "typical_iteration_s": median,
                 "uncertainty": (f"the engine's rate is not measured yet: the deadline assumes "
                                 f"{COLD_WIDENING:g}x the initial iteration time"),
             }
-        # The rate a promise may count on: the slower of tau scaled by the steps' spread and
-        # the slowest stretch of measured steps (how much KV time a step serves varies with
-        # how full the cache is of reservations not yet in use, not only with step time).
+        # The rate a promise may count on: the slowest stretch of measured steps. Not tau
+        # scaled by the spread of single steps (p90 over median): on a mix of prefill and
+        # decode steps that ratio reads 10-20 whatever the rate, and tau already averages
+        # the two kinds of step; how much KV time a step serves varies with how full the
+        # cache is of reservations not yet in use, which a stretch of steps measures.
         # measured: a step was recorded (observe_step keeps every step it measures by)
         assert high is not None
         return {
-            "bound_tau": max(self.tau_s * spread, self._slowest_rate_stretch()),
+            "bound_tau": max(self.tau_s, self._slowest_rate_stretch()),
             "bound_iteration_s": max(high, self._slowest_stretch()),
             "typical_iteration_s": median,
             "uncertainty": None,
