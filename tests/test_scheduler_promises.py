@@ -319,3 +319,18 @@ def test_a_burst_that_has_just_begun_widens_the_promise() -> None:
         d.register_agent(f"a{i}", 1_000.0, 20.0 * i)
     d.refresh_etas(100.0)
     assert d.register_agent("late", 10_000.0, 100.0).promise == "firm"
+
+
+def test_the_eta_does_not_project_a_burst_without_end() -> None:
+    """Issue 18's contended run: 48 agents within 2.4 s, then nothing. Projected without end,
+    the burst's rate left the last agents a tenth of the engine and their ETAs read ten times
+    their JCTs; arrivals are now assumed to go on for as long as they have been measured."""
+    d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
+    for i in range(20):  # 100,000 units within a second
+        d.register_agent(f"s{i}", 5_000.0, 0.05 * i)
+    d.register_agent("big", 50_000.0, 1.0)
+    d.refresh_etas(1.0)
+    eta = d.view("big", 1.0).eta_s
+    # the work known is 15 s at full rate; the same burst again over the 10 s the rate is
+    # measured over adds 9 s; projected without end (a tenth of R): 150 s
+    assert 15.0 <= eta <= 25.0, eta

@@ -563,6 +563,7 @@ class Dispatcher:
         gap, costs, cprefix = policy.arrival_gap, self.arrivals._costs, self.arrivals._prefix
         scale = self.arrivals.rate / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
         cap = MAX_ARRIVAL_SHARE * rate
+        span = self.arrivals.span_s
         total = 0.0
         for k, i in enumerate(order):
             a = agents[i]
@@ -573,6 +574,8 @@ class Dispatcher:
             g = gap(a, v) if scale else 0.0
             arriving = scale * cprefix[bisect_left(costs, g)] if g > 0.0 else 0.0
             r = rate - (arriving if arriving < cap else cap)
+            if arriving > 0.0 and total + own > r * span:  # arrivals end after `span` (served_by)
+                r = (total + own) / max(span, (total + own + arriving * span) / rate)
             shape = a.shape
             if shape.critical_path_tokens is not None:
                 left = own / charged if charged > 0.0 else 1.0
@@ -631,7 +634,8 @@ class Dispatcher:
         own = max(0.0, agent.charged_cost - agent.consumed_cost)
         v = self.clock.peek(now).V
         ahead = self.arrivals.ahead(self.policy.arrival_gap(agent, v))
-        return eta_of(now, before, own, self.rate, ahead, self._critical_path_s(agent, self._iteration_s()))
+        return eta_of(now, before, own, self.rate, ahead, self._critical_path_s(agent, self._iteration_s()),
+                      self.arrivals.span_s)
 
     def view(self, agent_id: str, now: float) -> AgentView:
         """The agent's record: tag, costs and times (seconds from its submission)."""

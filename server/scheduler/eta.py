@@ -13,8 +13,10 @@ time of its remaining critical path (its declared shape, `AgentShape`, else the 
 decode of its known requests) at the time model's iteration time, and R_j = R - a_j: the
 engine's rate R = M / tau minus the rate a_j of work that will arrive *ahead of j* while it
 waits (new agents the policy orders before j: under justitia, those whose cost is below
-j's tag minus V, halved for the wait; none under fcfs). The arrival rate of work and its cost distribution are
-measured over the recent registrations (`WorkArrivals`).
+j's tag minus V, halved for the wait; none under fcfs), for as long as arrivals have been
+measured (at least 10 s, at most the 60 s window): then at full rate again (`served_by`).
+The arrival rate of work and its cost distribution are measured over the recent
+registrations (`WorkArrivals`).
 
 The pass keeps its sorted keys and prefix sums, so the ETA of an agent registered since (or
 a view between two passes) is one binary search: O(log N). `Dispatcher.refresh_etas(now)`
@@ -84,6 +86,7 @@ class WorkArrivals:
     _costs: list[float] = field(default_factory=list)
     _prefix: list[float] = field(default_factory=list)
     rate: float = 0.0  # cost units arriving per second, recent window
+    span_s: float = 0.0  # the time `rate` was measured over (ETAs assume it goes on this long)
     promise_rate: float = 0.0  # max(rate, the long window's)
 
     def add(self, t: float, cost: float) -> None:
@@ -113,6 +116,8 @@ class WorkArrivals:
             self.rate = self.promise_rate = 0.0
             return
         self.rate = self._rate(now, self.window_s, self.min_window_s)
+        first = now if self._first is None else self._first
+        self.span_s = max(self.min_window_s, min(self.window_s, now - first))
         # A promise takes the rate over the history there is (a floor of 10 s would halve
         # the rate of a stream 5 s old and promise too early): pessimistic, not smooth.
         self.promise_rate = max(self._rate(now, self.window_s, PROMISE_MIN_SPAN_S),
@@ -153,9 +158,22 @@ class EtaPass:
         return self.prefix[bisect.bisect_left(self.keys, key)]
 
 
+def served_by(work: float, rate: float, arriving: float, span_s: float) -> float:
+    """Seconds until `work` is served at `rate` while work arriving ahead at `arriving`
+    per second for at most `span_s` more seconds takes its share first.
+
+    Arrivals are assumed to go on for as long as they have been measured (`span_s`), not
+    forever: the rate of a burst, projected without end, made the ETAs of the last agents
+    of a 2.4 s burst ten times their JCTs (issue 18's contended run)."""
+    r = rate - min(arriving, MAX_ARRIVAL_SHARE * rate)
+    t = work / r
+    if t <= span_s or arriving <= 0.0:
+        return t
+    return max(span_s, (work + arriving * span_s) / rate)
+
+
 def eta_of(now: float, before: float, own: float, rate: float, arrivals_ahead: float,
-           critical_path_s: float) -> float:
+           critical_path_s: float, span_s: float = float("inf")) -> float:
     """The ETA formula of the module docstring for one agent."""
-    r = rate - min(arrivals_ahead, MAX_ARRIVAL_SHARE * rate)
-    start = before / r
-    return now + max((before + own) / r, start + critical_path_s)
+    start = served_by(before, rate, arrivals_ahead, span_s)
+    return now + max(served_by(before + own, rate, arrivals_ahead, span_s), start + critical_path_s)
