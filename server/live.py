@@ -66,6 +66,7 @@ from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus,
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
+from server.type_shapes import TypeShapes
 
 if TYPE_CHECKING:
     from server.history import History
@@ -160,7 +161,9 @@ class LiveScheduler:
         )
         self._history_writer = HistoryWriter(history) if history is not None else None
         self.listeners = AgentListeners()
-        for listener in (self._history_writer,
+        # Types' typical shapes, for the bounds of agents that declare none (type_shapes.py).
+        self.type_shapes = TypeShapes()
+        for listener in (self._history_writer, self.type_shapes,
                          PredictorFeedback(predictors) if predictors is not None else None,
                          MetricsRecorder(metrics) if metrics is not None else None,
                          *(listeners or [])):
@@ -273,7 +276,8 @@ class LiveScheduler:
             cost_source = "request" if auto else "declared"
         agent_id = new_agent_id()
         view = self.dispatcher.register_agent(
-            agent_id, predicted_cost, now, agent_type=agent_type, shape=_shape(metadata), tenant=tenant
+            agent_id, predicted_cost, now, agent_type=agent_type, tenant=tenant,
+            shape=_shape(metadata) or self.type_shapes.typical(tenant, agent_type),
         )
         entry = AgentEntry(
             id=agent_id,

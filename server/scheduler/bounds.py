@@ -42,8 +42,9 @@ class AgentShape:
     """What is known of an agent's structure when it is admitted.
 
     stages: number of sequential stages; critical_path_tokens: sum over stages of the longest
-    output of the stage. The live server, which sees requests only as they come, uses the
-    default: one stage whose longest decode is d_max.
+    output of the stage. The live server uses what the agent declared, else its type's
+    typical shape (server/type_shapes.py), else this default: one stage whose longest
+    decode is d_max.
     """
 
     stages: int = 1

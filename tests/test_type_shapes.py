@@ -1,0 +1,53 @@
+"""Types' typical shapes (server/type_shapes.py): agents that declare no shape are bounded by
+the stages their type's earlier agents really ran (issue 18: a multi-stage agent without a
+declared shape was bounded as one stage, and could break its promise by its own structure)."""
+
+from __future__ import annotations
+
+import httpx
+
+from server.agents import RequestLog
+from server.type_shapes import infer_shape
+from tests.fake_engine import FakeServer
+from tests.test_agents_api import complete, register
+
+
+def log(submitted: float, finished: float, out: int) -> RequestLog:
+    return RequestLog("r", prompt_tokens=10, output_tokens=out, submitted_s=submitted,
+                      admitted_s=submitted, finished_s=finished, finish_reason="length")
+
+
+def test_stages_are_told_apart_by_requests_that_ran_together() -> None:
+    # stage 1: three parallel requests (longest 30); stage 2: one of 50; stage 3: two (20, 5)
+    shape = infer_shape([log(0.0, 1.0, 10), log(0.1, 2.0, 30), log(0.0, 1.5, 12),
+                         log(2.5, 4.0, 50),
+                         log(4.1, 5.0, 20), log(4.2, 4.5, 5)])
+    assert shape is not None and shape.stages == 3 and shape.critical_path_tokens == 30 + 50 + 20
+    assert infer_shape([]) is None
+    assert infer_shape([log(0.0, 1.0, 7)]).critical_path_tokens == 7  # type: ignore[union-attr]
+
+
+def _run_three_stages(c: httpx.Client, type_: str) -> None:
+    rec = register(c, type_=type_)
+    for _ in range(3):
+        assert complete(c, rec["id"], 6).status_code == 200
+    assert c.post(f"/v1/agents/{rec['id']}/finish").status_code == 200
+
+
+def test_a_types_served_stages_shape_the_bound_of_its_next_agents(tmp_path) -> None:
+    keys = {"key-a": "alpha", "key-b": "beta"}  # key -> tenant
+    with FakeServer(tmp_path, api_keys=keys) as srv:
+        a = httpx.Client(base_url=srv.url, timeout=20, headers={"Authorization": "Bearer key-a"})
+        b = httpx.Client(base_url=srv.url, timeout=20, headers={"Authorization": "Bearer key-b"})
+        with a, b:
+            before = register(a, type_="looper")
+            for _ in range(3):
+                _run_three_stages(a, "looper")
+            after = register(a, type_="looper")
+            other_tenant = register(b, type_="looper")
+            declared = register(a, type_="looper", metadata={"stages": 1, "critical_path_tokens": 6})
+    # three stages of one request each: the bound now covers three stage releases, where
+    # the first agent's covered one; another tenant's agents of the same name do not learn it
+    assert after["delay_bound_s"] > before["delay_bound_s"]
+    assert other_tenant["delay_bound_s"] < after["delay_bound_s"]
+    assert declared["delay_bound_s"] < after["delay_bound_s"]  # a declared shape wins
