@@ -92,6 +92,7 @@ class AgentEntry:
     final_view: dict[str, Any] | None = None
     version: int = 0
     seq: int = 0  # registration order in this server (the cursor of GET /v1/agents)
+    held_bytes: int = 0  # its prompt and metadata, against the tenant's --max-agent-bytes
     # Made only while someone watches (SSE): touch() runs several times per request.
     _changed: asyncio.Event | None = None
     # The scheduler's change feed (multiplexed event streams of the agent's tenant).

@@ -83,6 +83,11 @@ def register(commands: Commands) -> None:
                        help="per-tenant quota of requests waiting for admission; requests over "
                             "it get 429 with Retry-After (same syntax as --max-agents; default: "
                             "no quota)")
+    serve.add_argument("--max-agent-bytes", action="append", default=[], metavar="[TENANT=]SIZE",
+                       help="per-tenant quota of memory held by live agents: the bytes of their "
+                            "kept prompts (up to 64 KiB each) and metadata (up to 64 KiB each); "
+                            "registrations over it get 429 with Retry-After. SIZE: bytes, or with "
+                            "K/M/G (e.g. 64M); same syntax as --max-agents (default: no quota)")
     serve.add_argument("--engine-url", action="append", default=[], metavar="URL",
                        help="use a remote vLLM OpenAI server as the engine (repeatable: "
                             "replicas; M is the sum of their KV capacities) instead of the "
@@ -139,14 +144,15 @@ def _parse_api_keys(items: list[str]) -> dict[str, str]:
 def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]:
     """The limit options as ServerConfig fields; overrides must name a known tenant."""
     from server.auth import DEFAULT_TENANT
-    from server.limits import Rate, parse_count, parse_per_tenant, parse_tokens
+    from server.limits import Rate, parse_bytes, parse_count, parse_per_tenant, parse_tokens
 
     known = tenants or {DEFAULT_TENANT}
     parsed = {}
     for option, items, parse in (("--rate-limit", args.rate_limit, Rate.parse),
                                  ("--max-request-tokens", args.max_request_tokens, parse_tokens),
                                  ("--max-agents", args.max_agents, parse_count),
-                                 ("--max-queued", args.max_queued, parse_count)):
+                                 ("--max-queued", args.max_queued, parse_count),
+                                 ("--max-agent-bytes", args.max_agent_bytes, parse_bytes)):
         try:
             parsed[option] = limits = parse_per_tenant(items, parse)
         except ValueError as exc:
@@ -161,7 +167,9 @@ def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]
     return {"rate_limit": rate.default, "tenant_rate_limits": rate.overrides,
             "max_request_tokens": size.default, "tenant_max_request_tokens": size.overrides,
             "max_agents": agents.default, "tenant_max_agents": agents.overrides,
-            "max_queued": queued.default, "tenant_max_queued": queued.overrides}
+            "max_queued": queued.default, "tenant_max_queued": queued.overrides,
+            "max_agent_bytes": parsed["--max-agent-bytes"].default,
+            "tenant_max_agent_bytes": parsed["--max-agent-bytes"].overrides}
 
 
 def _is_loopback(host: str) -> bool:

@@ -63,3 +63,6 @@ class ServerConfig(BaseModel):
     max_queued: int | None = Field(default=None, ge=1,
                                    description="Queued (not yet admitted) requests per tenant.")
     tenant_max_queued: dict[str, int | None] = Field(default_factory=dict)
+    max_agent_bytes: int | None = Field(default=None, ge=1,
+                                        description="Bytes of prompts and metadata held by a tenant's live agents.")
+    tenant_max_agent_bytes: dict[str, int | None] = Field(default_factory=dict)

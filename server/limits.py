@@ -13,6 +13,7 @@ what callers send.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -156,14 +157,28 @@ def parse_count(text: str) -> int:
     return n
 
 
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: a whole number with an optional K, M or G (binary) suffix."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"expected a size such as 65536, 512K or 64M, got {text!r}")
+    n = int(m.group(1)) * _BYTE_UNITS[m.group(2).upper()]
+    if n < 1:
+        raise ValueError(f"a size must be at least 1 byte, got {text!r}")
+    return n
+
+
 class QuotaExceeded(Exception):
     """A tenant is at its quota of live agents or queued requests (answered 429)."""
 
     retry_after = 2  # seconds: quotas free up as the tenant's own work ends
 
-    def __init__(self, tenant: str, what: str, quota: int, option: str) -> None:
-        super().__init__(f"tenant {tenant!r} has {quota} {what}, its quota ({option}): retry "
-                         f"once some of them have ended")
+    def __init__(self, tenant: str, what: str, quota: int, option: str, message: str | None = None) -> None:
+        super().__init__(message or f"tenant {tenant!r} has {quota} {what}, its quota ({option}): "
+                         "retry once some of them have ended")
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,8 @@ class Quotas:
 
     live_agents: PerTenant[int] = field(default_factory=PerTenant)
     queued_requests: PerTenant[int] = field(default_factory=PerTenant)
+    # bytes of prompt and metadata the tenant's live agents hold in the server's memory
+    agent_bytes: PerTenant[int] = field(default_factory=PerTenant)
 
     def check_agents(self, tenant: str, live: int) -> None:
         quota = self.live_agents.for_tenant(tenant)
@@ -182,6 +199,14 @@ class Quotas:
         quota = self.queued_requests.for_tenant(tenant)
         if quota is not None and queued >= quota:
             raise QuotaExceeded(tenant, "queued requests", quota, "--max-queued")
+
+    def check_bytes(self, tenant: str, held: int, adding: int) -> None:
+        quota = self.agent_bytes.for_tenant(tenant)
+        if quota is not None and held + adding > quota:
+            raise QuotaExceeded(tenant, "bytes", quota, "--max-agent-bytes", message=(
+                f"tenant {tenant!r} has {held} bytes of prompts and metadata in live agents and this "
+                f"agent would add {adding}, over its quota of {quota} (--max-agent-bytes): retry "
+                "once some of them have ended"))
 
 
 class RequestTooLarge(InvalidRequestError):

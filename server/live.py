@@ -26,6 +26,7 @@ import builtins
 import collections
 import contextlib
 import itertools
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -140,6 +141,7 @@ class LiveScheduler:
         # many are live (the max_agents quotas).
         self._by_tenant: dict[str, SortedDict] = {}
         self._live_count: collections.Counter[str] = collections.Counter()
+        self._held_bytes: collections.Counter[str] = collections.Counter()  # --max-agent-bytes
         self._agent_seq = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
@@ -270,6 +272,9 @@ class LiveScheduler:
         self.config.quotas.check_agents(tenant, self._live_count[tenant])
         now = self.now()
         metadata = dict(metadata or {})
+        kept_prompt = prompt[:KEPT_PROMPT_CHARS]
+        held = _held_bytes(kept_prompt, metadata)
+        self.config.quotas.check_bytes(tenant, self._held_bytes[tenant], held)
         if predicted_cost is None:
             predicted_cost, cost_source = self._predict(agent_type, prompt, tenant, metadata)
         else:
@@ -284,7 +289,7 @@ class LiveScheduler:
             type=agent_type,
             tenant=tenant,
             # What a predictor learns from later (the history); the rest served prediction.
-            prompt=prompt[:KEPT_PROMPT_CHARS],
+            prompt=kept_prompt,
             metadata=metadata,
             submitted_at=self._wall(),
             submitted_mono=now,
@@ -300,6 +305,8 @@ class LiveScheduler:
         self.agents[agent_id] = entry
         self._by_tenant.setdefault(tenant, SortedDict())[entry.seq] = entry
         self._live_count[tenant] += 1
+        entry.held_bytes = held
+        self._held_bytes[tenant] += held
         self._open.add(agent_id)
         self.listeners.on_agent_registered(entry)
         self._on_agent_change(entry)
@@ -445,6 +452,7 @@ class LiveScheduler:
             self.dispatcher.finish_agent(entry.id, self.now())
         if entry.id in self._open:
             self._live_count[entry.tenant] -= 1
+            self._held_bytes[entry.tenant] -= entry.held_bytes
         self._open.discard(entry.id)
         self._ended.append(entry.id)
         self.listeners.on_agent_ended(entry)
@@ -645,6 +653,12 @@ class LiveScheduler:
                 await asyncio.wait_for(changed.wait(), heartbeat_s)
             except TimeoutError:
                 yield None
+
+
+def _held_bytes(prompt: str, metadata: dict[str, Any]) -> int:
+    """What an agent's record holds of its caller's data (--max-agent-bytes): its kept
+    prompt and its metadata, as UTF-8 and JSON."""
+    return len(prompt.encode("utf-8", "replace")) + (len(json.dumps(metadata, default=str)) if metadata else 0)
 
 
 def _shape(metadata: dict[str, Any]) -> AgentShape | None:

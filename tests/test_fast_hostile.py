@@ -290,3 +290,43 @@ def test_health_checks_are_answered_while_a_large_body_is_parsed(two_tenants) ->
                 assert c.get("/healthz").status_code == 200
                 worst = max(worst, time.monotonic() - started)
         assert worst < 0.5, worst
+
+
+def test_agent_bytes_quota_bounds_a_tenants_memory_and_frees_up(tmp_path) -> None:
+    """Issue 19, item 7: --max-agents bounded a tenant's memory only by the count of its
+    agents; --max-agent-bytes bounds the bytes of prompts and metadata they hold."""
+    keys = {key: tenant for tenant, key in KEYS.items()}
+    with FakeServer(tmp_path, api_keys=keys, max_agent_bytes=None,
+                    tenant_max_agent_bytes={"alice": 100_000}) as srv:
+        with _as(srv, "alice") as alice, _as(srv, "bob") as bob:
+            big = {"type": "b", "prompt": "p" * 30_000, "metadata": {"notes": "n" * 10_000}}
+            ids = [alice.post("/v1/agents", json=big).json()["id"] for _ in range(2)]  # 80 KB
+            over = alice.post("/v1/agents", json=big)
+            assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1
+            assert "--max-agent-bytes" in over.json()["detail"]
+            small = alice.post("/v1/agents", json={"type": "b", "prompt": "x"})
+            assert small.status_code == 201  # what fits still registers
+            assert bob.post("/v1/agents", json=big).status_code == 201  # bob has no quota
+            assert alice.delete(f"/v1/agents/{ids[0]}").status_code == 200
+            assert alice.post("/v1/agents", json=big).status_code == 201  # freed by the end
+
+
+def test_sizes_parse_with_binary_suffixes() -> None:
+    from server.limits import parse_bytes
+
+    assert parse_bytes("65536") == 65536 and parse_bytes("512K") == 512 * 1024
+    assert parse_bytes("64M") == 64 << 20 and parse_bytes("1g") == 1 << 30 and parse_bytes("2MiB") == 2 << 20
+    for bad in ("", "-1", "1.5M", "10T", "0"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_serve_parses_agent_bytes_per_tenant() -> None:
+    from justitia_cli import build_parser
+    from server.cli import _parse_limits
+
+    args = build_parser().parse_args(["serve", "--max-agent-bytes", "64M", "--max-agent-bytes", "bob=off",
+                                      "--max-agent-bytes", "alice=512K"])
+    limits = _parse_limits(args, {"alice", "bob"})
+    assert limits["max_agent_bytes"] == 64 << 20
+    assert limits["tenant_max_agent_bytes"] == {"alice": 512 << 10, "bob": None}
