@@ -62,7 +62,7 @@ from server.engine.base import (
 )
 from server.lifecycle import ABANDONED, AgentConflict, AgentNotFound, transition
 from server.limits import QuotaExceeded, Quotas
-from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, kv_cost
+from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, get_policy, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
@@ -93,6 +93,8 @@ class _Feed:
 @dataclass(frozen=True)
 class LiveConfig:
     policy: str = "justitia"
+    las_half_life_s: float | None = None  # las only (None: its default)
+    session_idle_s: float = 60.0  # an implicit session agent idle this long is finished
     initial_tau_s: float = 0.01
     lease_s: float = 600.0  # an agent idle this long without finish expires
     retention_s: float = 3600.0  # terminal agents stay readable this long
@@ -142,7 +144,7 @@ class LiveScheduler:
         self._agent_seq = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
-            config.policy,
+            get_policy(config.policy, las_half_life_s=config.las_half_life_s),
             kv_capacity_tokens=engine.info.kv_capacity_tokens,
             iteration_time_s=config.initial_tau_s,
             now=0.0,
