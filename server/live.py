@@ -141,6 +141,9 @@ class LiveScheduler:
         # many are live (the max_agents quotas).
         self._by_tenant: dict[str, SortedDict] = {}
         self._live_count: collections.Counter[str] = collections.Counter()
+        # (tenant, session id) -> the id of its implicit agent (live, or ended and replaced
+        # at the session's next request); the tenant in the key keeps sessions apart.
+        self._sessions: dict[tuple[str, str], str] = {}
         self._agent_seq = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
@@ -265,6 +268,7 @@ class LiveScheduler:
         predicted_cost: float | None = None,
         auto: bool = False,
         lease_s: float | None = None,
+        session: str | None = None,
     ) -> AgentEntry:
         self.config.quotas.check_agents(tenant, self._live_count[tenant])
         now = self.now()
@@ -288,6 +292,7 @@ class LiveScheduler:
             submitted_mono=now,
             predicted_cost=predicted_cost,
             auto=auto,
+            session=session,
             lease_s=lease_s,
             cost_source=cost_source,
             last_activity_mono=now,
@@ -301,6 +306,19 @@ class LiveScheduler:
         self._open.add(agent_id)
         self.listeners.on_agent_registered(entry)
         self._on_agent_change(entry)
+        return entry
+
+    def session_agent(self, tenant: str, session: str, agent_type: str, prompt: str) -> AgentEntry:
+        """The live implicit agent of the tenant's session, registered at the session's first
+        request (or its first since the last one ended): its cost is predicted from its type
+        and prompt, and grows by the over-run rule as its requests run, as any agent's."""
+        key = (tenant, session)
+        entry = self.agents.get(self._sessions.get(key, ""))
+        if entry is None or entry.terminal:
+            entry = self.register(agent_type, prompt, tenant, session=session)
+            self._sessions[key] = entry.id
+        # A request is on its way: the idle finish must not end the agent under it.
+        entry.last_activity_mono = self.now()
         return entry
 
     def _predict(self, agent_type: str, prompt: str, tenant: str,
@@ -363,6 +381,7 @@ class LiveScheduler:
             submitted_at=entry.submitted_at,
             finished_at=entry.finished_at,
             first_eta_s=entry.first_eta_s,
+            session=entry.session,
             error=entry.error,
             cost_source=entry.cost_source,
             jct_s=jct,
@@ -444,6 +463,8 @@ class LiveScheduler:
         if entry.id in self._open:
             self._live_count[entry.tenant] -= 1
         self._open.discard(entry.id)
+        if entry.session is not None and self._sessions.get((entry.tenant, entry.session)) == entry.id:
+            del self._sessions[(entry.tenant, entry.session)]
         self._ended.append(entry.id)
         self.listeners.on_agent_ended(entry)
         entry.touch()
@@ -452,6 +473,13 @@ class LiveScheduler:
         now = self.now()
         for agent_id in list(self._open):
             entry = self.agents[agent_id]
+            if entry.terminal or entry.in_flight:
+                continue
+            if entry.session is not None and now - entry.last_activity_mono > self.config.session_idle_s:
+                # A session has no finish call: its idleness is its end, a normal one.
+                log.info("session agent %s finished after %.0f s idle", entry.id, now - entry.last_activity_mono)
+                self._close(entry, "finished")
+                continue
             lease = entry.lease_s or self.config.lease_s
             if not entry.terminal and entry.in_flight == 0 and now - entry.last_activity_mono > lease:
                 log.info("agent %s expired after %.0f s without activity", entry.id,
