@@ -58,6 +58,10 @@ def register(commands: Commands) -> None:
     serve.add_argument("--las-half-life-s", type=float, default=60.0, metavar="SECONDS",
                        help="--policy las: half-life of an agent's attained service (default 60 s, "
                             "as llm-d's program-aware fairness plugin)")
+    serve.add_argument("--las-head-wait-weight", type=float, default=0.2, metavar="W",
+                       help="--policy las: weight of the head request's wait in the score, against 0.8 "
+                            "for the attained service (default 0.2, as the plugin; 0: pure least attained "
+                            "service, an O(log n) queue instead of a scan of the backlogged agents)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (without --api-key only loopback is allowed)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
@@ -222,6 +226,8 @@ def run_serve(args: argparse.Namespace) -> int:
     for option, value in (("--las-half-life-s", args.las_half_life_s), ("--session-idle-s", args.session_idle_s)):
         if not 0 < value < float("inf"):
             raise CommandError(f"{option} must be a positive number of seconds, not {value}")
+    if not 0 <= args.las_head_wait_weight < float("inf"):
+        raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {args.las_head_wait_weight}")
     if args.predictors is not None:
         _check_predictors(args.predictors)
     config = ServerConfig(
@@ -234,6 +240,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_restarts=args.engine_restarts,
         policy=args.policy,
         las_half_life_s=args.las_half_life_s,
+        las_head_wait_weight=args.las_head_wait_weight,
         session_idle_s=args.session_idle_s,
         host=args.host,
         port=args.port,

@@ -94,6 +94,7 @@ class _Feed:
 class LiveConfig:
     policy: str = "justitia"
     las_half_life_s: float | None = None  # las only (None: its default)
+    las_head_wait_weight: float | None = None  # las only (None: its default)
     session_idle_s: float = 60.0  # an implicit session agent idle this long is finished
     initial_tau_s: float = 0.01
     lease_s: float = 600.0  # an agent idle this long without finish expires
@@ -147,7 +148,8 @@ class LiveScheduler:
         self._agent_seq = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
-            get_policy(config.policy, las_half_life_s=config.las_half_life_s),
+            get_policy(config.policy, las_half_life_s=config.las_half_life_s,
+                       las_head_wait_weight=config.las_head_wait_weight),
             kv_capacity_tokens=engine.info.kv_capacity_tokens,
             iteration_time_s=config.initial_tau_s,
             now=0.0,

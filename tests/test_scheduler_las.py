@@ -17,8 +17,10 @@ def ids(specs):
     return [s.request_id for s in specs]
 
 
-def las(half_life_s=60.0):
-    return Dispatcher(get_policy("las", las_half_life_s=half_life_s), 1_000_000, 0.01)
+def las(half_life_s=60.0, head_wait_weight=0.0):
+    # head_wait_weight 0: pure least attained service (the plugin's score is tested below)
+    policy = get_policy("las", las_half_life_s=half_life_s, las_head_wait_weight=head_wait_weight)
+    return Dispatcher(policy, 1_000_000, 0.01)
 
 
 def serve_one(d, rid, agent, p, d_out, t_admit, t_finish):
@@ -68,6 +70,42 @@ def test_an_agent_with_no_service_goes_first_and_ties_go_to_the_oldest_head():
     assert ids(d.admit(5.0)) == ["y0", "x0", "s1"]
 
 
+def test_the_plugins_score_lets_a_long_wait_beat_a_little_more_service():
+    # service 100 with the oldest head, 0 with the newest, 1,000 in between: normalized
+    # service 0.1, 0, 1 and head wait 1, 0, 0.5; scores 0.8 x 0.9 + 0.2 = 0.92, 0.8, 0.1
+    def order(weight):
+        d = las(1e9, weight)
+        for a in ("little", "none", "much"):
+            d.register_agent(a, 1.0, 0.0)
+        serve_one(d, "l0", "little", 100, 0, 0.0, 0.0)
+        serve_one(d, "m0", "much", 1000, 0, 0.0, 0.0)
+        d.submit(RequestSpec("l1", "little", 10, 10), 1.0)
+        d.submit(RequestSpec("m1", "much", 10, 10), 2.0)
+        d.submit(RequestSpec("n1", "none", 10, 10), 3.0)
+        return [ids(d.admit(4.0, engine_free_slots=1))[0] for _ in range(3)]
+
+    assert order(0.2) == ["l1", "n1", "m1"]  # the plugin's default weights
+    assert order(0.0) == ["n1", "l1", "m1"]  # least attained service only
+
+
+def test_the_score_queue_keeps_the_accounting():
+    d = Dispatcher("las", 10_000, 0.01)
+    for a in ("a", "b"):
+        d.register_agent(a, 1.0, 0.0)
+    d.submit(RequestSpec("a0", "a", 10, 5), 0.0)
+    d.submit(RequestSpec("a1", "a", 10, 5), 0.0)
+    d.submit(RequestSpec("b0", "b", 10, 5), 0.0)
+    assert d.leader() is None or d.leader().agent_id in ("a", "b")
+    assert len(d.admit(0.0, engine_free_slots=1)) == 1
+    d.cancel_agent("b", 0.5)
+    for spec in d.admit(1.0):
+        d.on_request_finished(spec.request_id, 10, 5, 2.0)
+    for rid in [r for r in list(d.requests)]:
+        d.on_request_finished(rid, 10, 5, 2.0)
+    d.finish_agent("a", 3.0)
+    assert d.is_idle() and d.admit(3.0) == []
+
+
 def test_admission_reserves_no_footprint():
     # vLLM-style: a request is admitted when its prompt fits, whatever it may grow to
     d = Dispatcher("las", 1000, 0.01)
@@ -95,9 +133,14 @@ def test_half_life_is_configurable_and_checked():
     assert get_policy("las").half_life_s == 60.0
     assert get_policy("las", las_half_life_s=5).half_life_s == 5.0
     assert get_policy("justitia", las_half_life_s=5) is get_policy("justitia")
+    assert get_policy("las").head_wait_weight == 0.2
+    assert get_policy("las", las_head_wait_weight=0).head_wait_weight == 0.0
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="half-life"):
             LAS("las", half_life_s=bad)
+    for bad in (-0.1, math.inf, math.nan):
+        with pytest.raises(ValueError, match="head-wait"):
+            LAS("las", head_wait_weight=bad)
 
 
 def test_accounting_returns_to_zero():
@@ -143,9 +186,9 @@ def test_bench_sim_reports_las_and_jains_index(tmp_path):
     save_workload(make_mix(30, get_profile("a100-llama7b"), seed=3, density=2), workload)
     out = tmp_path / "r.json"
     assert main(["bench", "sim", "--workload", str(workload), "--policies", "justitia,las",
-                 "--las-half-life-s", "30", "--json", str(out), "--quiet"]) == 0
+                 "--las-half-life-s", "30", "--las-head-wait-weight", "0.5", "--json", str(out), "--quiet"]) == 0
     doc = json.loads(out.read_text())
-    assert doc["config"]["las_half_life_s"] == 30
+    assert doc["config"]["las_half_life_s"] == 30 and doc["config"]["las_head_wait_weight"] == 0.5
     for r in doc["results"]:
         assert 0 < r["jain_slowdown"] <= 1
         slowdowns = [a["slowdown"] for a in r["agents"]]
@@ -153,11 +196,22 @@ def test_bench_sim_reports_las_and_jains_index(tmp_path):
         assert r["jain_slowdown"] == pytest.approx(jain_index(slowdowns))
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "inf"])
-def test_a_bad_half_life_is_a_one_line_error(tmp_path, capsys, value):
+@pytest.mark.parametrize("option, value", [("--las-half-life-s", "0"), ("--las-half-life-s", "-3"),
+                                           ("--las-half-life-s", "inf"), ("--las-head-wait-weight", "-1")])
+def test_bad_las_options_are_one_line_errors(tmp_path, capsys, option, value):
     workload = tmp_path / "w.jsonl"
     workload.write_text(json.dumps({"id": "a", "type": "t", "arrival": 0, "stages": [[{"p": 5, "d": 5}]]}) + "\n")
-    assert main(["bench", "sim", "--workload", str(workload), "--policies", "las",
-                 "--las-half-life-s", value, "--quiet"]) == 2
+    assert main(["bench", "sim", "--workload", str(workload), "--policies", "las", option, value, "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "--las-half-life-s" in err and "Traceback" not in err
+    assert option in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--las-half-life-s", "0"], "--las-half-life-s"),
+    (["--las-head-wait-weight", "-1"], "--las-head-wait-weight"),
+    (["--session-idle-s", "-5"], "--session-idle-s"),
+])
+def test_serve_refuses_bad_las_and_session_options_before_starting(capsys, argv, needle):
+    assert main(["serve", "--policy", "las", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

@@ -57,6 +57,7 @@ from typing import Any
 
 from .cost import COMPUTE, KV
 from .ewsjf import EwsjfConfig, EwsjfState, ticket_of
+from .las import LasScoreQueue, log2_add
 from .queues import AgentHeapQueue, RequestQueue
 from .state import (
     AgentState,
@@ -401,18 +402,31 @@ class LAS(Policy):
     multiplies every agent's service by the same factor, so the order only changes when a
     request finishes. The key stores log2 of the service scaled to time 0,
     L = log2(sum_i x_i * 2^(t_i / h)): the same order at every `now`, no overflow however long
-    the server runs, and -inf for an agent that has attained nothing (it goes first). Ties
-    go to the oldest head request (the plugin's head-wait tie-breaker).
+    the server runs, and -inf for an agent that has attained nothing.
+
+    The next agent is the plugin's: the best 0.8 x (1 - normalized service) + 0.2 x
+    normalized head wait over the backlogged agents (las.py, `LasScoreQueue`). With
+    `head_wait_weight` 0 that is the least attained service, ties to the oldest head, and
+    the keys below order an ordinary agent heap.
     """
 
     half_life_s: float = 60.0
     output_weight: float = 2.0  # the plugin's weightOutputToken (input tokens weigh 1)
+    service_weight: float = 0.8  # the plugin's lasWeightService
+    head_wait_weight: float = 0.2  # the plugin's lasWeightHeadWait
 
     hooked = True
 
     def __post_init__(self) -> None:
         if not self.half_life_s > 0 or math.isinf(self.half_life_s):
             raise ValueError(f"las half-life must be a positive number of seconds, not {self.half_life_s!r}")
+        if not 0 <= self.head_wait_weight < math.inf:
+            raise ValueError(f"las head-wait weight must be a number >= 0, not {self.head_wait_weight!r}")
+
+    def make_queue(self, ctx: SchedulerContext, backfill_depth: int) -> RequestQueue:
+        if self.head_wait_weight > 0:
+            return LasScoreQueue(self.service_weight, self.head_wait_weight)  # no backfill
+        return AgentHeapQueue(self.agent_key, backfill_depth)
 
     def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
         return (agent.las_service, head.seq)
@@ -430,21 +444,13 @@ class LAS(Policy):
         # Charged on completion with the true lengths, as the plugin does from the response's usage.
         x = prompt_tokens + self.output_weight * output_tokens
         if x > 0:
-            agent.las_service = _log2_add(agent.las_service, math.log2(x) + now / self.half_life_s)
+            agent.las_service = log2_add(agent.las_service, math.log2(x) + now / self.half_life_s)
 
     def service(self, agent: AgentState, now: float) -> float:
         """The agent's decayed attained service at `now` (tokens, p + 2d)."""
         if agent.las_service == -math.inf:
             return 0.0
         return float(2.0 ** (agent.las_service - now / self.half_life_s))
-
-
-def _log2_add(a: float, b: float) -> float:
-    """log2(2^a + 2^b), without forming either power."""
-    hi, lo = (a, b) if a >= b else (b, a)
-    if lo == -math.inf:
-        return hi
-    return hi + math.log2(1.0 + 2.0 ** (lo - hi))
 
 
 def _fair(agent: AgentState) -> FairCounters:
@@ -472,13 +478,18 @@ POLICIES: dict[str, Policy] = {
 POLICY_NAMES = tuple(POLICIES)
 
 
-def get_policy(name: str, *, las_half_life_s: float | None = None) -> Policy:
-    """The policy called `name` (see POLICY_NAMES); `las_half_life_s` sets las's half-life
-    (None: its default, 60 s; other policies ignore it)."""
+def get_policy(name: str, *, las_half_life_s: float | None = None,
+               las_head_wait_weight: float | None = None) -> Policy:
+    """The policy called `name` (see POLICY_NAMES); the las_ options set las's half-life
+    and head-wait weight (None: the plugin's defaults, 60 s and 0.2; other policies ignore
+    them)."""
     try:
         policy = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}") from None
-    if isinstance(policy, LAS) and las_half_life_s is not None:
-        return replace(policy, half_life_s=float(las_half_life_s))
+    if isinstance(policy, LAS):
+        if las_half_life_s is not None:
+            policy = replace(policy, half_life_s=float(las_half_life_s))
+        if las_head_wait_weight is not None:
+            policy = replace(policy, head_wait_weight=float(las_head_wait_weight))
     return policy

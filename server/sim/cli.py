@@ -39,7 +39,7 @@ def register(commands: Commands) -> None:
     sim.add_argument("--profile", default="a100-llama7b", metavar="NAME|FILE",
                      help="engine profile: a100-llama7b, cpu-tiny, or a file written by `bench calibrate`")
     sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions and of ewsjf's online tuner")
-    _half_life_option(sim)
+    _las_options(sim)
     sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
     sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
     sim.add_argument("--quiet", action="store_true", help="no table on the terminal")
@@ -98,7 +98,7 @@ def register(commands: Commands) -> None:
                       help="skip the simulator's prediction of each policy")
     live.add_argument("--log-dir", metavar="DIR", default=None, help="keep each server's log here")
     live.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
-    _half_life_option(live)
+    _las_options(live)
     live.add_argument("--quiet", action="store_true", help="no table on the terminal")
     live.set_defaults(handler=_live)
 
@@ -146,24 +146,29 @@ def register(commands: Commands) -> None:
     st.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile")
     st.add_argument("--kv-tokens", type=int, default=None, metavar="M", help="KV capacity (default: the profile's)")
     st.add_argument("--seed", type=int, default=0, help="random seed")
-    _half_life_option(st)
+    _las_options(st)
     st.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
     st.set_defaults(handler=_starvation)
 
 
-def _half_life_option(parser: argparse.ArgumentParser) -> None:
+def _las_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--las-half-life-s", type=float, default=60.0, metavar="SECONDS",
                         help="half-life of the las policy's attained service (default 60 s, as llm-d's plugin)")
+    parser.add_argument("--las-head-wait-weight", type=float, default=0.2, metavar="W",
+                        help="weight of the head request's wait in las's score, against 0.8 for the "
+                             "attained service (default 0.2, as llm-d's plugin; 0: pure least attained service)")
 
 
 def _configured(args: argparse.Namespace, names: list[str]) -> list:
     """The policies called `names`, configured by the command's options (las's half-life)."""
     from server.scheduler import get_policy
 
-    half_life = args.las_half_life_s
+    half_life, wait = args.las_half_life_s, args.las_head_wait_weight
     if not 0 < half_life < float("inf"):
         raise CommandError(f"--las-half-life-s must be a positive number of seconds, not {half_life}")
-    return [get_policy(n, las_half_life_s=half_life) for n in names]
+    if not 0 <= wait < float("inf"):
+        raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {wait}")
+    return [get_policy(n, las_half_life_s=half_life, las_head_wait_weight=wait) for n in names]
 
 
 def _split(text: str) -> list[str]:
@@ -267,6 +272,7 @@ def _sim(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "backfill": args.backfill,
         "las_half_life_s": args.las_half_life_s,
+        "las_head_wait_weight": args.las_head_wait_weight,
         "limits": {
             "max_request_cost": limits.max_request_cost,
             "max_agent_cost": limits.max_agent_cost,
@@ -305,7 +311,7 @@ def _live(args: argparse.Namespace) -> int:
     _configured(args, policies)  # validates the options before any server starts
     opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
                        prediction=args.prediction, seed=args.seed, log_dir=args.log_dir,
-                       las_half_life_s=args.las_half_life_s)
+                       las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight)
     results = []
     t0 = time.perf_counter()
     with Progress(disable=args.quiet) as bar:
@@ -343,6 +349,7 @@ def _live(args: argparse.Namespace) -> int:
         "prediction": args.prediction,
         "seed": args.seed,
         "las_half_life_s": args.las_half_life_s,
+        "las_head_wait_weight": args.las_head_wait_weight,
         "wall_s": wall,
     }
     if args.json:
