@@ -78,6 +78,16 @@ def test_streamed_and_chat_requests_join_the_session_too(server: FakeServer) -> 
     assert agent["requests_done"] == 3
 
 
+def test_a_session_of_token_id_prompts_is_predicted_and_served(server: FakeServer) -> None:
+    s = new_session()
+    with client(server) as c:
+        for _ in range(2):
+            r = complete(c, {"session-id": s}, prompt=[5, 6, 7, 8])
+            assert r.status_code == 200, r.text
+        (agent,) = session_agents(c, s)
+    assert agent["requests_done"] == 2 and agent["predicted_cost"] > 0
+
+
 @pytest.mark.parametrize("header", ["X-Session-Id", "session-id", "x-session-affinity", "x-claude-code-session-id",
                                     "x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id"])
 def test_every_session_header_names_a_session(server: FakeServer, header: str) -> None:
