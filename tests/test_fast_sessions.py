@@ -191,3 +191,14 @@ def test_a_session_with_a_request_in_flight_is_not_finished(tmp_path) -> None:
         done = wait_until(lambda: (r := c.get(f"/v1/agents/{agent['id']}").json())["state"] == "finished" and r,
                           limit_s=10.0)
         assert done["requests_done"] == 1
+
+
+def test_the_sdk_sees_a_session_agents_session(server: FakeServer) -> None:
+    from justitia_sdk import Client
+
+    s = new_session()
+    with client(server) as c:
+        assert complete(c, {"x-session-affinity": s}).status_code == 200
+    with Client(server.url, api_key=KEYS["alice"]) as sdk:
+        mine = [r for r in sdk.list_agents() if r.session == s]
+    assert len(mine) == 1 and mine[0].type == "session" and mine[0].requests_done == 1
