@@ -483,7 +483,7 @@ class LiveScheduler:
                 self._close(entry, "finished")
                 continue
             lease = entry.lease_s or self.config.lease_s
-            if not entry.terminal and entry.in_flight == 0 and now - entry.last_activity_mono > lease:
+            if now - entry.last_activity_mono > lease:
                 log.info("agent %s expired after %.0f s without activity", entry.id,
                          now - entry.last_activity_mono)
                 await self._cancel(entry, "expired")
