@@ -202,3 +202,17 @@ def test_the_sdk_sees_a_session_agents_session(server: FakeServer) -> None:
     with Client(server.url, api_key=KEYS["alice"]) as sdk:
         mine = [r for r in sdk.list_agents() if r.session == s]
     assert len(mine) == 1 and mine[0].type == "session" and mine[0].requests_done == 1
+
+
+def test_the_server_runs_las_with_its_options(tmp_path) -> None:
+    # `justitia serve --policy las --las-half-life-s 30 --las-head-wait-weight 0.5`, on the fake engine
+    with FakeServer(tmp_path, policy="las", las_half_life_s=30.0, las_head_wait_weight=0.5) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30.0) as c, ThreadPoolExecutor(8) as pool:
+        policy = srv.app.state.scheduler.dispatcher.policy
+        assert (policy.name, policy.half_life_s, policy.head_wait_weight) == ("las", 30.0, 0.5)
+        sessions = [new_session() for _ in range(4)]
+        outs = list(pool.map(lambda s: complete(c, {"session-id": s}, max_tokens=20), sessions * 2))
+        assert all(r.status_code == 200 for r in outs)
+        assert c.get("/v1/scheduler").json()["policy"] == "las"
+        assert [len(session_agents(c, s)) for s in sessions] == [1] * 4
+        assert all(session_agents(c, s)[0]["requests_done"] == 2 for s in sessions)
