@@ -216,3 +216,19 @@ def test_the_server_runs_las_with_its_options(tmp_path) -> None:
         assert c.get("/v1/scheduler").json()["policy"] == "las"
         assert [len(session_agents(c, s)) for s in sessions] == [1] * 4
         assert all(session_agents(c, s)[0]["requests_done"] == 2 for s in sessions)
+
+
+def test_a_session_that_outgrows_its_prediction_is_charged_for_it(server: FakeServer) -> None:
+    # The over-run rule, as for any agent: work beyond the prediction is charged to its tag.
+    s = new_session()
+    with client(server) as c:
+        assert complete(c, {"session-id": s}, max_tokens=1).status_code == 200
+        (first,) = session_agents(c, s)
+        for _ in range(8):
+            if session_agents(c, s)[0]["consumed_cost"] > first["predicted_cost"]:
+                break
+            assert complete(c, {"session-id": s}, max_tokens=200, prompt="x" * 300).status_code == 200
+        (agent,) = session_agents(c, s)
+    assert agent["id"] == first["id"] and agent["consumed_cost"] > agent["predicted_cost"]
+    assert agent["charged_cost"] >= agent["consumed_cost"] - 1e-6
+    assert agent["virtual_finish"] > first["virtual_finish"]
