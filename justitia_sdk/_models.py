@@ -45,6 +45,9 @@ class AgentRecord(BaseModel):
     #: Where predicted_cost came from: "declared", "request", "model", "cold_start" or
     #: "fallback" (docs/predictors.md); None from servers that do not say.
     cost_source: str | None = None
+    #: The session id of an implicit session agent (OpenAI requests that carry a session
+    #: header and no agent tag; docs/server.md); None for other agents and older servers.
+    session: str | None = None
 
     @model_validator(mode="after")
     def _fill_jct(self) -> AgentRecord:

@@ -77,6 +77,7 @@ class AgentEntry:
     submitted_mono: float  # the scheduler's clock (seconds since server start)
     predicted_cost: float
     auto: bool = False  # a one-request agent made for an untagged OpenAI request
+    session: str | None = None  # the session id of an implicit session agent (server/sessions.py)
     lease_s: float | None = None  # None: the server's lease
     cost_source: CostSource = "fallback"
     state: AgentStateName = "queued"
@@ -154,6 +155,9 @@ class AgentRecord(BaseModel):
                      "type), cold_start (the online estimate of a type without one), fallback "
                      "(no predictor: the prompt's size)."))
     finished_at: float | None
+    session: str | None = Field(default=None, description=(
+        "The session id of an implicit session agent (OpenAI requests with a session header "
+        "and no agent tag); null for other agents."))
     error: str | None = Field(default=None, description="Why a `failed` agent failed.")
     jct_s: float | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)

@@ -213,6 +213,9 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
             engine,
             LiveConfig(
                 policy=config.policy,
+                las_half_life_s=config.las_half_life_s,
+                las_head_wait_weight=config.las_head_wait_weight,
+                session_idle_s=config.session_idle_s,
                 initial_tau_s=config.initial_tau_s,
                 lease_s=config.agent_lease_s,
                 retention_s=config.agent_retention_s,

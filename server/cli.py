@@ -55,6 +55,13 @@ def register(commands: Commands) -> None:
                             "exit at the first death; see docs/reliability.md)")
     serve.add_argument("--policy", default="justitia", choices=POLICY_NAMES,
                        help="scheduling policy")
+    serve.add_argument("--las-half-life-s", type=float, default=60.0, metavar="SECONDS",
+                       help="--policy las: half-life of an agent's attained service (default 60 s, "
+                            "as llm-d's program-aware fairness plugin)")
+    serve.add_argument("--las-head-wait-weight", type=float, default=0.2, metavar="W",
+                       help="--policy las: weight of the head request's wait in the score, against 0.8 "
+                            "for the attained service (default 0.2, as the plugin; 0: pure least attained "
+                            "service, an O(log n) queue instead of a scan of the backlogged agents)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (without --api-key only loopback is allowed)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
@@ -110,6 +117,9 @@ def register(commands: Commands) -> None:
     serve.add_argument("--history-retention", type=float, default=30 * 86_400, metavar="SECONDS",
                        help="finished agents older than this are deleted from the history "
                             "(checked every 10 minutes; default 30 days; 0 keeps everything)")
+    serve.add_argument("--session-idle-s", type=float, default=60.0, metavar="SECONDS",
+                       help="an implicit session agent (OpenAI requests with a session header and "
+                            "no agent tag) with no request in flight for this long is finished")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="server log level")
@@ -221,6 +231,11 @@ def run_serve(args: argparse.Namespace) -> int:
             f"refusing to bind {args.host} without API keys: anyone could use the engine. "
             "Add --api-key TENANT=KEY, or bind 127.0.0.1"
         )
+    for option, value in (("--las-half-life-s", args.las_half_life_s), ("--session-idle-s", args.session_idle_s)):
+        if not 0 < value < float("inf"):
+            raise CommandError(f"{option} must be a positive number of seconds, not {value}")
+    if not 0 <= args.las_head_wait_weight < float("inf"):
+        raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {args.las_head_wait_weight}")
     if args.predictors is not None:
         _check_predictors(args.predictors)
     config = ServerConfig(
@@ -232,6 +247,9 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_nice=args.engine_nice,
         engine_restarts=args.engine_restarts,
         policy=args.policy,
+        las_half_life_s=args.las_half_life_s,
+        las_head_wait_weight=args.las_head_wait_weight,
+        session_idle_s=args.session_idle_s,
         host=args.host,
         port=args.port,
         api_keys=keys,

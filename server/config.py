@@ -22,6 +22,10 @@ class ServerConfig(BaseModel):
         description="In-process engine: restarts of a dead engine in a row before the server "
                     "exits with status 69 (0: exit at the first death).")
     policy: str = "justitia"
+    las_half_life_s: float = Field(default=60.0, gt=0, description="las: half-life of attained service.")
+    las_head_wait_weight: float = Field(default=0.2, ge=0, description="las: weight of the head wait.")
+    session_idle_s: float = Field(
+        default=60.0, gt=0, description="An implicit session agent idle this long is finished.")
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_keys: dict[str, str] = Field(default_factory=dict, description="key -> tenant")

@@ -63,7 +63,7 @@ from server.engine.base import (
 )
 from server.lifecycle import ABANDONED, AgentConflict, AgentNotFound, transition
 from server.limits import QuotaExceeded, Quotas
-from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, kv_cost
+from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, get_policy, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
@@ -95,6 +95,9 @@ class _Feed:
 @dataclass(frozen=True)
 class LiveConfig:
     policy: str = "justitia"
+    las_half_life_s: float | None = None  # las only (None: its default)
+    las_head_wait_weight: float | None = None  # las only (None: its default)
+    session_idle_s: float = 60.0  # an implicit session agent idle this long is finished
     initial_tau_s: float = 0.01
     lease_s: float = 600.0  # an agent idle this long without finish expires
     retention_s: float = 3600.0  # terminal agents stay readable this long
@@ -142,10 +145,14 @@ class LiveScheduler:
         self._by_tenant: dict[str, SortedDict] = {}
         self._live_count: collections.Counter[str] = collections.Counter()
         self._held_bytes: collections.Counter[str] = collections.Counter()  # --max-agent-bytes
+        # (tenant, session id) -> the id of its implicit agent (live, or ended and replaced
+        # at the session's next request); the tenant in the key keeps sessions apart.
+        self._sessions: dict[tuple[str, str], str] = {}
         self._agent_seq = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
-            config.policy,
+            get_policy(config.policy, las_half_life_s=config.las_half_life_s,
+                       las_head_wait_weight=config.las_head_wait_weight),
             kv_capacity_tokens=engine.info.kv_capacity_tokens,
             iteration_time_s=config.initial_tau_s,
             now=0.0,
@@ -268,6 +275,7 @@ class LiveScheduler:
         predicted_cost: float | None = None,
         auto: bool = False,
         lease_s: float | None = None,
+        session: str | None = None,
     ) -> AgentEntry:
         self.config.quotas.check_agents(tenant, self._live_count[tenant])
         now = self.now()
@@ -295,6 +303,7 @@ class LiveScheduler:
             submitted_mono=now,
             predicted_cost=predicted_cost,
             auto=auto,
+            session=session,
             lease_s=lease_s,
             cost_source=cost_source,
             last_activity_mono=now,
@@ -310,6 +319,19 @@ class LiveScheduler:
         self._open.add(agent_id)
         self.listeners.on_agent_registered(entry)
         self._on_agent_change(entry)
+        return entry
+
+    def session_agent(self, tenant: str, session: str, agent_type: str, prompt: str) -> AgentEntry:
+        """The live implicit agent of the tenant's session, registered at the session's first
+        request (or its first since the last one ended): its cost is predicted from its type
+        and prompt, and grows by the over-run rule as its requests run, as any agent's."""
+        key = (tenant, session)
+        entry = self.agents.get(self._sessions.get(key, ""))
+        if entry is None or entry.terminal:
+            entry = self.register(agent_type, prompt, tenant, session=session)
+            self._sessions[key] = entry.id
+        # A request is on its way: the idle finish must not end the agent under it.
+        entry.last_activity_mono = self.now()
         return entry
 
     def _predict(self, agent_type: str, prompt: str, tenant: str,
@@ -372,6 +394,7 @@ class LiveScheduler:
             submitted_at=entry.submitted_at,
             finished_at=entry.finished_at,
             first_eta_s=entry.first_eta_s,
+            session=entry.session,
             error=entry.error,
             cost_source=entry.cost_source,
             jct_s=jct,
@@ -454,6 +477,8 @@ class LiveScheduler:
             self._live_count[entry.tenant] -= 1
             self._held_bytes[entry.tenant] -= entry.held_bytes
         self._open.discard(entry.id)
+        if entry.session is not None and self._sessions.get((entry.tenant, entry.session)) == entry.id:
+            del self._sessions[(entry.tenant, entry.session)]
         self._ended.append(entry.id)
         self.listeners.on_agent_ended(entry)
         entry.touch()
@@ -462,8 +487,15 @@ class LiveScheduler:
         now = self.now()
         for agent_id in list(self._open):
             entry = self.agents[agent_id]
+            if entry.terminal or entry.in_flight:
+                continue
+            if entry.session is not None and now - entry.last_activity_mono > self.config.session_idle_s:
+                # A session has no finish call: its idleness is its end, a normal one.
+                log.info("session agent %s finished after %.0f s idle", entry.id, now - entry.last_activity_mono)
+                self._close(entry, "finished")
+                continue
             lease = entry.lease_s or self.config.lease_s
-            if not entry.terminal and entry.in_flight == 0 and now - entry.last_activity_mono > lease:
+            if now - entry.last_activity_mono > lease:
                 log.info("agent %s expired after %.0f s without activity", entry.id,
                          now - entry.last_activity_mono)
                 await self._cancel(entry, "expired")

@@ -32,6 +32,7 @@ from server.openai_schemas import (
     streamed_or,
 )
 from server.service import InferenceService, PreparedRequest, off_loop_if, render_chat
+from server.sessions import session_of
 
 router = APIRouter()
 
@@ -165,7 +166,9 @@ async def _start(request: Request, body: SamplingFields, prompt: str | list[int]
                                            token_cap=limits.for_tenant(tenant))
     check_request_size(limits, tenant, len(prepared.prompt_token_ids),
                        prepared.sampling.max_tokens)
-    agent = service.agent_for(_agent_id(agent_header, body), tenant, prepared, text)
+    agent_id = _agent_id(agent_header, body)
+    session = session_of(request.headers) if agent_id is None else None
+    agent = service.agent_for(agent_id, tenant, prepared, text, session)
     return service, prepared, agent
 
 

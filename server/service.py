@@ -29,6 +29,7 @@ from server.scheduler import kv_cost
 if TYPE_CHECKING:
     from server.agents import AgentEntry
     from server.live import LiveScheduler
+    from server.sessions import SessionRef
 
 DEFAULT_AGENT_TYPE = "default"
 
@@ -151,15 +152,19 @@ class InferenceService:
         return list(prompt)
 
     def agent_for(
-        self, agent_id: str | None, tenant: str, prepared: PreparedRequest, prompt_text: str
+        self, agent_id: str | None, tenant: str, prepared: PreparedRequest, prompt_text: str,
+        session: SessionRef | None = None,
     ) -> AgentEntry:
-        """The agent a request belongs to. An untagged request becomes a one-request agent
-        of type `default`, charged exactly what the request can cost, so that any OpenAI
-        client is scheduled fairly without knowing about agents."""
+        """The agent a request belongs to: the tagged one; else its session's implicit agent
+        (server/sessions.py); else a one-request agent of type `default`, charged exactly
+        what the request can cost, so that any OpenAI client is scheduled fairly without
+        knowing about agents. The agent tag wins over a session header."""
         if agent_id is not None:
             entry = self.scheduler.get(agent_id, tenant)
             self.scheduler.require_live(entry)
             return entry
+        if session is not None:
+            return self.scheduler.session_agent(tenant, session.session_id, session.agent_type, prompt_text)
         p, d = len(prepared.prompt_token_ids), prepared.sampling.max_tokens
         return self.scheduler.register(
             DEFAULT_AGENT_TYPE, prompt_text, tenant,

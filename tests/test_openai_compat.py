@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from server.scheduler import kv_cost
 from tests.conftest import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN
 from tests.streams import sse_json
+from tests.waiting import all_agents
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +345,20 @@ def test_an_error_after_the_stream_started_is_openais_error_event(client: httpx.
     error = events[-1]["error"]
     assert error["type"] == "invalid_request_error" and "no-such-type" in error["message"]
     assert set(error) == {"message", "type", "param", "code"}
+
+
+# -- sessions -----------------------------------------------------------------------------
+def test_completions_with_only_a_session_header_are_one_agent(oai: openai.OpenAI, model: str, server) -> None:
+    # What a coding agent's client does: no agent tag, only its session id in a header.
+    session = f"sess-{id(oai)}-{math.floor(1e6 * math.pi)}"
+    for k in range(3):
+        out = oai.completions.create(model=model, prompt=f"step {k}: fix the test", max_tokens=4,
+                                     extra_headers={"session-id": session})
+        assert out.usage is not None and out.usage.completion_tokens >= 1
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        mine = [a for a in all_agents(c) if a.get("session") == session]
+    assert len(mine) == 1, mine
+    (agent,) = mine
+    assert agent["requests_done"] == 3 and agent["session"] == session and agent["type"] == "session"
+    assert agent["state"] == "running"  # until --session-idle-s (60 s) of idleness
+    assert agent["delay_bound_s"] > 0 and agent["predicted_cost"] > 0

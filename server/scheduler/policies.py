@@ -19,13 +19,14 @@ minima is the global minimum.
 | justitia-c | virtual finish tag, compute tokens (p + 2d)  | footprint, non-preemptive    |
 | ewsjf      | density-weighted score of per-group queues   | prompt fits, engine preempts |
 | equinox    | per-agent user + resource fairness counters  | prompt fits, engine preempts |
+| las        | decayed attained service p + 2d per agent    | prompt fits, engine preempts |
 
 "Footprint" admission reserves p + expected d (bounded by max_tokens) against M and admits
 in strict key order, so the engine never has to preempt when the estimate is right. "Prompt
 fits" is what vLLM does natively: admit when the prompt fits in free memory now; requests
 grow afterwards and the engine preempts (recompute) when memory runs out.
 
-Three policies keep state of their own (docs/concepts.md has their sources and assumptions):
+Four policies keep state of their own (docs/concepts.md has their sources and assumptions):
 
 - vtc (VTC, Sheng et al., OSDI 2024) keys agents by a service counter: charged the prompt on
   admission and twice the output on finish, and lifted, when an agent becomes backlogged, to
@@ -35,6 +36,10 @@ Three policies keep state of their own (docs/concepts.md has their sources and a
   and it learns from the service times it measures (`on_finish`).
 - equinox (Equinox, arXiv 2508.16646) keys agents by two counters that are charged on
   admission with a predicted output length and corrected on finish with the true one.
+- las (llm-d-router's program-aware fairness, PR #1534) keys agents by the service they have
+  attained, p + 2d charged when a request finishes, decayed with a half-life. The decay is
+  kept in log space against time 0 (`LAS` below), so that decay never reorders agents and
+  keys stay static between charges.
 
 They keep their data in typed slots of the state (state.py) and, for what spans the whole
 dispatcher, in the instance `bind()` makes for one dispatcher; the instances in POLICIES are
@@ -46,11 +51,13 @@ not the dispatcher.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .cost import COMPUTE, KV
 from .ewsjf import EwsjfConfig, EwsjfState, ticket_of
+from .las import LasScoreQueue, log2_add
 from .queues import AgentHeapQueue, RequestQueue
 from .state import (
     AgentState,
@@ -386,6 +393,66 @@ class Equinox(Policy):
         return self.state is None or self.state.charges == 0
 
 
+@dataclass(frozen=True)
+class LAS(Policy):
+    """Least attained service per agent, as llm-d's program-aware fairness plugin does.
+
+    An agent's service is sum_i x_i * 2^(-(now - t_i) / h) over its finished requests i
+    (x_i = p_i + 2 d_i, charged at the request's finish t_i; h the half-life). Decay
+    multiplies every agent's service by the same factor, so the order only changes when a
+    request finishes. The key stores log2 of the service scaled to time 0,
+    L = log2(sum_i x_i * 2^(t_i / h)): the same order at every `now`, no overflow however long
+    the server runs, and -inf for an agent that has attained nothing.
+
+    The next agent is the plugin's: the best 0.8 x (1 - normalized service) + 0.2 x
+    normalized head wait over the backlogged agents (las.py, `LasScoreQueue`). With
+    `head_wait_weight` 0 that is the least attained service, ties to the oldest head, and
+    the keys below order an ordinary agent heap.
+    """
+
+    half_life_s: float = 60.0
+    output_weight: float = 2.0  # the plugin's weightOutputToken (input tokens weigh 1)
+    service_weight: float = 0.8  # the plugin's lasWeightService
+    head_wait_weight: float = 0.2  # the plugin's lasWeightHeadWait
+
+    hooked = True
+
+    def __post_init__(self) -> None:
+        if not self.half_life_s > 0 or math.isinf(self.half_life_s):
+            raise ValueError(f"las half-life must be a positive number of seconds, not {self.half_life_s!r}")
+        if not 0 <= self.head_wait_weight < math.inf:
+            raise ValueError(f"las head-wait weight must be a number >= 0, not {self.head_wait_weight!r}")
+
+    def make_queue(self, ctx: SchedulerContext, backfill_depth: int) -> RequestQueue:
+        if self.head_wait_weight > 0:
+            return LasScoreQueue(self.service_weight, self.head_wait_weight)  # no backfill
+        return AgentHeapQueue(self.agent_key, backfill_depth)
+
+    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
+        return (agent.las_service, head.seq)
+
+    def static_key(self, agent: AgentState) -> Any:
+        return (agent.las_service, agent.seq)
+
+    def priority(self, agent: AgentState, req: RequestState | None) -> int:
+        # L is log2 of tokens plus now / h: 1/1024 of a doubling is finer than any order the
+        # engine's preemption needs; an agent with no service ranks first.
+        return -1 if agent.las_service == -math.inf else int(agent.las_service * 1024)
+
+    def on_finish(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, prompt_tokens: int,
+                  output_tokens: int, now: float) -> None:
+        # Charged on completion with the true lengths, as the plugin does from the response's usage.
+        x = prompt_tokens + self.output_weight * output_tokens
+        if x > 0:
+            agent.las_service = log2_add(agent.las_service, math.log2(x) + now / self.half_life_s)
+
+    def service(self, agent: AgentState, now: float) -> float:
+        """The agent's decayed attained service at `now` (tokens, p + 2d)."""
+        if agent.las_service == -math.inf:
+            return 0.0
+        return float(2.0 ** (agent.las_service - now / self.half_life_s))
+
+
 def _fair(agent: AgentState) -> FairCounters:
     """Equinox's counters of an agent with a submitted request (`on_submit` makes them)."""
     if agent.fair is None:
@@ -405,14 +472,24 @@ POLICIES: dict[str, Policy] = {
         Justitia("justitia-c", FOOTPRINT, COMPUTE),
         EWSJF("ewsjf", PROMPT, KV),
         Equinox("equinox", PROMPT, KV),
+        LAS("las", PROMPT, KV),
     )
 }
 POLICY_NAMES = tuple(POLICIES)
 
 
-def get_policy(name: str) -> Policy:
-    """The policy called `name` (see POLICY_NAMES)."""
+def get_policy(name: str, *, las_half_life_s: float | None = None,
+               las_head_wait_weight: float | None = None) -> Policy:
+    """The policy called `name` (see POLICY_NAMES); the las_ options set las's half-life
+    and head-wait weight (None: the plugin's defaults, 60 s and 0.2; other policies ignore
+    them)."""
     try:
-        return POLICIES[name]
+        policy = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}") from None
+    if isinstance(policy, LAS):
+        if las_half_life_s is not None:
+            policy = replace(policy, half_life_s=float(las_half_life_s))
+        if las_head_wait_weight is not None:
+            policy = replace(policy, head_wait_weight=float(las_head_wait_weight))
+    return policy

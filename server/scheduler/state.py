@@ -3,7 +3,7 @@
 Everything here is plain data. The dispatcher (`dispatcher.py`) owns the tables and moves a
 request through its statuses; the queues (`queues.py`) order the pending ones; the policies
 (`policies.py`, `ewsjf.py`) read the fields they key on and keep their own data in the typed
-slots below (`AgentState.vtc_counter`, `AgentState.fair`, `RequestState.charge`,
+slots below (`AgentState.vtc_counter`, `AgentState.fair`, `AgentState.las_service`, `RequestState.charge`,
 `RequestState.ticket`). docs/architecture.md shows how the modules fit together;
 docs/concepts.md explains the policies.
 """
@@ -11,6 +11,7 @@ docs/concepts.md explains the policies.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -139,6 +140,8 @@ class AgentState:
     # Per-policy state
     vtc_counter: float = 0.0  # VTC: service received (p on admission, 2 d on finish), lifted
     fair: FairCounters | None = None  # Equinox
+    # LAS: log2 of its attained service scaled to time 0 (-inf: none yet); see policies.LAS
+    las_service: float = -math.inf
 
     @property
     def pending_requests(self) -> int:

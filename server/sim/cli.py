@@ -39,6 +39,7 @@ def register(commands: Commands) -> None:
     sim.add_argument("--profile", default="a100-llama7b", metavar="NAME|FILE",
                      help="engine profile: a100-llama7b, cpu-tiny, or a file written by `bench calibrate`")
     sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions and of ewsjf's online tuner")
+    _las_options(sim)
     sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
     sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
     sim.add_argument("--quiet", action="store_true", help="no table on the terminal")
@@ -97,6 +98,7 @@ def register(commands: Commands) -> None:
                       help="skip the simulator's prediction of each policy")
     live.add_argument("--log-dir", metavar="DIR", default=None, help="keep each server's log here")
     live.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    _las_options(live)
     live.add_argument("--quiet", action="store_true", help="no table on the terminal")
     live.set_defaults(handler=_live)
 
@@ -144,8 +146,29 @@ def register(commands: Commands) -> None:
     st.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile")
     st.add_argument("--kv-tokens", type=int, default=None, metavar="M", help="KV capacity (default: the profile's)")
     st.add_argument("--seed", type=int, default=0, help="random seed")
+    _las_options(st)
     st.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
     st.set_defaults(handler=_starvation)
+
+
+def _las_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--las-half-life-s", type=float, default=60.0, metavar="SECONDS",
+                        help="half-life of the las policy's attained service (default 60 s, as llm-d's plugin)")
+    parser.add_argument("--las-head-wait-weight", type=float, default=0.2, metavar="W",
+                        help="weight of the head request's wait in las's score, against 0.8 for the "
+                             "attained service (default 0.2, as llm-d's plugin; 0: pure least attained service)")
+
+
+def _configured(args: argparse.Namespace, names: list[str]) -> list:
+    """The policies called `names`, configured by the command's options (las's half-life)."""
+    from server.scheduler import get_policy
+
+    half_life, wait = args.las_half_life_s, args.las_head_wait_weight
+    if not 0 < half_life < float("inf"):
+        raise CommandError(f"--las-half-life-s must be a positive number of seconds, not {half_life}")
+    if not 0 <= wait < float("inf"):
+        raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {wait}")
+    return [get_policy(n, las_half_life_s=half_life, las_head_wait_weight=wait) for n in names]
 
 
 def _split(text: str) -> list[str]:
@@ -231,7 +254,8 @@ def _sim(args: argparse.Namespace) -> int:
         raise CommandError("--kv-tokens must be positive")
     predictions = _predictions(args, agents)
     t0 = time.perf_counter()
-    results = run_comparison(agents, policies, profile, m, predictions, backfill=args.backfill, seed=args.seed)
+    results = run_comparison(agents, _configured(args, policies), profile, m, predictions,
+                             backfill=args.backfill, seed=args.seed)
     wall = time.perf_counter() - t0
     tau = gps_tau_s(profile, m, agents)
     limits = workload_limits(agents)
@@ -247,6 +271,8 @@ def _sim(args: argparse.Namespace) -> int:
         "prediction": args.prediction,
         "seed": args.seed,
         "backfill": args.backfill,
+        "las_half_life_s": args.las_half_life_s,
+        "las_head_wait_weight": args.las_head_wait_weight,
         "limits": {
             "max_request_cost": limits.max_request_cost,
             "max_agent_cost": limits.max_agent_cost,
@@ -282,8 +308,10 @@ def _live(args: argparse.Namespace) -> int:
     if args.kv_tokens < args.max_model_len:
         raise CommandError(f"--kv-tokens {args.kv_tokens} is below --max-model-len "
                            f"{args.max_model_len}: vLLM needs room for one full request")
+    _configured(args, policies)  # validates the options before any server starts
     opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
-                       prediction=args.prediction, seed=args.seed, log_dir=args.log_dir)
+                       prediction=args.prediction, seed=args.seed, log_dir=args.log_dir,
+                       las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight)
     results = []
     t0 = time.perf_counter()
     with Progress(disable=args.quiet) as bar:
@@ -295,11 +323,12 @@ def _live(args: argparse.Namespace) -> int:
 
             results.append(run_policy(agents, policy, opts, advance))
     wall = time.perf_counter() - t0
+    _add_slowdowns(results, agents, profile, args.kv_tokens)
     sim = {}
     if not args.no_sim:
         # The simulator's prediction of the same run: same workload, policy, profile and M;
         # oracle costs (the simulator has no server predictor to stand in for `server`).
-        predicted = run_comparison(agents, policies, profile, args.kv_tokens,
+        predicted = run_comparison(agents, _configured(args, policies), profile, args.kv_tokens,
                                    make_predictions(agents, "oracle"))
         for live_r, sim_r in zip(results, predicted, strict=True):
             live_mean = live_r.summary()["mean_jct_s"]
@@ -319,6 +348,8 @@ def _live(args: argparse.Namespace) -> int:
         "profile": profile.as_dict(),
         "prediction": args.prediction,
         "seed": args.seed,
+        "las_half_life_s": args.las_half_life_s,
+        "las_head_wait_weight": args.las_head_wait_weight,
         "wall_s": wall,
     }
     if args.json:
@@ -330,6 +361,17 @@ def _live(args: argparse.Namespace) -> int:
                 print(f"{r.policy}: live mean JCT {r.summary()['mean_jct_s']:.2f} s, simulator "
                       f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%)")
     return 0
+
+
+def _add_slowdowns(results, agents, profile, kv_tokens: int) -> None:
+    """Slowdowns of a live run: each agent's live JCT over its time alone on an idle engine,
+    by the simulator's time model of the profile (what `bench sim` divides by)."""
+    from .simulator import isolated_jct_s
+
+    isolated = isolated_jct_s(agents, profile, kv_tokens)
+    for r in results:
+        for a, alone in zip(r.agents, isolated, strict=True):
+            a.isolated_s = alone or None
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -417,7 +459,8 @@ def _starvation(args: argparse.Namespace) -> int:
     except ValueError:
         raise CommandError("--minutes takes numbers, e.g. 2,4,6,8,10") from None
     profile = _profile(args.profile)
-    rows = run_starvation(minutes, _policies(args.policies), profile, args.kv_tokens, args.load, args.seed)
+    rows = run_starvation(minutes, _configured(args, _policies(args.policies)), profile, args.kv_tokens,
+                          args.load, args.seed)
     from rich.console import Console
     from rich.table import Table
 

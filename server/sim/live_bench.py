@@ -47,6 +47,8 @@ class LiveOptions:
     seed: int = 0
     startup_timeout_s: float = 300.0
     log_dir: str | None = None
+    las_half_life_s: float | None = None  # the las policy's half-life (None: its default)
+    las_head_wait_weight: float | None = None  # its head-wait weight (None: its default)
 
 
 def _prompt(agent: AgentSpec, stage: int, index: int, p: int, seed: int) -> list[int]:
@@ -126,6 +128,10 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     log = Path(opts.log_dir) / f"server-{policy}.log" if opts.log_dir else None
     args = ["--policy", policy, "--kv-tokens", str(opts.kv_tokens),
             "--max-model-len", str(opts.max_model_len), "--data-dir", home]
+    if opts.las_half_life_s is not None:
+        args += ["--las-half-life-s", str(opts.las_half_life_s)]
+    if opts.las_head_wait_weight is not None:
+        args += ["--las-head-wait-weight", str(opts.las_head_wait_weight)]
     wall0 = time.perf_counter()
     with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv:
         outs, snap = asyncio.run(_replay(srv.url, agents, opts, progress))

@@ -34,7 +34,7 @@ def comparisons(results: Sequence[PolicyResult]) -> list[dict]:
     """Justitia against the main baselines, then every other policy against vtc (the share of
     agents that finish no later than under instantaneous fair sharing)."""
     pairs = [("justitia", "vtc"), ("justitia", "srjf"), ("justitia-c", "justitia"), ("justitia", "fcfs"),
-             ("justitia", "ewsjf"), ("justitia", "equinox")]
+             ("justitia", "ewsjf"), ("justitia", "equinox"), ("justitia", "las")]
     pairs += [(r.policy, "vtc") for r in results if r.policy not in ("vtc", "justitia")]
     return [c for c in (compare(results, p, b) for p, b in pairs) if c is not None]
 
@@ -57,7 +57,7 @@ def print_table(results: Sequence[PolicyResult], title: str = "") -> None:
 
     table = Table(title=title or None)
     for col in ("policy", "mean JCT", "p50", "p90", "p99", "max", "makespan", "preempt", "over bound",
-                "ETA err p50", "ETA err p90", "kept"):
+                "ETA err p50", "ETA err p90", "kept", "Jain"):
         table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
     for r in results:
         s = r.summary()
@@ -74,6 +74,7 @@ def print_table(results: Sequence[PolicyResult], title: str = "") -> None:
             _pct(s.get("eta_error_p50")),
             _pct(s.get("eta_error_p90")),
             f"{s.get('promises_kept', 0)}/{len(r.agents)}",
+            "-" if s.get("jain_slowdown") is None else f"{s['jain_slowdown']:.3f}",
         )
     console = Console()
     if not console.is_terminal and console.width < 150:

@@ -83,10 +83,19 @@ class AgentResult:
     # What the scheduler told the agent when it arrived, as durations from its arrival.
     first_eta_s: float | None = None
     first_deadline_s: float | None = None
+    # The agent's JCT alone on an idle engine (`isolated_jct_s`): the denominator of its slowdown.
+    isolated_s: float | None = None
 
     @property
     def jct_s(self) -> float:
         return self.finish_s - self.arrival_s
+
+    @property
+    def slowdown(self) -> float | None:
+        """JCT over the agent's own time on an idle engine (1: it waited for no one)."""
+        if self.isolated_s is None or self.isolated_s <= 0:
+            return None
+        return self.jct_s / self.isolated_s
 
     @property
     def eta_error(self) -> float | None:
@@ -112,6 +121,8 @@ class AgentResult:
             "delay_bound_s": self.delay_bound_s,
             "first_eta_s": self.first_eta_s,
             "first_deadline_s": self.first_deadline_s,
+            "isolated_s": self.isolated_s,
+            "slowdown": self.slowdown,
         }
 
 
@@ -141,6 +152,8 @@ class PolicyResult:
             "eta_error_p50": _quantile(eta_errors, 0.50) if eta_errors else None,
             "eta_error_p90": _quantile(eta_errors, 0.90) if eta_errors else None,
             "promises_kept": sum(a.promise_kept is True for a in self.agents),
+            "jain_slowdown": jain_index([s for a in self.agents if (s := a.slowdown) is not None]),
+            "max_slowdown": max((s for a in self.agents if (s := a.slowdown) is not None), default=None),
             "iterations": self.iterations,
             "preemptions": self.preemptions,
             "accounting_zero": self.accounting_zero,
@@ -150,6 +163,28 @@ class PolicyResult:
 
     def as_dict(self) -> dict:
         return {**self.summary(), "agents": [a.as_dict() for a in self.agents]}
+
+
+def jain_index(xs: Sequence[float]) -> float | None:
+    """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one
+    value holds everything (None for no values)."""
+    if not xs:
+        return None
+    square_sum = sum(x * x for x in xs)
+    return sum(xs) ** 2 / (len(xs) * square_sum) if square_sum > 0 else 1.0
+
+
+def isolated_jct_s(agents: Sequence[AgentSpec], profile: EngineProfile, kv_tokens: int | None = None) -> list[float]:
+    """Each agent's JCT alone on an idle engine of M tokens: its critical path (stage after
+    stage, each stage's requests batched together) under the profile's time model, by the
+    simulator itself with no other agent. The same for every policy that admits a lone
+    agent's stage whole; `justitia` (footprint admission: no preemption) is the one run."""
+    out = []
+    for a in agents:
+        alone = AgentSpec(a.id, a.type, 0.0, a.stages)
+        res = simulate([alone], "justitia", profile, kv_tokens, make_predictions([alone]), isolated=[0.0])
+        out.append(res.agents[0].jct_s)
+    return out
 
 
 def _quantile(sorted_xs: list[float], q: float) -> float:
@@ -172,9 +207,11 @@ def simulate(
     backfill: bool = False,
     gps_finish: Sequence[float] | None = None,
     seed: int = 0,
+    isolated: Sequence[float] | None = None,
 ) -> PolicyResult:
     """Run one policy over the workload; returns per-agent finish times and counters.
-    `seed` seeds a policy that learns online (ewsjf's tuner): same seed, same run."""
+    `seed` seeds a policy that learns online (ewsjf's tuner): same seed, same run.
+    `isolated`: each agent's time alone (`isolated_jct_s`, computed when not given)."""
     import time
 
     wall0 = time.perf_counter()
@@ -191,9 +228,11 @@ def simulate(
 
     run = _Run(agents, disp, engine, predictions)
     run.loop()
+    if isolated is None:
+        isolated = isolated_jct_s(agents, profile, m)
     results = [
         AgentResult(a.id, a.type, a.arrival, run.finish[i], gps_finish[i], run.bounds[i], run.first_eta[i],
-                    run.first_deadline[i])
+                    run.first_deadline[i], isolated[i] or None)
         for i, a in enumerate(agents)
     ]
     return PolicyResult(
@@ -299,7 +338,7 @@ class _Run:
 
 def run_comparison(
     agents: Sequence[AgentSpec],
-    policies: Sequence[str],
+    policies: Sequence[str | Policy],
     profile: EngineProfile,
     kv_tokens: int | None = None,
     predictions: Predictions | None = None,
@@ -311,5 +350,7 @@ def run_comparison(
     m = int(kv_tokens or profile.kv_tokens)
     gps = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], m / gps_tau_s(profile, m, agents))
     predictions = predictions or make_predictions(agents)
-    return [simulate(agents, p, profile, m, predictions, backfill=backfill, gps_finish=gps, seed=seed)
+    isolated = isolated_jct_s(agents, profile, m)
+    return [simulate(agents, p, profile, m, predictions, backfill=backfill, gps_finish=gps, seed=seed,
+                     isolated=isolated)
             for p in policies]

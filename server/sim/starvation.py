@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+
+from server.scheduler import Policy
 
 from .mix import Traces, _Gen
 from .profiles import EngineProfile
@@ -34,8 +37,8 @@ def starvation_workload(flood_s: float, profile: EngineProfile, kv_tokens: int, 
     return agents
 
 
-def run_starvation(minutes: list[float], policies: list[str], profile: EngineProfile, kv_tokens: int | None,
-                   load: float, seed: int = 0) -> list[dict]:
+def run_starvation(minutes: list[float], policies: Sequence[str | Policy], profile: EngineProfile,
+                   kv_tokens: int | None, load: float, seed: int = 0) -> list[dict]:
     m = int(kv_tokens or profile.kv_tokens)
     traces = Traces.load()
     rows = []
