@@ -191,20 +191,61 @@ function frameOf(svg) {
   return { w, h, left: 52, right: 8, top: 8, bottom: 22 };
 }
 
+// Round steps (1, 2 or 5 times a power of ten) for a linear axis up to `max`.
+function niceStep(max, count = 4) {
+  const raw = max / count || 1;
+  const p = Math.pow(10, Math.floor(Math.log10(raw)));
+  return [1, 2, 5, 10].map((m) => m * p).find((s) => s >= raw);
+}
+
+// 1, 2, 5 times the powers of ten between lo and hi, for a log axis.
+function logTicks(lo, hi) {
+  const out = [];
+  for (let e = Math.floor(Math.log10(lo)); e <= Math.ceil(Math.log10(hi)); e++) {
+    for (const m of [1, 2, 5]) { const v = m * Math.pow(10, e); if (v >= lo && v <= hi) out.push(v); }
+  }
+  return out;
+}
+
 function axes(svg, f, xmin, xmax, ymax, xlabel, ylabel) {
+  const ystep = niceStep(ymax);
+  ymax = Math.ceil(ymax / ystep) * ystep;
   const x = (v) => f.left + ((v - xmin) / (xmax - xmin || 1)) * (f.w - f.left - f.right);
   const y = (v) => f.h - f.bottom - (v / (ymax || 1)) * (f.h - f.top - f.bottom);
+  frameLines(svg, f);
+  for (let v = 0; v <= ymax + 1e-9; v += ystep) {
+    el("text", { x: f.left - 4, y: y(v) + 3, "text-anchor": "end" }, svg).textContent = fmt(v, ystep < 1 ? 1 : 0);
+  }
+  const xstep = niceStep(xmax - xmin);
+  for (let u = Math.ceil(xmin / xstep) * xstep; u <= xmax + 1e-9; u += xstep) {
+    el("text", { x: x(u), y: f.h - 6, "text-anchor": "middle" }, svg).textContent = fmt(u, xstep < 1 ? 1 : 0);
+  }
+  labels(svg, f, xlabel, ylabel);
+  return { x, y };
+}
+
+// Both axes logarithmic from lo to hi (the finished agents' times span orders of magnitude).
+function logAxes(svg, f, lo, hi, xlabel, ylabel) {
+  const span = Math.log10(hi) - Math.log10(lo) || 1;
+  const x = (v) => f.left + ((Math.log10(Math.max(v, lo)) - Math.log10(lo)) / span) * (f.w - f.left - f.right);
+  const y = (v) => f.h - f.bottom - ((Math.log10(Math.max(v, lo)) - Math.log10(lo)) / span) * (f.h - f.top - f.bottom);
+  frameLines(svg, f);
+  for (const v of logTicks(lo, hi)) {
+    el("text", { x: f.left - 4, y: y(v) + 3, "text-anchor": "end" }, svg).textContent = fmt(v, 2);
+    el("text", { x: x(v), y: f.h - 6, "text-anchor": "middle" }, svg).textContent = fmt(v, 2);
+  }
+  labels(svg, f, xlabel, ylabel);
+  return { x, y };
+}
+
+function frameLines(svg, f) {
   el("line", { x1: f.left, y1: f.h - f.bottom, x2: f.w - f.right, y2: f.h - f.bottom, class: "axis" }, svg);
   el("line", { x1: f.left, y1: f.top, x2: f.left, y2: f.h - f.bottom, class: "axis" }, svg);
-  for (let k = 0; k <= 4; k++) {
-    const v = (ymax * k) / 4;
-    el("text", { x: f.left - 4, y: y(v) + 3, "text-anchor": "end" }, svg).textContent = fmt(v, ymax < 10 ? 1 : 0);
-    const u = xmin + ((xmax - xmin) * k) / 4;
-    el("text", { x: x(u), y: f.h - 6, "text-anchor": "middle" }, svg).textContent = fmt(u, xmax - xmin < 10 ? 1 : 0);
-  }
+}
+
+function labels(svg, f, xlabel, ylabel) {
   el("text", { x: f.w - f.right, y: f.h - f.bottom - 4, "text-anchor": "end" }, svg).textContent = xlabel;
   el("text", { x: f.left + 4, y: f.top + 8 }, svg).textContent = ylabel;
-  return { x, y };
 }
 
 function line(svg, points, cls) {
@@ -263,12 +304,13 @@ function renderFinished() {
   svg.replaceChildren();
   svg.dataset.points = String(fin.length);
   const f = frameOf(svg);
-  const xs = fin.flatMap(([, , , eta, dl]) => [eta, dl]).filter((v) => v !== null);
-  const ymax = Math.max(...fin.map((r) => r[2]), 1);
-  const xmax = Math.max(...xs, ymax, 1);
-  const top = Math.max(xmax, ymax);
-  const { x, y } = axes(svg, f, 0, top, top, "promised (s): first ETA, deadline", "JCT (s)");
-  el("line", { x1: x(0), y1: y(0), x2: x(top), y2: y(top), class: "diag" }, svg);
+  // Log-log: ETAs of a second and deadlines of many minutes on one plot; points below the
+  // diagonal finished earlier than promised.
+  const all = fin.flatMap(([, , jct, eta, dl]) => [jct, eta, dl]).filter((v) => v !== null && v > 0);
+  const lo = Math.pow(10, Math.floor(Math.log10(Math.max(Math.min(...all, 1), 0.01))));
+  const hi = Math.pow(10, Math.ceil(Math.log10(Math.max(...all, 1) * 1.01)));
+  const { x, y } = logAxes(svg, f, lo, hi, "promised (s, log): first ETA, deadline", "JCT (s, log)");
+  el("line", { x1: x(lo), y1: y(lo), x2: x(hi), y2: y(hi), class: "diag" }, svg);
   let kept = 0;
   for (const [id, type, jct, eta, deadline] of fin) {
     if (eta !== null) el("circle", { cx: x(eta), cy: y(jct), r: 2.6, class: "eta" }, svg).append(title(`${id} (${type}): JCT ${fmt(jct, 2)} s, first ETA ${fmt(eta, 2)} s`));
