@@ -176,6 +176,9 @@ class DashboardHub(AgentListener):
         now = self._clock()
         if self._order is not None and now - self._order[0] < ORDER_CACHE_S:
             return self._order[1], self._order[2]
+        # An agent that ended by a path the listeners did not hear of must not stay "live".
+        for agent_id in [i for i, e in self.live.items() if e.terminal]:
+            del self.live[agent_id]
         disp = self.scheduler.dispatcher
         key = disp.policy.static_key
         known = [(key(a), i) for i in self.live if (a := disp.agents.get(i)) is not None]

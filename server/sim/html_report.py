@@ -66,7 +66,7 @@ def policy_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     for r in results:
         agents = r["agents"]
         slow = [s for a in agents if (s := gps_slowdown(a)) is not None]
-        promised = [k for a in agents if (k := kept(a)) is not None]
+        promised = [ok for a in agents if (ok := kept(a)) is not None]
         within = sum(a["finish_s"] <= a["gps_finish_s"] + a["delay_bound_s"] + 1e-6 for a in agents)
         rows.append([
             r["policy"], _f(r["mean_jct_s"]), _f(r["p50_jct_s"]), _f(r["p90_jct_s"]), _f(r["p99_jct_s"]),
@@ -144,7 +144,7 @@ def promises_svg(results: list[dict[str, Any]]) -> str:
     """One bar per policy: the share of agents that finished within their first deadline."""
     rows = []
     for r in results:
-        promised = [k for a in r["agents"] if (k := kept(a)) is not None]
+        promised = [ok for a in r["agents"] if (ok := kept(a)) is not None]
         rows.append((r["policy"], sum(promised) / len(promised) if promised else None))
     bar_h, gap = 18, 6
     height = TOP + len(rows) * (bar_h + gap) + 10

@@ -199,10 +199,12 @@ function niceStep(max, count = 4) {
 }
 
 // 1, 2, 5 times the powers of ten between lo and hi, for a log axis.
+// Over more than two decades, powers of ten only (labels would overlap).
 function logTicks(lo, hi) {
   const out = [];
+  const steps = Math.log10(hi / lo) > 2 ? [1] : [1, 2, 5];
   for (let e = Math.floor(Math.log10(lo)); e <= Math.ceil(Math.log10(hi)); e++) {
-    for (const m of [1, 2, 5]) { const v = m * Math.pow(10, e); if (v >= lo && v <= hi) out.push(v); }
+    for (const m of steps) { const v = m * Math.pow(10, e); if (v >= lo && v <= hi) out.push(v); }
   }
   return out;
 }
@@ -307,7 +309,7 @@ function renderFinished() {
   // Log-log: ETAs of a second and deadlines of many minutes on one plot; points below the
   // diagonal finished earlier than promised.
   const all = fin.flatMap(([, , jct, eta, dl]) => [jct, eta, dl]).filter((v) => v !== null && v > 0);
-  const lo = Math.pow(10, Math.floor(Math.log10(Math.max(Math.min(...all, 1), 0.01))));
+  const lo = Math.pow(10, Math.floor(Math.log10(Math.max(Math.min(...all, 1), 0.1))));
   const hi = Math.pow(10, Math.ceil(Math.log10(Math.max(...all, 1) * 1.01)));
   const { x, y } = logAxes(svg, f, lo, hi, "promised (s, log): first ETA, deadline", "JCT (s, log)");
   el("line", { x1: x(lo), y1: y(lo), x2: x(hi), y2: y(hi), class: "diag" }, svg);
