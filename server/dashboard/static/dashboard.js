@@ -188,7 +188,7 @@ function el(name, attrs, parent) {
 
 function frameOf(svg) {
   const [, , w, h] = svg.getAttribute("viewBox").split(" ").map(Number);
-  return { w, h, left: 52, right: 8, top: 8, bottom: 22 };
+  return { w, h, left: 52, right: 16, top: 8, bottom: 22 };
 }
 
 // Round steps (1, 2 or 5 times a power of ten) for a linear axis up to `max`.
