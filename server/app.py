@@ -17,6 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server import errors
 from server.agents_api import router as agents_router
 from server.config import ServerConfig
+from server.dashboard import DashboardHub
+from server.dashboard.api import router as dashboard_router
 from server.engine.base import NOT_RUNNING, Capabilities, Engine, Supervised
 from server.history import History
 from server.limits import PerTenant, Quotas, RateLimiter
@@ -230,7 +232,11 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
             capabilities=capabilities,
         )
         metrics.bind(scheduler)
+        dashboard = DashboardHub(scheduler)
+        scheduler.listeners.add(dashboard)  # it learns of agents as they come and go
         await scheduler.start()
+        await dashboard.start()
+        app.state.dashboard = dashboard
         app.state.history = history
         app.state.metrics = metrics
         app.state.scheduler = scheduler
@@ -242,6 +248,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
             yield
         finally:
             app.state.ready = False
+            await dashboard.close()
             await scheduler.close()
             await engine.close()
             history.close()
@@ -264,6 +271,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     app.include_router(openai_router)
     install_fast_paths(app)
     app.include_router(agents_router)
+    app.include_router(dashboard_router)
 
     @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format"}})

@@ -24,9 +24,13 @@ def test_bench_live_replays_a_workload_and_writes_the_contract(tmp_path, justiti
     save_workload(agents, workload)
     out = tmp_path / "live.json"
     rc = main(["bench", "live", "--workload", str(workload), "--policies", "justitia",
-               "--kv-tokens", "4096", "--max-model-len", "2048", "--json", str(out), "--quiet"])
+               "--kv-tokens", "4096", "--max-model-len", "2048", "--json", str(out), "--quiet",
+               "--html", str(tmp_path / "live.html")])
     assert rc == 0
     doc = json.loads(out.read_text())
+    # the same run as a self-contained report, with the simulator's prediction beside it
+    html = (tmp_path / "live.html").read_text()
+    assert "<td>justitia</td>" in html and "simulator&#x27;s mean JCT" in html and "<script" not in html
     assert doc["config"]["kv_tokens"] == 4096 and doc["config"]["mode"] == "live"
     [result] = doc["results"]
     assert RESULT_KEYS <= set(result) and result["policy"] == "justitia"

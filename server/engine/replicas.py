@@ -75,6 +75,8 @@ class Replica:
             "requests_in_flight": self.in_flight, "healthy": self.healthy,
             "draining": self.draining,
             "kv_usage": self.metrics.get("vllm:kv_cache_usage_perc", 0.0),
+            # a counter: the dashboard's per-replica throughput is its rate
+            "generation_tokens": self.metrics.get("vllm:generation_tokens_total", 0.0),
         }
 
 

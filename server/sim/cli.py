@@ -42,6 +42,8 @@ def register(commands: Commands) -> None:
     _las_options(sim)
     sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
     sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
+    sim.add_argument("--html", metavar="OUT.html", default=None,
+                     help="write a self-contained HTML report (policy table, JCT CDFs, slowdown vs GPS, promises)")
     sim.add_argument("--quiet", action="store_true", help="no table on the terminal")
     sim.set_defaults(handler=_sim)
 
@@ -87,6 +89,8 @@ def register(commands: Commands) -> None:
     live.add_argument("--kv-tokens", type=int, required=True, metavar="M",
                       help="KV cache capacity of the engine in tokens")
     live.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
+    live.add_argument("--html", metavar="OUT.html", default=None,
+                      help="write a self-contained HTML report (policy table, JCT CDFs, slowdown vs GPS, promises)")
     live.add_argument("--max-model-len", type=int, default=2048, metavar="N",
                       help="engine context length (longest p + d of the workload must fit)")
     live.add_argument("--prediction", default="oracle", choices=["oracle", "server"],
@@ -286,6 +290,10 @@ def _sim(args: argparse.Namespace) -> int:
         report.print_table(results, f"{args.workload}  M={m}  {profile.name}  {args.prediction}  ({wall:.1f} s)")
     if args.plot:
         report.plot_cdf(results, args.plot, f"{len(agents)} agents, {profile.name}, M={m}")
+    if args.html:
+        from .html_report import write_html
+
+        write_html(args.html, config, results, f"bench sim: {len(agents)} agents, {profile.name}, M={m}")
     return 0
 
 
@@ -354,6 +362,10 @@ def _live(args: argparse.Namespace) -> int:
     }
     if args.json:
         report.write_json(args.json, config, results)
+    if args.html:
+        from .html_report import write_html
+
+        write_html(args.html, config, results, f"bench live: {len(agents)} agents, M={args.kv_tokens}")
     if not args.quiet:
         report.print_table(results, f"live: {args.workload}  M={args.kv_tokens}  ({wall:.0f} s)")
         for r in results:
