@@ -1,13 +1,17 @@
 # The two commands of the README. Both set up .venv first (idempotent: seconds when done).
-.PHONY: setup demo test test-fast check docs
+.PHONY: setup browser demo test test-fast check docs
 
 setup:
 	@bash scripts/setup.sh
 
+# Debian's chromium, for the dashboard's browser tests (part of `test`).
+browser:
+	@bash scripts/browser.sh
+
 demo: setup
 	.venv/bin/justitia demo
 
-test: setup
+test: setup browser
 	.venv/bin/python -m pytest -q
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
