@@ -130,7 +130,7 @@ def test_frames_send_only_what_changed(keyed: FakeServer) -> None:
             assert "reset" not in frame and "order" not in frame
             if set(frame.get("rows", {})) & set(ids):
                 assert frame["t"] - first["t"] >= TIMES_REFRESH_S - 0.05, frame
-                for i in ids:
+                for i in set(frame["rows"]) & set(ids):  # under load a frame may carry some of them
                     assert frame["rows"][i][:9] == first["rows"][i][:9]  # the same agent, later times
         for i in ids:
             alice.delete(f"/v1/agents/{i}")
