@@ -80,9 +80,11 @@ class DashboardHub(AgentListener):
     # -- listener of the scheduler -----------------------------------------------------------
     def on_agent_registered(self, entry: AgentEntry) -> None:
         self.live[entry.id] = entry
+        self._order = None  # the cached order is of other agents: a new stream must see this one
 
     def on_agent_ended(self, entry: AgentEntry) -> None:
         self.live.pop(entry.id, None)
+        self._order = None
         if entry.state != "finished" or entry.finished_at is None:
             return
         view = entry.final_view or {}
