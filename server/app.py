@@ -188,8 +188,10 @@ def _data_dir(config: ServerConfig) -> Path:
 
 def _predictors(config: ServerConfig):
     from predictors import PredictorRegistry
+    from predictors.online import OnlineTrainer
 
-    return PredictorRegistry(config.predictors_dir)
+    online = OnlineTrainer(config.retrain_every) if config.retrain_every > 0 else None
+    return PredictorRegistry(config.predictors_dir, online=online)
 
 
 def create_app(config: ServerConfig, engine: Engine | None = None, model_name: str = "") -> FastAPI:
@@ -209,6 +211,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         history = History(_data_dir(config) / "history.sqlite3",
                           retention_s=config.history_retention_s or None)
         metrics = Metrics()
+        predictors = _predictors(config)
         scheduler = LiveScheduler(
             engine,
             LiveConfig(
@@ -220,7 +223,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                 quotas=Quotas(PerTenant(config.max_agents, config.tenant_max_agents),
                               PerTenant(config.max_queued, config.tenant_max_queued)),
             ),
-            predictors=_predictors(config),
+            predictors=predictors,
             history=history,
             metrics=metrics,
             capabilities=capabilities,
@@ -241,6 +244,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
             await scheduler.close()
             await engine.close()
             history.close()
+            predictors.close()
 
     app = FastAPI(
         title="Justitia",

@@ -303,8 +303,11 @@ class LiveScheduler:
 
     def _predict(self, agent_type: str, prompt: str, tenant: str,
                  metadata: dict[str, Any]) -> tuple[float, CostSource]:
-        features = metadata.get("features") if isinstance(metadata.get("features"), dict) else None
         if self.predictors is not None:
+            from predictors.features import submission_features
+
+            # What the agent declared: its `features` numbers, fan-out and stage shape.
+            features = submission_features(metadata)
             try:
                 predictor = self.predictors.get(agent_type, tenant)
                 source: CostSource = "cold_start" if getattr(predictor, "is_cold_start", False) else "model"

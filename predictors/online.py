@@ -1,0 +1,237 @@
+"""Online learning: the server retrains an agent type's predictor from the agents it served.
+
+Every finished agent whose cost the server predicted becomes a sample of its (tenant, type):
+its prompt, the numbers its metadata declared, its real cost, and the prediction it was
+served. Once ``retrain_every`` new samples of a (tenant, type) have arrived (and at least
+:data:`~predictors.training.MIN_SAMPLES` in all), a retraining job is queued:
+
+* it runs in one worker *process* (spawned, niced): training never holds the event loop or
+  the GIL the server serves with, and never more than one job runs at a time (bounded CPU);
+* the newest 20% of the samples (at least :data:`MIN_RECENT`) are held out; the model is
+  chosen by cross-validation and fitted on the others (:func:`predictors.training.fit_predictor`);
+* it is swapped in only if its mean relative error on those recent held-out samples is at
+  most that of the predictions the server really served them (cold start, an operator's
+  model or an earlier online model, all of which predicted them before they ran): a swap
+  never makes recent predictions worse. The swap is one dict assignment under a lock.
+
+One (tenant, type) never learns from another tenant's agents, as the cold start does not.
+The models live in memory: after a restart the server learns again from new agents;
+``justitia train-predictor T --from-history DATA_DIR/history.sqlite3`` makes a lasting one.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import datetime as _dt
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("justitia.predictors")
+
+#: Default number of new samples of a (tenant, type) that triggers its retraining.
+DEFAULT_RETRAIN_EVERY = 20
+#: Fewest recent samples held out to decide a swap.
+MIN_RECENT = 5
+RECENT_FRACTION = 0.2
+#: Samples kept per (tenant, type): the newest; older ones leave the training set.
+MAX_SAMPLES = 2000
+#: The "recent error" of GET /v1/predictors: over this many latest served predictions.
+RECENT_WINDOW = 20
+
+Key = tuple[str, str]  # (tenant, agent type)
+
+
+@dataclass
+class _Served:
+    """One finished agent: the sample and the prediction it was served."""
+
+    sample: dict[str, Any]
+    served: float
+
+
+@dataclass
+class TypeState:
+    """What the trainer knows of one (tenant, type)."""
+
+    samples: collections.deque[_Served] = field(default_factory=lambda: collections.deque(maxlen=MAX_SAMPLES))
+    new: int = 0  # samples since the last job was queued
+    job: concurrent.futures.Future[dict[str, Any]] | None = None
+    model: Any = None  # the online CostPredictor serving this (tenant, type), if any
+    last_trained: str | None = None
+    last_decision: str | None = None
+    retrains: int = 0
+    swaps: int = 0
+
+    def recent_error(self) -> dict[str, float] | None:
+        recent = list(self.samples)[-RECENT_WINDOW:]
+        if not recent:
+            return None
+        errors = np.array([abs(r.served - r.sample["cost"]) / r.sample["cost"] for r in recent])
+        return {"n": int(errors.size), "mean_relative_error": float(errors.mean()),
+                "median_relative_error": float(np.median(errors))}
+
+
+def _nice_worker() -> None:
+    """Runs first in the worker process: below the engine and the server in CPU priority."""
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+
+
+def train_job(agent_type: str, samples: list[dict[str, Any]], served: list[float], seed: int = 0) -> dict[str, Any]:
+    """The retraining of one (tenant, type), in the worker process: fit on the older samples,
+    compare with the served predictions on the newest ones. Returns the fitted model and its
+    metadata (a `CostPredictor` is rebuilt by the server: its fast path does not pickle)."""
+    from .evaluation import relative_errors
+    from .samples import parse_samples
+    from .training import fit_predictor
+
+    rows = parse_samples(samples, source=f"history of {agent_type}")
+    n_recent = max(MIN_RECENT, int(round(RECENT_FRACTION * len(rows))))
+    train, recent = rows[:-n_recent], rows[-n_recent:]
+    t0 = time.perf_counter()
+    predictor = fit_predictor(train, agent_type, seed=seed)
+    costs = [s.cost for s in recent]
+    candidate = relative_errors([predictor.predict(s.prompt, s.features) for s in recent], costs)
+    current = relative_errors(served[-n_recent:], costs)
+    meta = predictor.metadata
+    meta.update(source="online", sample_count=len(rows), train_count=len(train), validation_count=len(recent),
+                validation={"count": len(recent), "mean_relative_error": float(candidate.mean()),
+                            "median_relative_error": float(np.median(candidate))},
+                replaced_error={"mean_relative_error": float(current.mean()),
+                                "median_relative_error": float(np.median(current))},
+                job_seconds=time.perf_counter() - t0)
+    return {"model": predictor.model, "metadata": meta,
+            "swap": bool(candidate.mean() <= current.mean())}
+
+
+class OnlineTrainer:
+    """Collects served agents per (tenant, type) and retrains their predictors in the
+    background (see the module docstring). ``observe`` is called on the event loop and
+    only appends; ``get`` is what the registry asks first."""
+
+    def __init__(self, retrain_every: int = DEFAULT_RETRAIN_EVERY,
+                 executor: concurrent.futures.Executor | None = None,
+                 on_swap: Callable[[str, str], None] | None = None) -> None:
+        from .training import MIN_SAMPLES
+
+        self.retrain_every = int(retrain_every)
+        self.min_samples = MIN_SAMPLES
+        self._executor = executor
+        self._own_executor = executor is None
+        self._types: dict[Key, TypeState] = {}
+        self._lock = threading.Lock()
+        self._on_swap = on_swap
+
+    @property
+    def enabled(self) -> bool:
+        return self.retrain_every > 0
+
+    def _pool(self) -> concurrent.futures.Executor:
+        if self._executor is None:
+            # spawn, not fork: the server's process holds threads (the engine's, SQLite's).
+            self._executor = concurrent.futures.ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_nice_worker)
+        return self._executor
+
+    def close(self) -> None:
+        if self._executor is not None and self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def get(self, agent_type: str, tenant: str | None) -> Any:
+        """The online model serving (tenant, type), or None."""
+        state = self._types.get((tenant or "", agent_type))
+        return state.model if state is not None else None
+
+    def observe(self, agent_type: str, tenant: str | None, prompt: str, cost: float, served: float,
+                features: Mapping[str, Any] | None = None) -> None:
+        """A finished agent of (tenant, type) whose cost the server predicted as ``served``."""
+        if not self.enabled or not (cost > 0 and served > 0 and prompt.strip()):
+            return
+        key = (tenant or "", agent_type)
+        with self._lock:
+            state = self._types.setdefault(key, TypeState())
+            state.samples.append(_Served({"agent_type": agent_type, "prompt": prompt, "cost": float(cost),
+                                          "features": dict(features or {})}, float(served)))
+            state.new += 1
+            due = (state.new >= self.retrain_every and len(state.samples) >= self.min_samples
+                   and state.job is None)
+            if due:
+                state.new = 0
+                state.job = self._submit(key, state)
+
+    def _submit(self, key: Key, state: TypeState) -> concurrent.futures.Future[dict[str, Any]]:
+        rows = list(state.samples)
+        job = self._pool().submit(train_job, key[1], [r.sample for r in rows], [r.served for r in rows])
+        job.add_done_callback(lambda f: self._finished(key, f))
+        return job
+
+    def _finished(self, key: Key, job: concurrent.futures.Future[dict[str, Any]]) -> None:
+        from .model import CostPredictor
+
+        state = self._types[key]
+        stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+        try:
+            result = job.result()
+            predictor = CostPredictor(result["model"], result["metadata"]) if result["swap"] else None
+        except Exception as exc:  # a failed job leaves the served model in place
+            log.warning("retraining the predictor of %r failed: %s", key[1], exc)
+            with self._lock:
+                state.job, state.last_decision = None, f"failed: {type(exc).__name__}: {exc}"
+            return
+        meta = result["metadata"]
+        new, old = meta["validation"]["mean_relative_error"], meta["replaced_error"]["mean_relative_error"]
+        with self._lock:
+            state.job, state.last_trained, state.retrains = None, stamp, state.retrains + 1
+            if predictor is not None:
+                state.model, state.swaps = predictor, state.swaps + 1
+                state.last_decision = f"swapped in ({meta['model']}: {new:.3f} vs {old:.3f} served)"
+            else:
+                state.last_decision = f"kept the served model ({meta['model']}: {new:.3f} vs {old:.3f} served)"
+            due = state.new >= self.retrain_every
+            if due:  # samples that arrived during the job
+                state.new = 0
+                state.job = self._submit(key, state)
+        log.info("predictor of %r for tenant %r: %s", key[1], key[0], state.last_decision)
+        if predictor is not None and self._on_swap is not None:
+            self._on_swap(key[0], key[1])
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until no job is queued or running (tests, shutdown)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            jobs = [s.job for s in self._types.values() if s.job is not None]
+            if not jobs:
+                return
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            concurrent.futures.wait(jobs, timeout=left)
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per (tenant, type): samples, the serving model's kind, recent error, last trained."""
+        out = []
+        with self._lock:
+            items = sorted(self._types.items())
+        for (tenant, agent_type), state in items:
+            meta = state.model.metadata if state.model is not None else {}
+            out.append({
+                "agent_type": agent_type, "tenant": tenant, "samples": len(state.samples),
+                "kind": meta.get("kind"), "model": meta.get("model"),
+                "trained_on": meta.get("train_count"),
+                "recent_error": state.recent_error(), "last_trained": state.last_trained,
+                "last_decision": state.last_decision, "retrains": state.retrains, "swaps": state.swaps,
+                "training": state.job is not None,
+            })
+        return out
