@@ -88,6 +88,12 @@ def _nice_worker() -> None:
         pass
 
 
+def warm_up() -> None:
+    """Imports what training needs, in the worker process, before the first job needs it
+    (a spawned process imports NumPy and scikit-learn afresh: seconds on a busy machine)."""
+    from . import training  # noqa: F401
+
+
 def train_job(agent_type: str, samples: list[dict[str, Any]], served: list[float], seed: int = 0) -> dict[str, Any]:
     """The retraining of one (tenant, type), in the worker process: fit on the older samples,
     compare with the served predictions on the newest ones. Returns the fitted model and its
@@ -161,6 +167,8 @@ class OnlineTrainer:
             return
         key = (tenant or "", agent_type)
         with self._lock:
+            if not self._types:  # the first sample: start the worker while samples gather
+                self._pool().submit(warm_up)
             state = self._types.setdefault(key, TypeState())
             state.samples.append(_Served({"agent_type": agent_type, "prompt": prompt, "cost": float(cost),
                                           "features": dict(features or {})}, float(served)))
