@@ -122,6 +122,23 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool) -> dict:
     return out
 
 
+def fan_out_noise_floor(n: int = 60, draws: int = 200) -> float:
+    """The least mean relative error any predictor can reach on `fan_out_research`: for each
+    of `n` agents, the best single prediction knowing its prompt and fan-out exactly, against
+    `draws` re-draws of its output lengths (the generator's noise, which no feature sees)."""
+    from predictors.agent_models import fan_out_research
+    from predictors.samples import agent_cost
+    from predictors.synthetic import LognormalLengths
+
+    lengths, best = LognormalLengths(), []
+    for s in synthesize("fan_out_research", n, seed=0):
+        costs = np.array([agent_cost(fan_out_research(s.prompt, int(s.features["fan_out"]), lengths, k)[0])
+                          for k in range(1, draws + 1)])
+        candidates = np.quantile(costs, np.linspace(0.05, 0.95, 91))
+        best.append(min(float(np.mean(np.abs(c - costs) / costs)) for c in candidates))
+    return float(np.mean(best))
+
+
 def _report(types: list[str], errs: dict, train_s: dict, train_n: dict, lat: dict) -> dict:
     """Per-type and overall errors, latencies and training times of `bench_dataset`'s splits."""
     out = {"per_type": {}, "overall": {}}
@@ -207,6 +224,10 @@ def main() -> None:
     for name, (samples, source) in datasets.items():
         res = bench_dataset(samples, args.splits, args.per_type, not args.no_ablation)
         res["source"] = source
+        if name == "loop-agents":
+            res["fan_out_research_noise_floor"] = fan_out_noise_floor()
+            print(f"fan_out_research: least mean relative error any predictor can reach "
+                  f"(output-length noise): {res['fan_out_research_noise_floor']:.3f}")
         results["datasets"][name] = res
         print_dataset(name, res)
     ok = {}

@@ -143,6 +143,13 @@ class OnlineTrainer:
     def enabled(self) -> bool:
         return self.retrain_every > 0
 
+    def start(self) -> None:
+        """Start the worker process now (the server calls this at startup): a spawned
+        process imports NumPy and scikit-learn afresh, seconds on a busy machine, which the
+        first job would otherwise wait for."""
+        if self.enabled:
+            self._pool().submit(warm_up)
+
     def _pool(self) -> concurrent.futures.Executor:
         if self._executor is None:
             # spawn, not fork: the server's process holds threads (the engine's, SQLite's).
@@ -167,27 +174,43 @@ class OnlineTrainer:
             return
         key = (tenant or "", agent_type)
         with self._lock:
-            if not self._types:  # the first sample: start the worker while samples gather
-                self._pool().submit(warm_up)
             state = self._types.setdefault(key, TypeState())
             state.samples.append(_Served({"agent_type": agent_type, "prompt": prompt, "cost": float(cost),
                                           "features": dict(features or {})}, float(served)))
             state.new += 1
-            due = (state.new >= self.retrain_every and len(state.samples) >= self.min_samples
-                   and state.job is None)
-            if due:
+            if state.new < self.retrain_every or len(state.samples) < self.min_samples:
+                return
+            if state.job is not None and state.job.cancel():
+                state.job = None  # still queued: one job on every sample replaces it
+            if state.job is None:
                 state.new = 0
                 state.job = self._submit(key, state)
 
-    def _submit(self, key: Key, state: TypeState) -> concurrent.futures.Future[dict[str, Any]]:
+    def _submit(self, key: Key, state: TypeState) -> concurrent.futures.Future[dict[str, Any]] | None:
         rows = list(state.samples)
-        job = self._pool().submit(train_job, key[1], [r.sample for r in rows], [r.served for r in rows])
+        try:
+            job = self._pool().submit(train_job, key[1], [r.sample for r in rows], [r.served for r in rows])
+        except Exception as exc:  # a broken pool: start a new one with the next job
+            self._drop_broken_pool(exc)
+            state.last_decision = f"failed: {type(exc).__name__}: {exc}"
+            return None
         job.add_done_callback(lambda f: self._finished(key, f))
         return job
+
+    def _drop_broken_pool(self, exc: BaseException) -> None:
+        """A worker that died (killed, out of memory) breaks its pool for good: forget it,
+        so that the next job starts a fresh worker instead of failing forever."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        if isinstance(exc, BrokenProcessPool) and self._own_executor and self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     def _finished(self, key: Key, job: concurrent.futures.Future[dict[str, Any]]) -> None:
         from .model import CostPredictor
 
+        if job.cancelled():  # replaced by a job on more samples (observe holds the lock)
+            return
         state = self._types[key]
         stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         try:
@@ -195,6 +218,7 @@ class OnlineTrainer:
             predictor = CostPredictor(result["model"], result["metadata"]) if result["swap"] else None
         except Exception as exc:  # a failed job leaves the served model in place
             log.warning("retraining the predictor of %r failed: %s", key[1], exc)
+            self._drop_broken_pool(exc)
             with self._lock:
                 state.job, state.last_decision = None, f"failed: {type(exc).__name__}: {exc}"
             return

@@ -91,6 +91,9 @@ CANDIDATES = (
     Candidate("mlp", alpha=10.0, width=0.5),
     Candidate("mlp", alpha=DEFAULT_ALPHA, width=1.0),
 )
+#: Fewest training samples with which MLPs are candidates: with fewer, an MLP of thousands of
+#: weights fits noise, and cross-validating it costs seconds (the online retraining's budget).
+MIN_MLP_SAMPLES = 50
 #: A more complex candidate must cut the cross-validated mean relative error by this much
 #: (relative) to be chosen over a simpler one: on a few dozen samples smaller wins are noise.
 COMPLEXITY_MARGIN = 0.03
@@ -170,8 +173,9 @@ def fit_predictor(samples: Sequence[Sample], agent_type: str, alpha: float | Non
 
     Without ``candidate``, the regressor is chosen by cross-validation among
     :data:`CANDIDATES` (only MLPs of that penalty where ``alpha`` is given, plus the median
-    and ridge fallbacks); the chosen one's out-of-fold residuals give the calibration (the
-    shift of least mean relative error, :func:`best_shift`) and the p50/p90 interval. With
+    and ridge fallbacks; no MLP below :data:`MIN_MLP_SAMPLES` samples); the chosen one's
+    out-of-fold residuals give the calibration (the shift of least mean relative error,
+    :func:`best_shift`) and the p50/p90 interval. With
     ``candidate`` (the global baseline), no cross-validation: the calibration is the
     closed-form one of :func:`log_residual_variance` and there is no interval.
     """
@@ -185,6 +189,8 @@ def fit_predictor(samples: Sequence[Sample], agent_type: str, alpha: float | Non
     if candidate is None:
         grid = CANDIDATES if alpha is None else (
             *[c for c in CANDIDATES if c.kind != "mlp"], Candidate("mlp", alpha=alpha))
+        if len(samples) < MIN_MLP_SAMPLES:
+            grid = tuple(c for c in grid if c.kind != "mlp")
         cv = cross_validate(records, y, names, avg_tokens, seed, grid)
         chosen = choose(cv)
         candidate = cv[chosen]["candidate"]
