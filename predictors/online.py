@@ -42,8 +42,12 @@ DEFAULT_RETRAIN_EVERY = 20
 #: Fewest recent samples held out to decide a swap.
 MIN_RECENT = 5
 RECENT_FRACTION = 0.2
-#: Samples kept per (tenant, type): the newest; older ones leave the training set.
-MAX_SAMPLES = 2000
+#: Samples kept per (tenant, type): the newest; older ones leave the training set. A prompt
+#: is kept up to 64 KB (server/live.py), so this bounds a type's memory to about 32 MB.
+MAX_SAMPLES = 500
+#: (tenant, type) pairs followed at most: agent types are the callers' strings, and a caller
+#: inventing a new one per agent must not grow the server's memory without end.
+MAX_KEYS = 1000
 #: The "recent error" of GET /v1/predictors: over this many latest served predictions.
 RECENT_WINDOW = 20
 
@@ -136,7 +140,9 @@ class OnlineTrainer:
         self._executor = executor
         self._own_executor = executor is None
         self._types: dict[Key, TypeState] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a job that ends before its callback is attached (a fast failure) runs
+        # `_finished` at once, inside `observe`'s hold of the lock.
+        self._lock = threading.RLock()
         self._on_swap = on_swap
 
     @property
@@ -174,6 +180,8 @@ class OnlineTrainer:
             return
         key = (tenant or "", agent_type)
         with self._lock:
+            if key not in self._types and len(self._types) >= MAX_KEYS:
+                return  # followed types are full: this one stays on the cold start
             state = self._types.setdefault(key, TypeState())
             state.samples.append(_Served({"agent_type": agent_type, "prompt": prompt, "cost": float(cost),
                                           "features": dict(features or {})}, float(served)))
@@ -184,18 +192,19 @@ class OnlineTrainer:
                 state.job = None  # still queued: one job on every sample replaces it
             if state.job is None:
                 state.new = 0
-                state.job = self._submit(key, state)
+                self._submit(key, state)
 
-    def _submit(self, key: Key, state: TypeState) -> concurrent.futures.Future[dict[str, Any]] | None:
+    def _submit(self, key: Key, state: TypeState) -> None:
+        """Queue the retraining of (tenant, type) as ``state.job`` (the lock is held)."""
         rows = list(state.samples)
         try:
             job = self._pool().submit(train_job, key[1], [r.sample for r in rows], [r.served for r in rows])
         except Exception as exc:  # a broken pool: start a new one with the next job
             self._drop_broken_pool(exc)
             state.last_decision = f"failed: {type(exc).__name__}: {exc}"
-            return None
+            return
+        state.job = job  # before the callback, which may run at once and clear it
         job.add_done_callback(lambda f: self._finished(key, f))
-        return job
 
     def _drop_broken_pool(self, exc: BaseException) -> None:
         """A worker that died (killed, out of memory) breaks its pool for good: forget it,
@@ -220,21 +229,24 @@ class OnlineTrainer:
             log.warning("retraining the predictor of %r failed: %s", key[1], exc)
             self._drop_broken_pool(exc)
             with self._lock:
-                state.job, state.last_decision = None, f"failed: {type(exc).__name__}: {exc}"
+                state.last_decision = f"failed: {type(exc).__name__}: {exc}"
+                if state.job is job:
+                    state.job = None
             return
         meta = result["metadata"]
         new, old = meta["validation"]["mean_relative_error"], meta["replaced_error"]["mean_relative_error"]
         with self._lock:
-            state.job, state.last_trained, state.retrains = None, stamp, state.retrains + 1
+            state.last_trained, state.retrains = stamp, state.retrains + 1
+            if state.job is job:
+                state.job = None
             if predictor is not None:
                 state.model, state.swaps = predictor, state.swaps + 1
                 state.last_decision = f"swapped in ({meta['model']}: {new:.3f} vs {old:.3f} served)"
             else:
                 state.last_decision = f"kept the served model ({meta['model']}: {new:.3f} vs {old:.3f} served)"
-            due = state.new >= self.retrain_every
-            if due:  # samples that arrived during the job
+            if state.new >= self.retrain_every and state.job is None:  # arrived during the job
                 state.new = 0
-                state.job = self._submit(key, state)
+                self._submit(key, state)
         log.info("predictor of %r for tenant %r: %s", key[1], key[0], state.last_decision)
         if predictor is not None and self._on_swap is not None:
             self._on_swap(key[0], key[1])

@@ -82,15 +82,24 @@ def test_retraining_waits_for_enough_new_samples(trainer: OnlineTrainer) -> None
     assert off._executor is None
 
 
-def test_a_failed_job_keeps_the_served_model(trainer: OnlineTrainer) -> None:
-    rows = synthesize("react_loop", 20, seed=14)
-    for s in rows:
-        s.features["bad"] = float("nan")  # parse_samples accepts it; nothing may crash the server
-    _feed(trainer, rows, [1.0] * len(rows))
+def test_a_failed_job_keeps_the_served_model(trainer: OnlineTrainer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import predictors.online as online
+
+    def boom(*args: object, **kwargs: object) -> dict:
+        raise RuntimeError("boom")
+
+    rows = synthesize("fan_out_research", 40, seed=14)
+    monkeypatch.setattr(online, "train_job", boom)
+    _feed(trainer, rows[:20], [1.0] * 20)
     trainer.wait(60)
     [row] = trainer.describe()
-    assert row["swaps"] == 0 or row["kind"] in ("ridge", "mlp", "median")  # NaN features are dropped
-    assert not row["training"]
+    assert row["last_decision"] == "failed: RuntimeError: boom" and not row["training"]
+    assert row["retrains"] == 0 and trainer.get("fan_out_research", "t1") is None
+    monkeypatch.undo()  # the next job works again
+    _feed(trainer, rows[20:], [1.0] * 20)
+    trainer.wait(60)
+    [row] = trainer.describe()
+    assert row["retrains"] == 1 and row["swaps"] == 1, row
 
 
 # -- over HTTP on the fake engine -------------------------------------------------------------
@@ -206,3 +215,19 @@ def test_from_history_names_what_is_wrong(tmp_path: Path, capsys: pytest.Capture
     assert main(["train-predictor", "x", "--from-history", str(tmp_path / "junk.sqlite3"),
                  "--out", str(tmp_path / "m")]) == 2
     assert "not a readable Justitia history" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_negative_retrain_every(capsys: pytest.CaptureFixture[str]) -> None:
+    from justitia_cli import main
+
+    assert main(["serve", "--retrain-every", "-1"]) == 2  # refused before any engine starts
+    assert "--retrain-every takes a count of agents >= 0" in capsys.readouterr().err
+
+
+def test_followed_types_are_bounded(trainer: OnlineTrainer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import predictors.online as online
+
+    monkeypatch.setattr(online, "MAX_KEYS", 3)
+    for k in range(5):
+        trainer.observe(f"type{k}", "t1", "a prompt", 10.0, 5.0)
+    assert [r["agent_type"] for r in trainer.describe()] == ["type0", "type1", "type2"]
