@@ -62,6 +62,15 @@ def test_a_re_prediction_moves_etas_but_never_the_tag() -> None:
         assert (d.eta_time("a", 0.1) > eta_a) is later and (d.eta_time("b", 0.1) > eta_b) is later
 
 
+def test_submitted_work_counts_even_when_the_estimate_is_lower() -> None:
+    d = _two_agents()
+    d.repredict("b", 1.0, 0.1)  # b's estimate: almost nothing left
+    d.submit(RequestSpec("b1", "b", 400, 300, 300), 0.1)  # but it submits a large request
+    d.refresh_etas(0.1)
+    own, total = d._remaining(d.agents["b"])
+    assert own >= kv_cost(400, 300) and total >= d.agents["b"].committed_kv
+
+
 def test_under_declaring_gains_nothing_the_over_run_is_charged() -> None:
     d = Dispatcher("justitia", kv_capacity_tokens=4000, iteration_time_s=0.01)
     d.register_agent("liar", 10.0, now=0.0)  # declares almost nothing

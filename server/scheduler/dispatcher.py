@@ -560,7 +560,9 @@ class Dispatcher:
             expected = a.expected_kv
             if expected is None:
                 own = charged - a.consumed_cost
-            else:  # re-predicted: its expected total not yet consumed
+            else:  # re-predicted: its expected total (at least what it submitted) not yet consumed
+                if expected < a.committed_kv:
+                    expected = a.committed_kv
                 own = (expected - a.consumed_kv) * unit
                 charged = expected * unit
             if own < 0.0:
@@ -614,7 +616,9 @@ class Dispatcher:
         if agent.expected_kv is None:
             return max(0.0, agent.charged_cost - agent.consumed_cost), agent.charged_cost
         unit = self._kv_unit()
-        return max(0.0, agent.expected_kv - agent.consumed_kv) * unit, agent.expected_kv * unit
+        # never less than the requests it has already submitted
+        expected = max(agent.expected_kv, agent.committed_kv)
+        return max(0.0, expected - agent.consumed_kv) * unit, expected * unit
 
     def repredict(self, agent_id: str, expected_total_kv: float, now: float) -> None:
         """A new estimate of the agent's total KV cost as it runs (reprediction.py). ETAs
