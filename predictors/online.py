@@ -74,6 +74,7 @@ class TypeState:
     last_decision: str | None = None
     retrains: int = 0
     swaps: int = 0
+    last_job_samples: int = 0  # samples the last finished job learned from (recent ones included)
 
     def recent_error(self) -> dict[str, float] | None:
         recent = list(self.samples)[-RECENT_WINDOW:]
@@ -84,8 +85,13 @@ class TypeState:
                 "median_relative_error": float(np.median(errors))}
 
 
-def _nice_worker() -> None:
-    """Runs first in the worker process: below the engine and the server in CPU priority."""
+def _init_worker() -> None:
+    """Runs first in the worker process: import what training needs (NumPy, scikit-learn),
+    then drop to the CPU priority of the CPU engine's process (nice 10), below the server.
+    The imports come first: a niced process importing on a machine that other work keeps
+    busy can take many seconds, which the first job would wait for."""
+    from . import training  # noqa: F401
+
     try:
         os.nice(10)
     except OSError:
@@ -93,9 +99,7 @@ def _nice_worker() -> None:
 
 
 def warm_up() -> None:
-    """Imports what training needs, in the worker process, before the first job needs it
-    (a spawned process imports NumPy and scikit-learn afresh: seconds on a busy machine)."""
-    from . import training  # noqa: F401
+    """A job that does nothing: submitting it starts the worker process (and its imports)."""
 
 
 def train_job(agent_type: str, samples: list[dict[str, Any]], served: list[float], seed: int = 0) -> dict[str, Any]:
@@ -140,6 +144,7 @@ class OnlineTrainer:
         self._executor = executor
         self._own_executor = executor is None
         self._types: dict[Key, TypeState] = {}
+        self._warm = False
         # Re-entrant: a job that ends before its callback is attached (a fast failure) runs
         # `_finished` at once, inside `observe`'s hold of the lock.
         self._lock = threading.RLock()
@@ -149,18 +154,11 @@ class OnlineTrainer:
     def enabled(self) -> bool:
         return self.retrain_every > 0
 
-    def start(self) -> None:
-        """Start the worker process now (the server calls this at startup): a spawned
-        process imports NumPy and scikit-learn afresh, seconds on a busy machine, which the
-        first job would otherwise wait for."""
-        if self.enabled:
-            self._pool().submit(warm_up)
-
     def _pool(self) -> concurrent.futures.Executor:
         if self._executor is None:
             # spawn, not fork: the server's process holds threads (the engine's, SQLite's).
             self._executor = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_nice_worker)
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
         return self._executor
 
     def close(self) -> None:
@@ -186,6 +184,12 @@ class OnlineTrainer:
             state.samples.append(_Served({"agent_type": agent_type, "prompt": prompt, "cost": float(cost),
                                           "features": dict(features or {})}, float(served)))
             state.new += 1
+            if not self._warm and state.new * 2 >= self.retrain_every:
+                # Halfway to the first job: start the worker, whose imports (NumPy,
+                # scikit-learn: seconds on a busy machine) the job would otherwise wait for. A
+                # server that never gets that far never starts it.
+                self._warm = True
+                self._pool().submit(warm_up)
             if state.new < self.retrain_every or len(state.samples) < self.min_samples:
                 return
             if state.job is not None and state.job.cancel():
@@ -237,6 +241,7 @@ class OnlineTrainer:
         new, old = meta["validation"]["mean_relative_error"], meta["replaced_error"]["mean_relative_error"]
         with self._lock:
             state.last_trained, state.retrains = stamp, state.retrains + 1
+            state.last_job_samples = int(meta["sample_count"])
             if state.job is job:
                 state.job = None
             if predictor is not None:
@@ -275,7 +280,8 @@ class OnlineTrainer:
                 "kind": meta.get("kind"), "model": meta.get("model"),
                 "trained_on": meta.get("train_count"),
                 "recent_error": state.recent_error(), "last_trained": state.last_trained,
-                "last_decision": state.last_decision, "retrains": state.retrains, "swaps": state.swaps,
+                "last_decision": state.last_decision, "last_job_samples": state.last_job_samples,
+                "retrains": state.retrains, "swaps": state.swaps,
                 "training": state.job is not None,
             })
         return out

@@ -154,11 +154,6 @@ class PredictorRegistry:
         tenant only)."""
         self.cold_start_of(tenant).observe(agent_type, prompt, cost, features)
 
-    def start(self) -> None:
-        """Start the online retraining's worker process, if there is one (at server startup)."""
-        if self.online is not None:
-            self.online.start()
-
     def close(self) -> None:
         """Stop the online retraining's worker process, if there is one."""
         if self.online is not None:

@@ -212,7 +212,6 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                           retention_s=config.history_retention_s or None)
         metrics = Metrics()
         predictors = _predictors(config)
-        predictors.start()
         scheduler = LiveScheduler(
             engine,
             LiveConfig(

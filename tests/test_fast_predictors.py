@@ -46,7 +46,8 @@ def test_a_model_better_than_the_served_predictions_is_swapped_in(trainer: Onlin
     _feed(trainer, rows, [float(np.median([s.cost for s in rows]))] * len(rows))
     trainer.wait(60)
     [row] = trainer.describe()
-    assert row["samples"] == 40 and row["retrains"] == 2 and row["swaps"] >= 1, row
+    # one or two jobs: the one queued at the 20th sample is replaced if still waiting at the 40th
+    assert row["samples"] == 40 and row["retrains"] in (1, 2) and row["swaps"] >= 1, row
     assert row["kind"] in ("ridge", "mlp") and row["last_trained"] is not None
     assert row["last_decision"].startswith("swapped in")
     served = registry.get("fan_out_research", "t1")
@@ -63,7 +64,7 @@ def test_no_swap_when_the_served_predictions_were_better(trainer: OnlineTrainer)
     _feed(trainer, rows, [s.cost for s in rows])  # served exactly: nothing can beat that
     trainer.wait(60)
     [row] = registry.describe()
-    assert row["retrains"] == 2 and row["swaps"] == 0, row
+    assert row["retrains"] in (1, 2) and row["swaps"] == 0, row
     assert row["last_decision"].startswith("kept the served model")
     assert row["kind"] == "cold_start" and row["source"] == "online"  # what still serves
     assert row["recent_error"]["median_relative_error"] == 0.0
@@ -138,7 +139,7 @@ def learn_new_type(client: httpx.Client, agent_type: str, tokens: int = 24,
     t40 = time.monotonic()
     while True:
         row = predictor_row(client, agent_type)
-        if row is not None and row["retrains"] >= 2 and not row["training"]:
+        if row is not None and row["last_job_samples"] >= 40 and not row["training"]:
             break
         assert time.monotonic() - t40 < deadline_s, f"not retrained within {deadline_s} s: {row}"
         time.sleep(0.1)
