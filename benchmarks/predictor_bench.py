@@ -3,13 +3,20 @@
     python benchmarks/predictor_bench.py                       # the committed sample files
     python benchmarks/predictor_bench.py --data ../shared/data # + samples built from public data
 
+Datasets: the committed example files, and ``loop-agents``: agent types the model was not
+designed on (ReAct loops whose step count follows the task's words and numbers, fan-out
+agents whose width is declared in their metadata; ``predictors/synthetic.py``).
+
 For every dataset and agent type, ``--splits`` random splits of (up to) 125 samples into
-100 training / 25 held-out (doc_merge, 100 inputs: 80 / 20). On each split: the per-type MLP
-(calibrated, and without calibration as an ablation), the training-mean baseline, one global
-MLP trained on every type's training samples, a length-only linear model, and the cold
-start fed the same training runs (plus the cold start before any observation). Errors are
-pooled over the held-out samples of all splits. Latency: single predictions on the held-out
-samples. Training time: fitting the per-type model on its 100 training samples.
+100 training / 25 held-out (doc_merge, 100 inputs: 80 / 20). On each split: the per-type
+model (its kind chosen by cross-validation on the training samples: ``model``), the paper's
+MLP alone as before this choice (``mlp_paper``), the training mean and median baselines,
+one global MLP trained on every type's training samples, a length-only linear model, and
+the cold start fed the same training runs (plus the cold start before any observation).
+Errors are pooled over the held-out samples of all splits, and so is the coverage of the
+model's p50 and p90 (share of real costs at most each). Latency: single predictions on the
+held-out samples. Training time: choosing and fitting the per-type model on its 100
+training samples.
 
 Prints a table and writes ``benchmarks/results/predictors.json``.
 """
@@ -29,15 +36,24 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from predictors.agent_models import LOOP_AGENT_TYPES  # noqa: E402
 from predictors.cold_start import ColdStartEstimator  # noqa: E402
-from predictors.evaluation import LengthLinearBaseline, MeanBaseline, measure_latency, relative_errors  # noqa: E402
+from predictors.evaluation import (  # noqa: E402
+    LengthLinearBaseline,
+    MeanBaseline,
+    MedianBaseline,
+    measure_latency,
+    relative_errors,
+)
 from predictors.persistence import library_versions  # noqa: E402
 from predictors.samples import read_samples  # noqa: E402
-from predictors.training import fit_predictor  # noqa: E402
+from predictors.synthetic import synthesize  # noqa: E402
+from predictors.training import Candidate, fit_predictor  # noqa: E402
 
 EXAMPLE = ROOT / "predictors" / "data" / "example_samples.jsonl.gz"
 PROFILED = ROOT / "predictors" / "data" / "example_agents_profiled.jsonl.gz"
-PREDICTORS = ("mlp", "mlp_uncalibrated", "mean", "global", "length_linear", "cold_start", "cold_start_prior")
+PREDICTORS = ("model", "mlp_paper", "mean", "median", "global", "length_linear", "cold_start", "cold_start_prior")
+PAPER_MLP = Candidate("mlp")
 
 
 def _summ(errors: list[float]) -> dict[str, float]:
@@ -53,6 +69,8 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool) -> dict:
     train_s = {t: [] for t in types}
     train_n = {t: 0 for t in types}
     lat = {t: [] for t in types}
+    kinds = {t: [] for t in types}
+    hits = {t: {"p50": [], "p90": []} for t in types}
     for seed in range(splits):
         rng = np.random.default_rng(seed)
         split = {}
@@ -60,21 +78,27 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool) -> dict:
             own = [by_type[t][i] for i in rng.permutation(len(by_type[t]))[:per_type]]
             n_val = max(1, round(0.2 * len(own)))
             split[t] = (own[n_val:], own[:n_val])
-        glob = fit_predictor([s for t in types for s in split[t][0]], "*", seed=seed)
+        glob = fit_predictor([s for t in types for s in split[t][0]], "*", seed=seed, candidate=PAPER_MLP)
         for t in types:
             train, val = split[t]
             y = [s.cost for s in val]
             p = fit_predictor(train, t, seed=seed)
             train_s[t].append(p.metadata["train_seconds"])
             train_n[t] = len(train)
+            kinds[t].append(p.metadata["model"])
+            for s in val:
+                p50, p90 = p.predict_interval(s.prompt, s.features)
+                hits[t]["p50"].append(s.cost <= p50)
+                hits[t]["p90"].append(s.cost <= p90)
             preds = {
-                "mlp": p.predict,
+                "model": p.predict,
                 "mean": MeanBaseline().fit(train).predict,
+                "median": MedianBaseline().fit(train).predict,
                 "global": glob.predict,
                 "length_linear": LengthLinearBaseline().fit(train).predict,
             }
             if ablation:
-                preds["mlp_uncalibrated"] = fit_predictor(train, t, seed=seed, calibrate=False).predict
+                preds["mlp_paper"] = fit_predictor(train, t, seed=seed, candidate=PAPER_MLP).predict
             cold = ColdStartEstimator()
             preds["cold_start_prior"] = lambda q, f, c=cold, t=t: c.predict(t, q, f)
             prior = [preds["cold_start_prior"](s.prompt, s.features) for s in val]
@@ -87,14 +111,39 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool) -> dict:
                     continue
                 errs[t][name] += list(relative_errors([fn(s.prompt, s.features) for s in val], y))
             lat[t].append(measure_latency(p.predict, val, min_calls=300))
-    return _report(types, errs, train_s, train_n, lat)
+    out = _report(types, errs, train_s, train_n, lat)
+    for t in types:
+        row = out["per_type"][t]
+        row["kinds_chosen"] = {k: kinds[t].count(k) for k in sorted(set(kinds[t]))}
+        row["p50_coverage"] = float(np.mean(hits[t]["p50"]))
+        row["p90_coverage"] = float(np.mean(hits[t]["p90"]))
+    out["overall"]["p90_coverage"] = float(np.mean([h for t in types for h in hits[t]["p90"]]))
+    out["overall"]["p50_coverage"] = float(np.mean([h for t in types for h in hits[t]["p50"]]))
+    return out
+
+
+def fan_out_noise_floor(n: int = 60, draws: int = 200) -> float:
+    """The least mean relative error any predictor can reach on `fan_out_research`: for each
+    of `n` agents, the best single prediction knowing its prompt and fan-out exactly, against
+    `draws` re-draws of its output lengths (the generator's noise, which no feature sees)."""
+    from predictors.agent_models import fan_out_research
+    from predictors.samples import agent_cost
+    from predictors.synthetic import LognormalLengths
+
+    lengths, best = LognormalLengths(), []
+    for s in synthesize("fan_out_research", n, seed=0):
+        costs = np.array([agent_cost(fan_out_research(s.prompt, int(s.features["fan_out"]), lengths, k)[0])
+                          for k in range(1, draws + 1)])
+        candidates = np.quantile(costs, np.linspace(0.05, 0.95, 91))
+        best.append(min(float(np.mean(np.abs(c - costs) / costs)) for c in candidates))
+    return float(np.mean(best))
 
 
 def _report(types: list[str], errs: dict, train_s: dict, train_n: dict, lat: dict) -> dict:
     """Per-type and overall errors, latencies and training times of `bench_dataset`'s splits."""
     out = {"per_type": {}, "overall": {}}
     for t in types:
-        row = {"train_samples": train_n[t], "heldout_samples": len(errs[t]["mlp"]),
+        row = {"train_samples": train_n[t], "heldout_samples": len(errs[t]["model"]),
                "train_seconds_mean": float(np.mean(train_s[t])), "train_seconds_max": float(np.max(train_s[t])),
                "p50_latency_ms": float(np.median([x["p50_latency_ms"] for x in lat[t]])),
                "p99_latency_ms": float(np.max([x["p99_latency_ms"] for x in lat[t]]))}
@@ -115,10 +164,10 @@ def _report(types: list[str], errs: dict, train_s: dict, train_n: dict, lat: dic
 
 
 def print_dataset(name: str, res: dict) -> None:
-    cols = ("mlp", "mlp_uncalibrated", "mean", "global", "length_linear", "cold_start", "cold_start_prior")
+    cols = ("model", "mlp_paper", "mean", "median", "global", "length_linear", "cold_start")
     print(f"\n== {name}: mean relative error on held-out samples (median in brackets)")
     head = (f"{'agent type':18s} " + " ".join(f"{c:>17s}" for c in cols)
-            + f" {'p50 ms':>7s} {'p99 ms':>7s} {'train s':>7s}")
+            + f" {'p50 ms':>7s} {'p99 ms':>7s} {'train s':>7s} {'cov90':>6s}")
     print(head)
     rows = list(res["per_type"].items()) + [("OVERALL", res["overall"])]
     for t, r in rows:
@@ -128,7 +177,8 @@ def print_dataset(name: str, res: dict) -> None:
             cells.append(f"{v['mean_relative_error']:7.3f} ({v['median_relative_error']:5.3f})" if v else f"{'-':>17s}")
         tr = r.get("train_seconds_max", r.get("train_seconds_100_samples_max"))
         print(f"{t:18s} " + " ".join(f"{c:>17s}" for c in cells)
-              + f" {r['p50_latency_ms']:7.3f} {r['p99_latency_ms']:7.3f} {tr if tr is None else round(tr, 2)!s:>7s}")
+              + f" {r['p50_latency_ms']:7.3f} {r['p99_latency_ms']:7.3f} {tr if tr is None else round(tr, 2)!s:>7s}"
+              + f" {r['p90_coverage']:6.2f}" + (f"  {r['kinds_chosen']}" if "kinds_chosen" in r else ""))
 
 
 def main() -> None:
@@ -140,7 +190,10 @@ def main() -> None:
     ap.add_argument("--no-example", action="store_true", help="skip the committed sample files")
     ap.add_argument("--splits", type=int, default=5, help="random train/held-out splits per dataset")
     ap.add_argument("--per-type", type=int, default=125, help="samples per type used (80%% train)")
-    ap.add_argument("--no-ablation", action="store_true", help="skip the uncalibrated MLP")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the paper's MLP alone")
+    ap.add_argument("--only", action="append", default=[], metavar="DATASET",
+                    help="benchmark only this dataset (repeatable): synthetic-example, "
+                         "example-agents-profiled, loop-agents, or a --samples file's name")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "predictors.json"), help="output JSON")
     args = ap.parse_args()
 
@@ -149,6 +202,8 @@ def main() -> None:
         datasets["synthetic-example"] = (read_samples(EXAMPLE), "predictors/data/example_samples.jsonl.gz")
         datasets["example-agents-profiled"] = (read_samples(PROFILED),
                                                "predictors/data/example_agents_profiled.jsonl.gz")
+        datasets["loop-agents"] = ([s for t in LOOP_AGENT_TYPES for s in synthesize(t, 125, seed=0)],
+                                   "predictors.synthetic.synthesize(react_loop | fan_out_research, 125, seed 0)")
     for f in args.samples:
         datasets[Path(f).name] = (read_samples(f), f)
     if args.data:
@@ -163,25 +218,39 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **library_versions()},
         "datasets": {},
     }
+    if args.only:
+        datasets = {k: v for k, v in datasets.items() if k in args.only}
     t0 = time.perf_counter()
     for name, (samples, source) in datasets.items():
         res = bench_dataset(samples, args.splits, args.per_type, not args.no_ablation)
         res["source"] = source
+        if name == "loop-agents":
+            res["fan_out_research_noise_floor"] = fan_out_noise_floor()
+            print(f"fan_out_research: least mean relative error any predictor can reach "
+                  f"(output-length noise): {res['fan_out_research_noise_floor']:.3f}")
         results["datasets"][name] = res
         print_dataset(name, res)
     ok = {}
     for name, res in results["datasets"].items():
         o = res["overall"]
+        per_type = res["per_type"]
         ok[name] = {
-            "mean_relative_error<=0.5": o["mlp"]["mean_relative_error"] <= 0.5,
-            "below_mean_baseline": o["mlp"]["mean_relative_error"] < o["mean"]["mean_relative_error"],
-            "p50_latency<=1ms": o["p50_latency_ms"] <= 1.0,
+            "mean_relative_error<=0.5": o["model"]["mean_relative_error"] <= 0.5,
+            "below_mean_baseline": o["model"]["mean_relative_error"] < o["mean"]["mean_relative_error"],
+            "p50_latency<=0.5ms": o["p50_latency_ms"] <= 0.5,
             "train_100_samples<=10s": (o["train_seconds_100_samples_max"] or 0) <= 10.0,
-            # per type: the baselines (and cold start) whose mean error is below the MLP's
-            "mlp_beaten_by": {
-                t: [k for k in ("mean", "global", "length_linear", "cold_start")
-                    if r[k]["mean_relative_error"] < r["mlp"]["mean_relative_error"]]
-                for t, r in res["per_type"].items()
+            # issue 15, per type: at least 0.02 below the median baseline and at most 0.33
+            "below_median_baseline_by_0.02_every_type": all(
+                r["model"]["mean_relative_error"] <= r["median"]["mean_relative_error"] - 0.02
+                for r in per_type.values()),
+            "mean_relative_error<=0.33_every_type": all(
+                r["model"]["mean_relative_error"] <= 0.33 for r in per_type.values()),
+            "p90_coverage_in_0.80-0.95": 0.80 <= o["p90_coverage"] <= 0.95,
+            # per type: the baselines (and cold start) whose mean error is below the model's
+            "model_beaten_by": {
+                t: [k for k in ("mean", "median", "global", "length_linear", "cold_start")
+                    if r[k]["mean_relative_error"] < r["model"]["mean_relative_error"]]
+                for t, r in per_type.items()
             },
         }
     results["targets"] = ok

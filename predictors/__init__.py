@@ -1,10 +1,13 @@
-"""Cost predictors: per-agent-type TF-IDF + MLP models of an agent's total KV token-time cost.
+"""Cost predictors: per-agent-type models of an agent's total KV token-time cost (median,
+ridge or TF-IDF + MLP, chosen by cross-validation, with a p50/p90 interval), the cold start,
+and the server's online retraining (``predictors.online``).
 
 Public surface::
 
     from predictors import load_predictor, PredictorRegistry, ColdStartEstimator
     p = load_predictor("models/mapreduce_summary")
     p.predict(prompt, {"n_items": 4})   # -> float, token-time units
+    p.predict_interval(prompt, {"n_items": 4})   # -> (p50, p90)
     p.agent_type, p.metadata
 
 Importing this package is cheap; scikit-learn loads with the first model.

@@ -111,3 +111,52 @@ def doc_merge(documents: Sequence[str], lengths: OutputLengths, seed: int = 0, n
 
 
 AGENT_TYPES = ("mapreduce_summary", "fact_verification", "self_consistency", "code_checking", "doc_merge")
+
+
+# -- loop-shaped agents (issue 15): the number of steps depends on the task ---------------
+REACT_INSTR, OBSERVATION_TOKENS = 300, 90
+RESEARCH_INSTR, SYNTH_INSTR = 120, 150
+
+
+def react_loop(task: str, n_lookups: int, lengths: OutputLengths, seed: int = 0):
+    """A ReAct loop: think, then one tool call per thing the task asks to look up (plus a
+    retry now and then), then answer. Every step's prompt carries the whole context so far
+    (the task, earlier thoughts and observations), so cost grows with the square of the
+    step count, and the step count follows the task's words and numbers."""
+    rng = rng_for(task, str(n_lookups), seed=seed)
+    retries = int(rng.poisson(0.15 * n_lookups))
+    steps = 1 + n_lookups + retries + 1  # plan, lookups (and retries), final answer
+    context = REACT_INSTR + estimate_tokens(task)
+    stages = []
+    for k in range(steps):
+        kind = "reasoning" if k in (0, steps - 1) else "short"
+        d = lengths.draw(rng, kind, context, 256)
+        stages.append([_req(context, d)])
+        context += d + (OBSERVATION_TOKENS if 0 < k < steps - 1 else 0)
+    return stages, {"stages": steps}
+
+
+def fan_out_research(question: str, fan_out: int, lengths: OutputLengths, seed: int = 0):
+    """Fan-out: ``fan_out`` sub-questions answered in parallel (the width is declared by
+    the caller in the agent's metadata), then one synthesis over every answer."""
+    rng = rng_for(question, str(fan_out), seed=seed)
+    q = estimate_tokens(question)
+    subs = [_req(RESEARCH_INSTR + q, lengths.draw(rng, "summary", RESEARCH_INSTR + q, 400)) for _ in range(fan_out)]
+    p = SYNTH_INSTR + q + sum(r["d"] for r in subs)
+    return [subs, [_req(p, lengths.draw(rng, "summary", p, 600))]], {"fan_out": fan_out, "stages": 2}
+
+
+def lookup_or_survey(prompt: str, lengths: OutputLengths, seed: int = 0):
+    """A type whose cost follows the words of its prompt: a short lookup is one request, a
+    survey four (three sources in parallel, then a summary): the online-learning target."""
+    rng = rng_for(prompt, seed=seed)
+    p = RESEARCH_INSTR + estimate_tokens(prompt)
+    if "survey" not in prompt.lower():
+        return [[_req(p, lengths.draw(rng, "short", p, 64))]], {}
+    sources = [_req(p, lengths.draw(rng, "summary", p, 400)) for _ in range(3)]
+    q = p + sum(r["d"] for r in sources)
+    return [sources, [_req(q, lengths.draw(rng, "summary", q, 400))]], {}
+
+
+#: The loop-shaped types of the benchmark (not in the committed example file).
+LOOP_AGENT_TYPES = ("react_loop", "fan_out_research")

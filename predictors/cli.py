@@ -13,11 +13,13 @@ from justitia_cli import Commands, formatter
 def register(commands: Commands) -> None:
     p = commands.root.add_parser(
         "train-predictor",
-        help="Train the cost predictor of one agent type (TF-IDF + MLP).",
+        help="Train the cost predictor of one agent type (TF-IDF + MLP, ridge or median, by cross-validation).",
         description=(
-            "Train the cost predictor of agent type AGENT from profiled runs, validate it on a "
-            "held-out 20% against the baselines (training mean, one global model, length-only "
-            "linear, cold start) and write it to --out, with the held-out samples "
+            "Train the cost predictor of agent type AGENT from profiled runs or a server's "
+            "history: cross-validation on the training 80% chooses the model (MLP, ridge or "
+            "the median) and its p50/p90 interval; it is validated on the held-out 20% against "
+            "the baselines (training mean and median, one global model, length-only linear, "
+            "cold start) and written to --out, with the held-out samples "
             "(DIR/heldout.jsonl, what `justitia predictor eval DIR` uses by default). Samples "
             "profiled (--inputs) or fetched (--from-server) are kept in DIR/samples.jsonl "
             "(or --save-samples FILE), written before training starts."
@@ -36,12 +38,17 @@ def register(commands: Commands) -> None:
                      help="JSON Lines of the agent's arguments: profile it against a running server")
     src.add_argument("--from-server", metavar="URL", dest="from_server",
                      help="fetch the completed agents of AGENT from a Justitia server's history")
+    src.add_argument("--from-history", metavar="PATH_OR_URL", dest="from_history",
+                     help="the finished agents of AGENT in a server's history: its history file "
+                          "(DATA_DIR/history.sqlite3, read-only, every tenant) or its URL "
+                          "(GET /v1/history, the --api-key's tenant)")
     p.add_argument("--out", metavar="DIR", required=True, help="directory to write the trained predictor into")
     p.add_argument("--save-samples", metavar="FILE", dest="save_samples", default=None,
                    help="write the samples used (all types, JSON Lines, .gz allowed) to FILE "
                         "(unset: DIR/samples.jsonl with --inputs or --from-server; not written "
                         "with --samples, which is already a file)")
-    p.add_argument("--alpha", type=float, default=None, help="L2 penalty of the MLP (unset: the model default, 3.0)")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="fix the MLP's L2 penalty (unset: cross-validation chooses among the candidates)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split and of the MLP")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="predict the median cost instead of scaling it down to minimise the mean relative error")

@@ -85,6 +85,35 @@ def samples_from_server(url: str, agent_type: str, api_key: str | None = None, t
         raise CommandError(str(exc)) from None
 
 
+def samples_from_history_file(path: str, agent_type: str) -> list[Sample]:
+    """Finished agents of ``agent_type`` in a server's history file, read-only (the server
+    may be running: SQLite's WAL lets a reader in beside the writer)."""
+    import sqlite3
+
+    from .history import HISTORY_QUERY, history_sample
+
+    p = Path(path)
+    if not p.is_file():
+        raise CommandError(f"--from-history {path}: no such file; give the server's DATA_DIR/history.sqlite3 "
+                           "or its URL (http://HOST:PORT)")
+    try:
+        db = sqlite3.connect(f"file:{p.resolve()}?mode=ro", uri=True)
+        try:
+            rows = db.execute(HISTORY_QUERY + " AND type = ? ORDER BY rowid", (0, agent_type)).fetchall()
+            types = [t for (t,) in db.execute("SELECT DISTINCT type FROM agents WHERE state = 'finished'")]
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise CommandError(f"--from-history {path} is not a readable Justitia history ({exc})") from None
+    if not rows:
+        present = f"types present: {', '.join(sorted(types))}" if types else "it has no finished agent yet"
+        raise CommandError(f"no samples of agent type {agent_type!r} in {path}; {present}")
+    try:
+        return parse_samples([history_sample(row) for row in rows], source=str(p))
+    except SampleError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def _check_reachable(url: str, timeout: float = 5.0) -> None:
     """Fail fast, before profiling retries for a long time, when nothing answers at ``url``."""
     import httpx
@@ -207,16 +236,19 @@ def _print_report(report: dict[str, Any], out: Path) -> None:
     from rich.table import Table
 
     console = Console(stderr=False)
+    layers = f", hidden layers {tuple(report['hidden_layers'])}" if report.get("hidden_layers") else ""
     title = (f"[bold]{report['agent_type']}[/]: {report['samples']} samples "
              f"({report['train']} train / {report['validation']} held out), "
-             f"trained in {report['train_seconds']:.2f} s, hidden layers {tuple(report['hidden_layers'])}")
+             f"model {report['model_name']} chosen by cross-validation{layers}, "
+             f"trained in {report['train_seconds']:.2f} s")
     t = Table(title="held-out relative error |pred - actual| / actual", title_justify="left")
     t.add_column("predictor")
     t.add_column("mean", justify="right")
     t.add_column("median", justify="right")
     t.add_column("p90", justify="right")
-    rows = [("MLP (this model)", report["mlp"])]
-    names = {"mean": "training mean", "global": "one global model", "length_linear": "length-only linear"}
+    rows = [(f"{report['kind']} (this model)", report["model"])]
+    names = {"mean": "training mean", "median": "training median", "global": "one global model",
+             "length_linear": "length-only linear"}
     for k, label in names.items():
         rows.append((label, report["baselines"].get(k)))
     rows.append(("cold start (fed the training runs)", report["cold_start"]))
@@ -224,11 +256,15 @@ def _print_report(report: dict[str, Any], out: Path) -> None:
         if r is None:
             t.add_row(label, "—", "—", "— (needs other agent types in the samples)")
         else:
-            style = "bold green" if label.startswith("MLP") else None
+            style = "bold green" if label.endswith("(this model)") else None
             t.add_row(label, _fmt(r["mean_relative_error"]), _fmt(r["median_relative_error"]),
                       _fmt(r.get("p90_relative_error")), style=style)
     console.print(title)
     console.print(t)
+    m = report["model"]
+    if m.get("p90_coverage") is not None:
+        console.print(f"interval coverage on the held-out runs: p50 {m['p50_coverage']:.2f}, "
+                      f"p90 {m['p90_coverage']:.2f} (share of real costs at most each)")
     if report.get("warning"):
         console.print(f"[yellow]warning:[/] {report['warning']}")
     console.print(f"wrote {out}")
@@ -244,12 +280,15 @@ def _collect(args: argparse.Namespace) -> tuple[list[Sample], str, bool]:
             return read_samples(args.samples), args.samples, False
         except SampleError as exc:
             raise CommandError(str(exc)) from None
-    if args.from_server:
+    server = args.from_server or getattr(args, "from_history", None)
+    if server and (args.from_server or server.startswith(("http://", "https://"))):
         if args.module or args.file:
             resolve_agent(args.agent, args.module, args.file)
-        samples = samples_from_server(args.from_server, args.agent,
+        samples = samples_from_server(server, args.agent,
                                       args.api_key or os.environ.get("JUSTITIA_API_KEY"), args.timeout)
-        return samples, f"{args.from_server} history", True
+        return samples, f"{server} history", True
+    if server:
+        return samples_from_history_file(server, args.agent), f"history {server}", True
     return samples_from_inputs(args), f"profiling {args.inputs}", True
 
 
@@ -267,7 +306,6 @@ def _save_samples(samples: list[Sample], args: argparse.Namespace, gathered: boo
 
 
 def train_command(args: argparse.Namespace) -> int:
-    from .model import DEFAULT_ALPHA
     from .persistence import save_predictor
     from .training import train_predictor
 
@@ -286,7 +324,7 @@ def train_command(args: argparse.Namespace) -> int:
             f"no samples of agent type {args.agent!r} in {source}; types present: {', '.join(types) or 'none'}"
         )
     try:
-        result = train_predictor(samples, args.agent, alpha=args.alpha or DEFAULT_ALPHA, seed=args.seed,
+        result = train_predictor(samples, args.agent, alpha=args.alpha, seed=args.seed,
                                  calibrate=getattr(args, "calibrate", True))
     except SampleError as exc:
         where = f" (the samples are kept in {kept})" if kept is not None else ""
@@ -356,9 +394,12 @@ def eval_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    cover = ("" if result["p90_coverage"] is None else
+             f"  coverage p50 {result['p50_coverage']:.2f} p90 {result['p90_coverage']:.2f}")
     Console().print(
-        f"[bold]{escape(predictor.agent_type)}[/] on {escape(source)}: n={result['n']}  mean rel. error "
-        f"{result['mean_relative_error']:.3f}  median {result['median_relative_error']:.3f}  "
+        f"[bold]{escape(predictor.agent_type)}[/] ({escape(str(result['model'] or result['kind']))}) on "
+        f"{escape(source)}: n={result['n']}  mean rel. error "
+        f"{result['mean_relative_error']:.3f}  median {result['median_relative_error']:.3f}{cover}  "
         f"latency p50 {result['p50_latency_ms']:.3f} ms  p99 {result['p99_latency_ms']:.3f} ms"
     )
     return 0

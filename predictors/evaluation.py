@@ -55,11 +55,26 @@ def measure_latency(predict: Callable[[str, dict], float], samples: Sequence[Sam
     }
 
 
+def coverage(predictor, samples: Sequence[Sample]) -> dict[str, float | None]:
+    """Share of ``samples`` whose real cost is at most the predictor's p50 and p90
+    (``None`` for a predictor that predicts no interval)."""
+    interval = getattr(predictor, "predict_interval", None)
+    if interval is None or not (getattr(predictor, "metadata", {}) or {}).get("interval"):
+        return {"p50_coverage": None, "p90_coverage": None}
+    bounds = [interval(s.prompt, s.features) for s in samples]
+    costs = np.array([s.cost for s in samples])
+    return {"p50_coverage": float(np.mean(costs <= np.array([b[0] for b in bounds]))),
+            "p90_coverage": float(np.mean(costs <= np.array([b[1] for b in bounds])))}
+
+
 def evaluate(predictor, samples: Sequence[Sample], latency: bool = True) -> dict[str, Any]:
-    """Relative error of ``predictor`` on ``samples`` (and its per-call latency)."""
+    """Relative error of ``predictor`` on ``samples``, its kind, the coverage of its p50 and
+    p90 (the share of real costs at most each) and its per-call latency."""
     actual = [s.cost for s in samples]
     predicted = [predictor.predict(s.prompt, s.features) for s in samples]
-    out: dict[str, Any] = {"n": len(samples), **error_summary(predicted, actual)}
+    meta = getattr(predictor, "metadata", {}) or {}
+    out: dict[str, Any] = {"n": len(samples), "kind": meta.get("kind", "mlp"), "model": meta.get("model"),
+                           **error_summary(predicted, actual), **coverage(predictor, samples)}
     if latency:
         out.update(measure_latency(predictor.predict, samples))
     return out
@@ -78,6 +93,20 @@ class MeanBaseline:
 
     def predict(self, prompt: str, features: dict | None = None) -> float:
         return self.mean_
+
+
+class MedianBaseline:
+    """Predicts the median training cost for every agent (what a per-type average gives
+    when a few huge agents would skew the mean)."""
+
+    name = "training median"
+
+    def fit(self, samples: Sequence[Sample]) -> MedianBaseline:
+        self.median_ = float(np.median([s.cost for s in samples]))
+        return self
+
+    def predict(self, prompt: str, features: dict | None = None) -> float:
+        return self.median_
 
 
 class LengthLinearBaseline:

@@ -4,9 +4,11 @@ A sample (or a request for a prediction) is a *record*: ``{"prompt": str, "featu
 The model's input ``X`` is a list of records; two transformers turn it into numbers:
 
 * :class:`PromptText` picks the prompt text (for TF-IDF);
-* :class:`NumericFeatures` derives length features from the text (estimated tokens, words,
-  lines) and adds the caller's numeric features (for instance ``n_items``, the number of items
-  the agent fans out), each ``log1p``-scaled. Features missing from a record count as 0.
+* :class:`NumericFeatures` derives features from the text (estimated tokens, words,
+  lines, numbers, names, enumerated items: :data:`TEXT_FEATURES`) and adds the caller's
+  numeric features (for instance ``n_items`` or ``fan_out``, the number of items the agent
+  fans out; the server takes them from the agent's metadata, :func:`submission_features`),
+  each ``log1p``-scaled. Features missing from a record count as 0.
 
 Token counts are a deterministic approximation, no tokenizer download: every run of letters
 or digits counts ``ceil(len / 4)`` tokens (a short word is one token, a long one several),
@@ -28,8 +30,20 @@ from sklearn.base import BaseEstimator, TransformerMixin
 # match once each.
 _TOKEN = re.compile(r"[A-Za-z0-9]{1,4}|[^\sA-Za-z0-9]")
 
-#: Features derived from the prompt text itself, always present.
-TEXT_FEATURES = ("prompt_tokens", "prompt_words", "prompt_lines")
+#: Features derived from the prompt text itself, always present. Beyond its length, what
+#: decides how many steps a loop-shaped agent takes: how many numbers the task holds and the
+#: largest small one ("list the 7 oldest ..."; numbers of 1000 and more are years and ids,
+#: not counts), how many names it mentions (words capitalised inside a sentence) and how
+#: many items it enumerates (commas, "and", list lines).
+TEXT_FEATURES = ("prompt_tokens", "prompt_words", "prompt_lines", "prompt_numbers", "prompt_small_number",
+                 "prompt_names", "prompt_list_items")
+#: The text features of predictors trained before the loop features existed (their pickled
+#: `NumericFeatures` has no `text_names_`).
+LEGACY_TEXT_FEATURES = TEXT_FEATURES[:3]
+
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
+_NAME = re.compile(r"(?<=[a-z,;:] )[A-Z][a-z]+")
+_LIST_LINE = re.compile(r"^\s*(?:[-*\u2022]|\d+[.)])\s", re.MULTILINE)
 
 
 def estimate_tokens(text: str) -> int:
@@ -37,13 +51,42 @@ def estimate_tokens(text: str) -> int:
     return len(_TOKEN.findall(text))
 
 
+def _small_number(numbers: list[str]) -> float:
+    small = [float(n) for n in numbers if float(n) < 1000.0]
+    return max(small, default=0.0)
+
+
 def text_features(text: str) -> dict[str, float]:
-    """The length features derived from a prompt."""
+    """The features derived from a prompt (see :data:`TEXT_FEATURES`)."""
+    numbers = _NUMBER.findall(text)
     return {
         "prompt_tokens": float(estimate_tokens(text)),
         "prompt_words": float(len(text.split())),
         "prompt_lines": float(text.count("\n") + 1 if text else 0),
+        "prompt_numbers": float(len(numbers)),
+        "prompt_small_number": _small_number(numbers),
+        "prompt_names": float(len(_NAME.findall(text))),
+        "prompt_list_items": float(text.count(",") + text.count(" and ") + len(_LIST_LINE.findall(text))),
     }
+
+
+#: Agent metadata fields (as the SDK sends them, docs/sdk.md) that are submission-time
+#: features: the declared fan-out and stage shape.
+METADATA_FEATURES = ("fan_out", "stages", "critical_path_tokens")
+
+
+def submission_features(metadata: Mapping[str, Any] | None) -> dict[str, float]:
+    """The numeric features an agent's metadata declares: its ``features`` object's numbers
+    and :data:`METADATA_FEATURES` (booleans and non-finite values are left out)."""
+    meta = metadata or {}
+    out: dict[str, float] = {}
+    declared = meta.get("features")
+    items = list(declared.items()) if isinstance(declared, Mapping) else []
+    items += [(k, meta.get(k)) for k in METADATA_FEATURES if k in meta]
+    for k, v in items:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[str(k)] = float(v)
+    return out
 
 
 #: Features that describe how a run went, not what was submitted: profiling and the server's
@@ -97,13 +140,14 @@ class NumericFeatures(BaseEstimator, TransformerMixin):
         self.names = names
 
     def fit(self, X, y=None):
-        self.columns_ = list(TEXT_FEATURES) + list(self.names)
+        self.text_names_ = list(TEXT_FEATURES)
+        self.columns_ = self.text_names_ + list(self.names)
         return self
 
     def row(self, prompt: str, features: Mapping[str, Any] | None) -> list[float]:
         values = text_features(prompt)
         feats = features or {}
-        out = [values[k] for k in TEXT_FEATURES]
+        out = [values[k] for k in getattr(self, "text_names_", LEGACY_TEXT_FEATURES)]
         for k in self.names:
             v = feats.get(k, 0.0)
             try:

@@ -1,4 +1,9 @@
-"""The per-agent-type cost model: TF-IDF + numeric features -> 4-layer MLP on log-cost.
+"""The per-agent-type cost model: TF-IDF + numeric features -> a regressor on log-cost.
+
+The regressor is one of three *kinds*, chosen per agent type by cross-validation
+(:mod:`predictors.training`): ``mlp`` (below), ``ridge`` (a linear model on the same
+features) or ``median`` (a constant: the type's median cost, the fallback when neither
+model beats it). All three share the feature pipeline and the fast path.
 
 ::
 
@@ -33,7 +38,9 @@ from typing import Any
 
 import numpy as np
 from sklearn.compose import TransformedTargetRegressor
+from sklearn.dummy import DummyRegressor
 from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import Ridge
 from sklearn.neural_network import MLPRegressor
 from sklearn.pipeline import FeatureUnion, Pipeline
 from sklearn.preprocessing import StandardScaler
@@ -45,17 +52,20 @@ DEFAULT_ALPHA = 3.0
 #: Vocabulary cap of the TF-IDF (most frequent terms). It also bounds the MLP's first weight
 #: matrix, hence the training time of L-BFGS.
 MAX_TFIDF_FEATURES = 300
+#: The regressors a type's model may use (see the module docstring).
+KINDS = ("median", "ridge", "mlp")
 
 
-def hidden_layers_for(avg_prompt_tokens: float) -> tuple[int, int, int]:
+def hidden_layers_for(avg_prompt_tokens: float, width: float = 1.0) -> tuple[int, int, int]:
     """Hidden layer widths for an agent type whose prompts average ``avg_prompt_tokens``.
 
     The first layer grows with the logarithm of the input size, 12 units per doubling
     (clipped to 32..192); the next two halve it: 100-token prompts give (80, 40, 20),
     10k-token prompts (159, 79, 39).
+    ``width`` scales the first layer (the capacity that cross-validation chooses).
     """
-    h1 = int(round(12 * math.log2(1.0 + max(avg_prompt_tokens, 0.0))))
-    h1 = min(192, max(32, h1))
+    h1 = int(round(12 * width * math.log2(1.0 + max(avg_prompt_tokens, 0.0))))
+    h1 = min(192, max(16 if width < 1.0 else 32, h1))
     return (h1, max(16, h1 // 2), max(8, h1 // 4))
 
 
@@ -73,8 +83,14 @@ def build_model(
     max_iter: int = 200,
     max_features: int = MAX_TFIDF_FEATURES,
     log_shift: float = 0.0,
+    kind: str = "mlp",
+    width: float = 1.0,
+    words: bool = True,
 ) -> TransformedTargetRegressor:
-    """An unfitted cost model (see the module docstring)."""
+    """An unfitted cost model of ``kind`` (see the module docstring); ``alpha`` is the L2
+    penalty of the MLP or the ridge, ``width`` the MLP's capacity; without ``words``, no
+    TF-IDF: the numeric features only (on a hundred samples, a vocabulary of hundreds of
+    words can be more noise than signal)."""
     tfidf = TfidfVectorizer(
         sublinear_tf=True,
         min_df=2 if n_samples >= 40 else 1,
@@ -82,25 +98,36 @@ def build_model(
         lowercase=True,
         dtype=np.float64,
     )
+    text: Any = Pipeline([("select", PromptText()), ("tfidf", tfidf)]) if words else "drop"
     features = FeatureUnion(
         [
-            ("text", Pipeline([("select", PromptText()), ("tfidf", tfidf)])),
+            ("text", text),
             (
                 "numeric",
                 Pipeline([("derive", NumericFeatures(tuple(numeric_names))), ("scale", StandardScaler())]),
             ),
         ]
     )
-    mlp = MLPRegressor(
-        hidden_layer_sizes=hidden_layers_for(avg_prompt_tokens),
-        activation="relu",
-        solver="lbfgs",
-        alpha=alpha,
-        max_iter=max_iter,
-        random_state=random_state,
-    )
+    regressor: Any
+    if kind == "mlp":
+        regressor = MLPRegressor(
+            hidden_layer_sizes=hidden_layers_for(avg_prompt_tokens, width),
+            activation="relu",
+            solver="lbfgs",
+            alpha=alpha,
+            max_iter=max_iter,
+            random_state=random_state,
+        )
+    elif kind == "ridge":
+        regressor = Ridge(alpha=alpha)
+    elif kind == "median":
+        regressor = DummyRegressor(strategy="median")
+    else:
+        raise ValueError(f"unknown model kind {kind!r}; known: {', '.join(KINDS)}")
+    # The last step is named "mlp" whatever its kind: predictors saved before other kinds
+    # existed are read by the same code.
     return TransformedTargetRegressor(
-        regressor=Pipeline([("features", features), ("mlp", mlp)]),
+        regressor=Pipeline([("features", features), ("mlp", regressor)]),
         func=np.log1p,
         inverse_func=functools.partial(shifted_expm1, shift=log_shift),
         check_inverse=False,
@@ -115,28 +142,35 @@ class _FastPath:
         union: FeatureUnion = pipe.named_steps["features"]
         text_pipe = dict(union.transformer_list)["text"]
         num_pipe = dict(union.transformer_list)["numeric"]
-        tfidf: TfidfVectorizer = text_pipe.named_steps["tfidf"]
-        self.analyzer = tfidf.build_analyzer()
-        self.vocab = tfidf.vocabulary_
-        self.idf = tfidf.idf_
-        self.sublinear = tfidf.sublinear_tf
-        self.norm = tfidf.norm
-        self.n_text = len(tfidf.vocabulary_)
+        self.analyzer: Any
+        self.vocab: dict[str, int]
+        if text_pipe == "drop":  # numeric features only: an empty vocabulary
+            self.analyzer, self.vocab, self.idf = _no_words, {}, np.zeros(0)
+            self.sublinear, self.norm, self.n_text = False, "l2", 0
+        else:
+            tfidf: TfidfVectorizer = text_pipe.named_steps["tfidf"]
+            self.analyzer = tfidf.build_analyzer()
+            self.vocab = tfidf.vocabulary_
+            self.idf = tfidf.idf_
+            self.sublinear = tfidf.sublinear_tf
+            self.norm = tfidf.norm
+            self.n_text = len(tfidf.vocabulary_)
         self.derive: NumericFeatures = num_pipe.named_steps["derive"]
         scaler: StandardScaler = num_pipe.named_steps["scale"]
         self.mean = scaler.mean_
         self.scale = scaler.scale_
-        mlp: MLPRegressor = pipe.named_steps["mlp"]
-        if mlp.activation != "relu" or self.norm != "l2":
-            raise ValueError("fast path supports relu MLPs on l2-normalised TF-IDF only")
-        W0 = mlp.coefs_[0]
+        if self.norm != "l2":
+            raise ValueError("fast path supports l2-normalised TF-IDF only")
+        W0, self.b0, self.layers = _layers(pipe.named_steps["mlp"], self.n_text + len(self.mean))
         self.W0_text = W0[: self.n_text]
         self.W0_num = np.ascontiguousarray(W0[self.n_text :])
-        self.b0 = mlp.intercepts_[0]
-        self.layers = list(zip(mlp.coefs_[1:], mlp.intercepts_[1:], strict=True))
         self.inverse = model.inverse_func
 
     def __call__(self, prompt: str, features: Mapping[str, Any] | None) -> float:
+        return float(self.inverse(self.log_cost(prompt, features)))
+
+    def log_cost(self, prompt: str, features: Mapping[str, Any] | None) -> float:
+        """The regressor's output: ``log1p`` of the cost, before calibration."""
         vocab = self.vocab
         idx_l, tf_l = [], []
         for term, c in Counter(self.analyzer(prompt)).items():
@@ -160,7 +194,27 @@ class _FastPath:
         for W, b in self.layers:
             np.maximum(h, 0.0, out=h)
             h = h @ W + b
-        return float(self.inverse(h[0]))
+        return float(h[0])
+
+
+def _no_words(text: str) -> list[str]:
+    return []
+
+
+def _layers(reg: Any, n_inputs: int) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """The regressor as (first weight matrix, its bias, the relu layers after it): an MLP's
+    own; a ridge is one linear layer; the median a layer of zero weights."""
+    if isinstance(reg, MLPRegressor):
+        if reg.activation != "relu":
+            raise ValueError("fast path supports relu MLPs only")
+        return reg.coefs_[0], reg.intercepts_[0], list(zip(reg.coefs_[1:], reg.intercepts_[1:], strict=True))
+    if isinstance(reg, Ridge):
+        coef = np.asarray(reg.coef_, dtype=float).reshape(-1, 1)
+        return coef, np.atleast_1d(np.asarray(reg.intercept_, dtype=float)).copy(), []
+    if isinstance(reg, DummyRegressor):
+        const = float(np.asarray(reg.constant_).ravel()[0])
+        return np.zeros((n_inputs, 1)), np.array([const]), []
+    raise ValueError(f"fast path does not support {type(reg).__name__}")
 
 
 class CostPredictor:
@@ -176,9 +230,28 @@ class CostPredictor:
         self.agent_type: str = str(self.metadata.get("agent_type", ""))
         self._fast = _FastPath(model)
 
+    @property
+    def kind(self) -> str:
+        """The regressor cross-validation chose: ``mlp``, ``ridge`` or ``median``."""
+        return str(self.metadata.get("kind", "mlp"))
+
     def predict(self, prompt: str, features: Mapping[str, Any] | None = None) -> float:
         """Predicted cost of one agent with this prompt text and these numeric features."""
         return max(1.0, self._fast(prompt or "", features))
+
+    def predict_interval(self, prompt: str, features: Mapping[str, Any] | None = None) -> tuple[float, float]:
+        """``(p50, p90)``: the cost this agent stays under with probability 0.5 and 0.9,
+        from the quantiles of the model's out-of-fold log residuals (metadata
+        ``interval``). A predictor without them (trained before intervals existed) returns
+        its point prediction twice."""
+        interval = self.metadata.get("interval") or {}
+        if "p50_log_offset" not in interval:
+            point = self.predict(prompt, features)
+            return point, point
+        h = self._fast.log_cost(prompt or "", features)
+        p50 = float(np.expm1(h + float(interval["p50_log_offset"])))
+        p90 = float(np.expm1(h + float(interval["p90_log_offset"])))
+        return max(1.0, p50), max(1.0, p50, p90)
 
     def predict_many(self, records: Sequence[Mapping[str, Any]]) -> np.ndarray:
         """Batch prediction through the scikit-learn pipeline (records: prompt + features)."""

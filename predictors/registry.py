@@ -37,11 +37,12 @@ def scan(models_dir: str | Path | None) -> tuple[dict[str, tuple[Path, dict[str,
 
 
 def describe(meta: dict[str, Any], path: Path) -> str:
-    """``mlp, 50 samples (40 train / 10 held out), models/fv``: one predictor, for the log."""
+    """``ridge(alpha=3, numeric only), 50 samples (40 train / 10 held out), models/fv``: one
+    predictor (the model cross-validation chose), for the log."""
     counts = f"{meta.get('sample_count', '?')} samples"
     if meta.get("train_count") is not None and meta.get("validation_count") is not None:
         counts += f" ({meta['train_count']} train / {meta['validation_count']} held out)"
-    return f"{meta.get('kind', 'mlp')}, {counts}, {path}"
+    return f"{meta.get('model') or meta.get('kind', 'mlp')}, {counts}, {path}"
 
 
 class PredictorRegistry:
@@ -55,8 +56,12 @@ class PredictorRegistry:
     its type falls back to the cold start.
     """
 
-    def __init__(self, models_dir: str | Path | None = None, cold_start: ColdStartEstimator | None = None):
+    def __init__(self, models_dir: str | Path | None = None, cold_start: ColdStartEstimator | None = None,
+                 online: Any = None):
         self.models_dir = Path(models_dir) if models_dir is not None else None
+        #: The :class:`~predictors.online.OnlineTrainer` whose models, once swapped in, serve
+        #: their (tenant, type) before any other (None: no online learning).
+        self.online = online
         #: The cold start of callers that name no tenant.
         self.cold_start = cold_start or ColdStartEstimator()
         # One cold start per tenant: what one tenant's agents cost never moves another
@@ -107,8 +112,16 @@ class PredictorRegistry:
         return estimator
 
     def get(self, agent_type: str, tenant: str | None = None):
-        """The trained predictor of ``agent_type`` (an operator's, shared by every tenant),
-        or a cold-start predictor for it that learns from ``tenant``'s agents only."""
+        """The online model of (``tenant``, ``agent_type``), else the trained predictor of
+        ``agent_type`` (an operator's, shared by every tenant), else a cold-start predictor
+        for it that learns from ``tenant``'s agents only."""
+        if self.online is not None:
+            p = self.online.get(agent_type, tenant)
+            if p is not None:
+                return p
+        return self._trained_or_cold(agent_type, tenant)
+
+    def _trained_or_cold(self, agent_type: str, tenant: str | None):
         p = self._loaded.get(agent_type)
         if p is not None:
             return p
@@ -140,3 +153,41 @@ class PredictorRegistry:
         """A completed agent's real cost (improves the cold start of its type, for its
         tenant only)."""
         self.cold_start_of(tenant).observe(agent_type, prompt, cost, features)
+
+    def close(self) -> None:
+        """Stop the online retraining's worker process, if there is one."""
+        if self.online is not None:
+            self.online.close()
+
+    def learn(self, agent_type: str, prompt: str, cost: float, served: float,
+              features: Mapping[str, Any] | None = None, tenant: str | None = None) -> None:
+        """A completed agent whose cost was predicted as ``served``: a sample for the online
+        retraining of (``tenant``, ``agent_type``), if there is one."""
+        if self.online is not None:
+            self.online.observe(agent_type, tenant, prompt, cost, served, features)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """What predicts each agent type: the operator's trained models and, per tenant,
+        what online learning has seen and serves (``GET /v1/predictors``)."""
+        out = []
+        for agent_type in self.agent_types:
+            meta = dict(getattr(self._loaded.get(agent_type), "metadata", None) or {})
+            if not meta and agent_type in self._paths:
+                try:
+                    meta = read_metadata(self._paths[agent_type])
+                except PredictorLoadError:
+                    continue
+            validation = meta.get("validation") or {}
+            out.append({"agent_type": agent_type, "tenant": None, "source": "trained",
+                        "samples": meta.get("sample_count"), "kind": meta.get("kind", "mlp"),
+                        "model": meta.get("model"), "trained_on": meta.get("train_count"),
+                        "recent_error": ({k: validation[k] for k in ("mean_relative_error", "median_relative_error")
+                                          if k in validation} or None),
+                        "last_trained": meta.get("created_at")})
+        for row in self.online.describe() if self.online is not None else []:
+            if row["kind"] is None:  # nothing swapped in yet: say what serves instead
+                serving = self._trained_or_cold(row["agent_type"], row["tenant"] or None)
+                row["kind"] = serving.metadata.get("kind", "mlp")
+                row["model"] = serving.metadata.get("model")
+            out.append({"source": "online", **row})
+        return out

@@ -137,13 +137,79 @@ def _nda(rng):
     return "\n".join(lines)
 
 
+_FACTS = ["opening year", "founder", "population", "length", "first director", "oldest building",
+          "annual budget", "main export"]
+_PLACES = ["the museum", "the harbour", "the library", "the observatory", "the railway", "the university",
+           "the council", "the orchestra"]
+
+
+def _thing(rng: np.random.Generator) -> str:
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    return f"the {pick(_FACTS)} of {pick(_PLACES)} of {pick(_NAMES)}"
+
+
+def _react_task(rng: np.random.Generator) -> tuple[str, int]:
+    """A ReAct task and how many lookups it needs: named things, a "top N" list, or one
+    fact; "compare"/"total" add a step. Years in the text are noise."""
+    form = int(rng.integers(3))
+    if form == 0:
+        k = int(rng.integers(2, 6))
+        things = [_thing(rng) for _ in range(k)]
+        text = "Find " + ", ".join(things[:-1]) + " and " + things[-1] + "."
+    elif form == 1:
+        k = int(rng.integers(2, 10))
+        text = (f"List the {k} oldest {_PLACES[int(rng.integers(len(_PLACES)))][4:]}s of "
+                f"{_NAMES[int(rng.integers(len(_NAMES)))]} and look up when each opened.")
+    else:
+        k = 1
+        text = f"What is {_thing(rng)}?"
+    if rng.random() < 0.5:
+        text += f" Only count records after {int(rng.integers(1850, 2000))}."
+    if k > 1 and rng.random() < 0.5:
+        text += " Then " + ["compare them", "give the total", "rank them by age"][int(rng.integers(3))] + "."
+        k += 1
+    return text, k
+
+
+def lookup_or_survey_prompt(rng: np.random.Generator) -> str:
+    """A short lookup question or a long survey request (the `lookup_or_survey` type)."""
+    if rng.random() < 0.5:
+        return f"What is {_thing(rng)}?"
+    topic = _thing(rng)
+    return (f"Write a survey of {topic}, covering its history, the records kept about it, "
+            f"and how {_SUBJECTS[int(rng.integers(len(_SUBJECTS)))]} changed it over the years.")
+
+
+def _synthesize_loop(agent_type: str, rng: np.random.Generator, lengths: LognormalLengths, seed: int):
+    """One sample of a loop-shaped type: (prompt, stages, submission features)."""
+    if agent_type == "react_loop":
+        prompt, k = _react_task(rng)
+        stages, _ = am.react_loop(prompt, k, lengths, seed)
+        return prompt, stages, {}  # the step count is not declared: it is what is predicted
+    if agent_type == "fan_out_research":
+        prompt = " ".join(_sentence(rng) for _ in range(int(rng.integers(1, 4)))) + " What follows from this?"
+        stages, feats = am.fan_out_research(prompt, int(rng.integers(2, 13)), lengths, seed)
+        return prompt, stages, feats
+    prompt = lookup_or_survey_prompt(rng)
+    stages, feats = am.lookup_or_survey(prompt, lengths, seed)
+    return prompt, stages, feats
+
+
+#: Every type :func:`synthesize` makes.
+ALL_TYPES = am.AGENT_TYPES + am.LOOP_AGENT_TYPES + ("lookup_or_survey",)
+
+
 def synthesize(agent_type: str, n: int, seed: int = 0) -> list[Sample]:
-    """``n`` simulated samples of one of :data:`predictors.agent_models.AGENT_TYPES`."""
-    rng = np.random.default_rng([seed, am.AGENT_TYPES.index(agent_type)])
+    """``n`` simulated samples of one of :data:`ALL_TYPES`."""
+    if agent_type not in ALL_TYPES:
+        raise ValueError(f"unknown agent type {agent_type!r}; known: {', '.join(ALL_TYPES)}")
+    rng = np.random.default_rng([seed, ALL_TYPES.index(agent_type)])
     lengths = LognormalLengths()
     out = []
     for _ in range(n):
-        if agent_type == "mapreduce_summary":
+        if agent_type not in am.AGENT_TYPES:
+            prompt, stages, feats = _synthesize_loop(agent_type, rng, lengths, seed)
+        elif agent_type == "mapreduce_summary":
             prompt = _document(rng)
             stages, feats = am.mapreduce_summary(prompt, lengths, seed)
         elif agent_type == "fact_verification":

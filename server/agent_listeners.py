@@ -115,10 +115,21 @@ class Predictors(Protocol):
                 features: Mapping[str, Any] | None = ..., tenant: str | None = ...) -> None:
         ...
 
+    def learn(self, agent_type: str, prompt: str, cost: float, served: float,
+              features: Mapping[str, Any] | None = ..., tenant: str | None = ...) -> None:
+        ...
+
+
+#: Where a cost came from when it was the server's own prediction: the agents whose served
+#: prediction online learning can compare a retrained model with (a declared cost is not).
+_PREDICTED: frozenset[str] = frozenset({"model", "cold_start", "fallback"})
+
 
 class PredictorFeedback(AgentListener):
-    """Gives each finished agent's real cost to its type's predictor. Only a complete run
-    is a training sample: a failed or cancelled agent's cost is that of the part it ran."""
+    """Gives each finished agent's real cost to its type's predictor: the cold start's
+    running fit, and the online retraining (with the prediction the agent was served). Only
+    a complete run is a training sample: a failed or cancelled agent's cost is that of the
+    part it ran."""
 
     def __init__(self, predictors: Predictors) -> None:
         self.predictors = predictors
@@ -133,6 +144,11 @@ class PredictorFeedback(AgentListener):
         }
         self.predictors.observe(entry.type, entry.prompt, entry.consumed_kv_cost, features,
                                 tenant=entry.tenant)
+        if entry.cost_source in _PREDICTED and not entry.auto:
+            from predictors.features import submission_features
+
+            self.predictors.learn(entry.type, entry.prompt, entry.consumed_kv_cost, entry.predicted_cost,
+                                  submission_features(entry.metadata), tenant=entry.tenant)
 
 
 class MetricsRecorder(AgentListener):

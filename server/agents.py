@@ -86,6 +86,10 @@ class AgentEntry:
     in_flight: int = 0
     requests: list[RequestLog] = field(default_factory=list)
     consumed_kv_cost: float = 0.0
+    # The predictor's (p50, p90) of its total cost, when it gives one; and the stages the
+    # agent has completed (no request in flight): where re-prediction starts from.
+    cost_interval: tuple[float, float] | None = None
+    stages_done: int = 0
     first_eta_s: float | None = None
     error: str | None = None  # why a failed agent failed, as its client reported it
     # Frozen at the end so that a finished agent's record stays readable after the
@@ -129,6 +133,13 @@ class AgentRecord(BaseModel):
     state: AgentStateName
     predicted_cost: float = Field(description="Predicted total KV token-time cost.")
     virtual_finish: float = Field(description="The agent's GPS virtual finish tag.")
+    predicted_cost_p90: float | None = Field(default=None, description=(
+        "The cost the agent stays under with probability 0.9, when its predictor gives an "
+        "interval (trained and online models do; the cold start does not)."))
+    expected_cost: float | None = Field(default=None, description=(
+        "Its total cost re-predicted as it runs, after each finished request, from what it "
+        "consumed and the stages it completed (null before its first request ends). ETAs "
+        "use it; virtual_finish does not move for it."))
     consumed_cost: float = Field(description="KV token-time of its finished requests.")
     charged_cost: float = Field(description="Cost charged to the virtual clock (over-runs add to it).")
     requests_total: int

@@ -283,6 +283,19 @@ async def remove_replica(request: Request, tenant: str = Depends(tenant_of),
         raise HTTPException(404, str(exc)) from exc
 
 
+@router.get("/v1/predictors", tags=["operations"], responses=errors.responses(401, 403))
+async def list_predictors(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """What predicts each agent type (admin): the operator's trained models, and per tenant
+    and type what online learning has seen: sample count, the serving model's kind, the
+    recent error of the predictions served, when it last trained and what it decided."""
+    require_admin(request, tenant)
+    predictors = _scheduler(request).predictors
+    describe = getattr(predictors, "describe", None)
+    online = getattr(predictors, "online", None)
+    return {"retrain_every": online.retrain_every if online is not None else 0,
+            "predictors": describe() if describe is not None else []}
+
+
 @router.get("/v1/history", tags=["operations"], responses=errors.responses(400, 401))
 async def history_samples(request: Request, tenant: str = Depends(tenant_of),
                           agent_type: str | None = Query(default=None),

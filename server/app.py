@@ -190,8 +190,10 @@ def _data_dir(config: ServerConfig) -> Path:
 
 def _predictors(config: ServerConfig):
     from predictors import PredictorRegistry
+    from predictors.online import OnlineTrainer
 
-    return PredictorRegistry(config.predictors_dir)
+    online = OnlineTrainer(config.retrain_every) if config.retrain_every > 0 else None
+    return PredictorRegistry(config.predictors_dir, online=online)
 
 
 def create_app(config: ServerConfig, engine: Engine | None = None, model_name: str = "") -> FastAPI:
@@ -211,6 +213,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         history = History(_data_dir(config) / "history.sqlite3",
                           retention_s=config.history_retention_s or None)
         metrics = Metrics()
+        predictors = _predictors(config)
         scheduler = LiveScheduler(
             engine,
             LiveConfig(
@@ -226,7 +229,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                               PerTenant(config.max_queued, config.tenant_max_queued),
                               PerTenant(config.max_agent_bytes, config.tenant_max_agent_bytes)),
             ),
-            predictors=_predictors(config),
+            predictors=predictors,
             history=history,
             metrics=metrics,
             capabilities=capabilities,
@@ -252,6 +255,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
             await scheduler.close()
             await engine.close()
             history.close()
+            predictors.close()
 
     app = FastAPI(
         title="Justitia",

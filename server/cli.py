@@ -106,6 +106,11 @@ def register(commands: Commands) -> None:
                             "`justitia train-predictor`), or one such folder; other types use "
                             "the cold start. A missing DIR, or one holding no usable "
                             "predictor, is refused; each one found is printed at startup")
+    serve.add_argument("--retrain-every", type=int, default=20, metavar="N",
+                       help="online learning: retrain an agent type's predictor (per tenant) in a "
+                            "background process after every N new finished agents of it, and "
+                            "serve the new model only if it beats the served predictions on the "
+                            "newest agents (GET /v1/predictors; 0: off)")
     serve.add_argument("--data-dir", default=None, metavar="DIR",
                        help="where the history of finished agents is kept "
                             "(default: $JUSTITIA_HOME/data, ~/.cache/justitia/data)")
@@ -238,6 +243,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {args.las_head_wait_weight}")
     if args.predictors is not None:
         _check_predictors(args.predictors)
+    if args.retrain_every < 0:
+        raise CommandError("--retrain-every takes a count of agents >= 0 (0 turns online learning off)")
     config = ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -256,6 +263,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_urls=args.engine_url,
         tokenizer=args.tokenizer,
         predictors_dir=args.predictors,
+        retrain_every=args.retrain_every,
         data_dir=args.data_dir,
         agent_lease_s=args.agent_lease,
         agent_retention_s=args.agent_retention,

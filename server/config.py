@@ -36,6 +36,10 @@ class ServerConfig(BaseModel):
     predictors_dir: str | None = Field(
         default=None, description="Trained predictors, one folder per agent type."
     )
+    retrain_every: int = Field(
+        default=20, ge=0,
+        description="Retrain a (tenant, agent type)'s predictor in the background after this "
+                    "many new finished agents of it (0: no online learning).")
     engine_urls: list[str] = Field(
         default_factory=list, description="Remote vLLM OpenAI servers; empty: in-process engine."
     )

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from predictors.history import HISTORY_QUERY, history_sample
 from server.agents import AgentEntry
 from server.scheduler.cost import kv_cost
 
@@ -231,8 +232,7 @@ class History:
         and the row to continue after (None on the last page). Blocking: call it from a
         worker thread, not the event loop."""
         self.flush()
-        sql = ("SELECT type, prompt, cost, n_requests, prompt_tokens, output_tokens, id, rowid "
-               "FROM agents WHERE state = 'finished' AND n_requests > 0 AND rowid > ?")
+        sql = HISTORY_QUERY
         args: list[Any] = [after]
         if agent_type is not None:
             sql += " AND type = ?"
@@ -246,14 +246,7 @@ class History:
             rows = self._db.execute(sql, args).fetchall()
         more = len(rows) > limit
         rows = rows[:limit]
-        samples = [
-            {
-                "agent_type": t, "prompt": prompt, "cost": cost, "agent_id": agent_id,
-                "features": {"n_requests": n, "prompt_tokens": p, "output_tokens": d},
-            }
-            for t, prompt, cost, n, p, d, agent_id, _ in rows
-        ]
-        return samples, (rows[-1][7] if more else None)
+        return [history_sample(row) for row in rows], (rows[-1][7] if more else None)
 
     def get(self, agent_id: str) -> dict[str, Any] | None:
         self.flush()

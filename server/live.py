@@ -66,6 +66,7 @@ from server.limits import QuotaExceeded, Quotas
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, get_policy, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
+from server.scheduler.reprediction import expected_total
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
 from server.type_shapes import TypeShapes
 
@@ -283,8 +284,9 @@ class LiveScheduler:
         kept_prompt = prompt[:KEPT_PROMPT_CHARS]
         held = _held_bytes(kept_prompt, metadata)
         self.config.quotas.check_bytes(tenant, self._held_bytes[tenant], held)
+        interval: tuple[float, float] | None = None
         if predicted_cost is None:
-            predicted_cost, cost_source = self._predict(agent_type, prompt, tenant, metadata)
+            predicted_cost, cost_source, interval = self._predict(agent_type, prompt, tenant, metadata)
         else:
             cost_source = "request" if auto else "declared"
         agent_id = new_agent_id()
@@ -306,6 +308,7 @@ class LiveScheduler:
             session=session,
             lease_s=lease_s,
             cost_source=cost_source,
+            cost_interval=interval,
             last_activity_mono=now,
             first_eta_s=view.eta_s,
             on_change=self._on_agent_change,
@@ -335,18 +338,25 @@ class LiveScheduler:
         return entry
 
     def _predict(self, agent_type: str, prompt: str, tenant: str,
-                 metadata: dict[str, Any]) -> tuple[float, CostSource]:
-        features = metadata.get("features") if isinstance(metadata.get("features"), dict) else None
+                 metadata: dict[str, Any]) -> tuple[float, CostSource, tuple[float, float] | None]:
+        """The predicted cost, where it came from, and its (p50, p90) interval when the
+        predictor gives one (re-prediction starts from it)."""
         if self.predictors is not None:
+            from predictors.features import submission_features
+
+            # What the agent declared: its `features` numbers, fan-out and stage shape.
+            features = submission_features(metadata)
             try:
                 predictor = self.predictors.get(agent_type, tenant)
                 source: CostSource = "cold_start" if getattr(predictor, "is_cold_start", False) else "model"
-                return float(predictor.predict(prompt, features)), source
+                interval = getattr(predictor, "predict_interval", None)
+                bounds = interval(prompt, features) if interval is not None else None
+                return float(predictor.predict(prompt, features)), source, bounds
             except Exception:
                 log.exception("predictor for %r failed; using the request-size fallback", agent_type)
         # No predictor: a one-request agent of the prompt's size with 256 output tokens.
         p = max(1, len(prompt) // 4)
-        return kv_cost(p, 256), "fallback"
+        return kv_cost(p, 256), "fallback", None
 
     def get(self, agent_id: str, tenant: str) -> AgentEntry:
         entry = self.agents.get(agent_id)
@@ -389,6 +399,7 @@ class LiveScheduler:
             tenant=entry.tenant,
             state=entry.state,
             predicted_cost=entry.predicted_cost,
+            predicted_cost_p90=entry.cost_interval[1] if entry.cost_interval else None,
             consumed_cost=entry.consumed_kv_cost,
             requests_in_flight=entry.in_flight,
             submitted_at=entry.submitted_at,
@@ -415,6 +426,7 @@ class LiveScheduler:
             "deadline_s": v.deadline_s,
             "promise": v.promise,
             "promise_reason": v.promise_reason,
+            "expected_cost": v.expected_cost,
         }
 
     async def finish(self, entry: AgentEntry, error: str | None = None) -> AgentEntry:
@@ -597,7 +609,23 @@ class LiveScheduler:
         entry.touch()
         if entry.auto and not entry.terminal and entry.in_flight == 0:
             self._close(entry, "finished")
+        elif ticket.admitted is not None and entry.id in self.dispatcher.agents:
+            self._repredict(entry, now)
         self._pump()
+
+    def _repredict(self, entry: AgentEntry, now: float) -> None:
+        """After each of its requests: re-estimate the agent's total cost from what it has
+        consumed and the stages it has done (server/scheduler/reprediction.py). A stage ends
+        when no request of the agent is in flight any more. ETAs use the estimate; the
+        agent's tag does not move for it."""
+        if entry.in_flight == 0:
+            entry.stages_done += 1
+        p50, p90 = entry.cost_interval or (None, None)
+        stages = entry.metadata.get("stages")
+        total = expected_total(entry.predicted_cost, entry.consumed_kv_cost, p50=p50, p90=p90,
+                               stages_done=entry.stages_done,
+                               stages=stages if isinstance(stages, int) and not isinstance(stages, bool) else None)
+        self.dispatcher.repredict(entry.id, total, now)
 
     @property
     def paused(self) -> bool:

@@ -43,12 +43,15 @@ def test_train_writes_model_and_report(samples_file, tmp_path, capsys):
                "--json", str(report)])
     assert rc == 0
     text = capsys.readouterr().out
-    for word in ("fact_verification", "MLP", "training mean", "global", "length-only linear", "cold start"):
+    for word in ("fact_verification", "(this model)", "cross-validation", "training mean", "training median",
+                 "global", "length-only linear", "cold start", "coverage"):
         assert word in text
     assert (out / "model.joblib").is_file() and (out / "metadata.json").is_file()
     rep = json.loads(report.read_text())
     assert rep["samples"] == 50 and rep["validation"] == 10
-    assert rep["mlp"]["mean_relative_error"] < rep["baselines"]["mean"]["mean_relative_error"]
+    assert rep["model"]["mean_relative_error"] < rep["baselines"]["mean"]["mean_relative_error"]
+    assert rep["kind"] in ("median", "ridge", "mlp") and rep["model_selection"]["chosen"] == rep["model_name"]
+    assert 0.0 <= rep["model"]["p90_coverage"] <= 1.0
 
 
 def test_eval_contract(model_dir, samples_file, tmp_path):
@@ -59,6 +62,10 @@ def test_eval_contract(model_dir, samples_file, tmp_path):
         assert isinstance(res[key], (int, float)), key
     assert res["n"] == 50  # only the predictor's agent type
     assert 0 < res["p50_latency_ms"] <= res["p99_latency_ms"]
+    # the model cross-validation chose, and how often real costs stayed under p50 and p90
+    meta = json.loads((model_dir / "metadata.json").read_text())
+    assert res["kind"] == meta["kind"] and res["model"] == meta["model"]
+    assert 0.0 <= res["p50_coverage"] <= res["p90_coverage"] <= 1.0
 
 
 def _write(path: Path, rows) -> Path:
@@ -309,7 +316,9 @@ def test_serve_prints_the_predictors_it_found(model_dir, tmp_path, capsys):
     (tmp_path / "fv").symlink_to(model_dir)
     _check_predictors(str(tmp_path))
     err = capsys.readouterr().err
-    assert f"cost predictor for 'fact_verification': mlp, 50 samples (40 train / 10 held out), {tmp_path / 'fv'}" in err
+    chosen = json.loads((model_dir / "metadata.json").read_text())["model"]
+    expected = f"cost predictor for 'fact_verification': {chosen}, 50 samples (40 train / 10 held out)"
+    assert f"{expected}, {tmp_path / 'fv'}" in err
     assert f"skipping predictor {broken}" in err and "corrupt" in err
     _check_predictors(str(model_dir))  # one predictor's own folder
     assert "'fact_verification'" in capsys.readouterr().err

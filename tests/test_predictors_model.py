@@ -78,7 +78,7 @@ def test_profiled_example_agents_file():
     assert {"mapreduce_summary", "self_consistency", "code_checking"} <= types
     assert all(sum(1 for s in rows if s.agent_type == t) >= 100 for t in types)
     res = train_predictor(rows, "mapreduce_summary", global_baseline=False)
-    assert res.report["mlp"]["mean_relative_error"] < res.report["baselines"]["mean"]["mean_relative_error"]
+    assert res.report["model"]["mean_relative_error"] < res.report["baselines"]["mean"]["mean_relative_error"]
     assert res.predictor.metadata["feature_set"]["numeric_features"] == []  # outcome features only
 
 
@@ -86,12 +86,12 @@ def test_training_report_has_errors_and_baselines(trained):
     rep = trained.report
     assert rep["samples"] == 60 and rep["validation"] == 12 and rep["train"] == 48
     for key in ("mean_relative_error", "median_relative_error"):
-        assert 0 <= rep["mlp"][key] < 10
-    assert set(rep["baselines"]) == {"mean", "global", "length_linear"}
+        assert 0 <= rep["model"][key] < 10
+    assert set(rep["baselines"]) == {"mean", "median", "global", "length_linear"}
     assert rep["baselines"]["global"] is not None  # code_checking samples feed the global model
     assert rep["cold_start"]["mean_relative_error"] >= 0
     # n_items (the number of reasoning paths) drives the cost: the model must beat the mean.
-    assert rep["mlp"]["mean_relative_error"] < rep["baselines"]["mean"]["mean_relative_error"]
+    assert rep["model"]["mean_relative_error"] < rep["baselines"]["mean"]["mean_relative_error"]
 
 
 def test_fast_path_matches_the_sklearn_pipeline(trained, samples):
@@ -114,7 +114,7 @@ def test_more_items_cost_more(trained, samples):
 def test_save_and_load_round_trip(trained, saved, samples):
     meta = json.loads((saved / "metadata.json").read_text())
     for key in ("agent_type", "feature_set", "sample_count", "versions", "format_version", "validation",
-                "hidden_layers", "alpha", "model_sha256"):
+                "hidden_layers", "alpha", "model_sha256", "kind", "model", "model_selection", "interval"):
         assert key in meta
     assert meta["versions"]["sklearn"]
     loaded = load_predictor(saved)
@@ -241,3 +241,91 @@ def test_outcome_features_are_not_model_inputs():
     res = train_predictor(rows, "code_checking", global_baseline=False)
     assert res.predictor.metadata["feature_set"]["numeric_features"] == ["n_items"]
     assert res.predictor.predict(rows[0].prompt, {"n_items": 3}) > 0
+
+
+# -- model choice, intervals, loop-shaped agents (issue 15) --------------------------------
+
+def test_text_features_count_what_decides_a_loops_steps():
+    from predictors.features import text_features
+
+    f = text_features("List the 7 oldest museums of Alder and Brook, then compare them. After 1850 only.")
+    assert f["prompt_numbers"] == 2 and f["prompt_small_number"] == 7  # 1850 is a year, not a count
+    assert f["prompt_names"] == 2 and f["prompt_list_items"] == 2  # Alder, Brook; one comma, one "and"
+    assert text_features("What is it?")["prompt_small_number"] == 0
+
+
+def test_submission_features_come_from_the_agents_metadata():
+    from predictors.features import submission_features
+
+    meta = {"fan_out": 6, "stages": 2, "features": {"n_items": 3, "flag": True, "name": "x"},
+            "critical_path_tokens": float("inf"), "other": 5}
+    assert submission_features(meta) == {"fan_out": 6.0, "stages": 2.0, "n_items": 3.0}
+    assert submission_features(None) == {}
+
+
+@pytest.fixture(scope="module")
+def react():
+    rows = synthesize("react_loop", 100, seed=4)
+    return rows, train_predictor(rows, "react_loop", global_baseline=False, seed=0)
+
+
+def test_cross_validation_chooses_and_records_the_model(react):
+    rows, res = react
+    meta = res.predictor.metadata
+    cv = meta["model_selection"]["cv_mean_relative_error"]
+    assert meta["model_selection"]["chosen"] == meta["model"] and meta["model"] in cv
+    assert meta["kind"] == res.predictor.kind == meta["model"].split("(")[0]
+    # the chosen one has the least cross-validated error, up to the complexity margin
+    assert cv[meta["model"]] <= min(cv.values()) * 1.04
+    # on a loop whose steps follow the task's words and numbers, it beats the median
+    assert res.report["model"]["mean_relative_error"] < res.report["baselines"]["median"]["mean_relative_error"] - 0.02
+
+
+def test_the_median_is_chosen_when_nothing_predicts_the_cost():
+    # Costs that no feature explains: noise around one value. Nothing beats the median.
+    rng = np.random.default_rng(1)
+    rows = [Sample(agent_type="noise", prompt=" ".join(rng.choice(["alpha", "beta", "gamma", "delta"], 6)),
+                   cost=float(1e5 * np.exp(0.3 * rng.standard_normal())), features={"x": float(rng.integers(9))})
+            for _ in range(60)]
+    res = train_predictor(rows, "noise", global_baseline=False)
+    assert res.predictor.kind == "median", res.predictor.metadata["model_selection"]
+    assert res.predictor.metadata["hidden_layers"] is None
+
+
+def test_interval_is_ordered_and_covers_held_out_costs(react):
+    rows, res = react
+    p = res.predictor
+    fresh = synthesize("react_loop", 200, seed=9)  # never seen in training
+    bounds = [p.predict_interval(s.prompt, s.features) for s in fresh]
+    assert all(1.0 <= lo <= hi for lo, hi in bounds)
+    costs = np.array([s.cost for s in fresh])
+    cover90 = float(np.mean(costs <= np.array([hi for _, hi in bounds])))
+    cover50 = float(np.mean(costs <= np.array([lo for lo, _ in bounds])))
+    assert 0.78 <= cover90 <= 0.97 and 0.35 <= cover50 <= 0.65, (cover50, cover90)
+
+
+@pytest.mark.parametrize("kind", ["ridge", "median"])
+def test_fast_path_matches_sklearn_for_every_kind(kind, tmp_path):
+    from predictors.training import Candidate, fit_predictor
+
+    rows = synthesize("fan_out_research", 40, seed=2)
+    for words in (True, False):
+        p = fit_predictor(rows, "fan_out_research", candidate=Candidate(kind, alpha=1.0, words=words))
+        single = np.array([p.predict(s.prompt, s.features) for s in rows])
+        np.testing.assert_allclose(single, p.predict_many([s.record() for s in rows]), rtol=1e-9)
+        save_predictor(p, tmp_path / f"{kind}-{words}")
+        assert load_predictor(tmp_path / f"{kind}-{words}").predict(rows[0].prompt, rows[0].features) == \
+            pytest.approx(single[0])
+
+
+def test_numeric_features_pickled_before_the_loop_features_keep_their_columns():
+    # Models trained before this change computed 3 text features; their pickled
+    # NumericFeatures has no `text_names_` and must keep computing exactly those 3.
+    from predictors.features import LEGACY_TEXT_FEATURES, NumericFeatures, text_features
+
+    old = NumericFeatures(("n_items",))  # as unpickled: fitted by the old code, no text_names_
+    values = text_features("List the 3 oldest, then compare.")
+    assert old.row("List the 3 oldest, then compare.", {"n_items": 2}) == [
+        *(values[k] for k in LEGACY_TEXT_FEATURES), 2.0]
+    new = NumericFeatures(("n_items",)).fit([])
+    assert len(new.row("x", {"n_items": 2})) == len(new.columns_) == 7 + 1

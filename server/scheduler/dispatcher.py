@@ -561,6 +561,7 @@ class Dispatcher:
         prefix = [0.0] * (len(agents) + 1)
         # eta_of and _critical_path_s, inlined: this loop is the whole cost of the upkeep
         gap, costs, cprefix = policy.arrival_gap, self.arrivals._costs, self.arrivals._prefix
+        unit = self._kv_unit()
         scale = self.arrivals.rate / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
         cap = MAX_ARRIVAL_SHARE * rate
         span = self.arrivals.span_s
@@ -568,7 +569,14 @@ class Dispatcher:
         for k, i in enumerate(order):
             a = agents[i]
             charged = a.charged_cost
-            own = charged - a.consumed_cost
+            expected = a.expected_kv
+            if expected is None:
+                own = charged - a.consumed_cost
+            else:  # re-predicted: its expected total (at least what it submitted) not yet consumed
+                if expected < a.committed_kv:
+                    expected = a.committed_kv
+                own = (expected - a.consumed_kv) * unit
+                charged = expected * unit
             if own < 0.0:
                 own = 0.0
             g = gap(a, v) if scale else 0.0
@@ -587,7 +595,7 @@ class Dispatcher:
             start = total / r
             finish = (total + own) / r
             a.eta_at = now + (finish if finish > start + path else start + path)
-            a.fair_at = fair.finish.get(a.agent_id) if a.in_reference else fair.arrival(charged)
+            a.fair_at = fair.finish.get(a.agent_id) if a.in_reference else fair.arrival(a.charged_cost)
             total += own
             prefix[k + 1] = total
         self._eta = EtaPass(now, rate, keys, prefix)
@@ -612,10 +620,33 @@ class Dispatcher:
         # a request holds p + d/2 on average over its life, and prefills p once per d steps
         return step(round(batch), round(batch * p / d), int(batch * (p + d / 2)))
 
+    def _kv_unit(self) -> float:
+        """Policy cost units per unit of KV token-time (1 unless the policy charges compute)."""
+        return self.compute_per_kv if self.policy.cost_model == COMPUTE else 1.0
+
+    def _remaining(self, agent: AgentState) -> tuple[float, float]:
+        """(work not yet done, its total) in policy units, for ETAs: the re-predicted total
+        once there is one (`repredict`), else the charge."""
+        if agent.expected_kv is None:
+            return max(0.0, agent.charged_cost - agent.consumed_cost), agent.charged_cost
+        unit = self._kv_unit()
+        # never less than the requests it has already submitted
+        expected = max(agent.expected_kv, agent.committed_kv)
+        return max(0.0, expected - agent.consumed_kv) * unit, expected * unit
+
+    def repredict(self, agent_id: str, expected_total_kv: float, now: float) -> None:
+        """A new estimate of the agent's total KV cost as it runs (reprediction.py). ETAs
+        (its own and those of agents queued behind it) use it from the next refresh; its
+        virtual finish tag and charge do not move: only the over-run rule changes those."""
+        agent = self._agent(agent_id)
+        agent.expected_kv = max(float(expected_total_kv), agent.consumed_kv)
+        agent.eta_at = None  # its remaining work changed: place it again until the next pass
+
     def _critical_path_s(self, agent: AgentState, it: float) -> float:
         """The agent's remaining critical path: its declared shape scaled by the share of its
-        charge not yet consumed, else the longest decode of its known requests."""
-        left = 1.0 - agent.consumed_cost / agent.charged_cost if agent.charged_cost > 0 else 1.0
+        (re-predicted) cost not yet consumed, else the longest decode of its known requests."""
+        own, total = self._remaining(agent)
+        left = own / total if total > 0 else 1.0
         left = min(1.0, max(0.0, left))
         shape = agent.shape
         if shape.critical_path_tokens is not None:
@@ -631,7 +662,7 @@ class Dispatcher:
         if agent.eta_at is not None:
             return max(now, agent.eta_at)
         before = self._eta.work_before(self.policy.static_key(agent)) if self._eta is not None else 0.0
-        own = max(0.0, agent.charged_cost - agent.consumed_cost)
+        own, _ = self._remaining(agent)
         v = self.clock.peek(now).V
         ahead = self.arrivals.ahead(self.policy.arrival_gap(agent, v))
         return eta_of(now, before, own, self.rate, ahead, self._critical_path_s(agent, self._iteration_s()),
@@ -661,6 +692,7 @@ class Dispatcher:
             running=agent.running,
             promise=agent.promise,
             promise_reason=agent.promise_reason,
+            expected_cost=agent.expected_kv,
         )
 
     def snapshot(self, now: float, max_queue: int = 50) -> dict[str, Any]:

@@ -127,6 +127,9 @@ class AgentState:
     promise_reason: str = ""
     consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)
     consumed_kv: float = 0.0  # real KV token-time of finished requests
+    # The latest re-prediction of its total KV cost as it runs (reprediction.py): ETAs count
+    # what of it is not consumed yet. None: not re-predicted; the charge not consumed counts.
+    expected_kv: float | None = None
     request_ids: set[str] = field(default_factory=set)  # submitted, unfinished requests
     pending: int = 0  # requests submitted and not yet admitted
     running: int = 0  # requests admitted and not yet finished
@@ -176,6 +179,7 @@ class AgentView:
     running: int
     promise: str = "firm"  # "firm" | "widened" | "none": how far deadline_s can be trusted
     promise_reason: str = ""  # why a promise is widened (or none)
+    expected_cost: float | None = None  # re-predicted total KV cost (None: not re-predicted)
 
 
 # -- what the dispatcher has observed ------------------------------------------------------
