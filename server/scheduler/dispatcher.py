@@ -712,6 +712,7 @@ class Dispatcher:
             "promise_reason": self.uncertainty or "",
             "rate": self.rate,
             "arrival_rate": self.arrivals.rate,
+            "arrival_history_s": self.arrivals.history_s(now),
             "etas_refreshed_at": self._eta.now if self._eta is not None else None,
             "backlog": gps.backlog,
             "agents": len(self.agents),
