@@ -66,6 +66,10 @@ def register(commands: Commands) -> None:
     mk.add_argument("--length-scale", type=float, default=None,
                     help="multiply trace lengths by this (default: the profile's; cpu-tiny shrinks them)")
     mk.add_argument("--seed", type=int, default=0, help="random seed (same seed: same agents at every density)")
+    mk.add_argument("--prefixes", action="store_true",
+                    help="requests name the prompt prefixes their sources share (app system prompts, "
+                         "shared instructions, self-consistency prompts, growing ReAct contexts); "
+                         "lengths and arrivals stay those of the same seed without it")
     mk.set_defaults(handler=_make_workload)
 
     live = commands.bench.add_parser(
@@ -398,11 +402,17 @@ def _make_workload(args: argparse.Namespace) -> int:
     profile = _profile(args.profile)
     agents = make_mix(
         args.agents, profile, kv_tokens=args.kv_tokens, density=args.density, load_1x=args.load,
-        seed=args.seed, length_scale=args.length_scale,
+        seed=args.seed, length_scale=args.length_scale, prefixes=args.prefixes,
     )
     save_workload(agents, args.out)
     n_req = sum(a.num_requests for a in agents)
-    print(f"wrote {args.out}: {len(agents)} agents, {n_req} requests, arrivals over {agents[-1].arrival:.0f} s")
+    shared = ""
+    if args.prefixes:
+        from .mix import prefix_share
+
+        shared = f", {100 * prefix_share(agents):.0f}% of prompt tokens reusable from a shared prefix"
+    print(f"wrote {args.out}: {len(agents)} agents, {n_req} requests, arrivals over {agents[-1].arrival:.0f} s"
+          + shared)
     return 0
 
 
