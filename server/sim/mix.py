@@ -185,10 +185,13 @@ GROWING = ("alfworld", "tool_chat")  # each step resends the context of the step
 def share_prefixes(agent: AgentSpec, scale: float, rng: random.Random) -> None:
     """Set `agent.prefixes` to what its source shares (see the module docstring)."""
     kind, aid = agent.type, agent.id
-    sys_tokens = max(1, round(SYSTEM_PROMPT.get(kind, 0) * scale * rng.uniform(0.9, 1.1)))
+    # One system prompt per type (an agent whose prompts are short holds a shorter head of
+    # it: a longer prefix of an id extends a shorter one), the same in all of an agent's
+    # calls, so that every id starts at the same token wherever it appears.
+    shortest = min(p for st in agent.stages for p, _ in st)
+    system = min(round(SYSTEM_PROMPT.get(kind, 0) * scale), shortest // 2)
     for s, st in enumerate(agent.stages):
         low = min(p for p, _ in st)
-        system = min(sys_tokens, low // 2)
         for i, (p, _) in enumerate(st):
             chain: list[tuple[str, int]] = [(f"sys/{kind}", system)] if system > 0 else []
             if kind in GROWING:
@@ -196,7 +199,7 @@ def share_prefixes(agent: AgentSpec, scale: float, rng: random.Random) -> None:
             elif kind == "self_consistency":
                 own = (f"{aid}/q", min(p, st[0][0] if s == 0 else agent.stages[0][0][0]))
             elif len(st) > 1 and kind in AGENT_SHARED:
-                own = (f"{aid}/s{s}", system + round((low - system) * AGENT_SHARED[kind]))
+                own = (f"{aid}/s{s}", system + round((low - system) * AGENT_SHARED[kind] * rng.uniform(0.8, 1.2)))
             else:
                 own = ("", 0)
             if own[0] and own[1] > (chain[-1][1] if chain else 0):
