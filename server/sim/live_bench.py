@@ -6,6 +6,14 @@ tiny model, KV capacity M), replay the workload's agents at their arrival times 
 the server. Requests use `ignore_eos` with `max_tokens = d`, so output lengths are exactly
 the trace's. Prompts are `p` random token ids, seeded per request: identical prompts would
 share KV blocks through vLLM's prefix cache and hide the memory contention being measured.
+A request that names shared prefixes (`prefix` in the workload) starts with really identical
+tokens instead: the tokens of prefix `id` at prompt positions [start, end) are the same in
+every request naming it (one seeded stream per id, indexed by position, so that a longer
+prefix of an id extends a shorter one), and only the rest of the prompt is private. The
+results then carry the engine's `prefix_hit_rate` (prompt tokens vLLM served from its prefix
+cache over all prompt tokens) and `kv_saved_total` (KV tokens admission did not reserve again).
+Under a prefix-aware Justitia, oracle agents declare their cost with shared prefixes
+counted once (`AgentSpec.kv_cost_shared`), as the simulator's oracle does.
 
 The replay client is aiohttp, not httpx: with a few hundred requests in flight, httpx's
 connection pool added seconds to every call on this 2-core machine (median 0.65 s, max 10 s
@@ -31,7 +39,9 @@ from typing import Any
 
 import aiohttp
 
-from server.scheduler import gps_finish_times
+from server.scheduler import get_policy, gps_finish_times
+from server.scheduler.cost import KV
+from server.scheduler.policies import Justitia
 
 from .simulator import AgentResult, PolicyResult
 from .workload import AgentSpec
@@ -49,9 +59,37 @@ class LiveOptions:
     log_dir: str | None = None
 
 
-def _prompt(agent: AgentSpec, stage: int, index: int, p: int, seed: int) -> list[int]:
+class PrefixTokens:
+    """The token ids of named prefixes: one seeded stream per id, indexed by prompt position."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._streams: dict[str, tuple[random.Random, list[int]]] = {}
+
+    def tokens(self, key: str, start: int, end: int) -> list[int]:
+        rng, ids = self._streams.setdefault(key, (random.Random(f"{self.seed}:prefix:{key}"), []))
+        while len(ids) < end:
+            ids.append(rng.randrange(VOCAB_LOW, VOCAB_HIGH))
+        return ids[start:end]
+
+
+def _prompt(agent: AgentSpec, stage: int, index: int, p: int, seed: int,
+            prefixes: PrefixTokens | None = None) -> list[int]:
+    head: list[int] = []
+    if prefixes is not None:
+        for key, tokens in agent.prefix(stage, index):
+            head += prefixes.tokens(key, len(head), tokens)
     rng = random.Random(f"{seed}:{agent.id}:{stage}:{index}")
-    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(p)]
+    return head + [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(p - len(head))]
+
+
+def declared_cost(agent: AgentSpec, policy: str) -> float:
+    """What an oracle agent declares: its KV cost, shared prefixes counted once under a
+    prefix-aware Justitia (the simulator's oracle tells each policy the same)."""
+    pol = get_policy(policy)
+    if isinstance(pol, Justitia) and pol.prefix_aware and pol.cost_model == KV:
+        return agent.kv_cost_shared
+    return agent.kv_cost
 
 
 async def _call(session: aiohttp.ClientSession, method: str, path: str, **kw) -> dict:
@@ -63,7 +101,7 @@ async def _call(session: aiohttp.ClientSession, method: str, path: str, **kw) ->
 
 
 async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float,
-                     opts: LiveOptions) -> dict:
+                     opts: LiveOptions, policy: str, prefixes: PrefixTokens) -> dict:
     await asyncio.sleep(max(0.0, t0 + agent.arrival - time.monotonic()))
     arrival = time.monotonic() - t0
     body: dict[str, Any] = {
@@ -75,14 +113,14 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
                      "workload_id": agent.id},
     }
     if opts.prediction == "oracle":
-        body["predicted_cost"] = agent.kv_cost
+        body["predicted_cost"] = declared_cost(agent, policy)
     first = await _call(session, "POST", "/v1/agents", json=body)
     agent_id = first["id"]
     headers = {"X-Justitia-Agent": agent_id}
     for s, stage in enumerate(agent.stages):
         await asyncio.gather(*(
             _call(session, "POST", "/v1/completions", headers=headers, json={
-                "prompt": _prompt(agent, s, i, p, opts.seed), "max_tokens": d,
+                "prompt": _prompt(agent, s, i, p, opts.seed, prefixes), "max_tokens": d,
                 "ignore_eos": True, "temperature": 0.0,
             })
             for i, (p, d) in enumerate(stage)
@@ -91,7 +129,7 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
     return {"arrival": arrival, "finish": time.monotonic() - t0, "first": first, "final": final}
 
 
-async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions,
+async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: str,
                   progress: Callable[[int], None] | None) -> tuple[list[dict], dict]:
     # Idle connections are dropped here before the server would close them (its keep-alive
     # is 30 s), so a request never goes out on a connection the server is closing.
@@ -100,10 +138,11 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions,
     async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
         t0 = time.monotonic()
         done = 0
+        prefixes = PrefixTokens(opts.seed)
 
         async def one(a: AgentSpec) -> dict:
             nonlocal done
-            out = await _run_agent(session, a, t0, opts)
+            out = await _run_agent(session, a, t0, opts, policy, prefixes)
             done += 1
             if progress:
                 progress(done)
@@ -128,10 +167,10 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
             "--max-model-len", str(opts.max_model_len), "--data-dir", home]
     wall0 = time.perf_counter()
     with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv:
-        outs, snap = asyncio.run(_replay(srv.url, agents, opts, progress))
+        outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress))
     rate = float(snap["rate"])
     # GPS reference at the rate the server measured, with the costs the agents really had.
-    gps = gps_finish_times([o["arrival"] for o in outs], [a.kv_cost for a in agents], rate)
+    gps = gps_finish_times([o["arrival"] for o in outs], [a.kv_cost_shared for a in agents], rate)
     results = [
         AgentResult(id=a.id, type=a.type, arrival_s=o["arrival"], finish_s=o["finish"],
                     gps_finish_s=g, delay_bound_s=float(o["final"]["delay_bound_s"]),
@@ -145,6 +184,9 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         "first_eta_s_mean": sum(o["first"]["eta_s"] for o in outs) / max(1, len(outs)),
         # The engine's fitted step-time model at the end of the run (per engine).
         "time_model": snap.get("time_model"),
+        # vLLM's prompt tokens served from its prefix cache over all prompt tokens
+        "prefix_hit_rate": snap.get("prefix_hit_rate"),
+        "kv_saved_total": snap.get("kv_saved_total"),
     }
     return PolicyResult(policy=policy, agents=results, preemptions=int(preemptions),
                         accounting_zero=(snap["pending_requests"] == 0 and snap["running_requests"] == 0
