@@ -172,3 +172,32 @@ def test_prefix_aware_justitia_beats_the_prefix_blind_ablation_and_keeps_its_bou
     assert aware["bound_violations"] == 0 and aware["preemptions"] == 0
     assert all(r.accounting_zero for r in res.values())
     assert aware["prefix_hit_rate"] > 0.5
+
+
+# -- bench live's declarations ----------------------------------------------------------------
+def test_bench_live_declares_exactly_what_the_server_charges():
+    """An oracle agent of `bench live` must not over-run its declaration by a token: an
+    over-run sends an agent whose GPS share ran out behind every newer agent. The server
+    charges prefixes by whole blocks of the rendered prompts."""
+    from server.scheduler.prefix import block_chain
+    from server.sim.live_bench import declared_cost, render
+    from server.sim.workload import load_workload
+
+    agents = load_workload("benchmarks/workloads/contended48p.jsonl")[:12]
+    prompts = render(agents, seed=0)
+    d = Dispatcher("justitia", 10**9, 0.01, block_size=32)
+    for a in agents:
+        declared = declared_cost(a, "justitia", prompts[a.id], 32)
+        assert declared <= a.kv_cost
+        d.register_agent(a.id, declared, 0.0)
+        for s, st in enumerate(a.stages):
+            ids = [f"{a.id}/{s}/{i}" for i in range(len(st))]
+            for rid, (i, (p, n)) in zip(ids, enumerate(st), strict=True):
+                d.submit(RequestSpec(rid, a.id, p, n, n, prefix=block_chain(prompts[a.id][(s, i)], 32)), 0.0)
+            d.admit(0.0)
+            for rid, (p, n) in zip(ids, st, strict=True):
+                d.on_request_finished(rid, p, n, 0.0)
+        agent = d.agents[a.id]
+        assert agent.charged_cost == declared  # no over-run
+        assert agent.consumed_cost == pytest.approx(declared)
+    assert declared_cost(agents[0], "justitia-nocache", prompts[agents[0].id], 32) == agents[0].kv_cost

@@ -754,6 +754,7 @@ class Dispatcher:
             "now": now,
             "V": gps.V,
             "M": self.kv_capacity,
+            "block_size": self.block_size,
             "tau": self.tau,
             "bound_tau": self.bound_tau,
             "bound_iteration_s": self.bound_iteration_s,

@@ -333,6 +333,9 @@ def _live(args: argparse.Namespace) -> int:
             if "sim_mean_jct_s" in r.extra:
                 print(f"{r.policy}: live mean JCT {r.summary()['mean_jct_s']:.2f} s, simulator "
                       f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%)")
+            if r.extra.get("prefix_hit_rate") is not None:
+                print(f"{r.policy}: the engine served {100 * r.extra['prefix_hit_rate']:.0f}% of prompt tokens "
+                      f"from its prefix cache; admission shared {r.extra.get('kv_saved_total') or 0:,} KV tokens")
     return 0
 
 

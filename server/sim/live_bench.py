@@ -13,7 +13,13 @@ prefix of an id extends a shorter one), and only the rest of the prompt is priva
 results then carry the engine's `prefix_hit_rate` (prompt tokens vLLM served from its prefix
 cache over all prompt tokens) and `kv_saved_total` (KV tokens admission did not reserve again).
 Under a prefix-aware Justitia, oracle agents declare their cost with shared prefixes
-counted once (`AgentSpec.kv_cost_shared`), as the simulator's oracle does.
+counted once, exactly as the server will charge it: from the whole blocks of the rendered
+prompts (the server hashes prompts' blocks of its engine's block size, so a named prefix
+shares only its whole blocks). A declaration even slightly below the server's charge is an
+over-run, and an over-running agent whose GPS share has run out goes behind every agent that
+arrived meanwhile (docs/concepts.md, "Over-runs"): measured on the 48-agent prefix workload,
+declaring `kv_cost_shared` (token-exact prefixes) made 38 of 48 agents over-run by 0.6% in
+all, and justitia ran 16% slower than its prefix-blind ablation.
 
 The replay client is aiohttp, not httpx: with a few hundred requests in flight, httpx's
 connection pool added seconds to every call on this 2-core machine (median 0.65 s, max 10 s
@@ -42,6 +48,7 @@ import aiohttp
 from server.scheduler import get_policy, gps_finish_times
 from server.scheduler.cost import KV
 from server.scheduler.policies import Justitia
+from server.scheduler.prefix import block_chain, stage_kv_cost
 
 from .simulator import AgentResult, PolicyResult
 from .workload import AgentSpec
@@ -83,13 +90,24 @@ def _prompt(agent: AgentSpec, stage: int, index: int, p: int, seed: int,
     return head + [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(p - len(head))]
 
 
-def declared_cost(agent: AgentSpec, policy: str) -> float:
-    """What an oracle agent declares: its KV cost, shared prefixes counted once under a
-    prefix-aware Justitia (the simulator's oracle tells each policy the same)."""
+def declared_cost(agent: AgentSpec, policy: str, prompts: dict[tuple[int, int], list[int]],
+                  block_size: int) -> float:
+    """What an oracle agent declares: its KV cost, under a prefix-aware Justitia with the
+    prefixes its rendered prompts share counted once, block by block as the server counts
+    them (`prompts`: the prompt of each (stage, index))."""
     pol = get_policy(policy)
-    if isinstance(pol, Justitia) and pol.prefix_aware and pol.cost_model == KV:
-        return agent.kv_cost_shared
-    return agent.kv_cost
+    if not (isinstance(pol, Justitia) and pol.prefix_aware and pol.cost_model == KV) or not agent.prefixes:
+        return agent.kv_cost
+    return sum(stage_kv_cost([(p, d, block_chain(prompts[(s, i)], block_size)) for i, (p, d) in enumerate(st)],
+                             block_size)
+               for s, st in enumerate(agent.stages))
+
+
+def render(agents: list[AgentSpec], seed: int) -> dict[str, dict[tuple[int, int], list[int]]]:
+    """Every request's prompt token ids, by agent id and (stage, index)."""
+    prefixes = PrefixTokens(seed)
+    return {a.id: {(s, i): _prompt(a, s, i, p, seed, prefixes) for s, st in enumerate(a.stages)
+                   for i, (p, _) in enumerate(st)} for a in agents}
 
 
 async def _call(session: aiohttp.ClientSession, method: str, path: str, **kw) -> dict:
@@ -101,7 +119,7 @@ async def _call(session: aiohttp.ClientSession, method: str, path: str, **kw) ->
 
 
 async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float,
-                     opts: LiveOptions, policy: str, prefixes: PrefixTokens) -> dict:
+                     opts: LiveOptions, prompts: dict[tuple[int, int], list[int]], cost: float) -> dict:
     await asyncio.sleep(max(0.0, t0 + agent.arrival - time.monotonic()))
     arrival = time.monotonic() - t0
     body: dict[str, Any] = {
@@ -113,14 +131,14 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
                      "workload_id": agent.id},
     }
     if opts.prediction == "oracle":
-        body["predicted_cost"] = declared_cost(agent, policy)
+        body["predicted_cost"] = cost
     first = await _call(session, "POST", "/v1/agents", json=body)
     agent_id = first["id"]
     headers = {"X-Justitia-Agent": agent_id}
     for s, stage in enumerate(agent.stages):
         await asyncio.gather(*(
             _call(session, "POST", "/v1/completions", headers=headers, json={
-                "prompt": _prompt(agent, s, i, p, opts.seed, prefixes), "max_tokens": d,
+                "prompt": prompts[(s, i)], "max_tokens": d,
                 "ignore_eos": True, "temperature": 0.0,
             })
             for i, (p, d) in enumerate(stage)
@@ -136,13 +154,16 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
+        # rendered, and costed the way the server will cost them, before the clock starts
+        block_size = int((await _call(session, "GET", "/v1/scheduler")).get("block_size") or 1)
+        prompts = render(agents, opts.seed)
+        costs = {a.id: declared_cost(a, policy, prompts[a.id], block_size) for a in agents}
         t0 = time.monotonic()
         done = 0
-        prefixes = PrefixTokens(opts.seed)
 
         async def one(a: AgentSpec) -> dict:
             nonlocal done
-            out = await _run_agent(session, a, t0, opts, policy, prefixes)
+            out = await _run_agent(session, a, t0, opts, prompts[a.id], costs[a.id])
             done += 1
             if progress:
                 progress(done)
