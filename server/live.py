@@ -526,12 +526,13 @@ class LiveScheduler:
 
     def _prefix(self, prompt_token_ids: tuple[int, ...]) -> tuple[PrefixRef, ...]:
         """The prompt's whole blocks as a prefix chain (block hashes, as vLLM's prefix cache
-        keys them): requests with a common head share its blocks in admission and charges.
-        The prefix-blind ablation (and a single block) skips the hashing."""
-        bs = self.dispatcher.block_size
-        if not self.dispatcher.policy.prefix_aware or len(prompt_token_ids) <= bs:
+        keys them, in units of `Dispatcher.prefix_block` tokens): requests with a common head
+        share it in admission and charges. The prefix-blind ablation (and a prompt of one
+        unit) skips the hashing."""
+        unit = self.dispatcher.prefix_block
+        if not self.dispatcher.policy.prefix_aware or len(prompt_token_ids) <= unit:
             return ()
-        return block_chain(prompt_token_ids, bs)
+        return block_chain(prompt_token_ids, unit)
 
     def _settle(self, ticket: Ticket, last: EngineOutput | None) -> None:
         """Whatever ended the request: account its real usage, log it in its agent, end an

@@ -11,7 +11,7 @@ import httpx
 from server.metrics import metric_value
 from tests.fake_engine import FakeEngine, FakeServer
 
-HEAD = [10 + (i % 200) for i in range(96)]  # three blocks of 32 every prompt starts with
+HEAD = [10 + (i % 200) for i in range(256)]  # two hashing units of 128 every prompt starts with
 
 
 def _completion(c: httpx.Client, agent: str, tail: int, max_tokens: int = 20) -> dict:
@@ -37,11 +37,11 @@ def test_prefix_hits_and_shared_kv_are_exported(tmp_path) -> None:
             list(pool.map(lambda k: _completion(c, agent, k, 60), range(1, 4)))
         text = c.get("/metrics").text
         snap = c.get("/v1/scheduler").json()
-    assert metric_value(text, "justitia_prefix_cached_tokens") == 3 * 96
-    assert metric_value(text, "justitia_prefix_prompt_tokens") == 4 * 116
-    assert metric_value(text, "justitia_prefix_hit_rate") == snap["prefix_hit_rate"] == (3 * 96) / (4 * 116)
+    assert metric_value(text, "justitia_prefix_cached_tokens") == 3 * 256
+    assert metric_value(text, "justitia_prefix_prompt_tokens") == 4 * 276
+    assert metric_value(text, "justitia_prefix_hit_rate") == snap["prefix_hit_rate"] == (3 * 256) / (4 * 276)
     # every request after the first that ran beside another holder of the head reserved it once
-    assert metric_value(text, "justitia_kv_saved_tokens") == snap["kv_saved_total"] >= 96
+    assert metric_value(text, "justitia_kv_saved_tokens") == snap["kv_saved_total"] >= 256
     assert snap["reserved_kv"] == 0 and snap["kv_shared"] == 0
 
 
@@ -56,4 +56,4 @@ def test_the_nocache_ablation_hashes_nothing_and_reserves_every_prompt(tmp_path)
     assert snap["policy"] == "justitia-nocache"
     assert snap["kv_saved_total"] == 0
     # the engine still shares (vLLM's cache does not ask the scheduler): hits are reported
-    assert metric_value(text, "justitia_prefix_cached_tokens") >= 96
+    assert metric_value(text, "justitia_prefix_cached_tokens") >= 256

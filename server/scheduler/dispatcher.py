@@ -79,6 +79,7 @@ from .virtual_clock import VirtualClock
 
 __all__ = ["AgentState", "AgentView", "Dispatcher", "RequestSpec", "RequestState", "RequestStatus"]
 
+PREFIX_UNIT_TOKENS = 128
 RUNNING = RequestStatus.RUNNING
 DONE = RequestStatus.DONE
 
@@ -123,6 +124,11 @@ class Dispatcher:
         # A paged engine allocates whole blocks: a request holds ceil((p + d) / block) blocks,
         # so footprints are rounded up to blocks, or the engine runs out before M does.
         self.block_size = max(1, int(block_size))
+        # The unit in which the live server hashes prompts into prefix chains: whole blocks,
+        # at least PREFIX_UNIT_TOKENS of them, so that a chain has at most a few dozen
+        # segments (admission, release and charges walk it; measured in
+        # benchmarks/dispatch_overhead.py). A shared head is counted to the last whole unit.
+        self.prefix_block = self.block_size * max(1, PREFIX_UNIT_TOKENS // self.block_size)
         self.backfill_depth = backfill_depth
         self._declared_limits = limits
         self._observed = ObservedLimits()
@@ -755,6 +761,7 @@ class Dispatcher:
             "V": gps.V,
             "M": self.kv_capacity,
             "block_size": self.block_size,
+            "prefix_block": self.prefix_block,
             "tau": self.tau,
             "bound_tau": self.bound_tau,
             "bound_iteration_s": self.bound_iteration_s,

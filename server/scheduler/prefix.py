@@ -28,15 +28,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from .cost import kv_cost
 
 PrefixRef = tuple[str, int]  # (prefix id, tokens): the first `tokens` prompt tokens are the prefix's
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Prompt tokens [start, end) of a request, shared under prefix `key`."""
+class Segment(NamedTuple):
+    """Prompt tokens [start, end) of a request, shared under prefix `key` (a tuple: the
+    admission loops unpack it, faster than attribute reads)."""
 
     key: str
     start: int
@@ -75,72 +76,115 @@ def uncached_prompt(prompt_tokens: int, cached_tokens: int) -> int:
     return max(0, int(prompt_tokens) - max(0, int(cached_tokens)))
 
 
-@dataclass
 class PrefixHolds:
     """The prefix blocks held by running requests, each prefix counted once.
 
-    Per prefix id: how many running requests hold it up to each end, and the extent held
-    (the longest end minus the segment's start). `reserved` is the sum of the extents:
-    what the set of running requests takes for its prefixes.
+    Per prefix id, one entry `[top, start, holders, ends]`: the longest end any running
+    holder reaches, the segment's start, how many hold it, and how many reach each end
+    (None while every holder reaches `top`, as with the live server's fixed-size units:
+    then a hold is one counter). The extent held is
+    `top - start`; `reserved` is the sum of the extents: what the set of running requests
+    takes for its prefixes. One dictionary lookup per segment: the live server's chains have
+    a segment per hashing unit, and admission and release walk them.
     """
 
-    _ends: dict[str, dict[int, int]] = field(default_factory=dict)
-    _top: dict[str, int] = field(default_factory=dict)
-    _start: dict[str, int] = field(default_factory=dict)
-    reserved: int = 0
+    def __init__(self) -> None:
+        self._held: dict[str, list[Any]] = {}  # key -> [top, start, holders, {end: holders} | None]
+        self.reserved = 0
 
-    def marginal(self, segs: Iterable[Segment]) -> int:
-        """Tokens of `segs` that no running request holds yet."""
-        top = self._top
-        return sum(max(0, s.end - top.get(s.key, s.start)) for s in segs)
+    def _top(self, key: str, start: int) -> int:
+        e = self._held.get(key)
+        return e[0] if e is not None else start
+
+    def marginal(self, segs: Sequence[Segment]) -> int:
+        """Tokens of `segs` that no running request holds yet.
+
+        A long chain (block hashes) is searched, not walked: holders hold whole chains from
+        their start, so the segments held fully form a head of the chain, and past the first
+        one held partly or not at all, none is held (a block's hash covers every token before
+        it). That keeps an admission decision O(log n) in the chain's length."""
+        held = self._held
+        if len(segs) <= 4:
+            out = 0
+            for key, start, end in segs:
+                e = held.get(key)
+                top = e[0] if e is not None else start
+                if end > top:
+                    out += end - top
+            return out
+        lo, hi = 0, len(segs)
+        while lo < hi:  # first segment not held in full
+            mid = (lo + hi) // 2
+            key, start, end = segs[mid]
+            if self._top(key, start) >= end:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == len(segs):
+            return 0
+        key, start, end = segs[lo]
+        return segs[-1].end - max(start, min(end, self._top(key, start)))
 
     def covered(self, segs: Iterable[Segment]) -> int:
         """Tokens of `segs` that running requests already hold (what the engine has cached)."""
-        top = self._top
-        return sum(max(0, min(s.end, top.get(s.key, s.start)) - s.start) for s in segs)
+        return sum(max(0, min(end, self._top(key, start)) - start) for key, start, end in segs)
 
     def add(self, segs: Iterable[Segment]) -> int:
         """A request holding `segs` starts running: returns the tokens newly reserved."""
+        held = self._held
         added = 0
-        for s in segs:
-            ends = self._ends.get(s.key)
-            if ends is None:
-                self._ends[s.key] = {s.end: 1}
-                self._top[s.key] = s.end
-                self._start[s.key] = s.start
-                added += s.tokens
+        for key, start, end in segs:
+            e = held.get(key)
+            if e is None:
+                held[key] = [end, start, 1, None]
+                added += end - start
                 continue
-            ends[s.end] = ends.get(s.end, 0) + 1
-            top = self._top[s.key]
-            if s.end > top:
-                added += s.end - top
-                self._top[s.key] = s.end
+            e[2] += 1
+            if end == e[0] and e[3] is None:
+                continue
+            ends = e[3]
+            if ends is None:  # holders of different ends: count each end from now on
+                ends = e[3] = {e[0]: e[2] - 1}
+            ends[end] = ends.get(end, 0) + 1
+            if end > e[0]:
+                added += end - e[0]
+                e[0] = end
         self.reserved += added
         return added
 
     def remove(self, segs: Iterable[Segment]) -> int:
         """A request holding `segs` stopped running: returns the tokens no longer reserved."""
+        held = self._held
         freed = 0
-        for s in segs:
-            ends = self._ends.get(s.key)
-            if ends is None or s.end not in ends:
+        for key, _, end in segs:
+            e = held.get(key)
+            if e is None:
                 continue
-            ends[s.end] -= 1
-            if ends[s.end] == 0:
-                del ends[s.end]
-            top = self._top[s.key]
-            if not ends:
-                freed += top - self._start.pop(s.key)
-                del self._ends[s.key], self._top[s.key]
-            elif s.end == top and top not in ends:
-                new_top = max(ends)
-                freed += top - new_top
-                self._top[s.key] = new_top
+            ends = e[3]
+            if ends is None:
+                if end != e[0]:
+                    continue  # not a holder
+            else:
+                left = ends.get(end, 0) - 1
+                if left < 0:
+                    continue  # not a holder
+                if left:
+                    ends[end] = left
+                else:
+                    del ends[end]
+            e[2] -= 1
+            if e[2] == 0:
+                freed += e[0] - e[1]
+                del held[key]
+            elif ends is not None and end == e[0] and end not in ends:
+                top = max(ends)
+                freed += end - top
+                e[0] = top
         self.reserved -= freed
         return freed
 
     def __len__(self) -> int:
-        return len(self._ends)
+        return len(self._held)
 
 
 @dataclass

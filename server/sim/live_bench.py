@@ -13,9 +13,9 @@ prefix of an id extends a shorter one), and only the rest of the prompt is priva
 results then carry the engine's `prefix_hit_rate` (prompt tokens vLLM served from its prefix
 cache over all prompt tokens) and `kv_saved_total` (KV tokens admission did not reserve again).
 Under a prefix-aware Justitia, oracle agents declare their cost with shared prefixes
-counted once, exactly as the server will charge it: from the whole blocks of the rendered
-prompts (the server hashes prompts' blocks of its engine's block size, so a named prefix
-shares only its whole blocks). A declaration even slightly below the server's charge is an
+counted once, exactly as the server will charge it: from the whole units of the rendered
+prompts (the server hashes prompts in units of whole blocks, `prefix_block` tokens, so a
+named prefix shares only its whole units). A declaration even slightly below the server's charge is an
 over-run, and an over-running agent whose GPS share has run out goes behind every agent that
 arrived meanwhile (docs/concepts.md, "Over-runs"): measured on the 48-agent prefix workload,
 declaring `kv_cost_shared` (token-exact prefixes) made 38 of 48 agents over-run by 0.6% in
@@ -155,7 +155,7 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
         # rendered, and costed the way the server will cost them, before the clock starts
-        block_size = int((await _call(session, "GET", "/v1/scheduler")).get("block_size") or 1)
+        block_size = int((await _call(session, "GET", "/v1/scheduler")).get("prefix_block") or 1)
         prompts = render(agents, opts.seed)
         costs = {a.id: declared_cost(a, policy, prompts[a.id], block_size) for a in agents}
         t0 = time.monotonic()
