@@ -18,6 +18,12 @@ queued (one pending request each, justitia): the same loop, plus `refresh_etas` 
 decision), against the same loop without it. The upkeep per decision is the difference of the
 median steps; the refresh itself is amortised over the decisions between two refreshes (mean).
 
+The rows `justitia-prefixes` and `justitia-blockhash` time justitia's decision with shared
+prompt prefixes (issue 17): every request names its agent type's system prompt and its
+agent's instructions (two named prefixes, as a workload file does), or carries the prefix
+chain the live server hashes from token ids (one id per unit of 128 tokens, 4 blocks of 32,
+the heads shared per agent type and per agent), so that every admission checks the running set's holds.
+
     .venv/bin/python benchmarks/dispatch_overhead.py [--agents 1000] [--per-agent 10] [--steps 20000]
 """
 
@@ -36,6 +42,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dataclasses import replace  # noqa: E402
 
 from server.scheduler import POLICY_NAMES, Dispatcher, RequestSpec, kv_cost  # noqa: E402
+from server.scheduler.prefix import block_chain  # noqa: E402
+
+PREFIX_ROWS = ("justitia-prefixes", "justitia-blockhash")
+
+
+def _prefix(mode: str, agent: int, p: int, rid: str, unit: int) -> tuple:
+    """A request's prefix chain in the prefix rows: 400 tokens of one of 8 system prompts,
+    then 300 of its agent's instructions, then its own tokens."""
+    if mode == "justitia-prefixes":
+        chain = [(f"sys{agent % 8}", min(p, 400))]
+        if p > 400:
+            chain.append((f"a{agent}/instr", min(p, 700)))
+        return tuple(chain)
+    rng = random.Random(rid)
+    ids = ([agent % 8] * 400 + [1000 + agent] * 300)[:p]
+    ids += [rng.randrange(10, 700) for _ in range(p - len(ids))]
+    return block_chain(ids, unit)
 
 
 def _ewsjf_groups(d: Dispatcher, groups: int = 8) -> None:
@@ -57,8 +80,19 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -
     rng = random.Random(seed)
     name = policy
     groups = policy.endswith("-8groups")
+    prefixes = policy if policy in PREFIX_ROWS else ""
     policy = policy.removesuffix("-8groups")
-    d = Dispatcher(policy, kv_capacity_tokens=10**9, iteration_time_s=0.025)
+    if prefixes:
+        policy = "justitia"
+    block = 32 if prefixes else 1
+    d = Dispatcher(policy, kv_capacity_tokens=10**9, iteration_time_s=0.025, block_size=block)
+    unit = d.prefix_block  # the live server's hashing unit (128 tokens: 4 blocks of 32)
+    chains: dict[str, tuple] = {}
+
+    def spec(rid: str, agent: int, p: int, o: int) -> RequestSpec:
+        chain = chains.setdefault(rid, _prefix(prefixes, agent, p, rid, unit)) if prefixes else ()
+        return RequestSpec(rid, f"a{agent}", p, o, o, prefix=chain)
+
     if groups:
         _ewsjf_groups(d)
     now = 0.0
@@ -68,7 +102,7 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -
         d.register_agent(f"a{a}", kv_cost(1000, 200) * per_agent * rng.uniform(0.2, 5), now)
         for _ in range(per_agent):
             p, o = rng.randint(50, 3000), rng.randint(10, 800)
-            d.submit(RequestSpec(f"r{k}", f"a{a}", p, o, o), now)
+            d.submit(spec(f"r{k}", a, p, o), now)
             lengths[f"r{k}"] = (p, o)
             k += 1
     decide, step = [], []
@@ -77,13 +111,17 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -
         t0 = time.perf_counter_ns()
         out = d.admit(now, engine_free_slots=1)
         t1 = time.perf_counter_ns()
-        spec = out[0]
-        d.on_request_finished(spec.request_id, *lengths.pop(spec.request_id), now)
+        done = out[0]
+        d.on_request_finished(done.request_id, *lengths.pop(done.request_id), now)
         p, o = rng.randint(50, 3000), rng.randint(10, 800)
-        d.submit(RequestSpec(f"r{k}", spec.agent_id, p, o, o), now)
+        # the live server hashes a prompt once, when its request arrives: not timed here
+        th = time.perf_counter_ns()
+        nxt = spec(f"r{k}", int(done.agent_id[1:]), p, o)
+        hashing = time.perf_counter_ns() - th
+        d.submit(nxt, now)
         lengths[f"r{k}"] = (p, o)
         k += 1
-        t2 = time.perf_counter_ns()
+        t2 = time.perf_counter_ns() - hashing
         decide.append((t1 - t0) / 1000)
         step.append((t2 - t0) / 1000)
     assert d.pending_count == agents * per_agent
@@ -180,7 +218,7 @@ def main() -> int:
                                               "eta_rows": eta_rows}, indent=1) + "\n")
         print(f"wrote {args.out}")
         return 0
-    for policy in (*POLICY_NAMES, "ewsjf-8groups"):
+    for policy in (*POLICY_NAMES, "ewsjf-8groups", *PREFIX_ROWS):
         r = bench(policy, args.agents, args.per_agent, args.steps)
         rows.append(r)
         more = f", {r['groups']} groups" if "groups" in r else ""

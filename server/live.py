@@ -65,6 +65,7 @@ from server.lifecycle import ABANDONED, AgentConflict, AgentNotFound, transition
 from server.limits import QuotaExceeded, Quotas
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, get_policy, kv_cost
 from server.scheduler.policies import FOOTPRINT
+from server.scheduler.prefix import PrefixRef, block_chain
 from server.scheduler.rate import TauEstimator
 from server.scheduler.reprediction import expected_total
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
@@ -543,7 +544,7 @@ class LiveScheduler:
         self.require_live(entry)
         now = self.now()
         spec = RequestSpec(request_id, entry.id, prompt_tokens=len(prompt_token_ids),
-                           max_tokens=sampling.max_tokens, n=sampling.n)
+                           max_tokens=sampling.max_tokens, n=sampling.n, prefix=self._prefix(prompt_token_ids))
         try:
             ticket = self.admission.submit(entry, spec, now)
         except QuotaExceeded:
@@ -579,6 +580,16 @@ class LiveScheduler:
         finally:
             self._settle(ticket, last)
 
+    def _prefix(self, prompt_token_ids: tuple[int, ...]) -> tuple[PrefixRef, ...]:
+        """The prompt's whole blocks as a prefix chain (block hashes, as vLLM's prefix cache
+        keys them, in units of `Dispatcher.prefix_block` tokens): requests with a common head
+        share it in admission and charges. The prefix-blind ablation (and a prompt of one
+        unit) skips the hashing."""
+        unit = self.dispatcher.prefix_block
+        if not self.dispatcher.policy.prefix_aware or len(prompt_token_ids) <= unit:
+            return ()
+        return block_chain(prompt_token_ids, unit)
+
     def _settle(self, ticket: Ticket, last: EngineOutput | None) -> None:
         """Whatever ended the request: account its real usage, log it in its agent, end an
         untagged request's agent, and admit the next requests."""
@@ -589,7 +600,8 @@ class LiveScheduler:
         each = tuple(q.output_tokens for q in last.sequences) if last is not None else ()
         if ticket.request_id in self.dispatcher.requests:
             self.dispatcher.on_request_finished(ticket.request_id, ticket.prompt_tokens, d, now,
-                                                each=each)
+                                                each=each,
+                                                cached_tokens=last.cached_tokens if last is not None else None)
         entry.in_flight -= 1
         entry.last_activity_mono = now
         if ticket.admitted is not None:

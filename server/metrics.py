@@ -45,6 +45,21 @@ class _SchedulerCollector:
             "justitia_iteration_time_seconds": ("Measured engine iteration time tau.", disp.tau),
             "justitia_engine_kv_usage": ("Engine KV cache usage (0-1).", stats.kv_usage),
             "justitia_engine_preemptions": ("Engine preemptions so far.", stats.preemptions_total),
+            "justitia_prefix_cached_tokens": (
+                "Prompt tokens the engine served from its prefix cache (finished requests).",
+                disp.cached_tokens_total),
+            "justitia_prefix_prompt_tokens": (
+                "Prompt tokens of the finished requests the engine reported prefix-cache hits for.",
+                disp.prompt_tokens_total),
+            "justitia_prefix_hit_rate": (
+                "Prefix-cache hit rate: cached over prompt tokens (0 before any report).",
+                disp.prefix_hit_rate or 0.0),
+            "justitia_kv_shared_tokens": (
+                "KV tokens running requests share: not reserved again thanks to shared prefixes.",
+                disp.kv_shared_now),
+            "justitia_kv_saved_tokens": (
+                "KV tokens not reserved again thanks to shared prefixes, summed over admissions.",
+                disp.kv_saved_total),
         }
         history = getattr(s, "history", None)
         if history is not None:

@@ -14,6 +14,9 @@ cannot tell the difference through the contract (server/engine/base.py):
   its request (the cancellation contract);
 - `stats()` reports KV usage, running/waiting, preemptions and the step time, and step
   listeners hear every busy step (its one optional capability, `StepStatistics`);
+- a prefix cache: a prompt's leading whole blocks (block hashes, as vLLM keys them) are
+  stored once while running requests hold them, and those an earlier prompt had are
+  reported as `cached_tokens` (vLLM's num_cached_tokens);
 - it has no chat template (the server writes a plain transcript of chat messages);
 - `kill()` makes it unhealthy and fails every stream with `EngineError`, as a dead engine
   core does; `revive()` brings it back.
@@ -47,6 +50,7 @@ from server.engine.base import (
     StepListener,
     check_request,
 )
+from server.scheduler.prefix import block_chain
 
 BOS, EOS = 1, 2
 BYTE_OFFSET = 3  # ids 3..258 are the 256 byte values
@@ -77,6 +81,8 @@ class _Running:
     preemptions: int = 0
     done: bool = False
     sent: int = 0  # characters of `text` already sent as delta_text
+    cached: int = 0  # prompt tokens found in the prefix cache
+    shared: tuple[str, ...] = ()  # ids of its leading whole prompt blocks (stored once)
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -121,6 +127,8 @@ class FakeEngine:
         self.requests: list[EngineRequest] = []
         self.aborted: list[str] = []
         self.peak_running = 0
+        self._seen_blocks: set[str] = set()  # block-hash ids of every prompt so far
+        self._shared_refs: dict[str, int] = {}  # block id -> running requests holding it
 
     # -- the contract: identity and lifecycle ---------------------------------------------
     @property
@@ -150,7 +158,7 @@ class FakeEngine:
         self._listeners.append(listener)
 
     def stats(self) -> EngineStats:
-        used = sum(r.blocks for r in self._running) * self._info.block_size
+        used = self._used_blocks() * self._info.block_size
         return EngineStats(
             kv_usage=used / self._info.kv_capacity_tokens,
             running=len(self._running),
@@ -167,8 +175,10 @@ class FakeEngine:
         check_request(request, self._info)  # what vLLM refuses when the request reaches it
         self.requests.append(request)
         prompt = request.prompt_token_ids
+        chain = block_chain(prompt, self._info.block_size)
         run = _Running(request, self._arrivals, asyncio.Queue(),
-                       offset=sum(prompt) % len(PHRASE))
+                       offset=sum(prompt) % len(PHRASE), cached=self._cache(chain),
+                       shared=tuple(key for key, _ in chain))
         self._arrivals += 1
         self._waiting.append(run)
         assert self._wake is not None
@@ -237,6 +247,7 @@ class FakeEngine:
             run.queue.put_nowait(error)
         self._running.clear()
         self._waiting.clear()
+        self._shared_refs.clear()
 
     # -- the step loop ---------------------------------------------------------------------
     async def _step_loop(self) -> None:
@@ -254,7 +265,7 @@ class FakeEngine:
                 dt = now - last_busy
                 prev = self._iteration_time_s
                 self._iteration_time_s = dt if prev is None else 0.9 * prev + 0.1 * dt
-                in_use = float(sum(r.blocks for r in self._running) * self._info.block_size)
+                in_use = float(self._used_blocks() * self._info.block_size)
                 for listener in self._listeners:
                     listener(dt, in_use)
             last_busy = now if self._running else None
@@ -270,22 +281,39 @@ class FakeEngine:
         self.peak_running = max(self.peak_running, len(self._running))
 
     def _blocks_for(self, run: _Running) -> int:
+        """Blocks of its own (its shared prompt blocks are counted once, in _shared_refs)."""
         tokens = len(run.request.prompt_token_ids) + run.generated + 1
-        return -(-tokens // self._info.block_size)
+        return -(-tokens // self._info.block_size) - len(run.shared)
+
+    def _used_blocks(self) -> int:
+        return sum(r.blocks for r in self._running) + len(self._shared_refs)
 
     def _free_blocks(self) -> int:
         total = self._info.kv_capacity_tokens // self._info.block_size
-        return total - sum(r.blocks for r in self._running)
+        return total - self._used_blocks()
+
+    def _hold(self, run: _Running) -> None:
+        for key in run.shared:
+            self._shared_refs[key] = self._shared_refs.get(key, 0) + 1
+
+    def _unhold(self, run: _Running) -> None:
+        for key in run.shared:
+            left = self._shared_refs.get(key, 0) - 1
+            if left > 0:
+                self._shared_refs[key] = left
+            else:
+                self._shared_refs.pop(key, None)
 
     def _admit(self) -> None:
         self._waiting.sort(key=lambda r: r.rank)
         while self._waiting and len(self._running) < self.max_num_seqs:
             run = self._waiting[0]
             need = self._blocks_for(run)
-            if need > self._free_blocks():
+            if need + sum(k not in self._shared_refs for k in run.shared) > self._free_blocks():
                 return
             self._waiting.pop(0)
             run.blocks = need
+            self._hold(run)
             self._running.append(run)
 
     def _grow(self, run: _Running) -> bool:
@@ -302,6 +330,7 @@ class FakeEngine:
 
     def _preempt(self, run: _Running) -> None:
         self._running.remove(run)
+        self._unhold(run)
         run.blocks = 0
         run.preemptions += 1
         self._preemptions_total += 1
@@ -342,10 +371,23 @@ class FakeEngine:
             finished=finished,
             finish_reason=reason,
             num_preemptions=run.preemptions,
+            cached_tokens=run.cached,
         ))
         run.sent = len(run.text)
 
+    def _cache(self, chain: tuple[tuple[str, int], ...]) -> int:
+        """Prompt tokens in leading whole blocks an earlier prompt had (then remember them)."""
+        hit = 0
+        for key, tokens in chain:
+            if key not in self._seen_blocks:
+                break
+            hit = tokens
+        self._seen_blocks.update(key for key, _ in chain)
+        return hit
+
     def _drop(self, run: _Running) -> None:
+        if run in self._running:
+            self._unhold(run)
         run.done = True
         run.blocks = 0
         for queue in (self._running, self._waiting):

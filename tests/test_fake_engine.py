@@ -33,7 +33,9 @@ def run(engine: FakeEngine, body: Callable[[FakeEngine], Awaitable[Any]]) -> Any
 
 def request(rid: str, prompt_len: int = 10, priority: int = 0, **sampling: Any) -> EngineRequest:
     sampling.setdefault("ignore_eos", True)
-    return EngineRequest(rid, tuple([7] * prompt_len), SamplingOptions(**sampling), priority)
+    # the first token differs per id: prompts share no block (the prefix cache stays out)
+    head = 8 + sum(map(ord, rid)) % 200
+    return EngineRequest(rid, tuple([head] + [7] * (prompt_len - 1)), SamplingOptions(**sampling), priority)
 
 
 async def collect(engine: FakeEngine, req: EngineRequest) -> list[EngineOutput]:

@@ -114,6 +114,9 @@ class EngineOutput:
     num_preemptions: int = 0
     delta_text: str = ""
     sequences: tuple[SequenceOutput, ...] = ()
+    # Prompt tokens the engine served from its prefix cache (vLLM's num_cached_tokens);
+    # None when the engine does not say.
+    cached_tokens: int | None = None
 
     def each(self) -> tuple[SequenceOutput, ...]:
         """The request's sequences, one at least."""

@@ -270,6 +270,12 @@ def _token_logprob(token_id: int, step: dict[int, Any], k: int, tokenizer: Any) 
     return TokenLogprob(text(token_id, sampled), float(sampled.logprob), top)
 
 
+def _cached_tokens(out: Any) -> int | None:
+    """Prompt tokens vLLM found in its prefix cache for this request (None: not reported)."""
+    cached = getattr(out, "num_cached_tokens", None)
+    return int(cached) if isinstance(cached, int) and cached >= 0 else None
+
+
 class LocalVLLMEngine(TokenizerEngine):
     """vLLM's AsyncLLM in this process (its engine core runs in a child process).
 
@@ -548,6 +554,7 @@ class LocalVLLMEngine(TokenizerEngine):
                     finish_reason=first.finish_reason,
                     num_preemptions=int(getattr(metrics, "num_preemptions", 0) or 0),
                     sequences=sequences,
+                    cached_tokens=_cached_tokens(out),
                 )
         except (asyncio.CancelledError, GeneratorExit):
             raise

@@ -43,6 +43,13 @@ use is settled out of the reference, and ended agents' leftover fluid work is fl
 the real system runs dry. The bound's C_max counts real (committed) work, plus the
 predictions of the agent's own tenant only. ETAs come from `refresh_etas(now)` (eta.py), a
 replay the caller runs off the request path; views read its cached result.
+
+Shared prompt prefixes (prefix.py, docs/concepts.md "Shared prefixes"): a request whose spec
+names a prefix chain reserves its private footprint plus the part of the chain no running
+request holds (`PrefixHolds`: the footprint of the running set is the union of its prefix
+blocks plus private tokens), and, under a KV-cost policy, is charged its private KV
+token-time plus what its hold adds to its agent's (`PrefixLedger`). justitia-nocache
+(`prefix_aware=False`) ignores chains: every prompt token private, as before.
 """
 
 from __future__ import annotations
@@ -54,9 +61,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .bounds import AgentShape, BoundLimits, delay_bound
-from .cost import COMPUTE, compute_cost, cost_function, kv_cost, kv_footprint
+from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprint
 from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S, EtaPass, TimeModel, WorkArrivals, eta_of, step_function
 from .policies import FOOTPRINT, Justitia, Policy, get_policy
+from .prefix import PrefixHolds, PrefixLedger, private_kv_cost, segments, shared_tokens, uncached_prompt
 from .queues import RequestQueue
 from .state import (
     AgentState,
@@ -71,6 +79,7 @@ from .virtual_clock import VirtualClock
 
 __all__ = ["AgentState", "AgentView", "Dispatcher", "RequestSpec", "RequestState", "RequestStatus"]
 
+PREFIX_UNIT_TOKENS = 128
 RUNNING = RequestStatus.RUNNING
 DONE = RequestStatus.DONE
 
@@ -115,6 +124,11 @@ class Dispatcher:
         # A paged engine allocates whole blocks: a request holds ceil((p + d) / block) blocks,
         # so footprints are rounded up to blocks, or the engine runs out before M does.
         self.block_size = max(1, int(block_size))
+        # The unit in which the live server hashes prompts into prefix chains: whole blocks,
+        # at least PREFIX_UNIT_TOKENS of them, so that a chain has at most a few dozen
+        # segments (admission, release and charges walk it; measured in
+        # benchmarks/dispatch_overhead.py). A shared head is counted to the last whole unit.
+        self.prefix_block = self.block_size * max(1, PREFIX_UNIT_TOKENS // self.block_size)
         self.backfill_depth = backfill_depth
         self._declared_limits = limits
         self._observed = ObservedLimits()
@@ -129,6 +143,13 @@ class Dispatcher:
         self.queue: RequestQueue = self.policy.make_queue(self, backfill_depth if backfill else 0)
         self.reserved_kv = 0  # footprints of admitted, unfinished requests
         self.reserved_prompt = 0  # prompts of admitted, unfinished requests
+        self.holds = PrefixHolds()  # shared prefixes of running requests, each counted once
+        self.running_footprint = 0  # footprints of running requests as if nothing were shared
+        self.kv_saved_total = 0  # KV tokens not reserved again thanks to shared prefixes (sum)
+        # Prompt tokens of finished requests, and how many of them the engine served from its
+        # prefix cache (when it reports it): the prefix-hit rate.
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
         self.pending_count = 0
         self.pending_kv = 0  # footprints of pending requests (the load an ETA expects)
         # recency-weighted prompt and output of a request: the batch an ETA expects and the
@@ -353,14 +374,19 @@ class Dispatcher:
         if not agent.in_reference:
             self._enter(agent, now)
         p, d, n = int(spec.prompt_tokens), spec.expected_tokens, spec.n
+        footprint = n * (-(-kv_footprint(p, d) // self.block_size) * self.block_size)
         req = RequestState(
             spec=spec,
             seq=next(self._seq),
             submitted_at=now,
-            footprint=n * (-(-kv_footprint(p, d) // self.block_size) * self.block_size),
+            footprint=footprint,
             est_cost=n * self._cost(p, d),
             est_kv_cost=n * kv_cost(p, d),
+            private_footprint=footprint,
         )
+        # n > 1: vLLM gives every sequence its own copy of the prompt (measured), no sharing
+        if spec.prefix and n == 1 and self.policy.prefix_aware:
+            self._share(agent, req, p, d)
         req.order = self.policy.request_order(req)
         self._mix.compute += n * compute_cost(p, d)
         self._mix.kv += req.est_kv_cost
@@ -379,10 +405,12 @@ class Dispatcher:
         agent.pending += 1
         self.pending_count += 1
         self.pending_kv += req.footprint
+        # the prompt tokens the engine will compute: what running requests hold is cached
+        computed = p - self.holds.covered(req.segments) if req.segments else p
         if self._mean_prompt + self._mean_decode <= 0:
-            self._mean_prompt, self._mean_decode = float(p), float(d)
+            self._mean_prompt, self._mean_decode = float(computed), float(d)
         else:
-            self._mean_prompt += 0.05 * (p - self._mean_prompt)
+            self._mean_prompt += 0.05 * (computed - self._mean_prompt)
             self._mean_decode += 0.05 * (d - self._mean_decode)
         self.queue.push(agent, req)
         if self._hooked:
@@ -390,12 +418,41 @@ class Dispatcher:
         self._commit(agent, req.est_cost, now)
         self.queue.requeue(agent)
 
+    def _share(self, agent: AgentState, req: RequestState, p: int, d: int) -> None:
+        """A request naming shared prefixes: its segments, private footprint and charge."""
+        segs = segments(req.spec.prefix, self.block_size)
+        if not segs:
+            return
+        shared = shared_tokens(segs)
+        req.segments = segs
+        req.private_footprint = req.footprint - shared
+        if self.policy.cost_model == KV:
+            if agent.prefixes is None:
+                agent.prefixes = PrefixLedger()
+            req.shared_charge = agent.prefixes.charge(segs, d)
+            req.est_cost = private_kv_cost(p, d, shared) + req.shared_charge
+
+    def _unshare(self, agent: AgentState, req: RequestState) -> None:
+        if req.segments and agent.prefixes is not None:
+            agent.prefixes.release(req.segments)
+
+    def _real_cost(self, req: RequestState, prompt_tokens: int, output_tokens: int,
+                   lengths: Sequence[int]) -> float:
+        """A finished request's cost in policy units: its private part at its true length,
+        plus the charge of its shared prefixes (fixed at submission)."""
+        if req.segments and self.policy.cost_model == KV:
+            return private_kv_cost(prompt_tokens, output_tokens, shared_tokens(req.segments)) + req.shared_charge
+        return sum(self._cost(prompt_tokens, d) for d in lengths)
+
     def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int,
-                            now: float, each: Sequence[int] = ()) -> bool:
+                            now: float, each: Sequence[int] = (), cached_tokens: int | None = None) -> bool:
         """A request left the engine: release its reservation and account its real cost.
 
         `output_tokens` is the total over the request's sequences; `each` the output of each
         sequence when it sampled several (`n` > 1): each one is charged as one request.
+
+        `cached_tokens`: the prompt tokens the engine served from its prefix cache, when it
+        reports them (the prefix-hit rate; the ETAs' expected prefill per request).
 
         Returns False (and does nothing) for an id the dispatcher no longer knows: a request
         of a cancelled agent whose abort raced with its completion.
@@ -405,6 +462,9 @@ class Dispatcher:
             return False
         agent = self._agent(req.spec.agent_id)
         agent.request_ids.discard(request_id)
+        self._unshare(agent, req)
+        if cached_tokens is not None and req.status is RUNNING:
+            self._observe_cached(prompt_tokens, cached_tokens)
         if req.status is RUNNING:
             self._release(req)
             agent.running -= 1
@@ -419,7 +479,7 @@ class Dispatcher:
             self.pending_count -= 1
             self.pending_kv -= req.footprint
         lengths = each or (output_tokens,)
-        real = sum(self._cost(prompt_tokens, d) for d in lengths)
+        real = self._real_cost(req, prompt_tokens, output_tokens, lengths)
         real_kv = sum(kv_cost(prompt_tokens, d) for d in lengths)
         agent.consumed_cost += real
         agent.consumed_kv += real_kv
@@ -429,6 +489,24 @@ class Dispatcher:
         self.queue.requeue(agent)
         self._flush_if_dry(now)
         return True
+
+    def _observe_cached(self, prompt_tokens: int, cached_tokens: int) -> None:
+        cached = max(0, min(int(cached_tokens), int(prompt_tokens)))
+        self.prompt_tokens_total += int(prompt_tokens)
+        self.cached_tokens_total += cached
+        # the engine's word beats the holds' guess made at submission
+        self._mean_prompt += 0.05 * (uncached_prompt(prompt_tokens, cached) - self._mean_prompt)
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Prompt tokens served from the engine's prefix cache over all prompt tokens of the
+        finished requests it reported on (None before any)."""
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else None
+
+    @property
+    def kv_shared_now(self) -> int:
+        """KV tokens the running requests would reserve again if nothing were shared."""
+        return self.running_footprint - self.reserved_kv
 
     def _commit(self, agent: AgentState, delta: float, now: float) -> None:
         """Add to the agent's committed cost; charge any excess over what it was charged."""
@@ -468,7 +546,7 @@ class Dispatcher:
             req = queue.peek(now)
             if req is None:
                 break
-            need = req.footprint if footprint else req.spec.prompt_tokens + 1
+            need = self._need(req, footprint)
             fits = need <= free
             if fits and footprint and place is not None:
                 # several replicas: one of them must hold the whole request (it reserves there)
@@ -489,6 +567,17 @@ class Dispatcher:
         queue.restore()
         return out
 
+    def _need(self, req: RequestState, footprint: bool) -> int:
+        """Memory a request takes when admitted now: its footprint (footprint policies) or its
+        prompt and one token (prompt policies), shared prefixes that running requests hold
+        taken out."""
+        if not req.segments:
+            return req.footprint if footprint else req.spec.prompt_tokens + 1
+        held = self.holds.marginal(req.segments)
+        if footprint:
+            return req.private_footprint + held
+        return req.spec.prompt_tokens - shared_tokens(req.segments) + held + 1
+
     def _budget(self, footprint: bool, engine_free_kv_tokens: int | None) -> int:
         """Memory the next admissions may take: footprints against M (and what the engine
         reports free), or prompts against the engine's free memory."""
@@ -507,14 +596,27 @@ class Dispatcher:
         self.pending_count -= 1
         self.pending_kv -= req.footprint
         self.running_count += 1
-        self.reserved_kv += req.footprint
-        self.reserved_prompt += req.spec.prompt_tokens
+        self.running_footprint += req.footprint
+        if req.segments:
+            held = self.holds.add(req.segments)
+            self.reserved_kv += req.private_footprint + held
+            self.reserved_prompt += req.spec.prompt_tokens - shared_tokens(req.segments) + held
+            self.kv_saved_total += req.footprint - req.private_footprint - held
+        else:
+            self.reserved_kv += req.footprint
+            self.reserved_prompt += req.spec.prompt_tokens
         if self._hooked:
             self.policy.on_admit(self, agent, req, now)
 
     def _release(self, req: RequestState) -> None:
-        self.reserved_kv -= req.footprint
-        self.reserved_prompt -= req.spec.prompt_tokens
+        self.running_footprint -= req.footprint
+        if req.segments:
+            freed = self.holds.remove(req.segments)
+            self.reserved_kv -= req.private_footprint + freed
+            self.reserved_prompt -= req.spec.prompt_tokens - shared_tokens(req.segments) + freed
+        else:
+            self.reserved_kv -= req.footprint
+            self.reserved_prompt -= req.spec.prompt_tokens
         self.running_count -= 1
         req.status = DONE
 
@@ -705,6 +807,8 @@ class Dispatcher:
             "now": now,
             "V": gps.V,
             "M": self.kv_capacity,
+            "block_size": self.block_size,
+            "prefix_block": self.prefix_block,
             "tau": self.tau,
             "bound_tau": self.bound_tau,
             "bound_iteration_s": self.bound_iteration_s,
@@ -719,6 +823,9 @@ class Dispatcher:
             "pending_requests": self.pending_count,
             "running_requests": self.running_count,
             "reserved_kv": self.reserved_kv,
+            "kv_shared": self.kv_shared_now,
+            "kv_saved_total": self.kv_saved_total,
+            "prefix_hit_rate": self.prefix_hit_rate,
             "limits": dataclasses.asdict(self.limits),
             "queue": [
                 {
@@ -745,6 +852,8 @@ class Dispatcher:
             and not self.requests
             and self.reserved_kv == 0
             and self.reserved_prompt == 0
+            and self.running_footprint == 0
+            and len(self.holds) == 0
             and self.pending_count == 0
             and self.running_count == 0
             and self.policy.is_idle()

@@ -17,6 +17,7 @@ minima is the global minimum.
 | srjf       | predicted remaining agent cost               | footprint, non-preemptive    |
 | justitia   | virtual finish tag, KV token-time            | footprint, non-preemptive    |
 | justitia-c | virtual finish tag, compute tokens (p + 2d)  | footprint, non-preemptive    |
+| justitia-nocache | virtual finish tag, prefix-blind KV cost | prefix-blind footprint   |
 | ewsjf      | density-weighted score of per-group queues   | prompt fits, engine preempts |
 | equinox    | per-agent user + resource fairness counters  | prompt fits, engine preempts |
 | las        | decayed attained service p + 2d per agent    | prompt fits, engine preempts |
@@ -25,6 +26,11 @@ minima is the global minimum.
 in strict key order, so the engine never has to preempt when the estimate is right. "Prompt
 fits" is what vLLM does natively: admit when the prompt fits in free memory now; requests
 grow afterwards and the engine preempts (recompute) when memory runs out.
+
+Shared prompt prefixes (prefix.py) are counted once by every policy's admission (a prefix
+that running requests hold takes no memory again: footprint policies reserve it once, prompt
+policies see what vLLM's prefix cache sees) and in the KV charges of justitia; the ablation
+justitia-nocache (`prefix_aware=False`) reserves and charges every prompt token as private.
 
 Four policies keep state of their own (docs/concepts.md has their sources and assumptions):
 
@@ -80,6 +86,7 @@ class Policy:
     name: str
     admission: str = FOOTPRINT
     cost_model: str = KV  # cost units of the virtual clock and of consumed_cost
+    prefix_aware: bool = True  # shared prefixes counted once in admission and KV charges
 
     def request_order(self, req: RequestState) -> SortKey:
         """Order of an agent's own pending requests (default: arrival)."""
@@ -470,6 +477,7 @@ POLICIES: dict[str, Policy] = {
         SRJF("srjf", FOOTPRINT, KV),
         Justitia("justitia", FOOTPRINT, KV),
         Justitia("justitia-c", FOOTPRINT, COMPUTE),
+        Justitia("justitia-nocache", FOOTPRINT, KV, prefix_aware=False),
         EWSJF("ewsjf", PROMPT, KV),
         Equinox("equinox", PROMPT, KV),
         LAS("las", PROMPT, KV),

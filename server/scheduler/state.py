@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from .bounds import AgentShape, BoundLimits, DelayBound
+from .prefix import PrefixLedger, PrefixRef, Segment
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class RequestSpec:
     # own with its own copy of the prompt (measured: n=3 holds 3 prompts' KV blocks), so
     # footprint and cost are n times those of one sequence.
     n: int = 1
+    # The prompt prefixes it shares with other requests, shortest first (prefix.py): named
+    # by a workload, or block hashes of its token ids on the live server. Empty: all private.
+    prefix: tuple[PrefixRef, ...] = ()
 
     @property
     def expected_tokens(self) -> int:
@@ -91,6 +95,11 @@ class RequestState:
     footprint: int  # KV tokens reserved when admitted (p + expected d, whole blocks)
     est_cost: float  # estimated cost in the policy's cost units
     est_kv_cost: float
+    # Shared prompt prefixes (prefix-aware policies): its segments, the footprint left when
+    # they are taken out, and the KV token-time charged for them at submission.
+    segments: tuple[Segment, ...] = ()
+    private_footprint: int = 0
+    shared_charge: float = 0.0
     order: SortKey = ()  # the policy's order among the agent's own pending requests
     status: RequestStatus = RequestStatus.PENDING
     ticket: GroupTicket | None = None  # EWSJF's routing
@@ -145,6 +154,7 @@ class AgentState:
     fair: FairCounters | None = None  # Equinox
     # LAS: log2 of its attained service scaled to time 0 (-inf: none yet); see policies.LAS
     las_service: float = -math.inf
+    prefixes: PrefixLedger | None = None  # its holds of shared prefixes (prefix-aware charges)
 
     @property
     def pending_requests(self) -> int:

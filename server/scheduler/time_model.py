@@ -6,7 +6,12 @@ tokens scheduled in it. Its duration is modelled as
     step_s = base_s + per_seq_s * decode_seqs + per_prefill_token_s * prefill_tokens
              + per_kv_token_s * kv_tokens_held
 
-(the simulator's profile form, server/sim/profiles.py). `TimeModel` is plain frozen data:
+(the simulator's profile form, server/sim/profiles.py). `prefill_tokens` are the prompt
+tokens the step *computes*: tokens served from the prefix cache cost no prefill, so every
+user of the model counts uncached tokens only (prefix.py's `uncached_prompt`): the live
+server takes vLLM's computed-token count per step, the simulator's engine its uncached
+prompt, and the dispatcher's ETAs the prompt net of what running requests (or, once it
+reports them, the engine) have cached. `TimeModel` is plain frozen data:
 the simulator's engine, the dispatcher and the server all take it as a value.
 
 `TimeModelFitter` learns the coefficients from the engine's own per-step statistics

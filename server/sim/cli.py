@@ -7,6 +7,7 @@ scheduler's policy names), the simulator is imported when a command runs.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from justitia_cli import CommandError, Commands, formatter
 from server.scheduler import POLICY_NAMES
@@ -69,6 +70,10 @@ def register(commands: Commands) -> None:
     mk.add_argument("--length-scale", type=float, default=None,
                     help="multiply trace lengths by this (default: the profile's; cpu-tiny shrinks them)")
     mk.add_argument("--seed", type=int, default=0, help="random seed (same seed: same agents at every density)")
+    mk.add_argument("--prefixes", action="store_true",
+                    help="requests name the prompt prefixes their sources share (app system prompts, "
+                         "shared instructions, self-consistency prompts, growing ReAct contexts); "
+                         "lengths and arrivals stay those of the same seed without it")
     mk.set_defaults(handler=_make_workload)
 
     live = commands.bench.add_parser(
@@ -297,18 +302,7 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _live(args: argparse.Namespace) -> int:
-    import time
-
-    from rich.progress import Progress
-
-    from . import report
-    from .live_bench import LiveOptions, run_policy
-    from .simulator import make_predictions, run_comparison
-
-    policies = _policies(args.policies)
-    profile = _profile(args.profile)
-    agents = _workload(args.workload, hint="`justitia bench make-workload --profile cpu-tiny`")
+def _check_live_sizes(args: argparse.Namespace, agents: list) -> None:
     longest = max(p + d for a in agents for st in a.stages for p, d in st)
     if longest > args.max_model_len:
         raise CommandError(f"a request of the workload needs {longest} tokens of context; raise "
@@ -316,6 +310,35 @@ def _live(args: argparse.Namespace) -> int:
     if args.kv_tokens < args.max_model_len:
         raise CommandError(f"--kv-tokens {args.kv_tokens} is below --max-model-len "
                            f"{args.max_model_len}: vLLM needs room for one full request")
+
+
+def _add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[str], profile: Any,
+                        results: list) -> None:
+    """The simulator's prediction of the same run: same workload, policy, profile and M;
+    oracle costs (the simulator has no server predictor to stand in for `server`)."""
+    from .simulator import make_predictions, run_comparison
+
+    predicted = run_comparison(agents, _configured(args, policies), profile, args.kv_tokens,
+                               make_predictions(agents, "oracle"))
+    for live_r, sim_r in zip(results, predicted, strict=True):
+        live_mean = live_r.summary()["mean_jct_s"]
+        sim_mean = sim_r.summary()["mean_jct_s"]
+        live_r.extra["sim_mean_jct_s"] = sim_mean
+        live_r.extra["sim_error"] = (sim_mean - live_mean) / live_mean if live_mean else None
+
+
+def _live(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.progress import Progress
+
+    from . import report
+    from .live_bench import LiveOptions, run_policy
+
+    policies = _policies(args.policies)
+    profile = _profile(args.profile)
+    agents = _workload(args.workload, hint="`justitia bench make-workload --profile cpu-tiny`")
+    _check_live_sizes(args, agents)
     _configured(args, policies)  # validates the options before any server starts
     opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
                        prediction=args.prediction, seed=args.seed, log_dir=args.log_dir,
@@ -332,18 +355,8 @@ def _live(args: argparse.Namespace) -> int:
             results.append(run_policy(agents, policy, opts, advance))
     wall = time.perf_counter() - t0
     _add_slowdowns(results, agents, profile, args.kv_tokens)
-    sim = {}
     if not args.no_sim:
-        # The simulator's prediction of the same run: same workload, policy, profile and M;
-        # oracle costs (the simulator has no server predictor to stand in for `server`).
-        predicted = run_comparison(agents, _configured(args, policies), profile, args.kv_tokens,
-                                   make_predictions(agents, "oracle"))
-        for live_r, sim_r in zip(results, predicted, strict=True):
-            live_mean = live_r.summary()["mean_jct_s"]
-            sim_mean = sim_r.summary()["mean_jct_s"]
-            live_r.extra["sim_mean_jct_s"] = sim_mean
-            live_r.extra["sim_error"] = (sim_mean - live_mean) / live_mean if live_mean else None
-            sim[live_r.policy] = sim_mean
+        _add_sim_prediction(args, agents, policies, profile, results)
     config = {
         "mode": "live",
         "workload": str(args.workload),
@@ -372,6 +385,9 @@ def _live(args: argparse.Namespace) -> int:
             if "sim_mean_jct_s" in r.extra:
                 print(f"{r.policy}: live mean JCT {r.summary()['mean_jct_s']:.2f} s, simulator "
                       f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%)")
+            if r.extra.get("prefix_hit_rate") is not None:
+                print(f"{r.policy}: the engine served {100 * r.extra['prefix_hit_rate']:.0f}% of prompt tokens "
+                      f"from its prefix cache; admission shared {r.extra.get('kv_saved_total') or 0:,} KV tokens")
     return 0
 
 
@@ -452,11 +468,17 @@ def _make_workload(args: argparse.Namespace) -> int:
     profile = _profile(args.profile)
     agents = make_mix(
         args.agents, profile, kv_tokens=args.kv_tokens, density=args.density, load_1x=args.load,
-        seed=args.seed, length_scale=args.length_scale,
+        seed=args.seed, length_scale=args.length_scale, prefixes=args.prefixes,
     )
     save_workload(agents, args.out)
     n_req = sum(a.num_requests for a in agents)
-    print(f"wrote {args.out}: {len(agents)} agents, {n_req} requests, arrivals over {agents[-1].arrival:.0f} s")
+    shared = ""
+    if args.prefixes:
+        from .mix import prefix_share
+
+        shared = f", {100 * prefix_share(agents):.0f}% of prompt tokens reusable from a shared prefix"
+    print(f"wrote {args.out}: {len(agents)} agents, {n_req} requests, arrivals over {agents[-1].arrival:.0f} s"
+          + shared)
     return 0
 
 

@@ -6,6 +6,20 @@ tiny model, KV capacity M), replay the workload's agents at their arrival times 
 the server. Requests use `ignore_eos` with `max_tokens = d`, so output lengths are exactly
 the trace's. Prompts are `p` random token ids, seeded per request: identical prompts would
 share KV blocks through vLLM's prefix cache and hide the memory contention being measured.
+A request that names shared prefixes (`prefix` in the workload) starts with really identical
+tokens instead: the tokens of prefix `id` at prompt positions [start, end) are the same in
+every request naming it (one seeded stream per id, indexed by position, so that a longer
+prefix of an id extends a shorter one), and only the rest of the prompt is private. The
+results then carry the engine's `prefix_hit_rate` (prompt tokens vLLM served from its prefix
+cache over all prompt tokens) and `kv_saved_total` (KV tokens admission did not reserve again).
+Under a prefix-aware Justitia, oracle agents declare their cost with shared prefixes
+counted once, exactly as the server will charge it: from the whole units of the rendered
+prompts (the server hashes prompts in units of whole blocks, `prefix_block` tokens, so a
+named prefix shares only its whole units). A declaration even slightly below the server's charge is an
+over-run, and an over-running agent whose GPS share has run out goes behind every agent that
+arrived meanwhile (docs/concepts.md, "Over-runs"): measured on the 48-agent prefix workload,
+declaring `kv_cost_shared` (token-exact prefixes) made 38 of 48 agents over-run by 0.6% in
+all, and justitia ran 16% slower than its prefix-blind ablation.
 
 The replay client is aiohttp, not httpx: with a few hundred requests in flight, httpx's
 connection pool added seconds to every call on this 2-core machine (median 0.65 s, max 10 s
@@ -31,7 +45,10 @@ from typing import Any
 
 import aiohttp
 
-from server.scheduler import gps_finish_times
+from server.scheduler import get_policy, gps_finish_times
+from server.scheduler.cost import KV
+from server.scheduler.policies import Justitia
+from server.scheduler.prefix import block_chain, stage_kv_cost
 
 from .simulator import AgentResult, PolicyResult
 from .workload import AgentSpec
@@ -51,9 +68,48 @@ class LiveOptions:
     las_head_wait_weight: float | None = None  # its head-wait weight (None: its default)
 
 
-def _prompt(agent: AgentSpec, stage: int, index: int, p: int, seed: int) -> list[int]:
+class PrefixTokens:
+    """The token ids of named prefixes: one seeded stream per id, indexed by prompt position."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._streams: dict[str, tuple[random.Random, list[int]]] = {}
+
+    def tokens(self, key: str, start: int, end: int) -> list[int]:
+        rng, ids = self._streams.setdefault(key, (random.Random(f"{self.seed}:prefix:{key}"), []))
+        while len(ids) < end:
+            ids.append(rng.randrange(VOCAB_LOW, VOCAB_HIGH))
+        return ids[start:end]
+
+
+def _prompt(agent: AgentSpec, stage: int, index: int, p: int, seed: int,
+            prefixes: PrefixTokens | None = None) -> list[int]:
+    head: list[int] = []
+    if prefixes is not None:
+        for key, tokens in agent.prefix(stage, index):
+            head += prefixes.tokens(key, len(head), tokens)
     rng = random.Random(f"{seed}:{agent.id}:{stage}:{index}")
-    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(p)]
+    return head + [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(p - len(head))]
+
+
+def declared_cost(agent: AgentSpec, policy: str, prompts: dict[tuple[int, int], list[int]],
+                  block_size: int) -> float:
+    """What an oracle agent declares: its KV cost, under a prefix-aware Justitia with the
+    prefixes its rendered prompts share counted once, block by block as the server counts
+    them (`prompts`: the prompt of each (stage, index))."""
+    pol = get_policy(policy)
+    if not (isinstance(pol, Justitia) and pol.prefix_aware and pol.cost_model == KV) or not agent.prefixes:
+        return agent.kv_cost
+    return sum(stage_kv_cost([(p, d, block_chain(prompts[(s, i)], block_size)) for i, (p, d) in enumerate(st)],
+                             block_size)
+               for s, st in enumerate(agent.stages))
+
+
+def render(agents: list[AgentSpec], seed: int) -> dict[str, dict[tuple[int, int], list[int]]]:
+    """Every request's prompt token ids, by agent id and (stage, index)."""
+    prefixes = PrefixTokens(seed)
+    return {a.id: {(s, i): _prompt(a, s, i, p, seed, prefixes) for s, st in enumerate(a.stages)
+                   for i, (p, _) in enumerate(st)} for a in agents}
 
 
 async def _call(session: aiohttp.ClientSession, method: str, path: str, **kw) -> dict:
@@ -65,7 +121,7 @@ async def _call(session: aiohttp.ClientSession, method: str, path: str, **kw) ->
 
 
 async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float,
-                     opts: LiveOptions) -> dict:
+                     opts: LiveOptions, prompts: dict[tuple[int, int], list[int]], cost: float) -> dict:
     await asyncio.sleep(max(0.0, t0 + agent.arrival - time.monotonic()))
     arrival = time.monotonic() - t0
     body: dict[str, Any] = {
@@ -77,14 +133,14 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
                      "workload_id": agent.id},
     }
     if opts.prediction == "oracle":
-        body["predicted_cost"] = agent.kv_cost
+        body["predicted_cost"] = cost
     first = await _call(session, "POST", "/v1/agents", json=body)
     agent_id = first["id"]
     headers = {"X-Justitia-Agent": agent_id}
     for s, stage in enumerate(agent.stages):
         await asyncio.gather(*(
             _call(session, "POST", "/v1/completions", headers=headers, json={
-                "prompt": _prompt(agent, s, i, p, opts.seed), "max_tokens": d,
+                "prompt": prompts[(s, i)], "max_tokens": d,
                 "ignore_eos": True, "temperature": 0.0,
             })
             for i, (p, d) in enumerate(stage)
@@ -93,19 +149,23 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
     return {"arrival": arrival, "finish": time.monotonic() - t0, "first": first, "final": final}
 
 
-async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions,
+async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: str,
                   progress: Callable[[int], None] | None) -> tuple[list[dict], dict]:
     # Idle connections are dropped here before the server would close them (its keep-alive
     # is 30 s), so a request never goes out on a connection the server is closing.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
+        # rendered, and costed the way the server will cost them, before the clock starts
+        block_size = int((await _call(session, "GET", "/v1/scheduler")).get("prefix_block") or 1)
+        prompts = render(agents, opts.seed)
+        costs = {a.id: declared_cost(a, policy, prompts[a.id], block_size) for a in agents}
         t0 = time.monotonic()
         done = 0
 
         async def one(a: AgentSpec) -> dict:
             nonlocal done
-            out = await _run_agent(session, a, t0, opts)
+            out = await _run_agent(session, a, t0, opts, prompts[a.id], costs[a.id])
             done += 1
             if progress:
                 progress(done)
@@ -134,10 +194,10 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         args += ["--las-head-wait-weight", str(opts.las_head_wait_weight)]
     wall0 = time.perf_counter()
     with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv:
-        outs, snap = asyncio.run(_replay(srv.url, agents, opts, progress))
+        outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress))
     rate = float(snap["rate"])
     # GPS reference at the rate the server measured, with the costs the agents really had.
-    gps = gps_finish_times([o["arrival"] for o in outs], [a.kv_cost for a in agents], rate)
+    gps = gps_finish_times([o["arrival"] for o in outs], [a.kv_cost_shared for a in agents], rate)
     results = [
         AgentResult(id=a.id, type=a.type, arrival_s=o["arrival"], finish_s=o["finish"],
                     gps_finish_s=g, delay_bound_s=float(o["final"]["delay_bound_s"]),
@@ -151,6 +211,9 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         "first_eta_s_mean": sum(o["first"]["eta_s"] for o in outs) / max(1, len(outs)),
         # The engine's fitted step-time model at the end of the run (per engine).
         "time_model": snap.get("time_model"),
+        # vLLM's prompt tokens served from its prefix cache over all prompt tokens
+        "prefix_hit_rate": snap.get("prefix_hit_rate"),
+        "kv_saved_total": snap.get("kv_saved_total"),
     }
     return PolicyResult(policy=policy, agents=results, preemptions=int(preemptions),
                         accounting_zero=(snap["pending_requests"] == 0 and snap["running_requests"] == 0

@@ -20,6 +20,14 @@ the number of sequential steps. Arrivals are consecutive Mooncake conversation a
 (gaps in ms); the gaps are scaled so that density 1x loads the engine profile to
 `load_1x` of what it sustains on this mix (R = M / tau, see EngineProfile.effective_tau_s),
 then divided by 2 or 3 for the 2x and 3x densities.
+
+With `prefixes=True` the requests also name the prompt prefixes their sources really share
+(`share_prefixes`, DESIGN section 8 additions): an app system prompt per agent type (tool
+definitions, the ReAct few-shot prompt, task instructions), then what an agent's own calls
+share: the instructions of its map calls, the code or document its checks read, the one
+prompt of its self-consistency samples, a ReAct agent's growing context. Lengths, arrivals
+and the random draws are those of the same seed without prefixes (the prefix choices use a
+random stream of their own), so the two files differ only in `prefix`.
 """
 
 from __future__ import annotations
@@ -157,6 +165,64 @@ class _Gen:
         return [[self.fit(*self.draw(self.t.mooncake))] for _ in range(turns)]
 
 
+# App system prompts (trace tokens, before length scaling): what every agent of a type sends
+# first. ReAct's few-shot prompt and a tool-using chat's tool definitions are the long ones.
+SYSTEM_PROMPT = {
+    "mapreduce_summary": 300, "doc_merge": 250, "code_checking": 400, "kqa_verification": 200,
+    "equation_verification": 150, "fact_verification": 300, "self_consistency": 150,
+    "alfworld": 1200, "tool_chat": 600,
+}
+# What one agent's parallel calls share after the system prompt (fraction of the shortest
+# prompt of the stage): map/merge/score instructions, the code every check reads, the
+# retrieved document every claim is checked against, the answer every question verifies.
+AGENT_SHARED = {
+    "mapreduce_summary": 0.15, "doc_merge": 0.15, "code_checking": 0.55, "kqa_verification": 0.8,
+    "equation_verification": 0.3, "fact_verification": 0.5,
+}
+GROWING = ("alfworld", "tool_chat")  # each step resends the context of the step before
+
+
+def share_prefixes(agent: AgentSpec, scale: float, rng: random.Random) -> None:
+    """Set `agent.prefixes` to what its source shares (see the module docstring)."""
+    kind, aid = agent.type, agent.id
+    # One system prompt per type (an agent whose prompts are short holds a shorter head of
+    # it: a longer prefix of an id extends a shorter one), the same in all of an agent's
+    # calls, so that every id starts at the same token wherever it appears.
+    shortest = min(p for st in agent.stages for p, _ in st)
+    system = min(round(SYSTEM_PROMPT.get(kind, 0) * scale), shortest // 2)
+    for s, st in enumerate(agent.stages):
+        low = min(p for p, _ in st)
+        for i, (p, _) in enumerate(st):
+            chain: list[tuple[str, int]] = [(f"sys/{kind}", system)] if system > 0 else []
+            if kind in GROWING:
+                own = (f"{aid}/ctx", p)  # the whole context, which the next step extends
+            elif kind == "self_consistency":
+                own = (f"{aid}/q", min(p, st[0][0] if s == 0 else agent.stages[0][0][0]))
+            elif len(st) > 1 and kind in AGENT_SHARED:
+                own = (f"{aid}/s{s}", system + round((low - system) * AGENT_SHARED[kind] * rng.uniform(0.8, 1.2)))
+            else:
+                own = ("", 0)
+            if own[0] and own[1] > (chain[-1][1] if chain else 0):
+                chain.append(own)
+            if chain:
+                agent.prefixes[(s, i)] = tuple(chain)
+
+
+def prefix_share(agents: list[AgentSpec]) -> float:
+    """Share of prompt tokens a prefix cache can serve: tokens of a named prefix another
+    request computed first (each prefix's longest extent counted once as computed)."""
+    total = sum(p for a in agents for st in a.stages for p, _ in st)
+    named = sum(a.shared_prompt_tokens for a in agents)
+    first: dict[str, int] = {}
+    for a in agents:
+        for chain in a.prefixes.values():
+            start = 0
+            for key, tokens in chain:
+                first[key] = max(first.get(key, 0), tokens - start)
+                start = tokens
+    return (named - sum(first.values())) / total if total else 0.0
+
+
 def make_mix(
     n_agents: int,
     profile: EngineProfile,
@@ -168,12 +234,14 @@ def make_mix(
     length_scale: float | None = None,
     traces: Traces | None = None,
     output_scale: Mapping[str, float] | None = None,
+    prefixes: bool = False,
 ) -> list[AgentSpec]:
     """`n_agents` agents of the nine types with Mooncake arrivals at `density` x.
 
     `output_scale` multiplies the output lengths of the named agent types (before clipping to
     the profile; prompts are left as drawn). It exists for sensitivity studies
-    (benchmarks/cost_model_ablation.py); the paper's mix uses none.
+    (benchmarks/cost_model_ablation.py); the paper's mix uses none. `prefixes`: requests
+    name the prompt prefixes they share (`share_prefixes`).
     """
     traces = traces or Traces.load()
     rng = random.Random(seed)
@@ -207,4 +275,8 @@ def make_mix(
     for a, g in zip(agents, gaps, strict=True):
         a.arrival = round(t, 6)
         t += g * k / density
+    if prefixes:
+        share_rng = random.Random(f"prefixes:{seed}")
+        for a in agents:
+            share_prefixes(a, scale, share_rng)
     return agents

@@ -34,7 +34,8 @@ def comparisons(results: Sequence[PolicyResult]) -> list[dict]:
     """Justitia against the main baselines, then every other policy against vtc (the share of
     agents that finish no later than under instantaneous fair sharing)."""
     pairs = [("justitia", "vtc"), ("justitia", "srjf"), ("justitia-c", "justitia"), ("justitia", "fcfs"),
-             ("justitia", "ewsjf"), ("justitia", "equinox"), ("justitia", "las")]
+             ("justitia", "ewsjf"), ("justitia", "equinox"), ("justitia", "las"),
+             ("justitia", "justitia-nocache")]
     pairs += [(r.policy, "vtc") for r in results if r.policy not in ("vtc", "justitia")]
     return [c for c in (compare(results, p, b) for p, b in pairs) if c is not None]
 

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from server.scheduler import AgentShape, BoundLimits, Dispatcher, Policy, RequestSpec, get_policy, gps_finish_times
-from server.scheduler.cost import kv_cost
+from server.scheduler.cost import KV, kv_cost
+from server.scheduler.policies import Justitia
+from server.scheduler.prefix import segments
 
 from .engine import EngineModel, SimRequest
 from .profiles import EngineProfile
@@ -31,6 +33,16 @@ class Predictions:
     kv: list[float]
     compute: list[float | None]
     label: str = "oracle"
+    # KV costs with the prefixes each agent's parallel requests share charged once (what a
+    # prefix-aware Justitia charges); None: the same as `kv`.
+    kv_shared: list[float] | None = None
+
+    def kv_for(self, policy: Policy) -> list[float]:
+        """The KV costs `policy` is told: prefix-aware for a prefix-aware Justitia."""
+        if self.kv_shared is not None and isinstance(policy, Justitia) and policy.prefix_aware \
+                and policy.cost_model == KV:
+            return self.kv_shared
+        return self.kv
 
 
 def make_predictions(agents: Sequence[AgentSpec], mode: str = "oracle", seed: int = 0,
@@ -39,8 +51,9 @@ def make_predictions(agents: Sequence[AgentSpec], mode: str = "oracle", seed: in
     [1/L, L], log-uniform); model: what `predictor(agent)` says (KV cost)."""
     true_kv = [a.kv_cost for a in agents]
     true_c = [a.compute_cost for a in agents]
+    shared = [a.kv_cost_shared for a in agents] if any(a.prefixes for a in agents) else None
     if mode == "oracle":
-        return Predictions(true_kv, list(true_c), "oracle")
+        return Predictions(true_kv, list(true_c), "oracle", shared)
     if mode.startswith("noisy:"):
         lam = float(mode.split(":", 1)[1])
         if lam < 1:
@@ -48,7 +61,8 @@ def make_predictions(agents: Sequence[AgentSpec], mode: str = "oracle", seed: in
         rng = random.Random(seed)
         factors = [lam ** rng.uniform(-1.0, 1.0) for _ in agents]
         return Predictions([c * f for c, f in zip(true_kv, factors, strict=True)],
-                           [c * f for c, f in zip(true_c, factors, strict=True)], mode)
+                           [c * f for c, f in zip(true_c, factors, strict=True)], mode,
+                           None if shared is None else [c * f for c, f in zip(shared, factors, strict=True)])
     if mode.startswith("model:"):
         if predictor is None:
             raise ValueError("model predictions need a predictor")
@@ -221,7 +235,7 @@ def simulate(
     predictions = predictions or make_predictions(agents)
     limits = workload_limits(agents)
     if gps_finish is None:
-        gps_finish = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], m / tau)
+        gps_finish = gps_finish_times([a.arrival for a in agents], [a.kv_cost_shared for a in agents], m / tau)
     pol = get_policy(policy) if isinstance(policy, str) else policy
     disp = Dispatcher(pol, m, tau, limits=limits, backfill=backfill, seed=seed, time_model=profile)
     engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"))
@@ -240,10 +254,20 @@ def simulate(
         agents=results,
         iterations=engine.iterations,
         preemptions=engine.preemptions,
-        accounting_zero=disp.is_idle() and engine.kv_used == 0,
+        accounting_zero=disp.is_idle() and engine.holds_nothing(),
         sim_wall_s=time.perf_counter() - wall0,
-        extra={"policy_state": state} if (state := disp.policy.describe()) else {},
+        extra=_extra(disp, engine),
     )
+
+
+def _extra(disp: Dispatcher, engine: EngineModel) -> dict:
+    extra: dict = {}
+    if state := disp.policy.describe():
+        extra["policy_state"] = state
+    if engine.cache.prompt_tokens and engine.cache.entries or engine.cache.hit_tokens:
+        extra["prefix_hit_rate"] = engine.prefix_hit_rate
+        extra["kv_saved_total"] = disp.kv_saved_total
+    return extra
 
 
 class _Run:
@@ -253,6 +277,8 @@ class _Run:
     def __init__(self, agents: Sequence[AgentSpec], disp: Dispatcher, engine: EngineModel,
                  predictions: Predictions) -> None:
         self.agents, self.disp, self.engine, self.predictions = agents, disp, engine, predictions
+        self.kv_predicted = predictions.kv_for(disp.policy)
+        self.segments: dict[str, tuple] = {}  # request id -> its prefix segments (engine model)
         n = len(agents)
         self.index = {a.id: i for i, a in enumerate(agents)}
         self.stage_of = [0] * n
@@ -293,7 +319,7 @@ class _Run:
         while self.nxt < len(self.agents) and self.agents[self.nxt].arrival <= t:
             i, a = self.nxt, self.agents[self.nxt]
             view = self.disp.register_agent(
-                a.id, self.predictions.kv[i], t, agent_type=a.type,
+                a.id, self.kv_predicted[i], t, agent_type=a.type,
                 predicted_compute_cost=self.predictions.compute[i],
                 shape=AgentShape(len(a.stages), a.critical_path_tokens),
             )
@@ -308,19 +334,25 @@ class _Run:
     def admit(self, t: float) -> None:
         for spec in self.disp.admit(t, self.engine.free_kv, self.engine.free_slots):
             self.engine.add(SimRequest(spec.request_id, spec.agent_id, spec.prompt_tokens, spec.max_tokens,
-                                       priority=self.disp.priority(spec.agent_id, spec.request_id)))
+                                       priority=self.disp.priority(spec.agent_id, spec.request_id),
+                                       segments=self.segments.pop(spec.request_id, ())))
 
     def submit_stage(self, i: int, now: float) -> None:
         a = self.agents[i]
         st = a.stages[self.stage_of[i]]
         self.left_in_stage[i] = len(st)
         for k, (p, d) in enumerate(st):
-            self.disp.submit(RequestSpec(f"{a.id}/{self.stage_of[i]}/{k}", a.id, p, d, d), now)
+            chain = a.prefix(self.stage_of[i], k)
+            rid = f"{a.id}/{self.stage_of[i]}/{k}"
+            if chain:  # the engine stores shared prefixes once, whatever the policy reserves
+                self.segments[rid] = segments(chain)
+            self.disp.submit(RequestSpec(rid, a.id, p, d, d, prefix=chain), now)
 
     def request_finished(self, r: SimRequest, t: float) -> None:
         """Feeds back a finished request; a finished stage submits the next one or ends the agent."""
         i = self.index[r.agent_id]
-        self.disp.on_request_finished(r.request_id, r.prompt_tokens, r.output_tokens, t)
+        self.disp.on_request_finished(r.request_id, r.prompt_tokens, r.output_tokens, t,
+                                      cached_tokens=r.cached)
         self.left_in_stage[i] -= 1
         if self.left_in_stage[i] > 0:
             return
@@ -348,7 +380,10 @@ def run_comparison(
     """Every policy on the same workload, predictions and GPS reference."""
     agents = sorted(agents, key=lambda a: a.arrival)
     m = int(kv_tokens or profile.kv_tokens)
-    gps = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], m / gps_tau_s(profile, m, agents))
+    # The GPS reference charges shared prefixes once (what the work really is; without
+    # prefixes, kv_cost_shared is kv_cost): a stricter reference than the prefix-blind one.
+    gps = gps_finish_times([a.arrival for a in agents], [a.kv_cost_shared for a in agents],
+                           m / gps_tau_s(profile, m, agents))
     predictions = predictions or make_predictions(agents)
     isolated = isolated_jct_s(agents, profile, m)
     return [simulate(agents, p, profile, m, predictions, backfill=backfill, gps_finish=gps, seed=seed,

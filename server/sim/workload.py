@@ -4,6 +4,11 @@
      "stages": [[{"p": 812, "d": 120}, {"p": 790, "d": 118}], [{"p": 300, "d": 256}]]}
 
 Stages run one after another, the requests of a stage in parallel. Extra fields are ignored.
+
+A request may carry `prefix` (DESIGN section 8, additions): one `{"id", "tokens"}` object or
+a list of them, shortest first, each extending the one before, naming the prompt prefixes it
+shares with other requests (tokens <= p). They are kept in `AgentSpec.prefixes`, keyed by
+(stage, index), as `(id, tokens)` chains (server/scheduler/prefix.py).
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.scheduler.cost import compute_cost, kv_cost
+from server.scheduler.prefix import PrefixRef, stage_kv_cost
+
+Chain = tuple[PrefixRef, ...]
 
 
 @dataclass
@@ -23,10 +31,30 @@ class AgentSpec:
     stages: list[list[tuple[int, int]]]  # [(p, d), ...] per stage
     prompt: str = ""
     extra: dict = field(default_factory=dict)
+    prefixes: dict[tuple[int, int], Chain] = field(default_factory=dict)  # (stage, index) -> chain
+
+    def prefix(self, stage: int, index: int) -> Chain:
+        """The prefix chain of request `index` of `stage` (empty: nothing shared)."""
+        return self.prefixes.get((stage, index), ())
 
     @property
     def kv_cost(self) -> float:
+        """KV token-time with every prompt token private (prefix-blind)."""
         return sum(kv_cost(p, d) for st in self.stages for p, d in st)
+
+    @property
+    def kv_cost_shared(self) -> float:
+        """KV token-time with the prefixes a stage's requests share charged once (what a
+        prefix-aware dispatcher charges this agent; equal to kv_cost without prefixes)."""
+        if not self.prefixes:
+            return self.kv_cost
+        return sum(stage_kv_cost([(p, d, self.prefix(s, i)) for i, (p, d) in enumerate(st)])
+                   for s, st in enumerate(self.stages))
+
+    @property
+    def shared_prompt_tokens(self) -> int:
+        """Prompt tokens that are part of a named shared prefix."""
+        return sum(chain[-1][1] for chain in self.prefixes.values() if chain)
 
     @property
     def compute_cost(self) -> float:
@@ -44,26 +72,75 @@ class AgentSpec:
         out = {"id": self.id, "type": self.type, "arrival": round(self.arrival, 6)}
         if self.prompt:
             out["prompt"] = self.prompt
-        out["stages"] = [[{"p": p, "d": d} for p, d in st] for st in self.stages]
+        out["stages"] = [[self._request_json(s, i, p, d) for i, (p, d) in enumerate(st)]
+                         for s, st in enumerate(self.stages)]
         out.update(self.extra)
         return out
+
+    def _request_json(self, stage: int, index: int, p: int, d: int) -> dict:
+        r: dict = {"p": p, "d": d}
+        chain = self.prefix(stage, index)
+        if len(chain) == 1:
+            r["prefix"] = {"id": chain[0][0], "tokens": chain[0][1]}
+        elif chain:
+            r["prefix"] = [{"id": k, "tokens": t} for k, t in chain]
+        return r
 
 
 class WorkloadError(ValueError):
     """A workload file that does not follow DESIGN section 8."""
 
 
+def parse_prefix(raw: object, p: int, where: str) -> Chain:
+    """A request's `prefix`: one {"id", "tokens"} object or a list of them, shortest first,
+    each extending the one before, the longest within the prompt."""
+    items = raw if isinstance(raw, list) else [raw]
+    chain: list[PrefixRef] = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str) or not item["id"] \
+                or isinstance(item.get("tokens"), bool) or not isinstance(item.get("tokens"), int):
+            raise WorkloadError(f'{where}: prefix must be {{"id": non-empty string, "tokens": integer}} '
+                                f"or a list of them, got {json.dumps(item)[:80]}")
+        key, tokens = item["id"], item["tokens"]
+        if tokens < 1 or tokens > p:
+            raise WorkloadError(f"{where}: prefix {key!r} has {tokens} tokens; need 1 <= tokens <= p = {p}")
+        if chain and tokens <= chain[-1][1]:
+            raise WorkloadError(f"{where}: prefix list must be shortest first, each longer than the one "
+                                f"before ({key!r}: {tokens} after {chain[-1][1]})")
+        chain.append((key, tokens))
+    return tuple(chain)
+
+
+def _parse_stages(obj: dict, where: str) -> tuple[list[list[tuple[int, int]]], dict[tuple[int, int], Chain]]:
+    stages: list[list[tuple[int, int]]] = []
+    prefixes: dict[tuple[int, int], Chain] = {}
+    for st in obj["stages"]:
+        reqs = [(int(r["p"]), int(r["d"])) for r in st]
+        if not reqs:
+            continue  # an empty stage is skipped (as before prefixes existed)
+        for i, r in enumerate(st):
+            if r.get("prefix") is not None:
+                chain = parse_prefix(r["prefix"], reqs[i][0], f"{where}: stage {len(stages)}, request {i}")
+                if chain:
+                    prefixes[(len(stages), i)] = chain
+        stages.append(reqs)
+    return stages, prefixes
+
+
 def parse_agent(obj: dict, where: str = "") -> AgentSpec:
     try:
-        stages = [[(int(r["p"]), int(r["d"])) for r in st] for st in obj["stages"]]
+        stages, prefixes = _parse_stages(obj, where)
         agent = AgentSpec(
             id=str(obj["id"]),
             type=str(obj.get("type", "unknown")),
             arrival=float(obj["arrival"]),
-            stages=[st for st in stages if st],
+            stages=stages,
             prompt=str(obj.get("prompt") or ""),
+            prefixes=prefixes,
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        if isinstance(exc, WorkloadError):
+            raise
         raise WorkloadError(f"{where}: expected id, arrival and stages of {{p, d}} ({exc})") from None
     for st in agent.stages:
         for p, d in st:
