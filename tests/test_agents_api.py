@@ -116,9 +116,10 @@ def test_register_returns_a_complete_record(client: httpx.Client) -> None:
     assert rec["predicted_cost"] > 0
     assert rec["virtual_finish"] > 0
     assert rec["fair_finish_s"] > 0 and rec["eta_s"] > 0 and rec["delay_bound_s"] > 0
-    # the deadline was promised at registration (no arrivals measured yet, so the GPS finish
-    # plus the bound); the fair finish is projected at the read, a moment later
-    assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"], abs=0.5)
+    # the deadline was promised at registration: the GPS finish plus the bound, stretched by
+    # the work expected to arrive ahead (widened while arrivals are measured for less time than
+    # it looks ahead); the fair finish is projected at the read, a moment later
+    assert rec["fair_finish_s"] + rec["delay_bound_s"] - 0.5 <= rec["deadline_s"] < 1e6
     assert rec["promise"] in ("firm", "widened") and isinstance(rec["promise_reason"], str)
     assert rec["finished_at"] is None
     assert client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
