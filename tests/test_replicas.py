@@ -192,10 +192,11 @@ def test_a_killed_replica_fails_only_its_own_requests(jc: httpx.Client, front, r
         stream.join(120)
         for o in others:
             o.join(120)
-        if "error" not in seen[-1]:
-            # it finished before the kill (a starved test process): nothing was shown
-            pytest.skip("the victim's 1000 tokens were done before the replica was killed")
-        assert doomed.url in seen[-1]["error"]["message"], seen[-1]
+        if "error" in seen[-1]:  # cut by the kill: the error names the replica that died
+            assert doomed.url in seen[-1]["error"]["message"], seen[-1]
+        else:  # a starved test process let it finish first: then nothing of it was lost
+            reasons = [c.get("finish_reason") for e in seen for c in e.get("choices", [])]
+            assert "length" in reasons, seen[-3:]
         assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
         assert all(r.json()["usage"]["completion_tokens"] == 50 for r in results)
         wait_until(lambda: jc.get("/v1/scheduler").json()["M"] == 2 * KV)
