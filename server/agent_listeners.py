@@ -45,27 +45,21 @@ class AgentListeners(AgentListener):
     def add(self, listener: AgentListener) -> None:
         self.listeners.append(listener)
 
-    def on_agent_registered(self, entry: AgentEntry) -> None:
+    def _each(self, hook: str, entry: AgentEntry, *args: Any) -> None:
         for listener in self.listeners:
             try:
-                listener.on_agent_registered(entry)
+                getattr(listener, hook)(entry, *args)
             except Exception:
-                log.exception("%s failed on agent %s", type(listener).__name__, entry.id)
+                log.exception("%s.%s failed on agent %s", type(listener).__name__, hook, entry.id)
+
+    def on_agent_registered(self, entry: AgentEntry) -> None:
+        self._each("on_agent_registered", entry)
 
     def on_agent_ended(self, entry: AgentEntry) -> None:
-        for listener in self.listeners:
-            try:
-                listener.on_agent_ended(entry)
-            except Exception:
-                log.exception("%s failed on agent %s", type(listener).__name__, entry.id)
+        self._each("on_agent_ended", entry)
 
     def on_request_finished(self, entry: AgentEntry, out: EngineOutput) -> None:
-        for listener in self.listeners:
-            try:
-                listener.on_request_finished(entry, out)
-            except Exception:
-                log.exception("%s failed on a request of agent %s", type(listener).__name__,
-                              entry.id)
+        self._each("on_request_finished", entry, out)
 
 
 class HistoryStore(Protocol):

@@ -292,7 +292,8 @@ class Dispatcher:
                            f"{MAX_ARRIVAL_SHARE:.0%}")
             share = MAX_ARRIVAL_SHARE
         history = self.arrivals.history_s(now)
-        horizon = fluid / (1.0 - share) * (self.bound_tau / self.tau)
+        slow = self.bound_tau / self.tau
+        horizon = fluid / (1.0 - share) * slow
         if history is not None and share < MAX_ARRIVAL_SHARE and history < max(PROMISE_MIN_SPAN_S, horizon):
             # Arrivals seen over less time than the deadline looks ahead say little of what
             # arrives before it (the start of a burst looks like a light load: issue 18's
@@ -302,8 +303,8 @@ class Dispatcher:
                            f"deadline looks ahead: it assumes work arrives at {MAX_ARRIVAL_SHARE:.0%} "
                            "of the engine's rate")
             share = MAX_ARRIVAL_SHARE
-        fluid = fluid / (1.0 - share) * (self.bound_tau / self.tau)
-        deadline = now + fluid + agent.bound.total_s
+            horizon = fluid / (1.0 - share) * slow
+        deadline = now + horizon + agent.bound.total_s
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later
         agent.deadline_at = deadline
