@@ -149,6 +149,9 @@ class AgentRecord(BaseModel):
     fair_finish_s: float = Field(description="GPS finish projected from now, no further arrivals.")
     eta_s: float = Field(description="Projected finish under the running policy.")
     delay_bound_s: float = Field(description="Promise: finish by fair_finish_s + delay_bound_s.")
+    delay_bound_terms: dict[str, float] = Field(default_factory=dict, description=(
+        "delay_bound_s's three terms, in seconds: lag_s (the lag behind GPS), blocking_s "
+        "(waiting for memory at each stage) and critical_path_s (its stages' decodes)."))
     deadline_s: float = Field(description=(
         "Promised at registration: the GPS finish with the work expected to arrive ahead of "
         "the agent, at a pessimistic rate, plus delay_bound_s. Moves only by the agent's own "

@@ -424,6 +424,8 @@ class LiveScheduler:
             "fair_finish_s": v.fair_finish_s,
             "eta_s": v.eta_s,
             "delay_bound_s": v.delay_bound_s,
+            "delay_bound_terms": {"lag_s": v.bound.lag_s, "blocking_s": v.bound.blocking_s,
+                                  "critical_path_s": v.bound.critical_path_s},
             "deadline_s": v.deadline_s,
             "promise": v.promise,
             "promise_reason": v.promise_reason,

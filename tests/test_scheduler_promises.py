@@ -334,3 +334,43 @@ def test_the_eta_does_not_project_a_burst_without_end() -> None:
     # the work known is 15 s at full rate; the same burst again over the 10 s the rate is
     # measured over adds 9 s; projected without end (a tenth of R): 150 s
     assert 15.0 <= eta <= 25.0, eta
+
+
+def test_arrivals_are_a_share_of_the_rate_the_deadline_assumes() -> None:
+    """CI, live: a stream at 72% of R = M / tau was 104% of M / bound_tau, the rate the
+    deadline serves work at, and the promise was firm. The share is now of that rate."""
+    def promise(bound_tau: float):
+        d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
+        d.set_iteration_time(0.1, 0.0, bound_tau=bound_tau)
+        for i in range(40):  # 7,500 per second for 20 s: 75% of R
+            d.register_agent(f"s{i}", 3_750.0, 0.5 * i)
+            d.finish_agent(f"s{i}", 0.5 * i)
+        d.refresh_etas(20.0)
+        return d.register_agent("big", 50_000.0, 20.0, shape=AgentShape(1, 10))
+
+    steady = promise(0.1)
+    assert steady.promise == "firm"
+    assert steady.deadline_s == pytest.approx(5.0 / (1 - 0.75) + steady.delay_bound_s, rel=0.05)
+    slow = promise(0.14)  # the same arrivals are 105% of M / bound_tau
+    assert slow.promise == "widened" and "105% of the engine's (pessimistic) rate" in slow.promise_reason
+    assert slow.deadline_s == pytest.approx(5.0 * 1.4 / (1 - 0.9) + slow.delay_bound_s, rel=0.05)
+
+
+def test_the_bounds_steps_are_those_of_a_full_cache() -> None:
+    """Live: steps of 2.2 ms while a stream of small agents ran, 4.8 ms once a large agent's
+    stages joined them. The bound's critical path counts steps with the cache full of the
+    current mix (the time model's), when they are longer than the recent steps."""
+    class Steps:  # 1 ms a step, plus 1 ms per 1,000 KV tokens held
+        def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
+            return 0.001 + kv_tokens / 1e6
+
+    d = Dispatcher("justitia", 4000, 0.01, time_model=Steps())
+    d.set_iteration_time(0.01, 0.0, bound_iteration_s=0.002)
+    d.register_agent("s", 1_000.0, 0.0)
+    d.submit(req("s0", "s", 90, 10), 0.0)  # the mix: p = 90, d = 10
+    v = d.register_agent("big", 10_000.0, 0.0, shape=AgentShape(1, 99))
+    # 40 requests of 100 tokens fill the cache; each holds 95 on average: 3,800 tokens
+    assert v.bound.critical_path_s == pytest.approx(100 * (0.001 + 3_800 / 1e6))
+    d.set_iteration_time(0.01, 0.0, bound_iteration_s=0.02)  # slower recent steps win
+    assert d.register_agent("big2", 10_000.0, 0.0, shape=AgentShape(1, 99)).bound.critical_path_s \
+        == pytest.approx(100 * 0.02)
