@@ -88,7 +88,7 @@ def test_eta_and_bound_are_the_cores_for_the_same_registrations(client: httpx.Cl
     core = Dispatcher("justitia", kv_capacity_tokens=after["M"], iteration_time_s=after["tau"],
                       limits=BoundLimits(**lim), block_size=32)
     core.set_iteration_time(after["tau"], 0.0, bound_tau=after["bound_tau"],
-                            bound_iteration_s=after["bound_iteration_s"],
+                            bound_iteration_s=after["bound_step_s"],
                             uncertainty=after["promise_reason"] or None)
     t0 = recs[0]["submitted_at"]
     start = _same_arrival_history(core, after)

@@ -218,10 +218,15 @@ class Dispatcher:
             return self._declared_limits
         return self._observed.as_limits(tenant)
 
+    @property
+    def bound_step_s(self) -> float:
+        """The step time of the bounds given now: the pessimistic iteration time, or the
+        time model's step with the cache full (a critical path's steps under contention)."""
+        return max(self.bound_iteration_s, self._saturated_iteration_s())
+
     def _bound(self, agent: AgentState) -> None:
-        iteration_s = max(self.bound_iteration_s, self._saturated_iteration_s())
         agent.bound = delay_bound(self.limits_for(agent.tenant), agent.shape, self.kv_capacity,
-                                  self.bound_tau, iteration_s)
+                                  self.bound_tau, self.bound_step_s)
 
     # -- agents -----------------------------------------------------------------
     def register_agent(
@@ -830,6 +835,7 @@ class Dispatcher:
             "tau": self.tau,
             "bound_tau": self.bound_tau,
             "bound_iteration_s": self.bound_iteration_s,
+            "bound_step_s": self.bound_step_s,
             "promise": "widened" if self.uncertainty else "firm",
             "promise_reason": self.uncertainty or "",
             "rate": self.rate,
