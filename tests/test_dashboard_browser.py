@@ -85,13 +85,17 @@ class Page:
         self.context.close()
 
 
-def run_agents(url: str, tenant: str, n: int, out: list[str], errors: list[BaseException]) -> None:
-    """`n` agents of two stages of three requests each, registered at once, then run."""
+def run_agents(url: str, tenant: str, n: int, out: list[str], errors: list[BaseException],
+               go: threading.Event | None = None) -> None:
+    """`n` agents of two stages of three requests each, registered at once, then run (once
+    `go` is set, if given: registered agents are listed until they end)."""
     try:
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=300) as c:
             ids = [c.post("/v1/agents", json={"type": f"{tenant}_summary", "prompt": PROMPT}).json()["id"]
                    for _ in range(n)]
             out.extend(ids)
+            if go is not None and not go.wait(120):
+                raise TimeoutError("the test never let the agents run")
             threads = [threading.Thread(target=run_one, args=(c, i, errors)) for i in ids]
             for t in threads:
                 t.start()
@@ -116,8 +120,9 @@ def run_one(c: httpx.Client, agent_id: str, errors: list[BaseException]) -> None
         errors.append(exc)
 
 
-def start(url: str, tenant: str, n: int, ids: list[str], errors: list[BaseException]) -> threading.Thread:
-    t = threading.Thread(target=run_agents, args=(url, tenant, n, ids, errors), daemon=True)
+def start(url: str, tenant: str, n: int, ids: list[str], errors: list[BaseException],
+          go: threading.Event | None = None) -> threading.Thread:
+    t = threading.Thread(target=run_agents, args=(url, tenant, n, ids, errors, go), daemon=True)
     t.start()
     return t
 
@@ -173,13 +178,25 @@ def test_a_tenant_sees_only_its_own_agents(dash_server, browser, tmp_path: Path)
         assert "tenant alice" in alice.page.text_content("#who")
         ids: dict[str, list[str]] = {"alice": [], "bob": []}
         errors: list[BaseException] = []
-        runs = [start(dash_server.url, t, 4, ids[t], errors) for t in ("alice", "bob")]
+        go = threading.Event()
+        runs = [start(dash_server.url, t, 4, ids[t], errors, go) for t in ("alice", "bob")]
         finished_alice = alice.number("#finished-plot", "data-points")
         alice_seen: set[str] = set()
         bob_seen: set[str] = set()
+
+        def look() -> bool:
+            alice_seen.update(alice.ids())
+            bob_seen.update(bob.ids())
+            return bool(alice_seen & set(ids["alice"]) and bob_seen & set(ids["bob"]))
+
+        # The agents wait, registered, until each page has listed some of its own (a run of
+        # four short agents can end between two of the page's frames), then run.
+        try:
+            wait_until(look, 60, 0.1, show=lambda: (alice_seen, bob_seen, ids))
+        finally:
+            go.set()
         while any(t.is_alive() for t in runs):  # what each page showed while the agents ran
-            alice_seen |= set(alice.ids())
-            bob_seen |= set(bob.ids())
+            look()
             alice.page.wait_for_timeout(100)
         for t in runs:
             t.join(300)
