@@ -149,6 +149,7 @@ class AgentState:
     heap: list[HeapEntry] = field(default_factory=list)
     version: int = 0
     in_heap: bool = False
+    heap_key: object = None  # the key of its valid entry (while in_heap)
     # Per-policy state
     vtc_counter: float = 0.0  # VTC: service received (p on admission, 2 d on finish), lifted
     fair: FairCounters | None = None  # Equinox
