@@ -186,6 +186,25 @@ def test_unreferenced_prefixes_are_evicted_before_anything_is_preempted():
     assert e.preemptions == 0 and "old" not in e.cache.entries and e.holds_nothing()
 
 
+def test_the_engine_counts_what_it_prefills_again_after_an_eviction():
+    """Issue 17's "keep a context warm between stages": the tokens a request prefills again
+    because its prefix was evicted are what pinning contexts could have saved at most."""
+    e = EngineModel(FLAT, 2000, preempt_newest=False)
+    ctx = segments((("ctx", 900),))
+    e.add(SimRequest("r0", "a", 1000, 10, segments=ctx))
+    _run(e)
+    e.add(SimRequest("r1", "a", 1000, 10, segments=ctx))  # still cached: a hit, nothing again
+    _run(e)
+    assert e.cache.recomputed_tokens == 0
+    e.add(SimRequest("r2", "b", 1500, 400, segments=segments((("other", 1000),))))
+    _run(e)  # needs the memory: "ctx" is evicted
+    assert "ctx" not in e.cache.entries
+    # the agent's next stage extends its context: the evicted 900 tokens are prefilled again
+    e.add(SimRequest("r3", "a", 1200, 10, segments=segments((("ctx", 900), ("ctx2", 1100)))))
+    assert e.running[0].prefill == 1200 and e.cache.recomputed_tokens == 900
+    _run(e)
+
+
 def test_vllm_recomputes_at_least_the_last_token_of_a_fully_cached_prompt():
     e = EngineModel(FLAT, 4000, preempt_newest=False)
     segs = segments((("q", 500),))

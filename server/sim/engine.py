@@ -75,14 +75,19 @@ class PrefixCache:
     evictable: int = 0  # of the unreferenced ones
     prompt_tokens: int = 0  # prompts admitted (hit-rate denominator)
     hit_tokens: int = 0  # of which found cached
+    # Evicted prefixes (id -> the end they had) and the prompt tokens prefilled again because
+    # of an eviction: what keeping every context warm could have saved at most.
+    evicted: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: int = 0
 
     def attach(self, segs: tuple[Segment, ...]) -> tuple[int, int]:
         """A request holding `segs` runs: returns (tokens found cached, tokens allocated,
         negative when it freed more than it took)."""
         hits = alloc = 0
-        contiguous = True
+        contiguous = warm = True  # warm: still a hit had nothing been evicted
         for s in segs:
             e = self.entries.get(s.key)
+            before = self.evicted.pop(s.key, 0) if e is None else e.end
             if e is None:
                 e = self.entries[s.key] = _Prefix(s.start, s.start)
             elif e.refs == 0:
@@ -91,6 +96,9 @@ class PrefixCache:
             hit = max(0, min(s.end, e.end) - s.start) if contiguous else 0
             contiguous = contiguous and hit == s.tokens
             hits += hit
+            would = max(0, min(s.end, before) - s.start) if warm else 0
+            warm = warm and would == s.tokens
+            self.recomputed_tokens += max(0, would - hit)
             if e.refs == 0 and e.end > s.end:
                 # a cached tail no holder reaches: freed (vLLM keeps such blocks only as
                 # evictable ones; the model frees them rather than pin them)
@@ -141,6 +149,7 @@ class PrefixCache:
             key = next(iter(self.unreferenced))
             del self.unreferenced[key]
             e = self.entries.pop(key)
+            self.evicted[key] = e.end
             freed += e.tokens
         self.tokens -= freed
         self.evictable -= freed

@@ -266,6 +266,10 @@ def _extra(disp: Dispatcher, engine: EngineModel) -> dict:
         extra["policy_state"] = state
     if engine.cache.prompt_tokens and engine.cache.entries or engine.cache.hit_tokens:
         extra["prefix_hit_rate"] = engine.prefix_hit_rate
+        # prompt tokens prefilled again because their cached prefix had been evicted
+        extra["prefix_recomputed_tokens"] = engine.cache.recomputed_tokens
+        extra["prefix_recomputed_share"] = (engine.cache.recomputed_tokens / engine.cache.prompt_tokens
+                                            if engine.cache.prompt_tokens else 0.0)
         extra["kv_saved_total"] = disp.kv_saved_total
     return extra
 
