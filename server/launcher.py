@@ -137,6 +137,8 @@ class VLLMOpenAIServer:
                     "--load-format", "dummy", "--dtype", "float32", "--enforce-eager",
                     "--block-size", "32", "--num-gpu-blocks-override", str(blocks),
                     "--max-model-len", str(max_model_len), "--scheduling-policy", "priority",
+                    # usage then says how many prompt tokens came from the prefix cache
+                    "--enable-prompt-tokens-details",
                     "--host", "127.0.0.1", "--port", str(self.port),
                     *extra_args]
         self.process: subprocess.Popen[bytes] | None = None

@@ -129,6 +129,27 @@ def test_an_agent_keeps_to_the_replica_holding_its_prefix(jc: httpx.Client, repl
         jc.post(f"/v1/agents/{a}/finish")
 
 
+def test_replicas_report_their_prefix_cache_hits(jc: httpx.Client, replicas) -> None:
+    """Issue 17: remote replicas reported no cached tokens. vLLM's server says how many
+    prompt tokens it served from its prefix cache (`usage.prompt_tokens_details`, with
+    `--enable-prompt-tokens-details`); the server counts them as for the in-process engine."""
+    wait_until(lambda: idle(jc))
+
+    def cached() -> float:
+        return metric_value(jc.get("/metrics").text, "justitia_prefix_cached_tokens") or 0.0
+
+    before = cached()
+    a = agent(jc, "replica_prefix")
+    for _ in range(2):  # the same 600-token prompt twice: the second finds it cached
+        r = jc.post("/v1/completions", headers={"X-Justitia-Agent": a},
+                    json={"prompt": list(range(100, 700)), "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+    jc.post(f"/v1/agents/{a}/finish")
+    # vLLM shares whole 32-token blocks and recomputes the last prompt token: 576 of 600
+    assert cached() - before >= 576
+    assert jc.get("/v1/scheduler").json()["prefix_hit_rate"] > 0
+
+
 def test_replicas_leave_and_join_at_runtime(jc: httpx.Client, replicas) -> None:
     a, b = replicas
     wait_until(lambda: idle(jc))

@@ -46,6 +46,15 @@ class _ChoiceUpdate:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass
+class Usage:
+    """A streamed completion's usage: vLLM's output token count and, when the replica runs
+    with `--enable-prompt-tokens-details`, the prompt tokens it served from its prefix cache."""
+
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+
 class RemoteSequences:
     """Each sequence's text and token count so far, from the replica's streamed choices."""
 
@@ -54,9 +63,10 @@ class RemoteSequences:
         self.tokens = [0] * n
         self.finish: list[str | None] = [None] * n
         self.total: int | None = None  # vLLM's own count (usage), once it is sent
+        self.cached: int | None = None  # prompt tokens from its prefix cache (usage), if sent
         self.last: dict[int, _ChoiceUpdate] = {}
 
-    def update(self, choices: dict[int, _ChoiceUpdate], usage: int | None) -> bool:
+    def update(self, choices: dict[int, _ChoiceUpdate], usage: Usage | None) -> bool:
         """Take one read's updates; True when some sequence got new tokens."""
         self.last = {i: c for i, c in choices.items() if 0 <= i < len(self.text)}
         for i, c in self.last.items():
@@ -64,7 +74,8 @@ class RemoteSequences:
             self.tokens[i] += c.tokens
             self.finish[i] = c.finish or self.finish[i]
         if usage is not None:
-            self.total = usage
+            self.total = usage.completion_tokens
+            self.cached = usage.cached_tokens
         return any(c.tokens for c in self.last.values())
 
     def abort(self) -> None:
@@ -84,13 +95,13 @@ class RemoteSequences:
         total = self.total if finished and self.total is not None else sum(self.tokens)
         return EngineOutput(request_id, seqs[0].text, prompt_tokens, total, finished,
                             seqs[0].finish_reason, delta_text=seqs[0].delta_text,
-                            sequences=seqs)
+                            sequences=seqs, cached_tokens=self.cached if finished else None)
 
 
 async def read_stream(
     resp: aiohttp.ClientResponse, k: int = 0,
-) -> AsyncGenerator[tuple[dict[int, _ChoiceUpdate], int | None], None]:
-    """(what each choice added, usage's token count) once per network read; `k`: the
+) -> AsyncGenerator[tuple[dict[int, _ChoiceUpdate], Usage | None], None]:
+    """(what each choice added, the usage once it is sent) once per network read; `k`: the
     alternatives per token asked for (logprobs).
 
     vLLM sends one SSE event per token and choice. Everything already buffered is folded
@@ -116,7 +127,10 @@ async def read_stream(
                 c.finish = choice.get("finish_reason") or c.finish
                 c.logprobs.extend(_logprobs(choice.get("logprobs"), k))
             if chunk.get("usage"):
-                usage = int(chunk["usage"]["completion_tokens"])
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                cached = details.get("cached_tokens")
+                usage = Usage(int(chunk["usage"]["completion_tokens"]),
+                              int(cached) if cached is not None else None)
         yield choices, usage
         await asyncio.sleep(0)
 
