@@ -30,7 +30,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedDict
@@ -424,8 +424,7 @@ class LiveScheduler:
             "fair_finish_s": v.fair_finish_s,
             "eta_s": v.eta_s,
             "delay_bound_s": v.delay_bound_s,
-            "delay_bound_terms": {"lag_s": v.bound.lag_s, "blocking_s": v.bound.blocking_s,
-                                  "critical_path_s": v.bound.critical_path_s},
+            "delay_bound_terms": asdict(v.bound),
             "deadline_s": v.deadline_s,
             "promise": v.promise,
             "promise_reason": v.promise_reason,

@@ -719,18 +719,17 @@ class Dispatcher:
         step, else tau."""
         if self.time_model is None:
             return self.typical_iteration_s or self.tau
-        # EngineProfile names it iteration_s, the server's fitted TimeModel step_s: same form
-        step = step_function(self.time_model)
         # the memory the work known now fills, or what the measured arrivals keep filled
         utilisation = min(1.0, self.arrivals.rate / self.rate)
         kv = min(self.kv_capacity, max(self.reserved_kv + self.pending_kv, utilisation * self.kv_capacity))
         if kv <= 0 or self._mean_prompt + self._mean_decode <= 0:
-            return step(1, 0, 0)
+            return step_function(self.time_model)(1, 0, 0)
         return self._step_holding(kv)
 
     def _step_holding(self, kv: float) -> float:
         """The time model's step with `kv` tokens reserved by requests of the current mix:
-        a request holds p + d/2 on average over its life, and prefills p once per d steps."""
+        a request holds p + d/2 on average over its life, and prefills p once per d steps.
+        (EngineProfile names it iteration_s, the server's fitted TimeModel step_s.)"""
         assert self.time_model is not None
         p, d = self._mean_prompt, max(1.0, self._mean_decode)
         batch = max(1.0, kv / (p + d))
