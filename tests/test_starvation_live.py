@@ -148,19 +148,18 @@ async def _engine_speed(session: aiohttp.ClientSession) -> dict[str, float]:
 @pytest.mark.parametrize("load", ["two_thirds"])  # near_rate: a benchmark figure only
 def test_large_agent_is_not_starved_by_another_tenants_stream(two_tenant_server, load: str) -> None:
     """Round 1: the large agent had not started after 40 s behind the stream. Now it
-    finishes while the stream goes on, near the deadline it was given at registration.
+    finishes while the stream goes on, by the deadline it was given at registration.
 
-    Its promise held in most runs but not all: in full-suite runs its JCT was 7.0 s against
-    a firm 6.5 s (two-thirds load) and 10.0 s against 4.5 s (near the rate), and in one CI
-    run 7.3 s against a firm 2.6 s while the engine's small agents took 4x longer than here
-    (a promise assumes the engine keeps the speed measured when it was made; a shared
-    machine does not). Issue 18 stays open on it. The suite asserts what always held: no
-    starvation, and a JCT within twice the promise scaled by how much slower the server
-    measured the engine at the end than at registration; the numbers are printed (-s) and
-    in docs/benchmarks.md."""
+    Until session 7 its promise broke in some runs (JCT 7.3 s against a firm 2.6 s in one CI
+    run, 8.4 s against 5.3 s here): the server ran in a session of its own, and the kernel's
+    autogroup scheduler then starved this test's client for seconds while the engine
+    generated, so the stream's and the large agent's requests were sent late (the small
+    agents took 0.4-3.3 s instead of 0.2 s). The deadline assumes the engine keeps the speed
+    measured when it was made, so it is scaled by how much slower the server measured the
+    engine at the end than at registration (1.0 on a steady machine)."""
     out = asyncio.run(_scenario(two_tenant_server.url, SMALLS[load]))
     out["load"] = load
     print("\nstarvation live:", json.dumps(out, indent=1))
     assert out["large_jct_s"] < STREAM_LIMIT_S, out  # done while the stream still ran
     assert out["small_per_s"] >= 5.0, out  # the stream went on (about 10 a second)
-    assert out["large_jct_s"] <= 2 * out["large_first_deadline_s"] * out["engine_slowdown"] + 1.0, out
+    assert out["large_jct_s"] <= out["large_first_deadline_s"] * out["engine_slowdown"], out
