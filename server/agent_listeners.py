@@ -129,7 +129,10 @@ class PredictorFeedback(AgentListener):
         self.predictors = predictors
 
     def on_agent_ended(self, entry: AgentEntry) -> None:
-        if entry.state != "finished" or not entry.requests:
+        # An untagged request is one request, not an agent of a type: its output length
+        # (the demo's warm-up: 8 tokens) became the cold start's output per request for
+        # every type never seen, and their first predictions were 40-200x too small.
+        if entry.state != "finished" or not entry.requests or entry.auto:
             return
         features = {
             "n_requests": len(entry.requests),
@@ -138,7 +141,7 @@ class PredictorFeedback(AgentListener):
         }
         self.predictors.observe(entry.type, entry.prompt, entry.consumed_kv_cost, features,
                                 tenant=entry.tenant)
-        if entry.cost_source in _PREDICTED and not entry.auto:
+        if entry.cost_source in _PREDICTED:
             from predictors.features import submission_features
 
             self.predictors.learn(entry.type, entry.prompt, entry.consumed_kv_cost, entry.predicted_cost,

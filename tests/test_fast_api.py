@@ -154,7 +154,14 @@ def test_oversized_body_is_413(fake_client: httpx.Client) -> None:
 # -- the agent API -----------------------------------------------------------------------------
 
 
-def test_register_returns_a_complete_record(fake_client: httpx.Client) -> None:
+def test_register_returns_a_complete_record(tmp_path) -> None:
+    # A server of its own: on the shared one, the other tests' agents are arrivals, and the
+    # deadline stretches the GPS finish by their share (checked in test_scheduler_promises).
+    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30.0) as fake_client:
+        _check_a_new_record(fake_client)
+
+
+def _check_a_new_record(fake_client: httpx.Client) -> None:
     rec = register(fake_client, prompt="verify: the river flows through three countries",
                    metadata={"source": "test"})
     assert RECORD_FIELDS <= rec.keys()

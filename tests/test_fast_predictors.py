@@ -232,3 +232,16 @@ def test_followed_types_are_bounded(trainer: OnlineTrainer, monkeypatch: pytest.
     for k in range(5):
         trainer.observe(f"type{k}", "t1", "a prompt", 10.0, 5.0)
     assert [r["agent_type"] for r in trainer.describe()] == ["type0", "type1", "type2"]
+
+
+def test_an_untagged_request_does_not_set_the_cold_starts_output_length(tmp_path: Path) -> None:
+    """`make demo` sends one untagged 8-token request to warm the engine up; it became the
+    output length per request the cold start assumes for every type not seen yet, and the
+    demo's first predictions (and first ETAs) were 40-200x too small."""
+    prompt = "Summarize the following report in three parts, one per section. " * 10
+    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        before = register(client, "never_seen_a", prompt)["predicted_cost"]
+        assert complete(client, None, 8).status_code == 200
+        time.sleep(0.5)  # the agent-ended listeners run after the response
+        after = register(client, "never_seen_b", prompt)["predicted_cost"]
+    assert after == pytest.approx(before)  # the default output length, unchanged

@@ -48,6 +48,21 @@ def test_replay_eta_of_an_agent_registered_after_the_pass_is_its_place_in_it() -
     assert d.view("late", 0.0).eta_s == pytest.approx(v.eta_s)
 
 
+def test_a_burst_registered_between_two_passes_is_counted_in_each_others_etas() -> None:
+    """`make demo` submits 18 agents at once, faster than ETA passes run: each got the ETA
+    of an agent alone (0.0 s on the demo's table, JCTs of 0.5-1.7 s)."""
+    d = Dispatcher("fcfs", 1000, 0.1, arrival_window_s=0)  # R = 10,000 per second
+    etas = [d.register_agent(f"a{i}", 10_000.0, 0.0).eta_s for i in range(3)]
+    assert etas == pytest.approx([1.0, 2.0, 3.0])  # fcfs: each behind the ones before
+    d.finish_agent("a1", 0.0)  # gone: no longer ahead of anyone
+    assert d.register_agent("late", 10_000.0, 0.0).eta_s == pytest.approx(3.0)
+    d.refresh_etas(0.0)  # the pass agrees
+    assert [d.view(a, 0.0).eta_s for a in ("a0", "a2", "late")] == pytest.approx([1.0, 2.0, 3.0])
+    j = Dispatcher("justitia", 1000, 0.1, arrival_window_s=0)
+    j.register_agent("big", 30_000.0, 0.0)
+    assert j.register_agent("small", 10_000.0, 0.0).eta_s == pytest.approx(1.0)  # ahead of big
+
+
 def test_replay_eta_counts_the_work_that_will_arrive_ahead() -> None:
     d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
     # a stream of small agents over 20 s: 2,000 units each, one per second
