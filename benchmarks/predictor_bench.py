@@ -273,8 +273,8 @@ def main() -> None:
             # the same two on the fresh agents, where the dataset has them
             "fresh_heldout_targets_every_type": all(
                 f["model"]["mean_relative_error"] <= min(0.33, f["median"]["mean_relative_error"] - 0.02)
-                for r in per_type.values() if (f := r.get("fresh_heldout"))) if any(
-                "fresh_heldout" in r for r in per_type.values()) else None,
+                for f in fresh) if (fresh := [r["fresh_heldout"] for r in per_type.values()
+                                              if "fresh_heldout" in r]) else None,
             "p90_coverage_in_0.80-0.95": 0.80 <= o["p90_coverage"] <= 0.95,
             # per type: the baselines (and cold start) whose mean error is below the model's
             "model_beaten_by": {

@@ -158,24 +158,20 @@ def test_register_returns_a_complete_record(tmp_path) -> None:
     # A server of its own: on the shared one, the other tests' agents are arrivals, and the
     # deadline stretches the GPS finish by their share (checked in test_scheduler_promises).
     with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30.0) as fake_client:
-        _check_a_new_record(fake_client)
-
-
-def _check_a_new_record(fake_client: httpx.Client) -> None:
-    rec = register(fake_client, prompt="verify: the river flows through three countries",
-                   metadata={"source": "test"})
-    assert RECORD_FIELDS <= rec.keys()
-    assert rec["state"] == "queued" and rec["metadata"] == {"source": "test"}
-    assert rec["predicted_cost"] > 0 and rec["virtual_finish"] > 0
-    assert rec["fair_finish_s"] > 0 and rec["eta_s"] > 0 and rec["delay_bound_s"] > 0
-    # the deadline was promised at registration (no arrivals measured yet, so the GPS finish
-    # plus the bound); the fair finish is projected at the read, a moment later
-    assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"], abs=0.5)
-    assert rec["promise"] in ("firm", "widened") and isinstance(rec["promise_reason"], str)
-    assert rec["finished_at"] is None
-    assert fake_client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
-    assert rec["id"] in {a["id"] for a in all_agents(fake_client)}
-    assert fake_client.delete(f"/v1/agents/{rec['id']}").json()["state"] == "cancelled"
+        rec = register(fake_client, prompt="verify: the river flows through three countries",
+                       metadata={"source": "test"})
+        assert RECORD_FIELDS <= rec.keys()
+        assert rec["state"] == "queued" and rec["metadata"] == {"source": "test"}
+        assert rec["predicted_cost"] > 0 and rec["virtual_finish"] > 0
+        assert rec["fair_finish_s"] > 0 and rec["eta_s"] > 0 and rec["delay_bound_s"] > 0
+        # the deadline was promised at registration (no arrivals measured yet, so the GPS finish
+        # plus the bound); the fair finish is projected at the read, a moment later
+        assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"], abs=0.5)
+        assert rec["promise"] in ("firm", "widened") and isinstance(rec["promise_reason"], str)
+        assert rec["finished_at"] is None
+        assert fake_client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
+        assert rec["id"] in {a["id"] for a in all_agents(fake_client)}
+        assert fake_client.delete(f"/v1/agents/{rec['id']}").json()["state"] == "cancelled"
 
 
 def test_agent_lifecycle_accounts_every_request(fake_client: httpx.Client) -> None:

@@ -22,6 +22,7 @@ from predictors.online import OnlineTrainer
 from predictors.synthetic import lookup_or_survey_prompt, synthesize
 from tests.fake_engine import FakeServer
 from tests.test_agents_api import complete, register
+from tests.waiting import all_agents, wait_until
 
 # -- the swap rules, in process ---------------------------------------------------------------
 
@@ -242,6 +243,7 @@ def test_an_untagged_request_does_not_set_the_cold_starts_output_length(tmp_path
     with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
         before = register(client, "never_seen_a", prompt)["predicted_cost"]
         assert complete(client, None, 8).status_code == 200
-        time.sleep(0.5)  # the agent-ended listeners run after the response
+        # the untagged request's agent: the listeners hear of its end as it is recorded finished
+        wait_until(lambda: [a["state"] for a in all_agents(client) if a["cost_source"] == "request"] == ["finished"])
         after = register(client, "never_seen_b", prompt)["predicted_cost"]
     assert after == pytest.approx(before)  # the default output length, unchanged

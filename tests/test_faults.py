@@ -11,7 +11,6 @@ import threading
 
 import httpx
 import psutil
-import pytest
 
 from justitia_sdk import AsyncClient, agent, current_agent, llm
 from tests.streams import BackgroundStream, sse_json
@@ -98,11 +97,21 @@ def _alive(p: psutil.Process) -> bool:
 
 def test_the_engine_dies_with_a_killed_server(justitia_home: str) -> None:
     """SIGKILL of the API process (no shutdown code runs) still takes its EngineCore and
-    worker processes down: they watch it (server/engine/cpu_worker.py)."""
+    worker processes down: they watch it (server/engine/cpu_worker.py).
+
+    Before that, where they run: in the caller's session, in a process group of their own
+    (killpg reaches all of them, a terminal's Ctrl-C does not). Linux's autogroup scheduler
+    shares the CPU between sessions: in a session of its own, the engine's spinning
+    processes starved the caller for seconds while it generated (the flake of the restart
+    test above; benchmarks/session_placement.py)."""
     from server.launcher import EmbeddedServer
 
     with EmbeddedServer(["--kv-tokens", "4096", "--max-model-len", "2048"],
                         env={"JUSTITIA_HOME": justitia_home}) as srv:
+        pid = srv.process.pid
+        assert os.getsid(pid) == os.getsid(0) and os.getpgid(pid) == pid != os.getpgid(0)
+        engine = engine_core(srv)
+        assert os.getsid(engine.pid) == os.getsid(0) and os.getpgid(engine.pid) == pid
         children = psutil.Process(srv.process.pid).children(recursive=True)
         assert any("EngineCore" in p.name() for p in children)
         srv.process.kill()
@@ -230,17 +239,3 @@ def test_a_slow_reader_holds_up_nobody(client: httpx.Client, server) -> None:
     assert slow_chunks[-1]["usage"]["completion_tokens"] == 1500
     assert slow_chunks[-1]["choices"][0]["finish_reason"] == "length"
 
-
-def test_the_embedded_server_shares_its_callers_session_in_a_group_of_its_own(server) -> None:
-    """Linux's autogroup scheduler shares the CPU between sessions: in a session of its own,
-    the server's spinning engine processes starved its caller for seconds while it generated
-    (benchmarks/session_placement.py; the flake of the restart test above). The server and its
-    engine stay in the caller's session, in a process group of their own (killpg reaches all
-    of them, a terminal's Ctrl-C does not)."""
-    if not hasattr(server, "process"):
-        pytest.skip("an external server (JUSTITIA_TEST_URL)")
-    pid = server.process.pid
-    assert os.getsid(pid) == os.getsid(0)
-    assert os.getpgid(pid) == pid != os.getpgid(0)
-    engine = engine_core(server)
-    assert os.getsid(engine.pid) == os.getsid(0) and os.getpgid(engine.pid) == pid
