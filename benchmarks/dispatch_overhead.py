@@ -22,9 +22,16 @@ The rows `justitia-prefixes` and `justitia-blockhash` time justitia's decision w
 prompt prefixes (issue 17): every request names its agent type's system prompt and its
 agent's instructions (two named prefixes, as a workload file does), or carries the prefix
 chain the live server hashes from token ids (one id per unit of 128 tokens, 4 blocks of 32,
-the heads shared per agent type and per agent), so that every admission checks the running set's holds.
+the heads shared per agent type and per agent; a request's own tokens are slices of one
+random pool, as a tokenizer hands them over), so that every admission checks the running set's
+holds.
+
+Every decision here runs right after the previous one, with the scheduler's data still in the
+core's caches. `--flush-kib 4096` overwrites 4 MiB between two decisions (untimed), for every
+row alike: the cold-cache figure of a live server, where request handling runs in between.
 
     .venv/bin/python benchmarks/dispatch_overhead.py [--agents 1000] [--per-agent 10] [--steps 20000]
+        [--flush-kib 4096 --out benchmarks/results/dispatch_overhead_cold.json]
 """
 
 from __future__ import annotations
@@ -45,9 +52,14 @@ from server.scheduler import POLICY_NAMES, Dispatcher, RequestSpec, kv_cost  # n
 from server.scheduler.prefix import block_chain  # noqa: E402
 
 PREFIX_ROWS = ("justitia-prefixes", "justitia-blockhash")
+# Token ids of the requests' own text: slices of one random pool. Drawing each prompt's ids with
+# 2,000 calls of `random` between two decisions (as this benchmark did before session 8) runs
+# enough Python to evict the scheduler's data from the core's caches before every timed
+# decision, in this row only: it measured 20-26 us where the decision itself takes about 8.
+_TOKENS = random.Random(5).choices(range(10, 700), k=1 << 20)
 
 
-def _prefix(mode: str, agent: int, p: int, rid: str, unit: int) -> tuple:
+def _prefix(mode: str, agent: int, p: int, rid: str, unit: int, tokens: str = "pool") -> tuple:
     """A request's prefix chain in the prefix rows: 400 tokens of one of 8 system prompts,
     then 300 of its agent's instructions, then its own tokens."""
     if mode == "justitia-prefixes":
@@ -55,9 +67,13 @@ def _prefix(mode: str, agent: int, p: int, rid: str, unit: int) -> tuple:
         if p > 400:
             chain.append((f"a{agent}/instr", min(p, 700)))
         return tuple(chain)
-    rng = random.Random(rid)
     ids = ([agent % 8] * 400 + [1000 + agent] * 300)[:p]
-    ids += [rng.randrange(10, 700) for _ in range(p - len(ids))]
+    rng = random.Random(rid)
+    if tokens == "random":  # one call of `random` per token (the harness before session 8)
+        ids += [rng.randrange(10, 700) for _ in range(p - len(ids))]
+    else:  # the request's own tokens, as a tokenizer hands them over
+        start = rng.randrange(len(_TOKENS) - 3000)
+        ids += _TOKENS[start:start + p - len(ids)]
     return block_chain(ids, unit)
 
 
@@ -76,8 +92,14 @@ def _ewsjf_groups(d: Dispatcher, groups: int = 8) -> None:
     assert len(state.counts) == groups, state.partition
 
 
-def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -> dict:
+def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0, flush_kib: int = 0,
+          tokens: str = "pool") -> dict:
+    """`flush_kib`: overwrite that much memory after each step (untimed), so that every decision
+    starts with the core's caches holding none of the scheduler's data, as in a live server
+    where request handling runs between two decisions."""
     rng = random.Random(seed)
+    flush = bytearray(flush_kib * 1024)
+    junk = bytes(len(flush))
     name = policy
     groups = policy.endswith("-8groups")
     prefixes = policy if policy in PREFIX_ROWS else ""
@@ -90,7 +112,7 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -
     chains: dict[str, tuple] = {}
 
     def spec(rid: str, agent: int, p: int, o: int) -> RequestSpec:
-        chain = chains.setdefault(rid, _prefix(prefixes, agent, p, rid, unit)) if prefixes else ()
+        chain = chains.setdefault(rid, _prefix(prefixes, agent, p, rid, unit, tokens)) if prefixes else ()
         return RequestSpec(rid, f"a{agent}", p, o, o, prefix=chain)
 
     if groups:
@@ -124,6 +146,8 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -
         t2 = time.perf_counter_ns() - hashing
         decide.append((t1 - t0) / 1000)
         step.append((t2 - t0) / 1000)
+        if flush:
+            flush[:] = junk  # reads one buffer and writes the other: twice `flush_kib` through the caches
     assert d.pending_count == agents * per_agent
     q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]  # noqa: E731
     extra = {}
@@ -139,6 +163,8 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0) -
     return {
         "policy": name,
         **extra,
+        "flush_kib": flush_kib,
+        "token_source": tokens if prefixes == "justitia-blockhash" else None,
         "queued_requests": d.pending_count,
         "agents": agents,
         "decisions": steps,
@@ -183,6 +209,26 @@ def bench_eta(agents: int, steps: int, refresh_every: int, refresh: bool, seed: 
     }
 
 
+def compare_token_sources(args: argparse.Namespace) -> int:
+    """The hashed-chain row with each token source, alternated in one run."""
+    rows = []
+    for run in range(args.compare_token_sources):
+        for tokens in ("random", "pool"):
+            r = bench("justitia-blockhash", args.agents, args.per_agent, args.steps, tokens=tokens)
+            rows.append({"run": run, **r})
+            print(f"run {run} {tokens:6s} median decision {r['median_decision_us']:5.1f} us   "
+                  f"p99 {r['p99_decision_us']:5.1f} us")
+    medians = {t: statistics.median(r["median_decision_us"] for r in rows if r["token_source"] == t)
+               for t in ("random", "pool")}
+    print("median of the runs' medians: " + ", ".join(f"{t} {m:.1f} us" for t, m in medians.items()))
+    out = args.out.replace(".json", "_tokens.json")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"python": sys.version.split()[0], "median_of_medians_us": medians,
+                                     "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, default=1000)
@@ -192,7 +238,19 @@ def main() -> int:
     ap.add_argument("--eta-agents", type=int, default=10_000)
     ap.add_argument("--refresh-every", type=int, default=250)
     ap.add_argument("--eta-only", action="store_true", help="only the eta-upkeep rows")
+    ap.add_argument("--token-source", choices=("pool", "random"), default="pool",
+                    help="how the hashed-chain row makes each new prompt's own token ids: slices of a "
+                         "pool (default), or one call of `random` per token between two decisions "
+                         "(the harness before session 8, which evicts the caches in that row only)")
+    ap.add_argument("--flush-kib", type=int, default=0,
+                    help="overwrite this much memory between two decisions (untimed), so that each "
+                         "decision starts with cold caches, as in a live server (4096 > a core's L2)")
+    ap.add_argument("--compare-token-sources", type=int, default=0, metavar="N",
+                    help="only time the hashed-chain row with both token sources, alternated N times, "
+                         "and write OUT with the suffix _tokens")
     args = ap.parse_args()
+    if args.compare_token_sources:
+        return compare_token_sources(args)
     eta_rows = []
     for run in range(3):  # alternated, so that the machine's load hits both alike
         for refresh in (False, True):
@@ -219,7 +277,7 @@ def main() -> int:
         print(f"wrote {args.out}")
         return 0
     for policy in (*POLICY_NAMES, "ewsjf-8groups", *PREFIX_ROWS):
-        r = bench(policy, args.agents, args.per_agent, args.steps)
+        r = bench(policy, args.agents, args.per_agent, args.steps, flush_kib=args.flush_kib, tokens=args.token_source)
         rows.append(r)
         more = f", {r['groups']} groups" if "groups" in r else ""
         print(f"{policy:13s} median decision {r['median_decision_us']:6.1f} us   p99 {r['p99_decision_us']:6.1f} us   "

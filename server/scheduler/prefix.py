@@ -102,7 +102,8 @@ class PrefixHolds:
         A long chain (block hashes) is searched, not walked: holders hold whole chains from
         their start, so the segments held fully form a head of the chain, and past the first
         one held partly or not at all, none is held (a block's hash covers every token before
-        it). That keeps an admission decision O(log n) in the chain's length."""
+        it). The search gallops from the chain's start (1, 2, 4, ... segments), then bisects:
+        O(log k) dictionary lookups for a held head of k segments, one when nothing is held."""
         held = self._held
         if len(segs) <= 4:
             out = 0
@@ -112,18 +113,24 @@ class PrefixHolds:
                 if end > top:
                     out += end - top
             return out
-        lo, hi = 0, len(segs)
-        while lo < hi:  # first segment not held in full
-            mid = (lo + hi) // 2
+        n = len(segs)
+        lo, hi, step = 0, n, 1  # segs[:lo] are held in full; the first that is not lies in [lo, hi)
+        while lo < hi:
+            mid = min(lo + step - 1, hi - 1) if step else (lo + hi) // 2
             key, start, end = segs[mid]
-            if self._top(key, start) >= end:
+            e = held.get(key)
+            if e is not None and e[0] >= end:
                 lo = mid + 1
+                step = step * 2 if step else 0
             else:
                 hi = mid
-        if lo == len(segs):
+                step = 0  # past the held head: bisect what is left
+        if lo == n:
             return 0
         key, start, end = segs[lo]
-        return segs[-1].end - max(start, min(end, self._top(key, start)))
+        e = held.get(key)
+        top = e[0] if e is not None else start
+        return segs[-1].end - max(start, min(end, top))
 
     def covered(self, segs: Iterable[Segment]) -> int:
         """Tokens of `segs` that running requests already hold (what the engine has cached)."""
