@@ -79,6 +79,18 @@ def test_replay_eta_counts_the_work_that_will_arrive_ahead() -> None:
     assert d.view("big", 20.0).eta_s == pytest.approx(100_000 / 8_000)
 
 
+def test_an_eta_reads_a_young_burst_at_its_rate() -> None:
+    """Over a floor of 10 s, the first second of a burst read as a tenth of its rate and
+    the ETAs of its agents came out short; the floor is 2 s, as for promises."""
+    w = WorkArrivals(window_s=60.0)
+    for t in (0.0, 0.5, 1.0):
+        w.add(t, 1000.0)
+    w.freeze(1.0)
+    assert w.rate == pytest.approx(3000.0 / 2.0) and w.span_s == pytest.approx(2.0)
+    w.freeze(5.0)  # past the floor: the history there is
+    assert w.rate == pytest.approx(3000.0 / 5.0) and w.span_s == pytest.approx(5.0)
+
+
 def test_work_arrivals_rate_and_shares() -> None:
     w = WorkArrivals(window_s=60.0)
     for t, c in ((0.0, 100.0), (5.0, 300.0), (10.0, 600.0)):

@@ -14,7 +14,7 @@ decode of its known requests) at the time model's iteration time, and R_j = R - 
 engine's rate R = M / tau minus the rate a_j of work that will arrive *ahead of j* while it
 waits (new agents the policy orders before j: under justitia, those whose cost is below
 j's tag minus V, halved for the wait; none under fcfs), for as long as arrivals have been
-measured (at least 10 s, at most the 60 s window): then at full rate again (`served_by`).
+measured (at least 2 s, at most the 60 s window): then at full rate again (`served_by`).
 The arrival rate of work and its cost distribution are measured over the recent
 registrations (`WorkArrivals`).
 
@@ -79,7 +79,11 @@ class WorkArrivals:
     window_s: float = 60.0
     long_window_s: float = 600.0
     max_samples: int = 4096
-    min_window_s: float = 10.0  # an ETA's rate over less history than this is noise
+    # An ETA's rate over less history than this is noise. Shorter than a burst: over 10 s,
+    # the rate of a 2.4 s burst was read as a quarter of itself while the burst went on, and
+    # its agents' ETAs came out short (session 8: p90 of the first-ETA error 0.49-0.59 with
+    # 2 s against 0.52-0.61 with 10 s, paired in three live runs).
+    min_window_s: float = PROMISE_MIN_SPAN_S
     _events: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)  # (t, cost)
     _first: float | None = None
     # the sorted sample and its prefix sums, rebuilt by `freeze` (once per refresh)
@@ -119,7 +123,8 @@ class WorkArrivals:
         first = now if self._first is None else self._first
         self.span_s = max(self.min_window_s, min(self.window_s, now - first))
         # A promise takes the rate over the history there is (a floor of 10 s would halve
-        # the rate of a stream 5 s old and promise too early): pessimistic, not smooth.
+        # the rate of a stream 5 s old and promise too early): pessimistic, not smooth; and
+        # over the long window too, where an ETA takes the recent one.
         self.promise_rate = max(self._rate(now, self.window_s, PROMISE_MIN_SPAN_S),
                                 self._rate(now, self.long_window_s, PROMISE_MIN_SPAN_S))
 
