@@ -107,6 +107,10 @@ def register(commands: Commands) -> None:
                       help="skip the simulator's prediction of each policy")
     live.add_argument("--log-dir", metavar="DIR", default=None, help="keep each server's log here")
     live.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    live.add_argument("--repeat", type=int, default=1, metavar="N",
+                      help="run the policies N times, alternated (A B C A B C ...); each policy's row is "
+                           "its run of median mean JCT, and the JSON's `repeats` holds every run and the "
+                           "ratios within each round (a shared machine's speed drifts between runs)")
     _las_options(live)
     live.add_argument("--quiet", action="store_true", help="no table on the terminal")
     live.set_defaults(handler=_live)
@@ -330,31 +334,25 @@ def _add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[s
 def _live(args: argparse.Namespace) -> int:
     import time
 
-    from rich.progress import Progress
-
     from . import report
-    from .live_bench import LiveOptions, run_policy
+    from .live_bench import LiveOptions
 
     policies = _policies(args.policies)
     profile = _profile(args.profile)
     agents = _workload(args.workload, hint="`justitia bench make-workload --profile cpu-tiny`")
     _check_live_sizes(args, agents)
     _configured(args, policies)  # validates the options before any server starts
+    if args.repeat < 1:
+        raise CommandError(f"--repeat must be at least 1, not {args.repeat}")
     opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
                        prediction=args.prediction, seed=args.seed, log_dir=args.log_dir,
                        las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight)
-    results = []
     t0 = time.perf_counter()
-    with Progress(disable=args.quiet) as bar:
-        for policy in policies:
-            task = bar.add_task(f"{policy}: starting server", total=len(agents))
-
-            def advance(done: int, task=task, policy=policy) -> None:
-                bar.update(task, completed=done, description=f"{policy}: agents done")
-
-            results.append(run_policy(agents, policy, opts, advance))
+    rounds = _live_rounds(agents, policies, opts, args.repeat, args.quiet)
     wall = time.perf_counter() - t0
-    _add_slowdowns(results, agents, profile, args.kv_tokens)
+    for rnd in rounds:
+        _add_slowdowns(rnd, agents, profile, args.kv_tokens)
+    results, repeats = report.median_runs(rounds) if args.repeat > 1 else (rounds[0], None)
     if not args.no_sim:
         _add_sim_prediction(args, agents, policies, profile, results)
     config = {
@@ -371,24 +369,58 @@ def _live(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "las_half_life_s": args.las_half_life_s,
         "las_head_wait_weight": args.las_head_wait_weight,
+        "repeat": args.repeat,
         "wall_s": wall,
     }
     if args.json:
-        report.write_json(args.json, config, results)
+        report.write_json(args.json, config, results, repeats)
     if args.html:
         from .html_report import write_html
 
         write_html(args.html, config, results, f"bench live: {len(agents)} agents, M={args.kv_tokens}")
     if not args.quiet:
         report.print_table(results, f"live: {args.workload}  M={args.kv_tokens}  ({wall:.0f} s)")
-        for r in results:
-            if "sim_mean_jct_s" in r.extra:
-                print(f"{r.policy}: live mean JCT {r.summary()['mean_jct_s']:.2f} s, simulator "
-                      f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%)")
-            if r.extra.get("prefix_hit_rate") is not None:
-                print(f"{r.policy}: the engine served {100 * r.extra['prefix_hit_rate']:.0f}% of prompt tokens "
-                      f"from its prefix cache; admission shared {r.extra.get('kv_saved_total') or 0:,} KV tokens")
+        _print_live_notes(results, repeats)
     return 0
+
+
+def _live_rounds(agents: list, policies: list[str], opts: Any, repeat: int, quiet: bool) -> list[list]:
+    """Every policy on a server of its own, `repeat` times in turn (A B C A B C ...)."""
+    from rich.progress import Progress
+
+    from .live_bench import run_policy
+
+    rounds: list[list] = []
+    with Progress(disable=quiet) as bar:
+        for k in range(repeat):
+            rounds.append([])
+            for policy in policies:
+                label = policy if repeat == 1 else f"{policy} (round {k + 1}/{repeat})"
+                task = bar.add_task(f"{label}: starting server", total=len(agents))
+
+                def advance(done: int, task=task, label=label) -> None:
+                    bar.update(task, completed=done, description=f"{label}: agents done")
+
+                rounds[k].append(run_policy(agents, policy, opts, advance))
+    return rounds
+
+
+def _print_live_notes(results: list, repeats: dict | None) -> None:
+    for r in results:
+        if "sim_mean_jct_s" in r.extra:
+            print(f"{r.policy}: live mean JCT {r.summary()['mean_jct_s']:.2f} s, simulator "
+                  f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%)")
+        if r.extra.get("prefix_hit_rate") is not None:
+            print(f"{r.policy}: the engine served {100 * r.extra['prefix_hit_rate']:.0f}% of prompt tokens "
+                  f"from its prefix cache; admission shared {r.extra.get('kv_saved_total') or 0:,} KV tokens")
+    if repeats is None:
+        return
+    print(f"rows: each policy's run of median mean JCT over {repeats['rounds']} alternated rounds")
+    for c in repeats["paired"]:
+        by_round = ", ".join("-" if x is None else f"{x:.3f}" for x in c["mean_jct_ratio_by_round"])
+        median = c["median_mean_jct_ratio"]
+        print(f"{c['policy']} / {c['baseline']} mean JCT, round by round: {by_round}; "
+              f"median {'-' if median is None else f'{median:.3f}'}")
 
 
 def _add_slowdowns(results, agents, profile, kv_tokens: int) -> None:

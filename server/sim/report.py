@@ -40,12 +40,41 @@ def comparisons(results: Sequence[PolicyResult]) -> list[dict]:
     return [c for c in (compare(results, p, b) for p, b in pairs) if c is not None]
 
 
-def write_json(path: str | Path, config: dict, results: Sequence[PolicyResult]) -> dict:
+def median_runs(rounds: Sequence[Sequence[PolicyResult]]) -> tuple[list[PolicyResult], dict]:
+    """Policies run several times, alternated (`rounds[k]`: round k, one run per policy in the
+    same order). Each policy's row is its run of median mean JCT (the lower middle one of an
+    even count), so that one slow or fast stretch of a shared machine does not decide a
+    comparison. Returns those runs and `repeats`: every run's summary (without its agents)
+    and, per comparison, the ratio of mean JCTs within each round, where both policies ran
+    on the machine of the same few minutes."""
+    if not rounds or any(len(r) != len(rounds[0]) for r in rounds):
+        raise ValueError("every round runs the same policies")
+    mean = lambda r: r.summary()["mean_jct_s"]  # noqa: E731
+    chosen = []
+    for i in range(len(rounds[0])):
+        of_policy = sorted((rnd[i] for rnd in rounds), key=mean)
+        chosen.append(of_policy[(len(of_policy) - 1) // 2])
+    per_round = [comparisons(rnd) for rnd in rounds]
+    paired = []
+    for j, c in enumerate(per_round[0]):
+        ratios = [pr[j]["mean_jct_ratio"] for pr in per_round]
+        known = sorted(x for x in ratios if x is not None)
+        paired.append({"policy": c["policy"], "baseline": c["baseline"], "mean_jct_ratio_by_round": ratios,
+                       "median_mean_jct_ratio": known[(len(known) - 1) // 2] if known else None})
+    runs = [{"round": k, **{key: v for key, v in r.summary().items() if key != "agents"}}
+            for k, rnd in enumerate(rounds) for r in rnd]
+    return chosen, {"rounds": len(rounds), "runs": runs, "paired": paired}
+
+
+def write_json(path: str | Path, config: dict, results: Sequence[PolicyResult],
+               repeats: dict | None = None) -> dict:
     doc = {
         "config": config,
         "results": [r.as_dict() for r in results],
         "comparisons": comparisons(results),
     }
+    if repeats is not None:
+        doc["repeats"] = repeats
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
