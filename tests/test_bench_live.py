@@ -85,8 +85,11 @@ def test_bench_live_renders_shared_prefixes_that_the_engine_caches(tmp_path, jus
     out = tmp_path / "live.json"
     rc = main(["bench", "live", "--workload", str(workload), "--policies", "justitia", "--no-sim",
                "--kv-tokens", "4096", "--max-model-len", "2048", "--json", str(out), "--quiet",
-               "--repeat", "2"])
+               "--repeat", "2", "--log-dir", str(tmp_path / "logs" / "run")])
     assert rc == 0
+    # each round's server log, in a directory that did not exist (it raised before)
+    assert sorted(p.name for p in (tmp_path / "logs" / "run").iterdir()) == [
+        "server-justitia-round1.log", "server-justitia-round2.log"]
     doc = json.loads(out.read_text())
     # two servers one after the other; the row is the run of median mean JCT (the faster one)
     assert doc["config"]["repeat"] == 2 and [r["round"] for r in doc["repeats"]["runs"]] == [0, 1]

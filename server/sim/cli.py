@@ -105,7 +105,9 @@ def register(commands: Commands) -> None:
                            "cpu-tiny or a file written by `bench calibrate` with the same --kv-tokens")
     live.add_argument("--no-sim", action="store_true",
                       help="skip the simulator's prediction of each policy")
-    live.add_argument("--log-dir", metavar="DIR", default=None, help="keep each server's log here")
+    live.add_argument("--log-dir", metavar="DIR", default=None,
+                      help="keep each server's log here (created if missing): server-POLICY.log, "
+                           "server-POLICY-roundK.log with --repeat")
     live.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     live.add_argument("--repeat", type=int, default=1, metavar="N",
                       help="run the policies N times, alternated (A B C A B C ...); each policy's row is "
@@ -401,7 +403,7 @@ def _live_rounds(agents: list, policies: list[str], opts: Any, repeat: int, quie
                 def advance(done: int, task=task, label=label) -> None:
                     bar.update(task, completed=done, description=f"{label}: agents done")
 
-                rounds[k].append(run_policy(agents, policy, opts, advance))
+                rounds[k].append(run_policy(agents, policy, opts, advance, None if repeat == 1 else k))
     return rounds
 
 

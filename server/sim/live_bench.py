@@ -179,13 +179,18 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
 
 
 def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
-               progress: Callable[[int], None] | None = None) -> PolicyResult:
-    """Start a server with `policy`, replay the workload, stop the server."""
+               progress: Callable[[int], None] | None = None, round_index: int | None = None) -> PolicyResult:
+    """Start a server with `policy`, replay the workload, stop the server. `round_index`:
+    which of `--repeat`'s rounds (its server log is named after it)."""
     from server.launcher import EmbeddedServer
     from server.metrics import metric_value
 
     home = tempfile.mkdtemp(prefix=f"justitia-live-{policy}-")
-    log = Path(opts.log_dir) / f"server-{policy}.log" if opts.log_dir else None
+    log = None
+    if opts.log_dir:
+        name = f"server-{policy}.log" if round_index is None else f"server-{policy}-round{round_index + 1}.log"
+        log = Path(opts.log_dir) / name
+        log.parent.mkdir(parents=True, exist_ok=True)
     args = ["--policy", policy, "--kv-tokens", str(opts.kv_tokens),
             "--max-model-len", str(opts.max_model_len), "--data-dir", home]
     if opts.las_half_life_s is not None:
