@@ -81,8 +81,8 @@ class WorkArrivals:
     max_samples: int = 4096
     # An ETA's rate over less history than this is noise. Shorter than a burst: over 10 s,
     # the rate of a 2.4 s burst was read as a quarter of itself while the burst went on, and
-    # its agents' ETAs came out short (session 8: p90 of the first-ETA error 0.49-0.59 with
-    # 2 s against 0.52-0.61 with 10 s, paired in three live runs).
+    # its agents' ETAs came out short (session 8: p90 of the first-ETA error 0.51-0.60 with
+    # 2 s against 0.54-0.61 with 10 s, paired in three live runs; docs/benchmarks.md).
     min_window_s: float = PROMISE_MIN_SPAN_S
     _events: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)  # (t, cost)
     _first: float | None = None
