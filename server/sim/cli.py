@@ -7,10 +7,13 @@ scheduler's policy names), the simulator is imported when a command runs.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from justitia_cli import CommandError, Commands, formatter
 from server.scheduler import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from .live_bench import LiveOptions
 
 ALL_POLICIES = ",".join(POLICY_NAMES)
 
@@ -386,7 +389,7 @@ def _live(args: argparse.Namespace) -> int:
     return 0
 
 
-def _live_rounds(agents: list, policies: list[str], opts: Any, repeat: int, quiet: bool) -> list[list]:
+def _live_rounds(agents: list, policies: list[str], opts: LiveOptions, repeat: int, quiet: bool) -> list[list]:
     """Every policy on a server of its own, `repeat` times in turn (A B C A B C ...)."""
     from rich.progress import Progress
 
