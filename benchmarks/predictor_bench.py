@@ -69,13 +69,16 @@ def _score_fresh(errs: dict[str, list], agents: list, preds: dict) -> None:
         errs[name] += list(relative_errors([preds[name](s.prompt, s.features) for s in agents], truth))
 
 
-def bench_dataset(samples, splits: int, per_type: int, ablation: bool, fresh: dict | None = None) -> dict:
+def bench_dataset(samples, splits: int, per_type: int, ablation: bool, fresh: dict | None = None,
+                  heldout: dict[str, list] | None = None) -> dict:
     """`fresh` (synthetic datasets): per type, agents drawn apart from `samples`, on which each
     split's model and median baseline are scored too. The splits' held-out sets overlap (they
     are drawn from the same 125 agents), so their pooled error varies from one set of splits
     to another (fan_out_research: 0.31-0.42 for single splits, 0.368 over splits 0-4 and 0.319
-    over 0-19); a few hundred fresh agents measure the same models with less noise."""
+    over 0-19); a few hundred fresh agents measure the same models with less noise.
+    `heldout`, where given, receives every split's held-out runs per type, pooled."""
     types = sorted({s.agent_type for s in samples})
+    heldout = {} if heldout is None else heldout
     fresh_errs: dict = {t: {"model": [], "median": []} for t in (fresh or {})}
     by_type = {t: [s for s in samples if s.agent_type == t] for t in types}
     errs = {t: {k: [] for k in PREDICTORS} for t in types}
@@ -99,6 +102,7 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool, fresh: di
             train_s[t].append(p.metadata["train_seconds"])
             train_n[t] = len(train)
             kinds[t].append(p.metadata["model"])
+            heldout.setdefault(t, []).extend(val)
             for s in val:
                 p50, p90 = p.predict_interval(s.prompt, s.features)
                 hits[t]["p50"].append(s.cost <= p50)
@@ -140,21 +144,80 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool, fresh: di
     return out
 
 
-def fan_out_noise_floor(n: int = 60, draws: int = 200) -> float:
-    """The least mean relative error any predictor can reach on `fan_out_research`: for each
-    of `n` agents, the best single prediction knowing its prompt and fan-out exactly, against
-    `draws` re-draws of its output lengths (the generator's noise, which no feature sees)."""
+def _fan_out_costs(prompt: str, width: int, first: int, draws: int) -> np.ndarray:
+    """`draws` re-draws of one fan-out agent's cost (its output lengths drawn anew)."""
     from predictors.agent_models import fan_out_research
     from predictors.samples import agent_cost
     from predictors.synthetic import LognormalLengths
 
-    lengths, best = LognormalLengths(), []
+    lengths = LognormalLengths()
+    return np.array([agent_cost(fan_out_research(prompt, width, lengths, k)[0]) for k in range(first, first + draws)])
+
+
+def _best_constant(costs: np.ndarray) -> float:
+    """The single prediction of least mean relative error against these costs."""
+    candidates = np.quantile(costs, np.linspace(0.01, 0.99, 197))
+    return float(candidates[int(np.argmin((np.abs(candidates[:, None] - costs) / costs).mean(axis=1)))])
+
+
+def fan_out_oracle(samples: list, draws: int = 1000) -> float:
+    """Mean relative error of a perfect predictor on these `fan_out_research` runs: for
+    each, the best single value knowing its prompt and fan-out exactly (from `draws`
+    re-draws), scored on the run's real cost. No predictor can expect to do better on the
+    same runs; on the benchmark's 5 splits it is 0.335, above the issue's 0.33."""
+    best: dict[tuple[str, int], float] = {}
+    errors = []
+    for s in samples:
+        key = (s.prompt, int(s.features["fan_out"]))
+        if key not in best:
+            best[key] = _best_constant(_fan_out_costs(*key, 10_000, draws))
+        errors.append(abs(best[key] - s.cost) / s.cost)
+    return float(np.mean(errors))
+
+
+def fan_out_noise_floor(n: int = 100, draws: int = 1000) -> float:
+    """The least mean relative error any predictor can expect on `fan_out_research`: for each
+    of `n` agents, the best single prediction knowing its prompt and fan-out exactly (chosen
+    on `draws` re-draws of its output lengths, the generator's noise, which no feature sees),
+    scored on `draws` other re-draws. Scoring on the draws it was chosen on (as before
+    session 9, with 200 draws of 60 agents) read 0.318; out of sample it reads 0.312."""
+    scores = []
     for s in synthesize("fan_out_research", n, seed=0):
-        costs = np.array([agent_cost(fan_out_research(s.prompt, int(s.features["fan_out"]), lengths, k)[0])
-                          for k in range(1, draws + 1)])
-        candidates = np.quantile(costs, np.linspace(0.05, 0.95, 91))
-        best.append(min(float(np.mean(np.abs(c - costs) / costs)) for c in candidates))
-    return float(np.mean(best))
+        key = (s.prompt, int(s.features["fan_out"]))
+        best, scored_on = _best_constant(_fan_out_costs(*key, 10_000, draws)), _fan_out_costs(*key, 20_000, draws)
+        scores.append(float(np.mean(np.abs(best - scored_on) / scored_on)))
+    return float(np.mean(scores))
+
+
+def independent_sets(types: tuple[str, ...], sets: int, fresh_agents: int = 5000,
+                     fresh_seeds: tuple[int, ...] = (77, 78, 79)) -> dict:
+    """The strictest measure of the loop types: `sets` predictors, each trained on 100 runs
+    of its own (`synthesize(t, 100, seed=1000 + k)`, nothing shared with the others or with
+    the benchmark's splits), each scored on `fresh_agents` fresh agents per seed of
+    `fresh_seeds`. The mean over 5,000 agents still moves by about 0.004 from one seed to
+    the next (relative errors are heavy-tailed), so three seeds are reported."""
+    out = {}
+    for t in types:
+        fitted = [(fit_predictor(train, t, seed=k), MedianBaseline().fit(train))
+                  for k in range(sets) for train in [synthesize(t, 100, seed=1000 + k)]]
+        row: dict = {"training_sets": sets, "train_samples": 100, "fresh_agents": fresh_agents, "per_seed": {},
+                     "kinds_chosen": {}}
+        for p, _ in fitted:
+            row["kinds_chosen"][p.metadata["model"]] = row["kinds_chosen"].get(p.metadata["model"], 0) + 1
+        for fs in fresh_seeds:
+            agents = synthesize(t, fresh_agents, seed=fs)
+            truth = [s.cost for s in agents]
+            model = [float(np.mean(relative_errors([p.predict(s.prompt, s.features) for s in agents], truth)))
+                     for p, _ in fitted]
+            median = [float(np.mean(relative_errors([b.predict(s.prompt, s.features) for s in agents], truth)))
+                      for _, b in fitted]
+            row["per_seed"][str(fs)] = {"model_mean": float(np.mean(model)), "model_min": min(model),
+                                        "model_max": max(model), "median_baseline_mean": float(np.mean(median))}
+        seeds = row["per_seed"].values()
+        row["model_mean"] = float(np.mean([r["model_mean"] for r in seeds]))
+        row["median_baseline_mean"] = float(np.mean([r["median_baseline_mean"] for r in seeds]))
+        out[t] = row
+    return out
 
 
 def _report(types: list[str], errs: dict, train_s: dict, train_n: dict, lat: dict) -> dict:
@@ -202,6 +265,8 @@ def print_dataset(name: str, res: dict) -> None:
             f = r["fresh_heldout"]
             print(f"{t}: on {f['agents']} fresh agents, each split's model {f['model']['mean_relative_error']:.3f}, "
                   f"median baseline {f['median']['mean_relative_error']:.3f}")
+        if "oracle_on_heldout" in r:
+            print(f"{t}: a perfect predictor on the same held-out runs: {r['oracle_on_heldout']:.3f}")
 
 
 def main() -> None:
@@ -217,6 +282,9 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[], metavar="DATASET",
                     help="benchmark only this dataset (repeatable): synthetic-example, "
                          "example-agents-profiled, loop-agents, or a --samples file's name")
+    ap.add_argument("--independent-sets", type=int, default=10, metavar="K",
+                    help="loop agents: also train K predictors on independent training sets and score "
+                         "each on 3 x 5,000 fresh agents (0: skip)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "predictors.json"), help="output JSON")
     args = ap.parse_args()
 
@@ -247,12 +315,21 @@ def main() -> None:
     for name, (samples, source) in datasets.items():
         fresh = ({t: synthesize(t, FRESH_AGENTS, seed=FRESH_SEED) for t in LOOP_AGENT_TYPES}
                  if name == "loop-agents" else None)
-        res = bench_dataset(samples, args.splits, args.per_type, not args.no_ablation, fresh)
+        heldout: dict[str, list] = {}
+        res = bench_dataset(samples, args.splits, args.per_type, not args.no_ablation, fresh, heldout)
         res["source"] = source
-        if name == "loop-agents":
+        if name == "loop-agents":  # what a perfect predictor scores on the same held-out runs
+            res["per_type"]["fan_out_research"]["oracle_on_heldout"] = fan_out_oracle(heldout["fan_out_research"])
             res["fan_out_research_noise_floor"] = fan_out_noise_floor()
-            print(f"fan_out_research: least mean relative error any predictor can reach "
+            print(f"fan_out_research: least mean relative error any predictor can expect "
                   f"(output-length noise): {res['fan_out_research_noise_floor']:.3f}")
+            if args.independent_sets > 0:
+                res["independent_sets"] = independent_sets(LOOP_AGENT_TYPES, args.independent_sets)
+                for t, r in res["independent_sets"].items():
+                    print(f"{t}: {r['training_sets']} predictors on independent training sets, on "
+                          f"3 x {r['fresh_agents']} fresh agents: " + ", ".join(
+                              f"{v['model_mean']:.3f}" for v in r["per_seed"].values())
+                          + f" (median baseline {r['median_baseline_mean']:.3f})")
         results["datasets"][name] = res
         print_dataset(name, res)
     ok = {}
@@ -275,6 +352,11 @@ def main() -> None:
                 f["model"]["mean_relative_error"] <= min(0.33, f["median"]["mean_relative_error"] - 0.02)
                 for f in fresh) if (fresh := [r["fresh_heldout"] for r in per_type.values()
                                               if "fresh_heldout" in r]) else None,
+            # and on every fresh seed with predictors trained on independent sets
+            "independent_sets_targets_every_type": all(
+                v["model_mean"] <= min(0.33, v["median_baseline_mean"] - 0.02)
+                for r in res["independent_sets"].values() for v in r["per_seed"].values())
+            if "independent_sets" in res else None,
             "p90_coverage_in_0.80-0.95": 0.80 <= o["p90_coverage"] <= 0.95,
             # per type: the baselines (and cold start) whose mean error is below the model's
             "model_beaten_by": {

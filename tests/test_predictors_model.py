@@ -275,10 +275,34 @@ def test_cross_validation_chooses_and_records_the_model(react):
     cv = meta["model_selection"]["cv_mean_relative_error"]
     assert meta["model_selection"]["chosen"] == meta["model"] and meta["model"] in cv
     assert meta["kind"] == res.predictor.kind == meta["model"].split("(")[0]
-    # the chosen one has the least cross-validated error, up to the complexity margin
-    assert cv[meta["model"]] <= min(cv.values()) * 1.04
+    # the chosen one has the least cross-validated error, up to what chance explains
+    # (`choose`, tested below)
+    assert cv[meta["model"]] <= min(cv.values()) * 1.10
     # on a loop whose steps follow the task's words and numbers, it beats the median
     assert res.report["model"]["mean_relative_error"] < res.report["baselines"]["median"]["mean_relative_error"] - 0.02
+
+
+def _scored(errors) -> dict:
+    errors = np.asarray(errors, dtype=float)
+    return {"errors": errors, "mean_relative_error": float(errors.mean())}
+
+
+def test_a_more_complex_model_is_chosen_only_when_clearly_better():
+    from predictors.training import choose
+
+    rng = np.random.default_rng(3)
+    simple = 0.3 + 0.2 * rng.random(100)
+    # 0.02 lower on average (beyond the 3% margin), but as noise: per sample it is as often
+    # worse as better, so the gain is about one standard error (session 9's lucky word ridge)
+    lucky = simple - 0.02 + 0.16 * rng.standard_normal(100)
+    lucky += (simple.mean() - 0.02) - lucky.mean()
+    assert choose({"simple": _scored(simple), "complex": _scored(lucky)}) == "simple"
+    # the same average gain, on every sample alike: chosen
+    steady = simple - 0.02 + 0.005 * rng.standard_normal(100)
+    assert choose({"simple": _scored(simple), "complex": _scored(steady)}) == "complex"
+    # a steady gain under the 3% margin is not worth the complexity either
+    tiny = simple - 0.005
+    assert choose({"simple": _scored(simple), "complex": _scored(tiny)}) == "simple"
 
 
 def test_the_median_is_chosen_when_nothing_predicts_the_cost():
