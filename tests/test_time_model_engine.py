@@ -4,6 +4,7 @@ and shows it (GET /v1/scheduler, /metrics); `bench calibrate --quick` measures a
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -38,8 +39,12 @@ def test_scheduler_shows_the_time_model_learned_from_engine_steps(client: httpx.
 @pytest.mark.engine
 def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys) -> None:
     out = tmp_path / "prof.json"
+    cores = os.sched_getaffinity(0)
     assert main(["bench", "calibrate", "--kv-tokens", "2048", "--max-model-len", "1024",
                  "--out", str(out), "--quick"]) == 0
+    # the in-process engine kept this process off its worker's cores while it ran, and gave
+    # them back when it closed (the servers later tests start inherit this process's cores)
+    assert os.sched_getaffinity(0) == cores
     printed = capsys.readouterr().out
     assert "fit err" in printed and "sim err" in printed
     doc = json.loads(out.read_text())

@@ -179,6 +179,63 @@ def _deprioritise_engine_core(nice: int) -> None:
         log.warning("could not lower the EngineCore's priority: %s", exc)
 
 
+def worker_cores(root: int | None = None) -> set[int]:
+    """The cores vLLM's CPU model workers (descendants of process `root`, default this one)
+    are pinned to: empty where there is no pinned worker."""
+    import psutil
+
+    cores: set[int] = set()
+    try:
+        for child in psutil.Process(root).children(recursive=True):
+            if "Worker" in child.name():
+                cores |= set(child.cpu_affinity() or [])
+    except (psutil.Error, OSError):
+        return set()
+    return cores
+
+
+def pin_threads(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` to `cores` (a process's affinity is per thread on Linux:
+    setting the process's only moves its main thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def keep_off_worker_cores() -> set[int]:
+    """Move this (API) process and vLLM's EngineCore off the cores the CPU model worker is
+    pinned to; returns the cores they now use (empty: left as they were).
+
+    vLLM pins its CPU worker's threads to its own cores but leaves every other process free
+    to run there, so the scheduler of the OS now and then put this process or the bench
+    client on the worker's core, and every engine step waited for them: on 2 cores the same
+    schedule ran 12-23% slower from one server start to the next (session 9, live
+    contended48p: the agents finished in the same order, rank correlation 0.998, each one
+    slower by a common factor).
+    """
+    import psutil
+
+    pinned = worker_cores()
+    try:
+        others = set(os.sched_getaffinity(0)) - pinned
+    except OSError:
+        return set()
+    if not pinned or not others:
+        return set()
+    try:
+        pin_threads(os.getpid(), others)
+        for child in psutil.Process().children(recursive=True):
+            if "EngineCore" in child.name():
+                pin_threads(child.pid, others)
+    except (psutil.Error, OSError) as exc:  # best effort: only speed depends on it
+        log.warning("could not keep off the engine worker's cores: %s", exc)
+        return set()
+    log.info("API process and EngineCore kept off the engine worker's cores %s", sorted(pinned))
+    return others
+
+
 def _stat_logger_factory(collector: _StatsCollector):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -299,6 +356,10 @@ class LocalVLLMEngine(TokenizerEngine):
         self._changed = asyncio.Event()
         self._state_listeners: list[StateListener] = []
         self._supervisor: asyncio.Task[None] | None = None
+        # This process's cores before it kept off the worker's (`keep_off_worker_cores`),
+        # given back on close: an in-process engine's caller (a test, a notebook, `bench
+        # calibrate`) must not stay on fewer cores, nor hand them to the servers it starts.
+        self._cores_before: set[int] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -409,6 +470,9 @@ class LocalVLLMEngine(TokenizerEngine):
         self._stats.kv_capacity_tokens = self.info.kv_capacity_tokens
         if on_cpu:
             _deprioritise_engine_core(cfg.engine_core_nice)
+            if self._cores_before is None:  # a restart keeps the first start's
+                self._cores_before = set(os.sched_getaffinity(0))
+            keep_off_worker_cores()
 
     # -- supervision ------------------------------------------------------------------
     async def _supervise(self) -> None:
@@ -515,6 +579,9 @@ class LocalVLLMEngine(TokenizerEngine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._cores_before is not None:
+            pin_threads(os.getpid(), self._cores_before)
+            self._cores_before = None
 
     def stats(self) -> EngineStats:
         return self._stats.snapshot()

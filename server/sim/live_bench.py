@@ -34,11 +34,13 @@ server measured during the run, and `delay_bound_s` is what the server promised 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +180,25 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
     return outs, snapshot
 
 
+@contextlib.contextmanager
+def _off_worker_cores(server_pid: int | None) -> Iterator[None]:
+    """This (client) process kept off the cores the server's engine worker is pinned to, as
+    the server keeps itself (`keep_off_worker_cores`): on 2 cores, a client that the OS put
+    on the worker's core slowed every engine step. Restored after, so that the next server
+    this process starts may use every core."""
+    from server.engine.vllm_local import pin_threads, worker_cores
+
+    before = os.sched_getaffinity(0)
+    others = before - worker_cores(server_pid) if server_pid else set()
+    if others and others != before:
+        pin_threads(os.getpid(), others)
+    try:
+        yield
+    finally:
+        if others and others != before:
+            pin_threads(os.getpid(), before)
+
+
 def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
                progress: Callable[[int], None] | None = None, round_index: int | None = None) -> PolicyResult:
     """Start a server with `policy`, replay the workload, stop the server. `round_index`:
@@ -198,7 +219,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     if opts.las_head_wait_weight is not None:
         args += ["--las-head-wait-weight", str(opts.las_head_wait_weight)]
     wall0 = time.perf_counter()
-    with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv:
+    with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
+            _off_worker_cores(srv.process.pid if srv.process else None):
         outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress))
     rate = float(snap["rate"])
     # GPS reference at the rate the server measured, with the costs the agents really had.
