@@ -179,12 +179,19 @@ def _deprioritise_engine_core(nice: int) -> None:
         log.warning("could not lower the EngineCore's priority: %s", exc)
 
 
+#: Whether this platform sets CPU affinities per thread (Linux; vLLM's CPU build also runs on
+#: macOS, which has no such call).
+PINNING = hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")
+
+
 def worker_cores(root: int | None = None) -> set[int]:
     """The cores vLLM's CPU model workers (descendants of process `root`, default this one)
     are pinned to: empty where there is no pinned worker."""
     import psutil
 
     cores: set[int] = set()
+    if not PINNING:
+        return cores
     try:
         for child in psutil.Process(root).children(recursive=True):
             if "Worker" in child.name():
@@ -217,6 +224,8 @@ def keep_off_worker_cores() -> set[int]:
     """
     import psutil
 
+    if not PINNING:
+        return set()
     pinned = worker_cores()
     try:
         others = set(os.sched_getaffinity(0)) - pinned
@@ -470,7 +479,7 @@ class LocalVLLMEngine(TokenizerEngine):
         self._stats.kv_capacity_tokens = self.info.kv_capacity_tokens
         if on_cpu:
             _deprioritise_engine_core(cfg.engine_core_nice)
-            if self._cores_before is None:  # a restart keeps the first start's
+            if PINNING and self._cores_before is None:  # a restart keeps the first start's
                 self._cores_before = set(os.sched_getaffinity(0))
             keep_off_worker_cores()
 
