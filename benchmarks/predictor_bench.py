@@ -29,6 +29,7 @@ import os
 import platform
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -198,19 +199,20 @@ def independent_sets(types: tuple[str, ...], sets: int, fresh_agents: int = 5000
     the next (relative errors are heavy-tailed), so three seeds are reported."""
     out = {}
     for t in types:
-        fitted = [(fit_predictor(train, t, seed=k), MedianBaseline().fit(train))
-                  for k in range(sets) for train in [synthesize(t, 100, seed=1000 + k)]]
+        trainings = [synthesize(t, 100, seed=1000 + k) for k in range(sets)]
+        models = [fit_predictor(train, t, seed=k) for k, train in enumerate(trainings)]
+        medians = [MedianBaseline().fit(train) for train in trainings]
         row: dict = {"training_sets": sets, "train_samples": 100, "fresh_agents": fresh_agents, "per_seed": {},
-                     "kinds_chosen": {}}
-        for p, _ in fitted:
-            row["kinds_chosen"][p.metadata["model"]] = row["kinds_chosen"].get(p.metadata["model"], 0) + 1
+                     "kinds_chosen": dict(Counter(p.metadata["model"] for p in models))}
         for fs in fresh_seeds:
             agents = synthesize(t, fresh_agents, seed=fs)
             truth = [s.cost for s in agents]
-            model = [float(np.mean(relative_errors([p.predict(s.prompt, s.features) for s in agents], truth)))
-                     for p, _ in fitted]
-            median = [float(np.mean(relative_errors([b.predict(s.prompt, s.features) for s in agents], truth)))
-                      for _, b in fitted]
+
+            def mean_error(predict, agents=agents, truth=truth) -> float:
+                return float(np.mean(relative_errors([predict(s.prompt, s.features) for s in agents], truth)))
+
+            model = [mean_error(p.predict) for p in models]
+            median = [mean_error(b.predict) for b in medians]
             row["per_seed"][str(fs)] = {"model_mean": float(np.mean(model)), "model_min": min(model),
                                         "model_max": max(model), "median_baseline_mean": float(np.mean(median))}
         seeds = row["per_seed"].values()

@@ -133,8 +133,7 @@ def best_shift(h: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """The log-space shift ``s`` minimising the mean of ``|expm1(h + s) - y| / y``, and
     that mean: the calibration that makes a geometric-mean prediction the one of least
     expected relative error (searched over +-``MAX_LOG_SHIFT``)."""
-    shift = _best_shift_and_errors(h, y)[0]
-    errors = np.abs(np.expm1(h + shift) - y) / y
+    shift, errors = _best_shift_and_errors(h, y)
     return shift, float(errors.mean())
 
 

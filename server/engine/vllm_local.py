@@ -168,15 +168,20 @@ def _deprioritise_engine_core(nice: int) -> None:
     if nice <= 0:
         return
     try:
-        import psutil
-
-        for child in psutil.Process().children(recursive=True):
-            name = child.name()
-            if "EngineCore" in name or "EngineCore" in " ".join(child.cmdline()[:1]):
-                child.nice(nice)
-                log.info("EngineCore process %d set to nice %d", child.pid, nice)
+        for child in _vllm_processes("EngineCore"):
+            child.nice(nice)
+            log.info("EngineCore process %d set to nice %d", child.pid, nice)
     except Exception as exc:  # best effort: only speed depends on it
         log.warning("could not lower the EngineCore's priority: %s", exc)
+
+
+def _vllm_processes(kind: str, root: int | None = None) -> list[Any]:
+    """vLLM's processes of one kind (`EngineCore`, `Worker`: it names them VLLM::<kind>)
+    among the descendants of process `root` (default this one)."""
+    import psutil
+
+    return [child for child in psutil.Process(root).children(recursive=True)
+            if kind in child.name() or kind in " ".join(child.cmdline()[:1])]
 
 
 #: Whether this platform sets CPU affinities per thread (Linux; vLLM's CPU build also runs on
@@ -189,16 +194,12 @@ def worker_cores(root: int | None = None) -> set[int]:
     are pinned to: empty where there is no pinned worker."""
     import psutil
 
-    cores: set[int] = set()
     if not PINNING:
-        return cores
+        return set()
     try:
-        for child in psutil.Process(root).children(recursive=True):
-            if "Worker" in child.name():
-                cores |= set(child.cpu_affinity() or [])
+        return {core for child in _vllm_processes("Worker", root) for core in child.cpu_affinity() or []}
     except (psutil.Error, OSError):
         return set()
-    return cores
 
 
 def pin_threads(pid: int, cores: set[int]) -> None:
@@ -235,9 +236,8 @@ def keep_off_worker_cores() -> set[int]:
         return set()
     try:
         pin_threads(os.getpid(), others)
-        for child in psutil.Process().children(recursive=True):
-            if "EngineCore" in child.name():
-                pin_threads(child.pid, others)
+        for child in _vllm_processes("EngineCore"):
+            pin_threads(child.pid, others)
     except (psutil.Error, OSError) as exc:  # best effort: only speed depends on it
         log.warning("could not keep off the engine worker's cores: %s", exc)
         return set()
