@@ -52,6 +52,8 @@ def test_bench_live_replays_a_workload_and_writes_the_contract(tmp_path, justiti
     assert result["sim_mean_jct_s"] > 0
     ratio = result["mean_jct_s"] / result["sim_mean_jct_s"]
     assert 0.2 < ratio < 8, result
+    # and the first ETAs the server would give, its rate measured from the simulated steps
+    assert 0 <= result["sim_eta_error_p50"] <= result["sim_eta_error_p90"]
 
 
 def test_bench_live_refuses_bad_input(tmp_path, capsys) -> None:

@@ -121,3 +121,23 @@ def test_tau_estimator_scales_steps_to_a_full_cache():
     for _ in range(5000):  # the engine slows down: the estimate follows
         est.observe_step(0.04, kv_in_use=1000)
     assert est.tau_s == pytest.approx(0.04, rel=1e-3)
+
+
+def test_observing_n_steps_alike_is_n_observations():
+    """The simulator feeds a stretch of n decode iterations at once (observe_steps): the
+    estimate must be the one n single observations give."""
+    from server.scheduler import TauEstimator
+
+    one, many = (TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.05, half_life_s=2.0) for _ in range(2))
+    for n, duration, kv, reserved in ((300, 0.004, 700.0, 900.0), (1, 0.05, 600.0, None), (40, 0.01, 950.0, 950.0),
+                                      (5, 0.003, 100.0, 200.0)):  # the last one too empty to count
+        for _ in range(n):
+            one.observe_step(duration, kv, reserved)
+        many.observe_steps(n, duration, kv, reserved)
+    assert many.tau_s == pytest.approx(one.tau_s, rel=1e-9)
+    for q in (0.5, 0.9):
+        assert many.step_quantile(q) == pytest.approx(one.step_quantile(q))
+    a, b = one.promise_times(), many.promise_times()
+    assert b["bound_tau"] == pytest.approx(a["bound_tau"], rel=1e-9)
+    assert b["bound_iteration_s"] == pytest.approx(a["bound_iteration_s"], rel=1e-9)
+    assert one.tau_s != pytest.approx(0.05)  # measured, not the guess

@@ -1,5 +1,7 @@
 """Property tests of the simulator under Justitia: the delay bound, accounting, GPS."""
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -44,3 +46,23 @@ def test_gps_finish_in_results_is_the_offline_reference():
     rate = 5000 / gps_tau_s(profile, 5000, agents)
     ref = gps_finish_times([a.arrival for a in agents], [a.kv_cost for a in agents], rate)
     assert [a.gps_finish_s for a in res.agents] == pytest.approx(ref)
+
+
+def test_a_simulated_server_measures_its_rate_as_the_live_one_does():
+    """`tau="measured"`: the dispatcher starts from the server's initial guess and takes R
+    from the simulated steps, as the live server does from the engine's; the schedule of a
+    policy whose order ignores R (fcfs) does not move, what agents are told does."""
+    from server.sim.simulator import MEASURED_TAU_PRIOR_S, gps_tau_s, simulate
+    from server.sim.workload import load_workload
+
+    agents = load_workload(Path(__file__).parents[1] / "benchmarks/workloads/contended48.jsonl")
+    profile = get_profile("cpu-tiny")
+    told, measured = (simulate(agents, "fcfs", profile, 4096, tau=t) for t in ("profile", "measured"))
+    assert [a.finish_s for a in measured.agents] == [a.finish_s for a in told.agents]
+    assert [a.first_eta_s for a in measured.agents] != [a.first_eta_s for a in told.agents]
+    tau = measured.extra["measured_tau_s"]
+    assert tau != MEASURED_TAU_PRIOR_S and "measured_tau_s" not in told.extra
+    # what the engine sustained: slower than the profile's steps at full memory, same order
+    assert 0.5 < tau / gps_tau_s(profile, 4096, agents) < 4.0
+    with pytest.raises(ValueError, match="tau must be one of"):
+        simulate(agents[:2], "fcfs", profile, 4096, tau="guessed")

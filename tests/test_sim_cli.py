@@ -46,6 +46,19 @@ def test_bench_sim_writes_the_design_contract(workload, tmp_path, capsys):
         assert r["p50_jct_s"] <= r["p90_jct_s"] <= r["p99_jct_s"] <= r["max_jct_s"]
 
 
+def test_bench_sim_measures_the_rate_as_the_server_does_when_asked(workload, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["bench", "sim", "--workload", str(workload), "--policies", "justitia", "--kv-tokens", "20000",
+                 "--tau", "measured", "--json", str(out), "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["tau"] == "measured"
+    [result] = doc["results"]
+    assert result["measured_tau_s"] > 0 and result["measured_tau_s"] != doc["config"]["gps_tau_s"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "sim", "--workload", str(workload), "--tau", "guessed"])
+    assert exit_.value.code == 2 and "--tau" in capsys.readouterr().err
+
+
 def test_make_workload_command(tmp_path, capsys):
     out = tmp_path / "mix.jsonl"
     assert main(["bench", "make-workload", "--out", str(out), "--agents", "30", "--density", "3", "--seed", "1"]) == 0

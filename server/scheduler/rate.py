@@ -33,6 +33,7 @@ widened (`COLD_WIDENING` times the guess) and say so.
 from __future__ import annotations
 
 import collections
+import itertools
 import statistics
 from dataclasses import dataclass, field
 from typing import TypedDict
@@ -87,6 +88,24 @@ class TauEstimator:
         # like many decode steps: on the CPU engine it read 0.08-0.30 s for 10 ms steps and
         # V ran about 30 times too slowly, issue 18.)
         self._weighted_tau = self._weighted_tau * decay + duration_s / sample
+
+    def observe_steps(self, n: int, duration_s: float, kv_in_use: float, kv_reserved: float | None = None) -> None:
+        """`n` steps alike, each of `duration_s` (the simulator's stretches of decode
+        iterations): the same as `n` calls of `observe_step`, in O(min(n, step_window))."""
+        if n <= 0:
+            return
+        if duration_s > 0 and kv_in_use > 0:
+            self._steps.extend(itertools.repeat(duration_s, min(n, self.step_window)))
+        fill = kv_in_use if kv_reserved is None else max(kv_reserved, kv_in_use)
+        if duration_s <= 0 or kv_in_use <= 0 or fill < self.min_fill * self.kv_capacity_tokens:
+            return
+        served = kv_in_use / fill  # full-cache iterations one step serves (duration / sample)
+        self._samples.extend(itertools.repeat((duration_s, served), min(n, self.step_window)))
+        decay = 0.5 ** (duration_s / self.half_life_s)
+        decay_n = decay ** n
+        total = n if decay >= 1.0 else (1.0 - decay_n) / (1.0 - decay)  # sum of decay^k, k < n
+        self._weight = self._weight * decay_n + duration_s * total
+        self._weighted_tau = self._weighted_tau * decay_n + served * total
 
     def set_kv_capacity(self, kv_capacity_tokens: int) -> None:
         """Replicas changed: samples already taken stay valid (they are per full cache)."""

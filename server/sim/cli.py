@@ -45,6 +45,10 @@ def register(commands: Commands) -> None:
     sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions and of ewsjf's online tuner")
     _las_options(sim)
     sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
+    sim.add_argument("--tau", choices=("profile", "measured"), default="profile",
+                     help="where the scheduler's rate R = M / tau comes from: profile (what the profile's engine "
+                          "sustains on the mix, known from the start) or measured (from the simulated steps, as the "
+                          "live server measures the real engine: the ETAs and deadlines the server would give)")
     sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
     sim.add_argument("--html", metavar="OUT.html", default=None,
                      help="write a self-contained HTML report (policy table, JCT CDFs, slowdown vs GPS, promises)")
@@ -273,7 +277,7 @@ def _sim(args: argparse.Namespace) -> int:
     predictions = _predictions(args, agents)
     t0 = time.perf_counter()
     results = run_comparison(agents, _configured(args, policies), profile, m, predictions,
-                             backfill=args.backfill, seed=args.seed)
+                             backfill=args.backfill, seed=args.seed, tau=args.tau)
     wall = time.perf_counter() - t0
     tau = gps_tau_s(profile, m, agents)
     limits = workload_limits(agents)
@@ -289,6 +293,7 @@ def _sim(args: argparse.Namespace) -> int:
         "prediction": args.prediction,
         "seed": args.seed,
         "backfill": args.backfill,
+        "tau": args.tau,
         "las_half_life_s": args.las_half_life_s,
         "las_head_wait_weight": args.las_head_wait_weight,
         "limits": {
@@ -324,16 +329,21 @@ def _check_live_sizes(args: argparse.Namespace, agents: list) -> None:
 def _add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[str], profile: Any,
                         results: list) -> None:
     """The simulator's prediction of the same run: same workload, policy, profile and M;
-    oracle costs (the simulator has no server predictor to stand in for `server`)."""
+    oracle costs (the simulator has no server predictor to stand in for `server`); the rate
+    measured from the simulated steps as the server measures the engine's, so that the
+    predicted first ETAs are those the server would give (`sim_eta_error_p50/p90`)."""
     from .simulator import make_predictions, run_comparison
 
     predicted = run_comparison(agents, _configured(args, policies), profile, args.kv_tokens,
-                               make_predictions(agents, "oracle"))
+                               make_predictions(agents, "oracle"), tau="measured")
     for live_r, sim_r in zip(results, predicted, strict=True):
         live_mean = live_r.summary()["mean_jct_s"]
-        sim_mean = sim_r.summary()["mean_jct_s"]
+        sim = sim_r.summary()
+        sim_mean = sim["mean_jct_s"]
         live_r.extra["sim_mean_jct_s"] = sim_mean
         live_r.extra["sim_error"] = (sim_mean - live_mean) / live_mean if live_mean else None
+        live_r.extra["sim_eta_error_p50"] = sim.get("eta_error_p50")
+        live_r.extra["sim_eta_error_p90"] = sim.get("eta_error_p90")
 
 
 def _live(args: argparse.Namespace) -> int:
@@ -413,8 +423,13 @@ def _live_rounds(agents: list, policies: list[str], opts: LiveOptions, repeat: i
 def _print_live_notes(results: list, repeats: dict | None) -> None:
     for r in results:
         if "sim_mean_jct_s" in r.extra:
-            print(f"{r.policy}: live mean JCT {r.summary()['mean_jct_s']:.2f} s, simulator "
+            summary = r.summary()
+            print(f"{r.policy}: live mean JCT {summary['mean_jct_s']:.2f} s, simulator "
                   f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%)")
+            if summary.get("eta_error_p50") is not None and r.extra.get("sim_eta_error_p50") is not None:
+                print(f"{r.policy}: first-ETA error p50 / p90 live {summary['eta_error_p50']:.2f} / "
+                      f"{summary['eta_error_p90']:.2f}, simulator {r.extra['sim_eta_error_p50']:.2f} / "
+                      f"{r.extra['sim_eta_error_p90']:.2f}")
         if r.extra.get("prefix_hit_rate") is not None:
             print(f"{r.policy}: the engine served {100 * r.extra['prefix_hit_rate']:.0f}% of prompt tokens "
                   f"from its prefix cache; admission shared {r.extra.get('kv_saved_total') or 0:,} KV tokens")

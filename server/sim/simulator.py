@@ -16,14 +16,20 @@ from dataclasses import dataclass, field
 
 from server.scheduler import AgentShape, BoundLimits, Dispatcher, Policy, RequestSpec, get_policy, gps_finish_times
 from server.scheduler.cost import KV, kv_cost
-from server.scheduler.policies import Justitia
+from server.scheduler.policies import FOOTPRINT, Justitia
 from server.scheduler.prefix import segments
+from server.scheduler.rate import TauEstimator
 
 from .engine import EngineModel, SimRequest
 from .profiles import EngineProfile
 from .workload import AgentSpec
 
 ETA_REFRESH_S = 0.25  # simulated seconds between two ETA passes (the live server: 0.25 s too)
+# `tau="measured"`: the simulated server measures its rate as the live one does, from this
+# initial guess (the server's `initial_tau_s`), once a simulated second (its housekeeping).
+MEASURED_TAU_PRIOR_S = 0.01
+TAU_UPDATE_S = 1.0
+TAU_SOURCES = ("profile", "measured")
 
 
 @dataclass
@@ -222,25 +228,37 @@ def simulate(
     gps_finish: Sequence[float] | None = None,
     seed: int = 0,
     isolated: Sequence[float] | None = None,
+    tau: str = "profile",
 ) -> PolicyResult:
     """Run one policy over the workload; returns per-agent finish times and counters.
     `seed` seeds a policy that learns online (ewsjf's tuner): same seed, same run.
-    `isolated`: each agent's time alone (`isolated_jct_s`, computed when not given)."""
+    `isolated`: each agent's time alone (`isolated_jct_s`, computed when not given).
+    `tau`: where the dispatcher's rate R = M / tau comes from. "profile": what the profile's
+    engine sustains on the workload's mix, known from the start (`gps_tau_s`); "measured":
+    measured from the simulated steps as the live server measures the real ones (a
+    `TauEstimator` from the server's initial guess, updated once a simulated second), so that
+    ETAs and deadlines are those the live server would give."""
     import time
 
+    if tau not in TAU_SOURCES:
+        raise ValueError(f"tau must be one of {', '.join(TAU_SOURCES)}, not {tau!r}")
     wall0 = time.perf_counter()
     agents = sorted(agents, key=lambda a: a.arrival)
     m = int(kv_tokens or profile.kv_tokens)
-    tau = gps_tau_s(profile, m, agents)
+    estimator = TauEstimator(m, MEASURED_TAU_PRIOR_S) if tau == "measured" else None
+    tau_s = gps_tau_s(profile, m, agents) if estimator is None else estimator.tau_s
     predictions = predictions or make_predictions(agents)
     limits = workload_limits(agents)
     if gps_finish is None:
-        gps_finish = gps_finish_times([a.arrival for a in agents], [a.kv_cost_shared for a in agents], m / tau)
+        gps_finish = gps_finish_times([a.arrival for a in agents], [a.kv_cost_shared for a in agents],
+                                       m / gps_tau_s(profile, m, agents))
     pol = get_policy(policy) if isinstance(policy, str) else policy
-    disp = Dispatcher(pol, m, tau, limits=limits, backfill=backfill, seed=seed, time_model=profile)
+    disp = Dispatcher(pol, m, tau_s, limits=limits, backfill=backfill, seed=seed, time_model=profile)
+    if estimator is not None:
+        disp.set_iteration_time(estimator.tau_s, 0.0, **estimator.promise_times())
     engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"))
 
-    run = _Run(agents, disp, engine, predictions)
+    run = _Run(agents, disp, engine, predictions, estimator)
     run.loop()
     if isolated is None:
         isolated = isolated_jct_s(agents, profile, m)
@@ -256,7 +274,7 @@ def simulate(
         preemptions=engine.preemptions,
         accounting_zero=disp.is_idle() and engine.holds_nothing(),
         sim_wall_s=time.perf_counter() - wall0,
-        extra=_extra(disp, engine),
+        extra=_extra(disp, engine) | ({"measured_tau_s": disp.tau} if estimator is not None else {}),
     )
 
 
@@ -279,8 +297,11 @@ class _Run:
     completions as steps of one event loop (ETAs refreshed off the decision path)."""
 
     def __init__(self, agents: Sequence[AgentSpec], disp: Dispatcher, engine: EngineModel,
-                 predictions: Predictions) -> None:
+                 predictions: Predictions, tau_estimator: TauEstimator | None = None) -> None:
         self.agents, self.disp, self.engine, self.predictions = agents, disp, engine, predictions
+        self.tau_estimator = tau_estimator
+        # the live server tells the estimator the reservations of footprint policies only
+        self.footprint = disp.policy.admission == FOOTPRINT
         self.kv_predicted = predictions.kv_for(disp.policy)
         self.segments: dict[str, tuple] = {}  # request id -> its prefix segments (engine model)
         n = len(agents)
@@ -298,10 +319,14 @@ class _Run:
         agents, disp, engine = self.agents, self.disp, self.engine
         t = 0.0
         next_refresh = 0.0
+        next_tau = TAU_UPDATE_S
         while self.done < len(agents):
             if t >= next_refresh:  # ETAs are refreshed off the decision path, as on the server
                 disp.refresh_etas(t)
                 next_refresh = t + ETA_REFRESH_S
+            if self.tau_estimator is not None and t >= next_tau:
+                disp.set_iteration_time(self.tau_estimator.tau_s, t, **self.tau_estimator.promise_times())
+                next_tau = t + TAU_UPDATE_S
             self.arrive(t)
             engine.resume()
             if not engine.waiting:
@@ -314,9 +339,27 @@ class _Run:
                     raise RuntimeError("simulator stalled: requests pending but nothing admitted")
                 break
             until = agents[self.nxt].arrival if self.nxt < len(agents) else math.inf
-            t, finished = engine.step(t, until)
+            if self.tau_estimator is None:
+                t, finished = engine.step(t, until)
+            else:
+                t, finished = self.measured_step(t, until)
             for r in finished:
                 self.request_finished(r, t)
+
+    def measured_step(self, t: float, until: float) -> tuple[float, list[SimRequest]]:
+        """An engine step (or stretch of decode steps) whose time and memory the estimator
+        sees as the live server sees the engine's: each step's duration and the KV cache in
+        use (shared prefixes once; unreferenced cached prefixes are free, as vLLM counts)."""
+        engine, estimator = self.engine, self.tau_estimator
+        assert estimator is not None
+        iterations, batch = engine.iterations, len(engine.running)
+        in_use = engine.kv_used - engine.cache.evictable
+        reserved = self.disp.reserved_kv if self.footprint else None
+        end, finished = engine.step(t, until)
+        n = engine.iterations - iterations
+        if n > 0 and end > t:  # memory grows by one token per sequence and step: its mean
+            estimator.observe_steps(n, (end - t) / n, in_use + batch * (n + 1) / 2.0, reserved)
+        return end, finished
 
     def arrive(self, t: float) -> None:
         """Registers the agents that have arrived by `t` and submits their first stage."""
@@ -380,8 +423,9 @@ def run_comparison(
     predictions: Predictions | None = None,
     backfill: bool = False,
     seed: int = 0,
+    tau: str = "profile",
 ) -> list[PolicyResult]:
-    """Every policy on the same workload, predictions and GPS reference."""
+    """Every policy on the same workload, predictions and GPS reference (`tau`: `simulate`'s)."""
     agents = sorted(agents, key=lambda a: a.arrival)
     m = int(kv_tokens or profile.kv_tokens)
     # The GPS reference charges shared prefixes once (what the work really is; without
@@ -391,5 +435,5 @@ def run_comparison(
     predictions = predictions or make_predictions(agents)
     isolated = isolated_jct_s(agents, profile, m)
     return [simulate(agents, p, profile, m, predictions, backfill=backfill, gps_finish=gps, seed=seed,
-                     isolated=isolated)
+                     isolated=isolated, tau=tau)
             for p in policies]
