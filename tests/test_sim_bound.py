@@ -66,3 +66,15 @@ def test_a_simulated_server_measures_its_rate_as_the_live_one_does():
     assert 0.5 < tau / gps_tau_s(profile, 4096, agents) < 4.0
     with pytest.raises(ValueError, match="tau must be one of"):
         simulate(agents[:2], "fcfs", profile, 4096, tau="guessed")
+
+
+def test_the_simulated_server_starts_from_the_live_servers_guess():
+    """`tau="measured"` stands for the live server: the same initial tau, the same update
+    period as its housekeeping, the same ETA refresh period."""
+    from server.config import ServerConfig
+    from server.live import LiveConfig
+    from server.sim.simulator import ETA_REFRESH_S, MEASURED_TAU_PRIOR_S, TAU_UPDATE_S
+
+    live = LiveConfig()
+    assert MEASURED_TAU_PRIOR_S == ServerConfig.model_fields["initial_tau_s"].default == live.initial_tau_s
+    assert TAU_UPDATE_S == live.housekeeping_s and ETA_REFRESH_S == live.eta_refresh_s
