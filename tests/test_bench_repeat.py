@@ -9,7 +9,7 @@ import json
 import pytest
 
 from justitia_cli import main
-from server.sim.report import median_runs, write_json
+from server.sim.report import median_interval, median_runs, write_json
 from server.sim.simulator import AgentResult, PolicyResult
 
 
@@ -29,6 +29,10 @@ def test_each_policy_s_row_is_its_median_run_and_ratios_are_paired_by_round(tmp_
     [paired] = [c for c in repeats["paired"] if c["baseline"] == "vtc"]
     assert paired["mean_jct_ratio_by_round"] == pytest.approx([0.5, 0.5, 11 / 19])
     assert paired["median_mean_jct_ratio"] == pytest.approx(0.5)
+    # three rounds: only the smallest and largest bound the median, 75% of the time
+    assert paired["median_interval"] == pytest.approx({"low": 0.5, "high": 11 / 19, "coverage": 0.75})
+    # summed over the rounds: every round weighs by its JCTs (the slow round counts double)
+    assert paired["pooled_mean_jct_ratio"] == pytest.approx((10 + 20 + 11) / (20 + 40 + 19))
     # two rounds: the lower middle one
     results, _ = median_runs(rounds[:2])
     assert [r.summary()["mean_jct_s"] for r in results] == [10.0, 20.0]
@@ -44,3 +48,16 @@ def test_repeat_must_be_positive(tmp_path, capsys) -> None:
     rc = main(["bench", "live", "--workload", str(workload), "--kv-tokens", "4096", "--repeat", "0"])
     assert rc == 2
     assert "--repeat must be at least 1" in capsys.readouterr().err
+
+
+def test_the_median_interval_is_the_sign_tests() -> None:
+    """k-th smallest to k-th largest of n covers the median with 1 - 2 P(Bin(n, 1/2) < k):
+    the narrowest such interval with 90% at least."""
+    eleven = [0.956, 0.828, 0.916, 0.967, 0.902, 0.820, 0.834, 1.070, 0.907, 0.872, 0.880]
+    interval = median_interval(eleven)
+    # k = 3: 1 - 2 (1 + 11 + 55) / 2048 = 0.935; k = 4 would cover 0.773 only
+    assert interval == pytest.approx({"low": 0.834, "high": 0.956, "coverage": 1 - 2 * 67 / 2048})
+    five = median_interval([0.834, 1.070, 0.907, 0.872, 0.880])
+    assert five == pytest.approx({"low": 0.834, "high": 1.070, "coverage": 1 - 2 / 32})
+    assert median_interval([0.9, 0.8], level=0.99) == pytest.approx({"low": 0.8, "high": 0.9, "coverage": 0.5})
+    assert median_interval([0.9]) is None and median_interval([]) is None

@@ -439,8 +439,14 @@ def _print_live_notes(results: list, repeats: dict | None) -> None:
     for c in repeats["paired"]:
         by_round = ", ".join("-" if x is None else f"{x:.3f}" for x in c["mean_jct_ratio_by_round"])
         median = c["median_mean_jct_ratio"]
-        print(f"{c['policy']} / {c['baseline']} mean JCT, round by round: {by_round}; "
-              f"median {'-' if median is None else f'{median:.3f}'}")
+        line = (f"{c['policy']} / {c['baseline']} mean JCT, round by round: {by_round}; "
+                f"median {'-' if median is None else f'{median:.3f}'}")
+        if (interval := c.get("median_interval")) is not None:
+            line += (f" ({interval['low']:.3f}-{interval['high']:.3f} covers the median with "
+                     f"{100 * interval['coverage']:.0f}% confidence)")
+        if (pooled := c.get("pooled_mean_jct_ratio")) is not None:
+            line += f"; summed over the rounds {pooled:.3f}"
+        print(line)
 
 
 def _add_slowdowns(results, agents, profile, kv_tokens: int) -> None:
