@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,12 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.progress import track  # noqa: E402
 
 from server.sim.profiles import load_profile  # noqa: E402
-from server.sim.simulator import TAU_SOURCES, simulate  # noqa: E402
+from server.sim.simulator import TAU_SOURCES, _quantile, isolated_jct_s, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402
-
-
-def quantile(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def main() -> int:
@@ -53,11 +48,15 @@ def main() -> int:
 
     agents = sorted(load_workload(args.workload), key=lambda a: a.arrival)
     profile = load_profile(args.profile)
-    full = {r.id: r for r in simulate(agents, args.policy, profile, args.kv_tokens, tau=args.tau).agents}
+    # each agent's time alone, once (every partial run would compute its agents' again)
+    isolated = isolated_jct_s(agents, profile, args.kv_tokens)
+    run = simulate(agents, args.policy, profile, args.kv_tokens, tau=args.tau, isolated=isolated)
+    full = {r.id: r for r in run.agents}
     rows = []
     for k in track(range(len(agents)), description="replaying the known work of each agent"):
         a = agents[k]
-        known = {r.id: r for r in simulate(agents[:k + 1], args.policy, profile, args.kv_tokens, tau=args.tau).agents}
+        known = {r.id: r for r in simulate(agents[:k + 1], args.policy, profile, args.kv_tokens, tau=args.tau,
+                                           isolated=isolated[:k + 1]).agents}
         jct = full[a.id].jct_s
         replay = known[a.id].jct_s
         eta = full[a.id].first_eta_s
@@ -68,13 +67,13 @@ def main() -> int:
         first = "" if r["first_eta_error"] is None else f"{r['first_eta_s']:7.2f} ({r['first_eta_error']:+.2f})"
         print(f"{r['id']:>6} {r['type'][:18]:18s} arrival {r['arrival_s']:6.2f}  JCT {r['jct_s']:7.2f}  "
               f"replay of known work {r['replay_eta_s']:7.2f} ({r['replay_error']:+.2f})  first ETA {first}")
-    replay_err = [abs(r["replay_error"]) for r in rows]
-    eta_err = [abs(r["first_eta_error"]) for r in rows if r["first_eta_error"] is not None]
+    replay_err = sorted(abs(r["replay_error"]) for r in rows)
+    of_run = run.summary()  # the server's first ETAs, as bench sim reports them
     summary = {
-        "replay_of_known_work_error_p50": quantile(replay_err, 0.5),
-        "replay_of_known_work_error_p90": quantile(replay_err, 0.9),
-        "first_eta_error_p50": quantile(eta_err, 0.5) if len(eta_err) > 1 else None,
-        "first_eta_error_p90": quantile(eta_err, 0.9) if len(eta_err) > 1 else None,
+        "replay_of_known_work_error_p50": _quantile(replay_err, 0.5),
+        "replay_of_known_work_error_p90": _quantile(replay_err, 0.9),
+        "first_eta_error_p50": of_run["eta_error_p50"],
+        "first_eta_error_p90": of_run["eta_error_p90"],
     }
     print(f"replay of the known work: error p50 {summary['replay_of_known_work_error_p50']:.3f}, "
           f"p90 {summary['replay_of_known_work_error_p90']:.3f}")

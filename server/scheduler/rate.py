@@ -73,21 +73,7 @@ class TauEstimator:
     def observe_step(self, duration_s: float, kv_in_use: float, kv_reserved: float | None = None) -> None:
         """Record one engine step: its duration, the KV tokens it held and, for footprint
         policies, the KV tokens the dispatcher had reserved."""
-        if duration_s > 0 and kv_in_use > 0:
-            self._steps.append(duration_s)
-        fill = kv_in_use if kv_reserved is None else max(kv_reserved, kv_in_use)
-        if duration_s <= 0 or kv_in_use <= 0 or fill < self.min_fill * self.kv_capacity_tokens:
-            return
-        sample = duration_s * fill / kv_in_use
-        self._samples.append((duration_s, duration_s / sample))
-        decay = 0.5 ** (duration_s / self.half_life_s)
-        self._weight = self._weight * decay + duration_s
-        # What a full cache serves in this step, in full-cache iterations (duration / sample):
-        # tau = busy time / that, the rate's own definition. (A mean of the samples weighted
-        # by duration, as before, let a few long prefill steps with little KV in use weigh
-        # like many decode steps: on the CPU engine it read 0.08-0.30 s for 10 ms steps and
-        # V ran about 30 times too slowly, issue 18.)
-        self._weighted_tau = self._weighted_tau * decay + duration_s / sample
+        self.observe_steps(1, duration_s, kv_in_use, kv_reserved)
 
     def observe_steps(self, n: int, duration_s: float, kv_in_use: float, kv_reserved: float | None = None) -> None:
         """`n` steps alike, each of `duration_s` (the simulator's stretches of decode
@@ -99,7 +85,13 @@ class TauEstimator:
         fill = kv_in_use if kv_reserved is None else max(kv_reserved, kv_in_use)
         if duration_s <= 0 or kv_in_use <= 0 or fill < self.min_fill * self.kv_capacity_tokens:
             return
-        served = kv_in_use / fill  # full-cache iterations one step serves (duration / sample)
+        # A step is worth a tau sample of duration x fill / in use; what a full cache serves
+        # in it, in full-cache iterations, is duration / sample = in use / fill, and tau is
+        # busy time over that, the rate's own definition. (A mean of the samples weighted by
+        # duration, as before, let a few long prefill steps with little KV in use weigh like
+        # many decode steps: on the CPU engine it read 0.08-0.30 s for 10 ms steps and V ran
+        # about 30 times too slowly, issue 18.)
+        served = kv_in_use / fill
         self._samples.extend(itertools.repeat((duration_s, served), min(n, self.step_window)))
         decay = 0.5 ** (duration_s / self.half_life_s)
         decay_n = decay ** n

@@ -45,6 +45,7 @@ def register(commands: Commands) -> None:
     sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions and of ewsjf's online tuner")
     _las_options(sim)
     sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
+    # simulator.TAU_SOURCES, spelled out: this module imports nothing of the simulator
     sim.add_argument("--tau", choices=("profile", "measured"), default="profile",
                      help="where the scheduler's rate R = M / tau comes from: profile (what the profile's engine "
                           "sustains on the mix, known from the start) or measured (from the simulated steps, as the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,10 +72,9 @@ def median_runs(rounds: Sequence[Sequence[PolicyResult]]) -> tuple[list[PolicyRe
     on the machine of the same few minutes."""
     if not rounds or any(len(r) != len(rounds[0]) for r in rounds):
         raise ValueError("every round runs the same policies")
-    mean = lambda r: r.summary()["mean_jct_s"]  # noqa: E731
     chosen = []
     for i in range(len(rounds[0])):
-        of_policy = sorted((rnd[i] for rnd in rounds), key=mean)
+        of_policy = sorted((rnd[i] for rnd in rounds), key=_mean_jct)
         chosen.append(of_policy[(len(of_policy) - 1) // 2])
     per_round = [comparisons(rnd) for rnd in rounds]
     paired = []
@@ -93,14 +93,18 @@ def median_runs(rounds: Sequence[Sequence[PolicyResult]]) -> tuple[list[PolicyRe
 def _pooled_ratio(rounds: Sequence[Sequence[PolicyResult]], policy: str, baseline: str) -> float | None:
     """The policy's mean JCT summed over the rounds, over the baseline's: every round weighs
     by its JCTs, where the median of the ratios weighs every round alike."""
-    mean = lambda r: r.summary()["mean_jct_s"]  # noqa: E731
     total = {policy: 0.0, baseline: 0.0}
     for rnd in rounds:
         by = {r.policy: r for r in rnd}
         if policy in by and baseline in by:
-            total[policy] += mean(by[policy])
-            total[baseline] += mean(by[baseline])
+            total[policy] += _mean_jct(by[policy])
+            total[baseline] += _mean_jct(by[baseline])
     return total[policy] / total[baseline] if total[baseline] else None
+
+
+def _mean_jct(result: PolicyResult) -> float:
+    """`result.summary()["mean_jct_s"]` without the summary's quantiles."""
+    return statistics.fmean(a.jct_s for a in result.agents) if result.agents else 0.0
 
 
 def write_json(path: str | Path, config: dict, results: Sequence[PolicyResult],

@@ -245,17 +245,18 @@ def simulate(
     wall0 = time.perf_counter()
     agents = sorted(agents, key=lambda a: a.arrival)
     m = int(kv_tokens or profile.kv_tokens)
+    profile_tau = gps_tau_s(profile, m, agents)
     estimator = TauEstimator(m, MEASURED_TAU_PRIOR_S) if tau == "measured" else None
-    tau_s = gps_tau_s(profile, m, agents) if estimator is None else estimator.tau_s
     predictions = predictions or make_predictions(agents)
     limits = workload_limits(agents)
     if gps_finish is None:
         gps_finish = gps_finish_times([a.arrival for a in agents], [a.kv_cost_shared for a in agents],
-                                       m / gps_tau_s(profile, m, agents))
+                                       m / profile_tau)
     pol = get_policy(policy) if isinstance(policy, str) else policy
-    disp = Dispatcher(pol, m, tau_s, limits=limits, backfill=backfill, seed=seed, time_model=profile)
-    if estimator is not None:
-        disp.set_iteration_time(estimator.tau_s, 0.0, **estimator.promise_times())
+    # measured: the loop hands the estimator's guess (and its widened promises) over at t = 0,
+    # before the first agent registers
+    disp = Dispatcher(pol, m, profile_tau if estimator is None else estimator.tau_s, limits=limits,
+                      backfill=backfill, seed=seed, time_model=profile)
     engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"))
 
     run = _Run(agents, disp, engine, predictions, estimator)
@@ -319,12 +320,12 @@ class _Run:
         agents, disp, engine = self.agents, self.disp, self.engine
         t = 0.0
         next_refresh = 0.0
-        next_tau = TAU_UPDATE_S
+        next_tau = 0.0
         while self.done < len(agents):
             if t >= next_refresh:  # ETAs are refreshed off the decision path, as on the server
                 disp.refresh_etas(t)
                 next_refresh = t + ETA_REFRESH_S
-            if self.tau_estimator is not None and t >= next_tau:
+            if self.tau_estimator is not None and t >= next_tau:  # then tau, as its housekeeping does
                 disp.set_iteration_time(self.tau_estimator.tau_s, t, **self.tau_estimator.promise_times())
                 next_tau = t + TAU_UPDATE_S
             self.arrive(t)
