@@ -86,7 +86,7 @@ class BodySizeLimit:
 def build_engine(config: ServerConfig) -> tuple[Engine, str]:
     """The in-process vLLM engine for this configuration, and the model's served name."""
     from server.engine.vllm_local import LocalEngineConfig, LocalVLLMEngine
-    from server.tiny_model import TINY_MODEL_NAME, ensure_default_model
+    from server.tiny_model import TINY_MODEL_NAME, embedded_engine_config
 
     if config.engine_urls:
         from server.engine.remote import RemoteVLLMEngine
@@ -95,18 +95,12 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
         return remote, config.served_model_name or ""
 
     if config.model is None:
-        path = ensure_default_model()
-        engine_cfg = LocalEngineConfig(
-            model=str(path),
+        engine_cfg = embedded_engine_config(
             kv_tokens=config.kv_tokens,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             engine_core_nice=config.engine_nice,
             restarts=config.engine_restarts,
-            dummy_weights=True,
-            # bfloat16 on CPUs with AMX dies with SIGILL on batches of one or two tokens
-            # (vLLM CPU 0.32, measured here); the tiny model loses nothing in float32.
-            dtype="float32",
         )
         return LocalVLLMEngine(engine_cfg), config.served_model_name or TINY_MODEL_NAME
     engine_cfg = LocalEngineConfig(

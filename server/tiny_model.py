@@ -15,6 +15,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from server.engine.vllm_local import LocalEngineConfig
 
 TINY_MODEL_NAME = "justitia-tiny-llama"
 VOCAB_SIZE = 1024
@@ -152,3 +156,24 @@ def default_cache_dir() -> Path:
 def ensure_default_model() -> Path:
     """The embedded model's folder, created on first use."""
     return init_tiny(default_cache_dir())
+
+
+def embedded_engine_config(**settings: Any) -> LocalEngineConfig:
+    """The in-process engine of the embedded model, as `justitia serve` runs it; `settings`
+    are the rest of `LocalEngineConfig` (KV capacity, context length, ...).
+
+    Everything that measures the embedded engine builds it here, so that it measures the
+    engine the server runs: `bench calibrate` once left the dtype to vLLM, which runs a
+    float32 model in bfloat16 on a CPU, and on a CPU without native bfloat16 (AVX2 only)
+    it timed prefill at 124 us a token where the server's float32 engine took 38 us."""
+    from server.engine.vllm_local import LocalEngineConfig
+
+    return LocalEngineConfig(
+        model=str(ensure_default_model()),
+        dummy_weights=True,  # the embedded model has no weights: random ones
+        # bfloat16 on CPUs with AMX dies with SIGILL on batches of one or two tokens
+        # (vLLM CPU 0.32, measured here), and without native bfloat16 it is slow; the
+        # tiny model loses nothing in float32.
+        dtype="float32",
+        **settings,
+    )

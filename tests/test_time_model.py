@@ -158,3 +158,23 @@ def test_bench_sim_refuses_a_bad_profile_file(workload, tmp_path, capsys) -> Non
     rc = main(["bench", "sim", "--workload", str(workload), "--profile", str(bad), "--quiet"])
     assert rc != 0
     assert "cannot read the profile file" in capsys.readouterr().err
+
+
+def test_calibration_measures_the_engine_the_server_runs(tmp_path, monkeypatch) -> None:
+    # `bench calibrate` once left the dtype to vLLM, which runs a float32 model in bfloat16
+    # on a CPU: on one without native bfloat16 it timed prefill 2x slower than the server's
+    # float32 engine, and the simulator predicted the live run 40-50% too slow.
+    from server.app import build_engine
+    from server.config import ServerConfig
+    from server.engine.vllm_local import LocalVLLMEngine
+    from server.sim.calibrate import calibration_engine_config
+
+    monkeypatch.setenv("JUSTITIA_HOME", str(tmp_path))  # the embedded model is made there
+    served, _ = build_engine(ServerConfig(kv_tokens=4096, max_model_len=4096))
+    assert isinstance(served, LocalVLLMEngine)
+    measured = calibration_engine_config(4096, 4096)
+    assert measured.dtype == "float32"
+    for name in ("model", "dtype", "dummy_weights", "kv_tokens", "max_model_len", "max_num_seqs", "block_size",
+                 "kv_cache_space_gib", "engine_core_nice"):
+        assert getattr(measured, name) == getattr(served.config, name), name
+    assert measured.restarts == 0  # a calibration whose engine dies says so instead of measuring another

@@ -26,11 +26,15 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from server.scheduler.time_model import StepSample, TimeModel, fit_samples
 
 from .engine import EngineModel, SimRequest
 from .profiles import PROFILES, EngineProfile
+
+if TYPE_CHECKING:
+    from server.engine.vllm_local import LocalEngineConfig
 
 VOCAB_LOW, VOCAB_HIGH = 10, 700  # token ids of the tiny model's vocabulary, specials excluded
 
@@ -71,18 +75,23 @@ def make_grid(kv_tokens: int, max_model_len: int, quick: bool = False) -> list[G
     return points
 
 
+def calibration_engine_config(kv_tokens: int, max_model_len: int, seed: int = 0) -> LocalEngineConfig:
+    """The engine `justitia serve --kv-tokens M --max-model-len N` runs (the embedded model,
+    its dtype and weights), not restarted: a calibration that fails says so."""
+    from server.tiny_model import embedded_engine_config
+
+    return embedded_engine_config(kv_tokens=kv_tokens, max_model_len=max_model_len, seed=seed, restarts=0)
+
+
 async def measure(points: list[GridPoint], kv_tokens: int, max_model_len: int, *,
                   seed: int = 0,
                   progress: Callable[[int, GridPoint], None] | None = None) -> tuple[list[PointResult], dict]:
     """Run each grid point on a fresh in-process engine; the step samples of each point."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the fit table, not vLLM's start-up log
     from server.engine.base import EngineRequest, SamplingOptions
-    from server.engine.vllm_local import LocalEngineConfig, LocalVLLMEngine
-    from server.tiny_model import ensure_default_model
+    from server.engine.vllm_local import LocalVLLMEngine
 
-    engine = LocalVLLMEngine(LocalEngineConfig(
-        model=str(ensure_default_model()), kv_tokens=kv_tokens, max_model_len=max_model_len,
-        dummy_weights=True, seed=seed, restarts=0))
+    engine = LocalVLLMEngine(calibration_engine_config(kv_tokens, max_model_len, seed))
     t0 = time.perf_counter()
     await engine.start()
     startup = time.perf_counter() - t0
