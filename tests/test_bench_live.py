@@ -54,6 +54,9 @@ def test_bench_live_replays_a_workload_and_writes_the_contract(tmp_path, justiti
     assert 0.2 < ratio < 8, result
     # and the first ETAs the server would give, its rate measured from the simulated steps
     assert 0 <= result["sim_eta_error_p50"] <= result["sim_eta_error_p90"]
+    # the same run simulated with the step-time model the server fitted to this engine
+    assert result["time_model"]["engines"]["local"]["samples"] > 0
+    assert 0.2 < result["mean_jct_s"] / result["sim_online_mean_jct_s"] < 5, result
 
 
 def test_bench_live_refuses_bad_input(tmp_path, capsys) -> None:

@@ -95,3 +95,33 @@ def test_starvation_command(tmp_path, capsys):
     assert {(r["flood_minutes"], r["policy"]) for r in rows} == {
         (1, "srjf"), (1, "justitia"), (2, "srjf"), (2, "justitia")}
     assert all(r["within_bound"] for r in rows if r["policy"] == "justitia")
+
+
+def test_bench_live_tells_the_engines_drift_from_the_simulators_form() -> None:
+    # bench live's prediction of a run, then the same with the model the server fitted during
+    # the run: a run whose engine steps took twice the profile's is predicted about twice as
+    # long by the second, not by the first
+    import argparse
+    from dataclasses import replace
+
+    from server.sim.cli import _add_sim_prediction
+    from server.sim.simulator import simulate
+
+    profile = get_profile("cpu-tiny")
+    agents = make_mix(12, profile, seed=5, density=2, length_scale=0.1)
+    slow = replace(profile, base_s=2 * profile.base_s, per_seq_s=2 * profile.per_seq_s,
+                   per_prefill_token_s=2 * profile.per_prefill_token_s, per_kv_token_s=2 * profile.per_kv_token_s)
+    live = simulate(agents, "justitia", slow, 4096, tau="measured")  # stands for the live run
+    live.extra["time_model"] = {"engines": {"local": {
+        "base_s": slow.base_s, "per_seq_s": slow.per_seq_s, "per_prefill_token_s": slow.per_prefill_token_s,
+        "per_kv_token_s": slow.per_kv_token_s, "samples": 5000, "source": "fitted online to 5000 engine steps"}}}
+    unfitted = simulate(agents, "justitia", slow, 4096, tau="measured")
+    unfitted.extra["time_model"] = {"engines": {"local": {"base_s": 0.0, "per_seq_s": 0.0, "per_prefill_token_s": 0.0,
+                                                          "per_kv_token_s": 0.0, "samples": 0}}}
+    args = argparse.Namespace(kv_tokens=4096, las_half_life_s=60.0, las_head_wait_weight=0.2)
+    _add_sim_prediction(args, agents, ["justitia", "justitia"], profile, [live, unfitted])
+    mean = live.summary()["mean_jct_s"]
+    assert live.extra["sim_mean_jct_s"] < 0.7 * mean  # the profile's engine is twice as fast
+    assert live.extra["sim_online_mean_jct_s"] == pytest.approx(mean, rel=0.02)
+    assert live.extra["sim_online_error"] == pytest.approx(0.0, abs=0.02)
+    assert "sim_online_mean_jct_s" not in unfitted.extra  # no steps fitted: nothing to say

@@ -332,11 +332,19 @@ def _add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[s
     """The simulator's prediction of the same run: same workload, policy, profile and M;
     oracle costs (the simulator has no server predictor to stand in for `server`); the rate
     measured from the simulated steps as the server measures the engine's, so that the
-    predicted first ETAs are those the server would give (`sim_eta_error_p50/p90`)."""
+    predicted first ETAs are those the server would give (`sim_eta_error_p50/p90`).
+
+    Then the same with the step-time model the server fitted during the run instead of the
+    profile (`sim_online_mean_jct_s`): not a prediction, since it is known only after the
+    run, but it tells the two errors of the prediction apart. On a host whose speed moves
+    from hour to hour (session 11: the same justitia run took 24.0 s, then 35.1 s an hour
+    later, its engine's base step 2.4 ms, then 4.6 ms) the profile measured beforehand is
+    off by the drift, while the run's own model is off only by the simulator's form."""
     from .simulator import make_predictions, run_comparison
 
-    predicted = run_comparison(agents, _configured(args, policies), profile, args.kv_tokens,
-                               make_predictions(agents, "oracle"), tau="measured")
+    oracle = make_predictions(agents, "oracle")
+    predicted = run_comparison(agents, _configured(args, policies), profile, args.kv_tokens, oracle,
+                               tau="measured")
     for live_r, sim_r in zip(results, predicted, strict=True):
         live_mean = live_r.summary()["mean_jct_s"]
         sim = sim_r.summary()
@@ -345,6 +353,30 @@ def _add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[s
         live_r.extra["sim_error"] = (sim_mean - live_mean) / live_mean if live_mean else None
         live_r.extra["sim_eta_error_p50"] = sim.get("eta_error_p50")
         live_r.extra["sim_eta_error_p90"] = sim.get("eta_error_p90")
+        fitted = _fitted_profile(profile, live_r.extra.get("time_model"))
+        if fitted is None:
+            continue
+        [again] = run_comparison(agents, _configured(args, [live_r.policy]), fitted, args.kv_tokens, oracle,
+                                 tau="measured")
+        online_mean = again.summary()["mean_jct_s"]
+        live_r.extra["sim_online_mean_jct_s"] = online_mean
+        live_r.extra["sim_online_error"] = (online_mean - live_mean) / live_mean if live_mean else None
+
+
+def _fitted_profile(profile: Any, time_model: dict | None) -> Any:
+    """`profile` with the coefficients the live server fitted to its engine's steps (None
+    when it fitted none, or fitted one per replica: the simulator has one engine)."""
+    from dataclasses import replace
+
+    engines = (time_model or {}).get("engines") or {}
+    if len(engines) != 1:
+        return None
+    [fit] = engines.values()
+    if not fit.get("samples"):
+        return None
+    return replace(profile, name=f"{profile.name}, refitted to the run", base_s=fit["base_s"],
+                   per_seq_s=fit["per_seq_s"], per_prefill_token_s=fit["per_prefill_token_s"],
+                   per_kv_token_s=fit["per_kv_token_s"], source=fit.get("source", ""))
 
 
 def _live(args: argparse.Namespace) -> int:
@@ -425,8 +457,12 @@ def _print_live_notes(results: list, repeats: dict | None) -> None:
     for r in results:
         if "sim_mean_jct_s" in r.extra:
             summary = r.summary()
+            online = ""
+            if r.extra.get("sim_online_mean_jct_s") is not None:
+                online = (f"; with the engine model the server fitted during the run "
+                          f"{r.extra['sim_online_mean_jct_s']:.2f} s ({100 * r.extra['sim_online_error']:+.0f}%)")
             print(f"{r.policy}: live mean JCT {summary['mean_jct_s']:.2f} s, simulator "
-                  f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%)")
+                  f"{r.extra['sim_mean_jct_s']:.2f} s ({100 * r.extra['sim_error']:+.0f}%){online}")
             if summary.get("eta_error_p50") is not None and r.extra.get("sim_eta_error_p50") is not None:
                 print(f"{r.policy}: first-ETA error p50 / p90 live {summary['eta_error_p50']:.2f} / "
                       f"{summary['eta_error_p90']:.2f}, simulator {r.extra['sim_eta_error_p50']:.2f} / "
