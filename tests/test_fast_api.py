@@ -164,10 +164,11 @@ def test_register_returns_a_complete_record(tmp_path) -> None:
         assert rec["state"] == "queued" and rec["metadata"] == {"source": "test"}
         assert rec["predicted_cost"] > 0 and rec["virtual_finish"] > 0
         assert rec["fair_finish_s"] > 0 and rec["eta_s"] > 0 and rec["delay_bound_s"] > 0
-        # the deadline was promised at registration (no arrivals measured yet, so the GPS finish
-        # plus the bound); the fair finish is projected at the read, a moment later
-        assert rec["deadline_s"] == pytest.approx(rec["fair_finish_s"] + rec["delay_bound_s"], abs=0.5)
-        assert rec["promise"] in ("firm", "widened") and isinstance(rec["promise_reason"], str)
+        # the deadline was promised at registration: the first agent this server sees, so no
+        # arrivals are measured yet and it assumes the most load it allows for (90% of the
+        # rate), and says so; the fair finish is projected at the read, a moment later
+        assert rec["deadline_s"] >= 10 * rec["fair_finish_s"] + rec["delay_bound_s"] - 0.5
+        assert rec["promise"] == "widened" and "no arrivals measured yet" in rec["promise_reason"]
         assert rec["finished_at"] is None
         assert fake_client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
         assert rec["id"] in {a["id"] for a in all_agents(fake_client)}

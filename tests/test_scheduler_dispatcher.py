@@ -177,9 +177,10 @@ def test_cancel_returns_running_ids_and_frees_everything():
 
 def test_views_and_snapshot():
     d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
+    d.arrivals.add(-100.0, 0.0)  # arrivals measured for 100 s, none of them work
     v = d.register_agent("a", 50_000.0, 0.0, shape=AgentShape(2, 300))
     assert v.fair_finish_s == pytest.approx(5.0)
-    # no arrivals measured yet and tau exact: the promise is the GPS finish plus the bound
+    # no load measured and tau exact: the promise is the GPS finish plus the bound
     assert v.deadline_s == pytest.approx(v.fair_finish_s + v.delay_bound_s)
     assert v.promise == "firm" and v.promise_reason == ""
     assert v.eta_s >= v.fair_finish_s - 1e-9
