@@ -105,14 +105,15 @@ def test_gps_reference_is_work_conserving(jobs, rate):
 def test_tau_estimator_scales_steps_to_a_full_cache():
     from server.scheduler import TauEstimator
 
-    est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.05, half_life_s=10.0)
+    # the sample arithmetic alone (the guess's weight: test_a_first_slow_step_does_not_set_tau_alone)
+    est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.05, half_life_s=10.0, prior_iterations=0)
     assert est.tau_s == 0.05
     est.observe_step(0.02, kv_in_use=100)  # too empty to say anything: skipped
     assert est.tau_s == 0.05
     for _ in range(50):
         est.observe_step(0.02, kv_in_use=800)  # cache used as full as it is filled: the step time
     assert est.tau_s == pytest.approx(0.02)
-    est2 = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.05)
+    est2 = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.05, prior_iterations=0)
     for _ in range(50):
         # reservations fill 90% but only 600 tokens are in use: full reservations would serve
         # 600/0.9 units per 0.02 s step, i.e. 1000 units per 0.03 s
@@ -121,6 +122,24 @@ def test_tau_estimator_scales_steps_to_a_full_cache():
     for _ in range(5000):  # the engine slows down: the estimate follows
         est.observe_step(0.04, kv_in_use=1000)
     assert est.tau_s == pytest.approx(0.04, rel=1e-3)
+
+
+def test_a_first_slow_step_does_not_set_tau_alone():
+    """Session 11, live: the first measured step was a 2,400-token prefill of 0.27 s among
+    decode steps of 5 ms. Alone, it set R to a twentieth of the engine's until the next
+    update, and the agents registered meanwhile were told 10-30 times their JCTs."""
+    from server.scheduler import TauEstimator
+
+    est = TauEstimator(kv_capacity_tokens=4096, initial_tau_s=0.01)
+    bare = TauEstimator(kv_capacity_tokens=4096, initial_tau_s=0.01, prior_iterations=0)
+    for e in (est, bare):
+        e.observe_step(0.27, kv_in_use=2400, kv_reserved=2600)
+        assert e.measured
+    assert bare.tau_s > 0.25
+    assert est.tau_s == pytest.approx((32 * 0.01 + 0.27) / (32 + 2400 / 2600), rel=0.01)  # the guess: 32 steps
+    for _ in range(2000):  # and the guess fades: 10 s of steady decode later, the data decide
+        est.observe_step(0.005, kv_in_use=4000)
+    assert est.tau_s == pytest.approx(0.005, rel=0.05)
 
 
 def test_observing_n_steps_alike_is_n_observations():

@@ -285,7 +285,7 @@ def test_tau_is_the_sustained_rate_not_a_mean_dominated_by_prefill_steps() -> No
     """Issue 18: the server's tau read 0.08-0.30 s for 10 ms engine steps. Nine decode steps
     of 10 ms with the cache in use as filled, and one prefill step of 90 ms with a tenth of
     it in use: a full cache serves 9 + 0.1 iterations' worth in 0.18 s."""
-    est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.01, half_life_s=1e9)
+    est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.01, half_life_s=1e9, prior_iterations=0)
     for _ in range(50):
         for _ in range(9):
             est.observe_step(0.01, kv_in_use=1000)

@@ -60,8 +60,16 @@ class TauEstimator:
     half_life_s: float = 30.0
     min_fill: float = 0.5
     step_window: int = 512  # raw step durations kept for the percentiles
-    _weight: float = 0.0  # decayed busy seconds observed
+    # The initial guess counts as this many full-cache iterations of evidence, decayed with
+    # the rest. Without it the first measured step set tau alone until the next update: on
+    # a CPU without native bfloat16 that step was a 2,400-token prefill of 0.27 s against
+    # decode steps of 5 ms, so R read a twentieth of the engine's for up to a second, and
+    # the agents registered meanwhile were told 10-30 times their JCTs (session 11, live
+    # contended48: first-ETA error p90 15.5).
+    prior_iterations: float = 32.0
+    _weight: float = 0.0  # decayed busy seconds observed (the prior's included)
     _weighted_tau: float = 0.0  # decayed full-cache iterations served (sum of duration / sample)
+    _measured: bool = False  # a step with a full-enough cache has been observed
     _steps: collections.deque[float] = field(default_factory=collections.deque)
     # recent measured steps: (duration, full-cache iterations served)
     _samples: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
@@ -69,6 +77,8 @@ class TauEstimator:
     def __post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.step_window)
         self._samples = collections.deque(maxlen=self.step_window)
+        self._weight = self.prior_iterations * self.initial_tau_s
+        self._weighted_tau = self.prior_iterations
 
     def observe_step(self, duration_s: float, kv_in_use: float, kv_reserved: float | None = None) -> None:
         """Record one engine step: its duration, the KV tokens it held and, for footprint
@@ -92,6 +102,7 @@ class TauEstimator:
         # many decode steps: on the CPU engine it read 0.08-0.30 s for 10 ms steps and V ran
         # about 30 times too slowly, issue 18.)
         served = kv_in_use / fill
+        self._measured = True
         self._samples.extend(itertools.repeat((duration_s, served), min(n, self.step_window)))
         decay = 0.5 ** (duration_s / self.half_life_s)
         decay_n = decay ** n
@@ -105,15 +116,16 @@ class TauEstimator:
 
     @property
     def tau_s(self) -> float:
-        """The current estimate (the initial value until a step with a full-enough cache)."""
+        """The current estimate: the initial guess until a step with a full-enough cache,
+        then busy time over full-cache iterations, the guess counting as `prior_iterations`."""
         if self._weight <= 0 or self._weighted_tau <= 0:
             return self.initial_tau_s
         return self._weight / self._weighted_tau
 
     @property
     def measured(self) -> bool:
-        """True once a step with a full-enough cache has set tau (else tau is the guess)."""
-        return self._weight > 0
+        """True once a step with a full-enough cache has been observed (else tau is the guess)."""
+        return self._measured
 
     def step_quantile(self, q: float) -> float | None:
         """The q-quantile of the recent raw step durations (None before any step)."""
