@@ -665,6 +665,7 @@ class LiveScheduler:
             "waiting": stats.waiting,
             "preemptions_total": stats.preemptions_total,
             "iteration_time_s": stats.iteration_time_s,
+            "dtype": self.engine.info.dtype,
         }
         snap["time_model"] = self.time_models.describe()
         return snap

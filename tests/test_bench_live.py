@@ -44,6 +44,7 @@ def test_bench_live_replays_a_workload_and_writes_the_contract(tmp_path, justiti
         assert a["gps_finish_s"] > a["arrival_s"] and a["delay_bound_s"] > 0
     # accurate footprints under justitia: the engine never preempted, accounting is back to 0
     assert result["preemptions"] == 0
+    assert result["engine_dtype"] == "float32"  # what `bench calibrate` measures too
     assert result["accounting_zero"] is True
     # The simulator's cpu-tiny profile predicts the live run's mean JCT (within 6% on a quiet
     # machine, docs/benchmarks.md). Here only a gross error is a failure: a broken live path

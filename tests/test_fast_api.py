@@ -446,7 +446,7 @@ def test_scheduler_snapshot_and_metrics(fake_client: httpx.Client) -> None:
     assert snap["policy"] == "justitia" and snap["paused"] is False
     assert snap["M"] == ENGINE_KV_TOKENS
     assert snap["tau"] > 0 and snap["V"] >= 0
-    assert {"kv_usage", "running", "waiting", "preemptions_total"} <= snap["engine"].keys()
+    assert {"kv_usage", "running", "waiting", "preemptions_total", "dtype"} <= snap["engine"].keys()
     text = fake_client.get("/metrics").text
     assert metric_value(text, "justitia_kv_capacity_tokens") == ENGINE_KV_TOKENS
     assert metric_value(text, "justitia_agents", {"state": "finished"}) >= 1

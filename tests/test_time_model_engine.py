@@ -49,6 +49,9 @@ def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys)
     assert "fit err" in printed and "sim err" in printed
     doc = json.loads(out.read_text())
     assert doc["settings"]["kv_tokens"] == 2048 and doc["settings"]["max_model_len"] == 1024
+    # the engine the server runs, in the dtype the server runs it in (not vLLM's bfloat16 for
+    # a float32 model on a CPU, which the calibration once measured instead)
+    assert doc["settings"]["dtype"] == "float32"
     points = doc["fit"]["points"]
     assert len(points) == 4
     for p in points:

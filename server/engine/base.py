@@ -139,6 +139,10 @@ class EngineInfo:
     # The name the engine serves the model under (a remote replica's `id` in /v1/models);
     # empty: the server names it (`--served-model-name`, or `model`).
     served_name: str = ""
+    # The dtype the engine computes in, as vLLM resolved it ("float32", "bfloat16"; empty
+    # where unknown, e.g. a remote replica). A profile measured in another dtype measures
+    # another engine: on a CPU without native bfloat16, prefill at twice the cost.
+    dtype: str = ""
 
 
 @dataclass(frozen=True)

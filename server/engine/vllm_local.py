@@ -468,6 +468,7 @@ class LocalVLLMEngine(TokenizerEngine):
             vocab_size=max(int(self._tokenizer.max_token_id) + 1,
                            int(vcfg.model_config.get_vocab_size())),
             max_logprobs=int(vcfg.model_config.max_logprobs),
+            dtype=str(vcfg.model_config.dtype).removeprefix("torch."),
         )
         if self._info is not None and info != self._info:
             # Same settings, same engine: the scheduler keeps the first one's capacity.

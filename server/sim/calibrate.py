@@ -123,7 +123,7 @@ async def measure(points: list[GridPoint], kv_tokens: int, max_model_len: int, *
             if progress:
                 progress(k + 1, pt)
         info = {"kv_tokens": engine.info.kv_capacity_tokens, "block_size": engine.info.block_size,
-                "max_model_len": engine.info.max_model_len, "startup_s": startup}
+                "max_model_len": engine.info.max_model_len, "dtype": engine.info.dtype, "startup_s": startup}
     finally:
         await engine.close()
     return results, info

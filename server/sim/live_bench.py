@@ -241,6 +241,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         # vLLM's prompt tokens served from its prefix cache over all prompt tokens
         "prefix_hit_rate": snap.get("prefix_hit_rate"),
         "kv_saved_total": snap.get("kv_saved_total"),
+        # what the engine computed in (a profile measured in another dtype measured another engine)
+        "engine_dtype": (snap.get("engine") or {}).get("dtype"),
     }
     return PolicyResult(policy=policy, agents=results, preemptions=int(preemptions),
                         accounting_zero=(snap["pending_requests"] == 0 and snap["running_requests"] == 0
