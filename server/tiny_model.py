@@ -165,7 +165,8 @@ def embedded_engine_config(**settings: Any) -> LocalEngineConfig:
     Everything that measures the embedded engine builds it here, so that it measures the
     engine the server runs: `bench calibrate` once left the dtype to vLLM, which runs a
     float32 model in bfloat16 on a CPU, and on a CPU without native bfloat16 (AVX2 only)
-    it timed prefill at 124 us a token where the server's float32 engine took 38 us."""
+    it timed prefill at 124 us a token where the same calibration in float32 times 56-60 us
+    (session 11's host; docs/benchmarks.md)."""
     from server.engine.vllm_local import LocalEngineConfig
 
     return LocalEngineConfig(

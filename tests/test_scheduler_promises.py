@@ -10,6 +10,7 @@ import pytest
 
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, TauEstimator, kv_cost
 from server.scheduler.eta import WorkArrivals
+from tests.dispatchers import quiet_for
 
 
 def req(rid: str, agent: str, p: int, d: int) -> RequestSpec:
@@ -226,13 +227,6 @@ def test_real_work_does_set_c_max_for_everyone() -> None:
 
 
 # -- deadlines that hold ----------------------------------------------------------------------
-def quiet_for(d: Dispatcher, seconds: float = 100.0) -> Dispatcher:
-    """A server that has measured arrivals, and no load, for `seconds`: its promises count
-    on that (a server that has measured none widens them)."""
-    d.arrivals.add(-seconds, 0.0)
-    return d
-
-
 def test_deadline_uses_the_pessimistic_rate_and_iteration_time() -> None:
     d = quiet_for(Dispatcher("justitia", 1000, 0.1))
     firm = d.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))

@@ -116,7 +116,7 @@ async def _scenario(url: str, small_agent: list[tuple[int, int]], share: float) 
                 big_done.set()
 
         streaming = asyncio.create_task(stream())
-        await asyncio.create_task(pace())
+        await pace()
         big = await large()
         await streaming
         started_during = len(small)  # small agents registered while the large one ran

@@ -14,6 +14,7 @@ from server.scheduler import POLICY_NAMES
 
 if TYPE_CHECKING:
     from .live_bench import LiveOptions
+    from .profiles import EngineProfile
 
 ALL_POLICIES = ",".join(POLICY_NAMES)
 
@@ -363,7 +364,7 @@ def _add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[s
         live_r.extra["sim_online_error"] = (online_mean - live_mean) / live_mean if live_mean else None
 
 
-def _fitted_profile(profile: Any, time_model: dict | None) -> Any:
+def _fitted_profile(profile: EngineProfile, time_model: dict | None) -> EngineProfile | None:
     """`profile` with the coefficients the live server fitted to its engine's steps (None
     when it fitted none, or fitted one per replica: the simulator has one engine)."""
     from dataclasses import replace
