@@ -44,13 +44,20 @@ def register(commands: Commands) -> None:
             "tiny model), submit a batch of the example agents (MapReduce summarization, "
             "document merging, fact verification, self-consistency voting, code checking, "
             "equation verification) at once, show their progress live, and end with each "
-            "agent's JCT, first ETA, fair finish time and delay bound. The tiny model's "
-            "weights are random, so the text is noise; the engine and the scheduling are real."
+            "agent's JCT, first ETA, fair finish time and delay bound. Then a second wave of "
+            "the same kinds on new inputs: a fresh server knows nothing of these agents (their "
+            "costs, their stages, the engine's speed under them), so the first wave's ETAs "
+            "are guesses; the second wave's come from what the server learned from the first. "
+            "The tiny model's weights are random, so the text is noise; the engine and the "
+            "scheduling are real."
         ),
         formatter_class=formatter,
     )
     demo.add_argument("--agents", type=_positive, default=18, metavar="N",
                       help="how many agents to submit (cycling through the six kinds)")
+    demo.add_argument("--waves", type=_positive, default=2, metavar="N",
+                      help="submit the batch this many times, one wave after another, each on the "
+                           "next inputs of every kind (1: only a fresh server's guesses)")
     demo.add_argument("--kv-tokens", type=int, default=6144, metavar="N",
                       help="KV cache capacity of the embedded engine in tokens")
     demo.add_argument("--policy", default="justitia", choices=POLICY_NAMES,
@@ -93,11 +100,12 @@ def load_example(folder: Path, name: str) -> tuple[Any, list[dict[str, Any]]]:
     return getattr(module, name), rows
 
 
-def demo_jobs(folder: Path, n: int, max_tokens: int) -> list[tuple[Any, dict[str, Any]]]:
-    """n (agent, arguments) pairs, cycling through the kinds and through each kind's inputs."""
+def demo_jobs(folder: Path, n: int, max_tokens: int, wave: int = 0) -> list[tuple[Any, dict[str, Any]]]:
+    """n (agent, arguments) pairs, cycling through the kinds and through each kind's inputs;
+    wave w takes the inputs after those of waves 0..w-1."""
     loaded = [load_example(folder, name) for name in DEMO_AGENTS]
     jobs = []
-    for i in range(n):
+    for i in range(wave * n, (wave + 1) * n):
         agent, rows = loaded[i % len(loaded)]
         args = dict(rows[(i // len(loaded)) % len(rows)])
         args["max_tokens"] = max_tokens
@@ -112,20 +120,25 @@ def run_demo(args: argparse.Namespace) -> int:
     from justitia_sdk import AsyncClient
 
     console = Console()
-    jobs = demo_jobs(examples_dir(args.examples), args.agents, args.max_tokens)
+    folder = examples_dir(args.examples)
+    waves = [demo_jobs(folder, args.agents, args.max_tokens, wave) for wave in range(args.waves)]
 
-    async def submit(url: str) -> tuple[Any, dict[str, Any]]:
+    async def submit(url: str) -> tuple[list[Any], dict[str, Any]]:
         async with AsyncClient(url) as client:
             # The engine's first step is slow (kernels and caches warm up); one small request
             # first keeps that out of the agents' JCTs and out of the server's tau estimate.
             await client.complete("Warm up the engine before the demo begins.", max_tokens=8)
             snapshot = await client.scheduler()
             console.print(f"server ready at {url}: policy {snapshot.get('policy')}, KV "
-                          f"{snapshot.get('M')} tokens; submitting {len(jobs)} agents at once")
-            batch = await client.submit_many(
-                [a for a, _ in jobs], [kw for _, kw in jobs],
-                title=f"{len(jobs)} example agents")
-            return batch, snapshot
+                          f"{snapshot.get('M')} tokens; {len(waves)} wave(s) of "
+                          f"{args.agents} agents, each wave submitted at once")
+            batches = []
+            for number, jobs in enumerate(waves, 1):
+                batches.append(await client.submit_many(
+                    [a for a, _ in jobs], [kw for _, kw in jobs],
+                    title=f"wave {number} of {len(waves)}: {len(jobs)} example agents"
+                          + (" (a fresh server)" if number == 1 else "")))
+            return batches, snapshot
 
     server = None
     if args.url:
@@ -140,41 +153,69 @@ def run_demo(args: argparse.Namespace) -> int:
         url = server.url
     try:
         started = time.monotonic()
-        batch, snapshot = anyio.run(submit, url)
+        batches, snapshot = anyio.run(submit, url)
         wall = time.monotonic() - started
     finally:
         if server is not None:
             server.stop()
 
-    kept = [h.kept_promise for h in batch]
-    mean = batch.mean_jct_s()
-    console.print(
-        f"{len(batch)} agents in {wall:.1f} s; mean JCT "
-        f"{'-' if mean is None else f'{mean:.2f} s'}; "
-        f"{sum(1 for k in kept if k)} of {sum(1 for k in kept if k is not None)} finished "
-        f"within their deadline (fair finish + bound)."
-    )
-    errors = sorted(e for h in batch if (e := _eta_error(h)) is not None)
-    if errors:
-        console.print(f"first-ETA error |1st ETA - JCT| / JCT: median {100 * errors[len(errors) // 2]:.0f}%, "
-                      f"p90 {100 * errors[min(len(errors) - 1, int(0.9 * len(errors)))]:.0f}%, "
-                      f"worst {100 * errors[-1]:.0f}% (how far the ETA given at submission was from the JCT)")
+    summaries = [wave_summary(number, batch) for number, batch in enumerate(batches, 1)]
+    console.print(f"{len(batches)} wave(s) in {wall:.1f} s:")
+    for summary in summaries:
+        console.print("  " + describe_wave(summary, url=args.url))
     console.print("[dim]JCT: submission to finish. 1st ETA: the server's ETA at submission. "
                   "fair: the finish time under an ideal fair share (GPS). bound: how late after "
-                  "fair the agent may finish at worst; kept: JCT <= fair + bound.[/dim]")
+                  "fair the agent may finish at worst; kept: JCT <= fair + bound. ETA error: "
+                  "|1st ETA - JCT| / JCT.[/dim]")
     console.print("[dim]The tiny model's weights are random: its text is noise. The engine, "
                   "the KV cache and the scheduling are real.[/dim]")
     if args.json:
-        rows = [{"index": h.index, "type": h.agent.name, "id": h.id, "state": h.status,
+        rows = [{"wave": number, "index": h.index, "type": h.agent.name, "id": h.id, "state": h.status,
                  "jct_s": h.jct_s, "first_eta_s": h.first_eta_s, "eta_error": _eta_error(h),
                  "fair_finish_s": h.fair_finish_s, "delay_bound_s": h.delay_bound_s,
                  "deadline_s": h.deadline_s, "kept": h.kept_promise,
-                 "error": repr(h.error) if h.error else None} for h in batch]
+                 "error": repr(h.error) if h.error else None}
+                for number, batch in enumerate(batches, 1) for h in batch]
         Path(args.json).write_text(json.dumps({"url": url, "policy": snapshot.get("policy"),
-                                               "wall_s": wall, "agents": rows}, indent=1))
-    for index, error in batch.errors:
-        console.print(f"[red]agent #{index} failed: {error!r}[/red]")
-    return 1 if batch.errors else 0
+                                               "wall_s": wall, "waves": summaries, "agents": rows},
+                                              indent=1))
+    failed = 0
+    for number, batch in enumerate(batches, 1):
+        for index, error in batch.errors:
+            failed += 1
+            console.print(f"[red]wave {number}, agent #{index} failed: {error!r}[/red]")
+    return 1 if failed else 0
+
+
+def wave_summary(number: int, batch: Any) -> dict[str, Any]:
+    """One wave's figures: mean JCT, promises kept, first-ETA error p50 / p90 / worst."""
+    kept = [k for h in batch if (k := h.kept_promise) is not None]
+    errors = sorted(e for h in batch if (e := _eta_error(h)) is not None)
+    return {"wave": number, "agents": len(batch), "mean_jct_s": batch.mean_jct_s(),
+            "kept": sum(kept), "judged": len(kept),
+            "eta_error_p50": _quantile(errors, 0.5), "eta_error_p90": _quantile(errors, 0.9),
+            "eta_error_max": errors[-1] if errors else None}
+
+
+def describe_wave(s: dict[str, Any], url: str | None = None) -> str:
+    """A wave's line of the closing summary."""
+    mean = s["mean_jct_s"]
+    line = (f"wave {s['wave']}: {s['agents']} agents, mean JCT "
+            f"{'-' if mean is None else f'{mean:.2f} s'}, {s['kept']} of {s['judged']} within "
+            f"their deadline")
+    if s["eta_error_p50"] is not None:
+        line += (f"; first-ETA error median {100 * s['eta_error_p50']:.0f}%, "
+                 f"p90 {100 * s['eta_error_p90']:.0f}%")
+    if s["wave"] == 1 and url is None:
+        line += " [dim](a fresh server: costs, stages and the engine's speed are guesses)[/dim]"
+    elif s["wave"] > 1:
+        line += " [dim](after the server learned from the waves before)[/dim]"
+    return line
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    """The element of sorted `xs` at rank q * len (the median's upper middle; None if empty)."""
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
 def _eta_error(handle: Any) -> float | None:

@@ -69,7 +69,7 @@ from server.scheduler.prefix import PrefixRef, block_chain
 from server.scheduler.rate import TauEstimator
 from server.scheduler.reprediction import expected_total
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
-from server.type_shapes import TypeShapes
+from server.type_shapes import ETA_QUANTILE, TypeShapes
 
 if TYPE_CHECKING:
     from server.history import History
@@ -291,9 +291,12 @@ class LiveScheduler:
         else:
             cost_source = "request" if auto else "declared"
         agent_id = new_agent_id()
+        declared = _shape(metadata)
         view = self.dispatcher.register_agent(
             agent_id, predicted_cost, now, agent_type=agent_type, tenant=tenant,
-            shape=_shape(metadata) or self.type_shapes.typical(tenant, agent_type),
+            shape=declared or self.type_shapes.typical(tenant, agent_type),
+            # a learned shape: the promise covers the type's p90, the ETA expects its median
+            eta_shape=None if declared else self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE),
         )
         entry = AgentEntry(
             id=agent_id,

@@ -9,7 +9,8 @@ submitted, when it finished, how many tokens it generated), so it can tell its s
 apart: a request submitted after every earlier request of the agent had finished starts a
 new stage. Per (tenant, type) it keeps the last `window` finished agents' shapes and
 offers the p90 of their stage counts and critical paths to new agents of the type that
-declare none: a pessimistic shape, as promises need. Shapes are kept per tenant: what one
+declare none: a pessimistic shape, as promises need. Their ETAs expect the median: an ETA is
+an estimate, and the p90 of three agents is the longest of them. Shapes are kept per tenant: what one
 tenant's agents did never shapes another tenant's promises.
 """
 
@@ -24,7 +25,8 @@ from server.agents import AgentEntry, RequestLog
 from server.scheduler import AgentShape
 
 MIN_AGENTS = 3  # below this, one odd agent would speak for the type
-QUANTILE = 0.9
+QUANTILE = 0.9  # a promise's shape: pessimistic
+ETA_QUANTILE = 0.5  # an ETA's: the typical agent of the type
 
 
 def infer_shape(requests: Sequence[RequestLog]) -> AgentShape | None:
@@ -68,13 +70,14 @@ class TypeShapes(AgentListener):
         key = (entry.tenant, entry.type)
         self._shapes.setdefault(key, collections.deque(maxlen=self.window)).append(shape)
 
-    def typical(self, tenant: str, agent_type: str) -> AgentShape | None:
-        """A pessimistic shape for a new agent of the type (p90 of the stage counts and of
-        the critical paths seen), or None while fewer than MIN_AGENTS have finished."""
+    def typical(self, tenant: str, agent_type: str, quantile: float = QUANTILE) -> AgentShape | None:
+        """The shape of a new agent of the type at `quantile` of the stage counts and of the
+        critical paths seen (default p90: pessimistic, as promises need; an ETA takes the
+        median), or None while fewer than MIN_AGENTS have finished."""
         seen = self._shapes.get((tenant, agent_type))
         if not seen or len(seen) < MIN_AGENTS:
             return None
         return AgentShape(
-            stages=_quantile([s.stages for s in seen], QUANTILE),
-            critical_path_tokens=_quantile([s.critical_path_tokens or 0 for s in seen], QUANTILE),
+            stages=_quantile([s.stages for s in seen], quantile),
+            critical_path_tokens=_quantile([s.critical_path_tokens or 0 for s in seen], quantile),
         )

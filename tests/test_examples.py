@@ -87,3 +87,12 @@ def test_notebook_executes(server, monkeypatch) -> None:
     assert "notebook_summary" in html and "fact_verification" in html and "kept" in html
     texts = "\n".join(o.get("data", {}).get("text/plain", "") for o in outputs)
     assert "ValueError('no notes to summarize')" in texts
+
+
+def test_each_demo_wave_runs_new_inputs_of_every_kind() -> None:
+    from justitia_cli.demo import demo_jobs
+
+    first, second = (demo_jobs(EXAMPLES, 12, 8, wave) for wave in (0, 1))
+    assert [a.name for a, _ in first] == [a.name for a, _ in second] == list(DEMO_AGENTS) * 2
+    seen = [json.dumps(kw, sort_keys=True) for _, kw in first + second]
+    assert len(set(seen)) == 24  # no input twice: the second wave is not the first replayed

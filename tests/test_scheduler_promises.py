@@ -405,3 +405,20 @@ def test_the_bounds_steps_are_those_of_a_full_cache() -> None:
     d.set_iteration_time(0.01, 0.0, bound_iteration_s=0.02)  # slower recent steps win
     assert d.register_agent("big2", 10_000.0, 0.0, shape=AgentShape(1, 99)).bound.critical_path_s \
         == pytest.approx(100 * 0.02)
+
+
+def test_the_eta_expects_the_eta_shape_and_the_bound_covers_the_shape() -> None:
+    """A type's learned shape: the bound covers its p90 agent (`shape`), the ETA expects its
+    median one (`eta_shape`)."""
+    class Steps:
+        def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
+            return 0.01
+
+    d = Dispatcher("justitia", 1000, 0.1, arrival_window_s=0, time_model=Steps())
+    both = d.register_agent("p90", 100.0, 0.0, shape=AgentShape(5, 495))
+    split = d.register_agent("mixed", 100.0, 0.0, shape=AgentShape(5, 495), eta_shape=AgentShape(1, 99))
+    assert split.delay_bound_s == pytest.approx(both.delay_bound_s)
+    d.refresh_etas(0.0)
+    # (99 + 1) steps of 10 ms against (495 + 5), after at most the other's 0.01 s of work
+    assert d.view("mixed", 0.0).eta_s == pytest.approx(1.0, abs=0.011)
+    assert d.view("p90", 0.0).eta_s == pytest.approx(5.0, abs=0.011)

@@ -105,14 +105,21 @@ def test_demo_against_a_running_server(server, tmp_path, capsys) -> None:
                  "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = report["agents"]
-    assert len(rows) == 6
-    assert len({r["type"] for r in rows}) == 6
+    assert len(rows) == 12  # two waves (the default) of six
+    for wave in (1, 2):
+        assert len({r["type"] for r in rows if r["wave"] == wave}) == 6
     for r in rows:
         assert r["state"] == "finished" and r["error"] is None
         for key in ("jct_s", "first_eta_s", "fair_finish_s", "delay_bound_s"):
             assert r[key] is not None and r[key] >= 0
+    assert [w["wave"] for w in report["waves"]] == [1, 2]
+    for w in report["waves"]:
+        errors = sorted(r["eta_error"] for r in rows if r["wave"] == w["wave"])
+        assert w["agents"] == 6 and w["eta_error_max"] == pytest.approx(errors[-1])
+        assert w["kept"] == sum(1 for r in rows if r["wave"] == w["wave"] and r["kept"])
     printed = capsys.readouterr().out
     assert "JCT" in printed and "1st ETA" in printed and "bound" in printed
+    assert "wave 2: 6 agents" in printed
 
 
 def test_profile_agent_gives_training_samples_and_the_registry_finds_agents(server) -> None:

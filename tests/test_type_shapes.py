@@ -5,6 +5,7 @@ declared shape was bounded as one stage, and could break its promise by its own 
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from server.agents import RequestLog
 from server.type_shapes import infer_shape
@@ -51,3 +52,42 @@ def test_a_types_served_stages_shape_the_bound_of_its_next_agents(tmp_path) -> N
     assert after["delay_bound_s"] > before["delay_bound_s"]
     assert other_tenant["delay_bound_s"] < after["delay_bound_s"]
     assert declared["delay_bound_s"] < after["delay_bound_s"]  # a declared shape wins
+
+
+def test_a_types_shape_bounds_at_its_p90_and_estimates_at_its_median() -> None:
+    from server.agents import AgentEntry
+    from server.type_shapes import ETA_QUANTILE, TypeShapes
+
+    shapes = TypeShapes()
+    for stages in (1, 2, 5):  # one-request stages of 10 tokens each
+        entry = AgentEntry(id=f"a{stages}", type="t", tenant="x", prompt="", metadata={},
+                           submitted_at=0.0, submitted_mono=0.0, predicted_cost=1.0)
+        entry.state = "finished"
+        entry.requests = [log(float(i), i + 0.5, 10) for i in range(stages)]
+        shapes.on_agent_ended(entry)
+    bound, eta = shapes.typical("x", "t"), shapes.typical("x", "t", ETA_QUANTILE)
+    assert bound is not None and (bound.stages, bound.critical_path_tokens) == (5, 50)
+    assert eta is not None and (eta.stages, eta.critical_path_tokens) == (2, 20)
+    assert shapes.typical("y", "t") is None  # another tenant's agents of that name: unknown
+
+
+def test_a_learned_shape_gives_the_eta_its_median_agent(tmp_path) -> None:
+    """With three agents of one, one and five stages seen, the next one's ETA expects a
+    one-stage agent while its bound covers five (the p90 of three is the longest)."""
+    def run(c: httpx.Client, stages: int) -> None:
+        rec = register(c, type_="varied")
+        for _ in range(stages):
+            assert complete(c, rec["id"], 6).status_code == 200
+        assert c.post(f"/v1/agents/{rec['id']}/finish").status_code == 200
+
+    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+        for stages in (1, 1, 5):
+            run(c, stages)
+        learned = register(c, type_="varied")
+        median = register(c, type_="varied", metadata={"stages": 1, "critical_path_tokens": 6})
+        p90 = register(c, type_="varied", metadata={"stages": 5, "critical_path_tokens": 30})
+    assert learned["delay_bound_s"] == p90["delay_bound_s"]
+    assert learned["delay_bound_s"] > median["delay_bound_s"]
+    # ETAs: the learned one expects the one-stage agent (its critical path dominates here)
+    assert learned["first_eta_s"] == pytest.approx(median["first_eta_s"], rel=0.1)
+    assert learned["first_eta_s"] < 0.5 * p90["first_eta_s"]

@@ -244,11 +244,13 @@ class Dispatcher:
         agent_type: str | None = None,
         predicted_compute_cost: float | None = None,
         shape: AgentShape | None = None,
+        eta_shape: AgentShape | None = None,
         tenant: str | None = None,
     ) -> AgentView:
         """Admit an agent with its predicted KV cost: its tag will be F = V + cost at its
-        first request (V(now) + cost if that is now). `tenant`: whose predictions may widen
-        its bound (None: one shared tenant)."""
+        first request (V(now) + cost if that is now). `shape` is what its bound covers,
+        `eta_shape` what its ETA expects where that differs (default: `shape`). `tenant`:
+        whose predictions may widen its bound (None: one shared tenant)."""
         self.clock.advance(now)  # an event: the promise below reads the clock at `now`
         if agent_id in self.agents:
             raise ValueError(f"agent {agent_id!r} is already registered")
@@ -269,6 +271,7 @@ class Dispatcher:
             virtual_finish=self.clock.peek(now).V + charge,  # provisional until it enters B
             bound=None,  # type: ignore[arg-type]  # set just below
             shape=shape or AgentShape(),
+            eta_shape=eta_shape,
             tenant=tenant,
         )
         self._bound(agent)
@@ -707,7 +710,7 @@ class Dispatcher:
             r = rate - (arriving if arriving < cap else cap)
             if arriving > 0.0 and total + own > r * span:  # arrivals end after `span` (served_by)
                 r = (total + own) / max(span, (total + own + arriving * span) / rate)
-            shape = a.shape
+            shape = a.eta_shape or a.shape
             if shape.critical_path_tokens is not None:
                 left = own / charged if charged > 0.0 else 1.0
                 path = (shape.critical_path_tokens + max(1, shape.stages)) * it * left
@@ -779,12 +782,12 @@ class Dispatcher:
         agent.eta_at = None  # its remaining work changed: place it again until the next pass
 
     def _critical_path_s(self, agent: AgentState, it: float) -> float:
-        """The agent's remaining critical path: its declared shape scaled by the share of its
+        """The agent's remaining critical path: its expected shape scaled by the share of its
         (re-predicted) cost not yet consumed, else the longest decode of its known requests."""
         own, total = self._remaining(agent)
         left = own / total if total > 0 else 1.0
         left = min(1.0, max(0.0, left))
-        shape = agent.shape
+        shape = agent.eta_shape or agent.shape
         if shape.critical_path_tokens is not None:
             return (shape.critical_path_tokens + max(1, shape.stages)) * it * left
         if agent.pending or agent.running:

@@ -122,6 +122,9 @@ class AgentState:
     virtual_finish: float
     bound: DelayBound
     shape: AgentShape
+    # The shape its ETA expects, where that is not the one its bound covers: a type's
+    # learned shape bounds an agent at the type's p90 and estimates it at the median.
+    eta_shape: AgentShape | None = None
     committed_cost: float = 0.0  # estimates of submitted requests, corrected on finish
     committed_kv: float = 0.0  # the same in KV token-time: real work, not a declaration
     longest_decode: int = 0  # longest expected output of its requests (ETA critical path)
