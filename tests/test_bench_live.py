@@ -106,3 +106,45 @@ def test_bench_live_renders_shared_prefixes_that_the_engine_caches(tmp_path, jus
     assert result["prefix_hit_rate"] > 0.2, result["prefix_hit_rate"]
     assert result["kv_saved_total"] > 0
     assert result["preemptions"] == 0
+
+
+def test_bench_live_teaches_the_server_before_the_measured_run(tmp_path, justitia_home,
+                                                             monkeypatch) -> None:
+    """`--teach FILE`: another workload replayed first on the same server, unmeasured; the
+    run's figures count from the end of that teaching."""
+    monkeypatch.setenv("JUSTITIA_HOME", justitia_home)
+    workload, teach = tmp_path / "w.jsonl", tmp_path / "teach.jsonl"
+    for path, n in ((workload, 3), (teach, 4)):
+        with path.open("w") as fh:
+            for i in range(n):
+                reqs = [{"p": 300 + 20 * k, "d": 8, "prefix": [{"id": "sys/app", "tokens": 200}]}
+                        for k in range(3)]
+                fh.write(json.dumps({"id": f"a{i}", "type": "mapper", "arrival": 0.1 * i,
+                                     "prompt": f"map {i}", "stages": [reqs, [{"p": 50, "d": 8}]]}) + "\n")
+    out = tmp_path / "live.json"
+    rc = main(["bench", "live", "--workload", str(workload), "--teach", str(teach), "--policies", "justitia",
+               "--prediction", "server", "--no-sim", "--kv-tokens", "4096", "--max-model-len", "2048",
+               "--json", str(out), "--quiet"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["teach"] == str(teach)
+    [result] = doc["results"]
+    assert len(result["agents"]) == 3 and result["accounting_zero"] is True  # the measured run's only
+    assert result["taught_by"] == 4
+    # the same server: its time model had fitted the teaching's steps when the run began
+    assert 0 < result["taught_steps"] < result["time_model"]["engines"]["local"]["samples"]
+    # other token ids: the run's hits are its own (its system prompt, computed once), not the
+    # teaching's, and its counters start where the teaching's ended
+    assert 0.2 < result["prefix_hit_rate"] < 0.9, result["prefix_hit_rate"]
+    assert result["kv_saved_total"] > 0 and result["preemptions"] == 0
+
+
+def test_bench_live_refuses_a_teaching_workload_that_does_not_fit(tmp_path, capsys) -> None:
+    workload, teach = tmp_path / "w.jsonl", tmp_path / "t.jsonl"
+    workload.write_text(json.dumps({"id": "a", "arrival": 0, "stages": [[{"p": 30, "d": 10}]]}) + "\n")
+    teach.write_text(json.dumps({"id": "t", "arrival": 0, "stages": [[{"p": 3000, "d": 100}]]}) + "\n")
+    assert main(["bench", "live", "--workload", str(workload), "--teach", str(teach), "--kv-tokens", "4096"]) == 2
+    assert "--max-model-len" in capsys.readouterr().err
+    assert main(["bench", "live", "--workload", str(workload), "--teach", str(tmp_path / "no.jsonl"),
+                 "--kv-tokens", "4096"]) == 2
+    assert "no workload file" in capsys.readouterr().err

@@ -103,6 +103,31 @@ def test_work_arrivals_rate_and_shares() -> None:
     assert w.ahead(0.0) == 0.0
 
 
+def test_a_burst_after_a_lull_is_measured_from_its_own_start() -> None:
+    """A server that served a burst long ago reads a new burst as a fresh server would: over
+    the whole window, the new one's rate was a sliver of itself and its ETAs came out short."""
+    def burst(w: WorkArrivals, start: float, n: int) -> None:
+        for i in range(n):
+            w.add(start + 0.05 * i, 100.0)
+
+    fresh, taught = WorkArrivals(window_s=60.0), WorkArrivals(window_s=60.0)
+    burst(taught, 0.0, 48)
+    burst(fresh, 200.0, 10)
+    burst(taught, 200.0, 10)  # 197.6 s after the last arrival: more than a window
+    for w in (fresh, taught):
+        w.freeze(200.5)
+    assert taught.rate == pytest.approx(fresh.rate) == pytest.approx(1000.0 / 2.0)  # the 2 s floor
+    assert taught.span_s == fresh.span_s == 2.0
+    assert taught.history_s(200.5) == pytest.approx(0.5)  # a young burst: its promises widen
+    # a gap shorter than the window is traffic, not a lull: one episode from t = 0
+    steady = WorkArrivals(window_s=60.0)
+    burst(steady, 0.0, 10)
+    burst(steady, 40.0, 10)
+    steady.freeze(40.5)
+    assert steady.history_s(40.5) == pytest.approx(40.5)
+    assert steady.rate == pytest.approx(2000.0 / 40.5)
+
+
 def test_refresh_is_one_pass_and_views_read_its_cache() -> None:
     """ETA upkeep is O(N log N) per pass, and views are O(1): the old eta_time walked every
     agent for every view (GET /v1/agents was O(N^2))."""

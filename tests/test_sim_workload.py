@@ -84,3 +84,14 @@ def test_noisy_predictions_stay_within_the_factor():
     assert make_predictions(agents, "oracle").kv == [a.kv_cost for a in agents]
     with pytest.raises(ValueError):
         make_predictions(agents, "noisy:0.5")
+
+
+def test_the_contended_recipe_rebuilds_the_contended_workload(tmp_path):
+    """benchmarks/contended_workload.py, seed 3, is contended48.jsonl itself: the teaching
+    workload of `bench live --teach` (another seed) is another sample of the same traffic."""
+    from benchmarks.contended_workload import ROOT, contended
+
+    save_workload(contended(3), tmp_path / "c.jsonl")
+    assert (tmp_path / "c.jsonl").read_text() == (ROOT / "benchmarks/workloads/contended48.jsonl").read_text()
+    other = contended(4)
+    assert len(other) == 48 and other[0].stages != contended(3)[0].stages

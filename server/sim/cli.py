@@ -118,6 +118,11 @@ def register(commands: Commands) -> None:
                       help="keep each server's log here (created if missing): server-POLICY.log, "
                            "server-POLICY-roundK.log with --repeat")
     live.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    live.add_argument("--teach", metavar="FILE", default=None,
+                      help="replay this workload first on each policy's server, unmeasured, with other "
+                           "token ids: the measured run meets a server taught by another sample of the "
+                           "same traffic (its engine speed, its cost predictor with --prediction server, "
+                           "its arrival history) instead of a fresh one")
     live.add_argument("--repeat", type=int, default=1, metavar="N",
                       help="run the policies N times, alternated (A B C A B C ...); each policy's row is "
                            "its run of median mean JCT, and the JSON's `repeats` holds every run and the "
@@ -390,12 +395,17 @@ def _live(args: argparse.Namespace) -> int:
     profile = _profile(args.profile)
     agents = _workload(args.workload, hint="`justitia bench make-workload --profile cpu-tiny`")
     _check_live_sizes(args, agents)
+    teach = None
+    if args.teach:
+        teach = _workload(args.teach, hint="`justitia bench make-workload --profile cpu-tiny` with another seed")
+        _check_live_sizes(args, teach)
     _configured(args, policies)  # validates the options before any server starts
     if args.repeat < 1:
         raise CommandError(f"--repeat must be at least 1, not {args.repeat}")
     opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
                        prediction=args.prediction, seed=args.seed, log_dir=args.log_dir,
-                       las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight)
+                       las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight,
+                       teach=teach)
     t0 = time.perf_counter()
     rounds = _live_rounds(agents, policies, opts, args.repeat, args.quiet)
     wall = time.perf_counter() - t0
@@ -416,6 +426,7 @@ def _live(args: argparse.Namespace) -> int:
         "profile": profile.as_dict(),
         "prediction": args.prediction,
         "seed": args.seed,
+        "teach": args.teach,
         "las_half_life_s": args.las_half_life_s,
         "las_head_wait_weight": args.las_head_wait_weight,
         "repeat": args.repeat,

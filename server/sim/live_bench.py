@@ -41,7 +41,7 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from .simulator import AgentResult, PolicyResult
 from .workload import AgentSpec
 
 VOCAB_LOW, VOCAB_HIGH = 10, 700  # token ids of the tiny model's vocabulary, specials excluded
+TEACH_SEED = 7919  # the teaching replay's token ids: the measured seed's plus this
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class LiveOptions:
     log_dir: str | None = None
     las_half_life_s: float | None = None  # the las policy's half-life (None: its default)
     las_head_wait_weight: float | None = None  # its head-wait weight (None: its default)
+    # Replayed first on each server, unmeasured: the measured run then meets a server taught by
+    # another sample of the same traffic (its engine speed, its cost predictor, its arrivals).
+    teach: list[AgentSpec] | None = None
 
 
 class PrefixTokens:
@@ -180,6 +184,12 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
     return outs, snapshot
 
 
+def _fitted_steps(snapshot: dict) -> int:
+    """Engine steps behind the time model of a `/v1/scheduler` snapshot (all engines)."""
+    engines = (snapshot.get("time_model") or {}).get("engines") or {}
+    return sum(int(e.get("samples") or 0) for e in engines.values())
+
+
 @contextlib.contextmanager
 def _off_worker_cores(server_pid: int | None) -> Iterator[None]:
     """This (client) process kept off the cores the server's engine worker is pinned to, as
@@ -221,6 +231,11 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     wall0 = time.perf_counter()
     with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
             _off_worker_cores(srv.process.pid if srv.process else None):
+        taught: dict | None = None  # the server's counters once taught: the run counts from there
+        if opts.teach:
+            # Other token ids than the measured run's: what it taught is not its prefix cache.
+            _, taught = asyncio.run(_replay(srv.url, opts.teach, replace(opts, seed=opts.seed + TEACH_SEED),
+                                            policy, None))
         outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress))
     rate = float(snap["rate"])
     # GPS reference at the rate the server measured, with the costs the agents really had.
@@ -231,7 +246,13 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
                     first_eta_s=float(o["first"]["eta_s"]), first_deadline_s=float(o["first"]["deadline_s"]))
         for a, o, g in zip(agents, outs, gps, strict=True)
     ]
-    preemptions = metric_value(snap["metrics_text"], "justitia_engine_preemptions") or 0
+    def since(metric: str) -> float:
+        """The metric's growth over the measured run (a taught server counted before it)."""
+        now = metric_value(snap["metrics_text"], metric) or 0.0
+        return now - (metric_value(taught["metrics_text"], metric) or 0.0) if taught else now
+
+    preemptions = since("justitia_engine_preemptions")
+    prompt_tokens = since("justitia_prefix_prompt_tokens")
     extra = {
         "measured_tau_s": float(snap["tau"]),
         "measured_rate": rate,
@@ -239,8 +260,11 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         # The engine's fitted step-time model at the end of the run (per engine).
         "time_model": snap.get("time_model"),
         # vLLM's prompt tokens served from its prefix cache over all prompt tokens
-        "prefix_hit_rate": snap.get("prefix_hit_rate"),
-        "kv_saved_total": snap.get("kv_saved_total"),
+        "prefix_hit_rate": since("justitia_prefix_cached_tokens") / prompt_tokens if prompt_tokens else None,
+        "kv_saved_total": (snap.get("kv_saved_total") or 0) - ((taught or {}).get("kv_saved_total") or 0),
+        "taught_by": len(opts.teach) if opts.teach else 0,  # agents replayed before the run
+        # engine steps the server's time model had fitted when the measured run began
+        "taught_steps": _fitted_steps(taught) if taught else 0,
         # what the engine computed in (a profile measured in another dtype measured another engine)
         "engine_dtype": (snap.get("engine") or {}).get("dtype"),
     }
