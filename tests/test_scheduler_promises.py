@@ -111,9 +111,9 @@ def test_a_burst_after_a_lull_is_measured_from_its_own_start() -> None:
             w.add(start + 0.05 * i, 100.0)
 
     fresh, taught = WorkArrivals(window_s=60.0), WorkArrivals(window_s=60.0)
-    burst(taught, 0.0, 48)
+    burst(taught, 0.0, 5)  # smaller than the new one: nothing more is expected of it
     burst(fresh, 200.0, 10)
-    burst(taught, 200.0, 10)  # 197.6 s after the last arrival: more than a window
+    burst(taught, 200.0, 10)  # 199.8 s after the last arrival: more than a window
     for w in (fresh, taught):
         w.freeze(200.5)
     assert taught.rate == pytest.approx(fresh.rate) == pytest.approx(1000.0 / 2.0)  # the 2 s floor
@@ -126,6 +126,25 @@ def test_a_burst_after_a_lull_is_measured_from_its_own_start() -> None:
     steady.freeze(40.5)
     assert steady.history_s(40.5) == pytest.approx(40.5)
     assert steady.rate == pytest.approx(2000.0 / 40.5)
+
+
+def test_a_burst_after_a_lull_is_expected_to_be_like_the_ones_before() -> None:
+    """A server that has seen a burst of 48 agents expects the rest of the next one from its
+    first registration on, where the measured rate projects only what has come so far."""
+    taught = WorkArrivals(window_s=60.0)
+    for i in range(48):
+        taught.add(0.05 * i, 100.0)
+    taught.add(300.0, 100.0)  # a new episode: measured at once, without waiting for a refresh
+    assert taught.rate * taught.span_s == pytest.approx(4700.0)  # the 47 others of a typical burst
+    assert taught.span_s == pytest.approx(2.35)  # over a typical burst's length
+    for i in range(1, 48):
+        taught.add(300.0 + 0.05 * i, 100.0)
+    taught.freeze(302.4)  # the burst has come: back to the measured rate
+    assert taught.rate == pytest.approx(4800.0 / 2.4)
+    fresh = WorkArrivals(window_s=60.0)
+    fresh.add(0.0, 100.0)
+    fresh.freeze(0.0)
+    assert fresh.rate * fresh.span_s == pytest.approx(100.0)  # no episode seen: what has come
 
 
 def test_refresh_is_one_pass_and_views_read_its_cache() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -37,6 +38,7 @@ from typing import Any, Protocol, cast
 # beyond it the long-run load exceeds the rate, no finite promise holds, and deadlines say so.
 MAX_ARRIVAL_SHARE = 0.9
 PROMISE_MIN_SPAN_S = 2.0
+EPISODES_KEPT = 8  # the episodes of arrivals a server remembers (WorkArrivals)
 
 
 class IterationTimeModel(Protocol):
@@ -94,6 +96,10 @@ class WorkArrivals:
     _origin: float | None = None  # the first arrival ever: the long window's history
     _first: float | None = None  # the first arrival of the current episode
     _last: float | None = None
+    _episode_cost: float = 0.0  # work registered in the current episode
+    # the last episodes before it: (work, seconds from their first to their last arrival)
+    _episodes: collections.deque[tuple[float, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=EPISODES_KEPT))
     # the sorted sample and its prefix sums, rebuilt by `freeze` (once per refresh)
     _costs: list[float] = field(default_factory=list)
     _prefix: list[float] = field(default_factory=list)
@@ -106,12 +112,19 @@ class WorkArrivals:
             return
         if self._origin is None:
             self._origin = t
+        begun = False  # a new episode after an earlier one
         if self._last is None or t - self._last > self.window_s:
-            self._first = t
+            if self._first is not None and self._last is not None:
+                self._episodes.append((self._episode_cost, self._last - self._first))
+                begun = True
+            self._first, self._episode_cost = t, 0.0
         self._last = t if self._last is None else max(t, self._last)
+        self._episode_cost += cost
         self._events.append((t, cost))
         if len(self._events) > self.max_samples:
             self._events.popleft()
+        if begun:  # what the last refresh measured is of the last episode: measure this one now
+            self.freeze(t)
 
     def _rate(self, now: float, window: float, min_span: float, since: float | None) -> float:
         """Work arrived since max(now - window, since) over that span (at least min_span)."""
@@ -136,11 +149,28 @@ class WorkArrivals:
         self.rate = self._rate(now, self.window_s, self.min_window_s, self._first)
         first = now if self._first is None else self._first
         self.span_s = max(self.min_window_s, min(self.window_s, now - first))
+        self._forecast_from_episodes(now - first)
         # A promise takes the rate over the history there is (a floor of 10 s would halve
         # the rate of a stream 5 s old and promise too early): pessimistic, not smooth; and
         # over the long window too, where an ETA takes the recent one.
         self.promise_rate = max(self._rate(now, self.window_s, PROMISE_MIN_SPAN_S, self._first),
                                 self._rate(now, self.long_window_s, PROMISE_MIN_SPAN_S, self._origin))
+
+    def _forecast_from_episodes(self, age: float) -> None:
+        """An episode younger than the typical one of those before it is expected to bring
+        their typical work (median) over their typical length: a server that has seen bursts
+        of 48 agents expects the rest of the next one, where the measured rate only projects
+        what has come so far. Kept only where it expects more than the measured rate does."""
+        if not self._episodes:
+            return
+        work = statistics.median(w for w, _ in self._episodes)
+        length = statistics.median(d for _, d in self._episodes)
+        left = work - self._episode_cost
+        if left <= 0.0 or age >= length:
+            return
+        span = max(self.min_window_s, length - age)
+        if left > self.rate * self.span_s:
+            self.rate, self.span_s = left / span, span
 
     def history_s(self, now: float) -> float | None:
         """How long the current episode's arrivals have been measured for (None: none
