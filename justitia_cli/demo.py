@@ -173,7 +173,7 @@ def run_demo(args: argparse.Namespace) -> int:
         rows = [{"wave": number, "index": h.index, "type": h.agent.name, "id": h.id, "state": h.status,
                  "jct_s": h.jct_s, "first_eta_s": h.first_eta_s, "eta_error": _eta_error(h),
                  "fair_finish_s": h.fair_finish_s, "delay_bound_s": h.delay_bound_s,
-                 "deadline_s": h.deadline_s, "kept": h.kept_promise,
+                 "deadline_s": h.deadline_s, "first_deadline_s": h.first_deadline_s, "kept": h.kept_promise,
                  "error": repr(h.error) if h.error else None}
                 for number, batch in enumerate(batches, 1) for h in batch]
         Path(args.json).write_text(json.dumps({"url": url, "policy": snapshot.get("policy"),

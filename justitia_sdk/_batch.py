@@ -40,6 +40,17 @@ def split_input(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (value,), {}
 
 
+
+def _deadline(r: AgentRecord | None) -> float | None:
+    """A record's deadline: `deadline_s`, else fair finish + delay bound (older servers)."""
+    if r is None:
+        return None
+    if r.deadline_s is not None:
+        return r.deadline_s
+    if r.fair_finish_s is not None and r.delay_bound_s is not None:
+        return r.fair_finish_s + r.delay_bound_s
+    return None
+
 class AgentHandle:
     """One run of a batch: its live server record, and its result or error once done."""
 
@@ -141,19 +152,19 @@ class AgentHandle:
 
     @property
     def deadline_s(self) -> float | None:
-        r = self.record
-        if r is None:
-            return None
-        if r.deadline_s is not None:
-            return r.deadline_s
-        if r.fair_finish_s is not None and r.delay_bound_s is not None:
-            return r.fair_finish_s + r.delay_bound_s
-        return None
+        """The deadline in the latest record (it moves only later: a late start, an over-run)."""
+        return _deadline(self.record)
+
+    @property
+    def first_deadline_s(self) -> float | None:
+        """The deadline the server gave at submission: the promise the user was shown."""
+        return _deadline(self.first_record) if self.first_record is not None else self.deadline_s
 
     @property
     def kept_promise(self) -> bool | None:
-        """Whether the agent finished by its deadline (fair finish + delay bound)."""
-        jct, deadline = self.jct_s, self.deadline_s
+        """Whether the agent finished by the deadline given at submission (fair finish +
+        delay bound then): a deadline moved later since is not the promise made."""
+        jct, deadline = self.jct_s, self.first_deadline_s
         if jct is None or deadline is None or not self.done or self.status != "finished":
             return None
         return jct <= deadline + 1e-6

@@ -108,3 +108,13 @@ def test_the_sdk_source_imports_nothing_of_the_server_not_even_lazily() -> None:
             found += [f"{path.name}:{node.lineno} {m}" for m in modules
                       if m.split(".")[0] in ("server", "predictors", "justitia_cli")]
     assert found == []
+
+
+
+def test_a_promise_is_the_deadline_given_at_submission() -> None:
+    """A deadline the server moved later since (a late start, an over-run) is not the promise
+    the user was shown: `kept_promise` counts the first record's."""
+    h = handle(0, record("finished", finished_at=105.0, deadline_s=9.0), done=True)
+    h.first_record = record("queued", deadline_s=3.0)
+    assert h.jct_s == 5.0 and h.deadline_s == 9.0 and h.first_deadline_s == 3.0
+    assert h.kept_promise is False
