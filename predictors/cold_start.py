@@ -10,8 +10,15 @@ As agents of the type complete, :meth:`ColdStartEstimator.observe` adds ``(P, co
 per-type log-log ridge regression ``log cost = a + b * log(1 + P)`` whose slope is pulled
 towards 1 (cost proportional to prompt size) with ``prior_strength`` pseudo-observations. One
 observation gives a pure ratio (cost proportional to the prompt); more observations learn how
-cost grows with the prompt. The regression keeps five running sums per type: ``observe`` and
+cost grows with the prompt. The regression keeps six running sums per type: ``observe`` and
 ``predict`` are O(1) and take a few microseconds.
+
+:meth:`ColdStartEstimator.predict_interval` gives ``(p50, p90)``: the estimate, and the
+estimate times ``exp(1.28 sigma)``, with ``sigma`` the spread of ``log cost`` about the
+regression, shrunk towards ``prior_log_sigma`` (1.0: a factor of 3.6 between p50 and p90)
+with ``prior_strength`` pseudo-observations. A type never seen has the prior's spread: the
+server's promises allow for the p90 (docs/concepts.md, "The deadline promised at
+registration"), and a guess of one request of ``d0`` tokens can be that far off.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 from .features import estimate_tokens
+
+_Z90 = NormalDist().inv_cdf(0.9)
 
 
 @dataclass
@@ -32,6 +42,7 @@ class _Stats:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
+    syy: float = 0.0
 
     def add(self, x: float, y: float) -> None:
         self.n += 1
@@ -39,16 +50,18 @@ class _Stats:
         self.sy += y
         self.sxx += x * x
         self.sxy += x * y
+        self.syy += y * y
 
 
 class ColdStartEstimator:
     """Online per-type cost estimates from prompt token counts and observed costs."""
 
     def __init__(self, default_output_tokens: float = 256.0, prior_strength: float = 2.0,
-                 max_log_slope: float = 3.0):
+                 max_log_slope: float = 3.0, prior_log_sigma: float = 1.0):
         self.default_output_tokens = float(default_output_tokens)
         self.prior_strength = float(prior_strength)
         self.max_log_slope = float(max_log_slope)
+        self.prior_log_sigma = float(prior_log_sigma)
         self._stats: dict[str, _Stats] = {}
         self._out_tokens = 0.0
         self._out_requests = 0.0
@@ -67,20 +80,35 @@ class ColdStartEstimator:
 
     def predict(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None = None) -> float:
         """Estimated total cost of an agent of ``agent_type`` with this prompt."""
+        return self._fit(agent_type, prompt, features)[0]
+
+    def predict_interval(self, agent_type: str, prompt: str,
+                         features: Mapping[str, Any] | None = None) -> tuple[float, float]:
+        """``(p50, p90)`` of the agent's total cost: the estimate, and the estimate times
+        the spread the type's costs have shown about it (the prior's before any)."""
+        estimate, sigma = self._fit(agent_type, prompt, features)
+        return estimate, estimate * math.exp(_Z90 * sigma)
+
+    def _fit(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None) -> tuple[float, float]:
+        """The estimate and the spread (sigma of log cost) around it."""
         tokens = _prompt_tokens(prompt, features)
         s = self._stats.get(agent_type)
         if s is None or s.n == 0:
             d0 = self.output_tokens_per_request()
-            return max(1.0, tokens * d0 + d0 * (d0 + 1.0) / 2.0)
+            return max(1.0, tokens * d0 + d0 * (d0 + 1.0) / 2.0), self.prior_log_sigma
         x = math.log1p(tokens)
         n = s.n
         mx, my = s.sx / n, s.sy / n
         cxx = s.sxx - n * mx * mx
         cxy = s.sxy - n * mx * my
+        cyy = s.syy - n * my * my
         lam = self.prior_strength
         b = (cxy + lam * 1.0) / (cxx + lam)
         b = min(self.max_log_slope, max(0.0, b))
-        return max(1.0, math.exp(my + b * (x - mx)))
+        # residuals about the fitted line; the intercept took one degree of freedom
+        sse = max(0.0, cyy - 2.0 * b * cxy + b * b * cxx)
+        sigma = math.sqrt((lam * self.prior_log_sigma ** 2 + sse) / (lam + n - 1))
+        return max(1.0, math.exp(my + b * (x - mx))), sigma
 
     # -- updates -------------------------------------------------------------------------
     def observe(self, agent_type: str, prompt: str, cost: float, features: Mapping[str, Any] | None = None) -> None:
@@ -121,6 +149,9 @@ class ColdStartPredictor:
 
     def predict(self, prompt: str, features: Mapping[str, Any] | None = None) -> float:
         return self.estimator.predict(self.agent_type, prompt, features)
+
+    def predict_interval(self, prompt: str, features: Mapping[str, Any] | None = None) -> tuple[float, float]:
+        return self.estimator.predict_interval(self.agent_type, prompt, features)
 
     def observe(self, prompt: str, cost: float, features: Mapping[str, Any] | None = None) -> None:
         self.estimator.observe(self.agent_type, prompt, cost, features)

@@ -134,8 +134,9 @@ class AgentRecord(BaseModel):
     predicted_cost: float = Field(description="Predicted total KV token-time cost.")
     virtual_finish: float = Field(description="The agent's GPS virtual finish tag.")
     predicted_cost_p90: float | None = Field(default=None, description=(
-        "The cost the agent stays under with probability 0.9, when its predictor gives an "
-        "interval (trained and online models do; the cold start does not)."))
+        "The cost the agent stays under with probability 0.9, when its cost is predicted "
+        "(trained and online models give an interval; the cold start and the fallback the "
+        "spread their guesses have shown). Its promise allows for this cost."))
     expected_cost: float | None = Field(default=None, description=(
         "Its total cost re-predicted as it runs, after each finished request, from what it "
         "consumed and the stages it completed (null before its first request ends). ETAs "

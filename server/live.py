@@ -67,7 +67,7 @@ from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus,
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.prefix import PrefixRef, block_chain
 from server.scheduler.rate import TauEstimator
-from server.scheduler.reprediction import expected_total
+from server.scheduler.reprediction import DEFAULT_P90_RATIO, expected_total
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel, TimeModelBank
 from server.type_shapes import ETA_QUANTILE, TypeShapes
 
@@ -159,6 +159,7 @@ class LiveScheduler:
             iteration_time_s=config.initial_tau_s,
             now=0.0,
             block_size=engine.info.block_size,
+            context_tokens=engine.info.max_model_len,
         )
         # R = M / tau must be the rate the engine really serves with the memory it fills,
         # not M over the raw step time (see server/scheduler/rate.py).
@@ -297,6 +298,7 @@ class LiveScheduler:
             shape=declared or self.type_shapes.typical(tenant, agent_type),
             # a learned shape: the promise covers the type's p90, the ETA expects its median
             eta_shape=None if declared else self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE),
+            cost_p90=interval[1] if interval else None,
         )
         entry = AgentEntry(
             id=agent_id,
@@ -358,9 +360,11 @@ class LiveScheduler:
                 return float(predictor.predict(prompt, features)), source, bounds
             except Exception:
                 log.exception("predictor for %r failed; using the request-size fallback", agent_type)
-        # No predictor: a one-request agent of the prompt's size with 256 output tokens.
+        # No predictor: a one-request agent of the prompt's size with 256 output tokens, as
+        # uncertain as a cold start's guess (its promise allows for the same spread).
         p = max(1, len(prompt) // 4)
-        return kv_cost(p, 256), "fallback", None
+        cost = kv_cost(p, 256)
+        return cost, "fallback", (cost, cost * DEFAULT_P90_RATIO)
 
     def get(self, agent_id: str, tenant: str) -> AgentEntry:
         entry = self.agents.get(agent_id)

@@ -404,6 +404,10 @@ def test_record_says_where_its_cost_came_from(client: httpx.Client) -> None:
     assert guessed["cost_source"] == "cold_start"
     assert client.get(f"/v1/agents/{guessed['id']}").json()["cost_source"] == "cold_start"
     assert AgentRecord.model_validate(guessed).cost_source == "cold_start"
+    # a guess: the promise allows for its p90, and says so; a declared cost is taken as is
+    assert guessed["predicted_cost_p90"] > 3 * guessed["predicted_cost"]
+    assert guessed["promise"] == "widened" and "p90" in guessed["promise_reason"]
+    assert declared["predicted_cost_p90"] is None and "p90" not in declared["promise_reason"]
     for rec in (declared, guessed):
         client.delete(f"/v1/agents/{rec['id']}")
     before = {a["id"] for a in all_agents(client)}

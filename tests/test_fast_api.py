@@ -253,6 +253,8 @@ def test_eta_and_bound_are_the_cores_for_the_same_registrations(tmp_path) -> Non
 
     costs = [4e5, 1.5e6, 1e5, 8e5]
     with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+        # a request seen: the limits are the observed ones, not the context length's
+        assert complete(c, None, 2).status_code == 200
         primer = register(c, type_="eta_primer", predicted_cost=max(costs))
         c.delete(f"/v1/agents/{primer['id']}")
         wait_until(lambda: c.get("/v1/scheduler").json()["backlog"] == 0, limit_s=20)

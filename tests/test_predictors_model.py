@@ -201,6 +201,26 @@ def test_cold_start_prior_and_online_improvement():
     assert cold.observations("new") == 30
 
 
+def test_cold_start_interval_is_the_prior_spread_then_the_types_own():
+    """The server promises an agent its cost's p90: a type never seen gets the prior's
+    spread (p90 = 3.6 x p50), a type whose costs follow its prompts closely a narrow one,
+    a type whose costs scatter a wide one."""
+    cold = ColdStartEstimator(default_output_tokens=100)
+    prompt = "word " * 50
+    p50, p90 = cold.predict_interval("new", prompt)
+    assert p50 == pytest.approx(cold.predict("new", prompt))
+    assert p90 / p50 == pytest.approx(math.exp(1.2816 * 1.0), rel=1e-3)
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        text = "tok " * int(rng.integers(10, 400))
+        cold.observe("steady", text, 1000.0 * estimate_tokens(text))
+        cold.observe("erratic", text, 1000.0 * estimate_tokens(text) * math.exp(rng.normal(0.0, 3.0)))
+    p50, p90 = cold.predict_interval("steady", prompt)
+    assert p50 == pytest.approx(cold.predict("steady", prompt)) and 1.0 < p90 / p50 < 1.5
+    p50, p90 = cold.predict_interval("erratic", prompt)
+    assert p90 / p50 > math.exp(1.2816 * 1.5)
+
+
 def test_registry_uses_models_and_falls_back_to_cold_start(saved, tmp_path, samples):
     models = tmp_path / "models"
     _copy(saved, models / "whatever-name")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from server.scheduler import AgentShape, Dispatcher, RequestSpec, TauEstimator, kv_cost
+from server.scheduler import AgentShape, BoundLimits, Dispatcher, RequestSpec, TauEstimator, kv_cost
 from server.scheduler.eta import WorkArrivals
 from tests.dispatchers import quiet_for
 
@@ -466,3 +466,63 @@ def test_the_eta_expects_the_eta_shape_and_the_bound_covers_the_shape() -> None:
     # (99 + 1) steps of 10 ms against (495 + 5), after at most the other's 0.01 s of work
     assert d.view("mixed", 0.0).eta_s == pytest.approx(1.0, abs=0.011)
     assert d.view("p90", 0.0).eta_s == pytest.approx(5.0, abs=0.011)
+
+
+def test_a_promise_allows_for_the_predictions_p90() -> None:
+    """A fresh server promised its first agent 16.0 s on a cold-start guess of a fraction
+    of its cost, and the agent finished at 37.4 s (issue 18, live, the server's own
+    predictions). The promise of an uncertain prediction is the one its p90 would get; its
+    tag and its ETA stay the prediction's."""
+    limits = BoundLimits(kv_cost(100, 100), 200_000.0, 100)
+
+    def server() -> Dispatcher:
+        d = quiet_for(Dispatcher("justitia", 1000, 0.1, limits=limits))
+        d.register_agent("other", 30_000.0, 0.0)
+        d.submit(req("o0", "other", 10, 10), 0.0)
+        return d
+
+    sure, unsure, as_p90 = server(), server(), server()
+    plain = sure.register_agent("a", 10_000.0, 0.0)
+    guess = unsure.register_agent("a", 10_000.0, 0.0, cost_p90=36_000.0)
+    big = as_p90.register_agent("a", 36_000.0, 0.0)
+    assert plain.promise == "firm" and "p90" not in plain.promise_reason
+    assert guess.promise == "widened" and "p90" in guess.promise_reason
+    assert guess.deadline_s == pytest.approx(big.deadline_s)  # the promise of its p90
+    assert guess.deadline_s > plain.deadline_s
+    assert unsure.agents["a"].virtual_finish == sure.agents["a"].virtual_finish  # charged as predicted
+    sure.refresh_etas(0.0)
+    unsure.refresh_etas(0.0)
+    assert unsure.view("a", 0.0).eta_s == pytest.approx(sure.view("a", 0.0).eta_s)
+    # a p90 below the prediction asks for nothing
+    assert server().register_agent("a", 10_000.0, 0.0, cost_p90=5_000.0).deadline_s == \
+        pytest.approx(plain.deadline_s)
+
+
+def test_an_over_run_up_to_the_p90_keeps_the_first_promise() -> None:
+    """The agent runs to four times its prediction, within its p90: the deadline given at
+    registration already covered that, so re-promising on the over-run does not move it."""
+    d = quiet_for(Dispatcher("justitia", 1000, 0.1, limits=BoundLimits(kv_cost(300, 300), 200_000.0, 300)))
+    first = d.register_agent("a", kv_cost(100, 100), 0.0, cost_p90=4.2 * kv_cost(100, 100)).deadline_s
+    d.submit(req("a0", "a", 200, 200), 0.0)  # four times what it was predicted at
+    d.admit(0.0, engine_free_kv_tokens=1000)
+    d.on_request_finished("a0", 200, 200, 4.0)
+    assert d.agents["a"].charged_cost > 3.9 * kv_cost(100, 100)  # charged the over-run
+    assert d.view("a", 4.0).deadline_s == pytest.approx(first)
+
+
+def test_before_any_request_the_bound_assumes_the_engines_longest() -> None:
+    """A fresh server's first agent was bounded with d_max = 0 (no request seen): its
+    promise left no time for the requests it would wait behind. Until one is seen, the
+    limits are the engine's context length's, and the promise says so."""
+    d = quiet_for(Dispatcher("justitia", 1000, 0.1, context_tokens=500))
+    first = d.register_agent("first", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    assert first.promise == "widened" and "no request seen" in first.promise_reason
+    assert first.bound.blocking_s == pytest.approx(501 * 0.1)  # one stage behind a 500-token decode
+    assert first.bound.lag_s >= 2 * kv_cost(0, 500) / 10_000
+    d.submit(req("f0", "first", 20, 30), 0.0)
+    second = d.register_agent("second", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    assert "no request seen" not in second.promise_reason  # now the observed limits
+    assert second.bound.blocking_s == pytest.approx(31 * 0.1)
+    # without a context length (the simulator declares its limits), nothing changes
+    assert "no request seen" not in quiet_for(Dispatcher("justitia", 1000, 0.1)).register_agent(
+        "a", 10_000.0, 0.0).promise_reason

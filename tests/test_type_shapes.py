@@ -41,6 +41,7 @@ def test_a_types_served_stages_shape_the_bound_of_its_next_agents(tmp_path) -> N
         a = httpx.Client(base_url=srv.url, timeout=20, headers={"Authorization": "Bearer key-a"})
         b = httpx.Client(base_url=srv.url, timeout=20, headers={"Authorization": "Bearer key-b"})
         with a, b:
+            assert complete(a, None, 6).status_code == 200  # a request seen: observed limits
             before = register(a, type_="looper")
             for _ in range(3):
                 _run_three_stages(a, "looper")

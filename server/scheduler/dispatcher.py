@@ -104,6 +104,7 @@ class Dispatcher:
         seed: int = 0,
         time_model: TimeModel | None = None,
         arrival_window_s: float = 60.0,
+        context_tokens: int | None = None,
     ) -> None:
         # A stateful policy (ewsjf, equinox) gets an instance of its own, seeded.
         self.policy = (get_policy(policy) if isinstance(policy, str) else policy).bind(seed)
@@ -137,6 +138,9 @@ class Dispatcher:
         self.prefix_block = self.block_size * max(1, PREFIX_UNIT_TOKENS // self.block_size)
         self.backfill_depth = backfill_depth
         self._declared_limits = limits
+        # The longest request the engine takes (prompt and output): what bounds requests
+        # before any is seen (None: nothing).
+        self.context_tokens = context_tokens
         self._observed = ObservedLimits()
         self._cost = cost_function(self.policy.cost_model)
         # justitia-c keeps its clock in compute tokens; its rate is M/tau converted with the
@@ -222,7 +226,19 @@ class Dispatcher:
         scheduler can trust (real work of anyone, predictions of `tenant` only)."""
         if self._declared_limits is not None:
             return self._declared_limits
-        return self._observed.as_limits(tenant)
+        limits = self._observed.as_limits(tenant)
+        if self._no_request_seen:
+            # Nothing bounds the requests an agent will wait behind but the engine's context:
+            # with none seen, d_max was 0 and a fresh server's first agent was bounded as if
+            # no request decoded (live: promised 23.1 s, it took 43.8 s).
+            top = int(self.context_tokens or 0)
+            limits = BoundLimits(max(limits.max_request_cost, kv_cost(0, top)), limits.max_agent_cost, top)
+        return limits
+
+    @property
+    def _no_request_seen(self) -> bool:
+        """No request submitted yet, and the context length known: the limits are its."""
+        return self._declared_limits is None and bool(self.context_tokens) and self._observed.max_output_tokens <= 0
 
     @property
     def bound_step_s(self) -> float:
@@ -246,11 +262,14 @@ class Dispatcher:
         shape: AgentShape | None = None,
         eta_shape: AgentShape | None = None,
         tenant: str | None = None,
+        cost_p90: float | None = None,
     ) -> AgentView:
         """Admit an agent with its predicted KV cost: its tag will be F = V + cost at its
         first request (V(now) + cost if that is now). `shape` is what its bound covers,
         `eta_shape` what its ETA expects where that differs (default: `shape`). `tenant`:
-        whose predictions may widen its bound (None: one shared tenant)."""
+        whose predictions may widen its bound (None: one shared tenant). `cost_p90`: the
+        p90 of its KV cost where the prediction is uncertain (a predictor's interval): its
+        promise allows for that much; its tag and ETA do not."""
         self.clock.advance(now)  # an event: the promise below reads the clock at `now`
         if agent_id in self.agents:
             raise ValueError(f"agent {agent_id!r} is already registered")
@@ -274,6 +293,9 @@ class Dispatcher:
             eta_shape=eta_shape,
             tenant=tenant,
         )
+        # the p90's ratio to the prediction, applied to the charge (whatever the cost model)
+        if cost_p90 is not None and predicted_cost > 0.0 and cost_p90 > predicted_cost:
+            agent.promise_charge = charge * float(cost_p90) / predicted_cost
         self._bound(agent)
         self.agents[agent_id] = agent
         if len(self._unpassed) < MAX_UNPASSED:
@@ -298,15 +320,26 @@ class Dispatcher:
         its assumptions fail, the promise is widened and says why. Made again when the
         agent starts late or over-runs; it then only moves later."""
         v = self.clock.peek(now).V
-        fluid = self.fair_finish_time(agent.agent_id, now) - now
+        # A predicted cost may be short of the real one. An agent that over-runs is charged
+        # its excess as it shows, so its fair finish moves later with it: the promise allows
+        # for the prediction's p90 (live, a fresh server promised its first agent 16.0 s on
+        # a cold-start guess of a fraction of its cost; it finished at 37.4 s).
+        extra = max(0.0, agent.promise_charge - agent.charged_cost)
+        fluid = self._fair_finish_with(agent, extra, now) - now
         slow = self.bound_tau / self.tau
         # The share of the rate the deadline assumes (M / bound_tau), not of R: the deadline
         # serves its work at the pessimistic rate, and so must it serve the arrivals (a CI
         # run's stream was 72% of R but 104% of M / bound_tau: firm, when no promise holds).
-        share = self.arrivals.fluid_ahead(max(0.0, agent.virtual_finish - v)) / self.rate * slow
+        share = self.arrivals.fluid_ahead(max(0.0, agent.virtual_finish + extra - v)) / self.rate * slow
         reasons = []
         if self.uncertainty:
             reasons.append(self.uncertainty)
+        if self._no_request_seen:
+            reasons.append(f"no request seen yet: the bound assumes requests as long as the engine's context "
+                           f"({self.context_tokens} tokens)")
+        if extra > 0.0:
+            reasons.append(f"its cost is a prediction: the deadline allows for {agent.promise_charge:.4g} units, "
+                           f"the prediction's p90 ({agent.promise_charge / agent.charged_cost:.2g}x its charge)")
         if share > MAX_ARRIVAL_SHARE:
             reasons.append(f"work arrives at {share:.0%} of the engine's (pessimistic) rate: the deadline assumes "
                            f"{MAX_ARRIVAL_SHARE:.0%}")
@@ -336,6 +369,14 @@ class Dispatcher:
         else:
             agent.promise = "widened" if reasons else "firm"
             agent.promise_reason = "; ".join(reasons)
+
+    def _fair_finish_with(self, agent: AgentState, extra: float, now: float) -> float:
+        """GPS finish time of the agent projected from now were its charge `extra` larger."""
+        if extra <= 0.0:
+            return self.fair_finish_time(agent.agent_id, now)
+        if not agent.in_reference:
+            return self.clock.arrival_finish_time(agent.charged_cost + extra, now)
+        return self.clock.projected_time(agent.virtual_finish + extra, now)
 
     def finish_agent(self, agent_id: str, now: float) -> AgentView:
         """The agent is done: forget it (pending requests, if any, are dropped)."""

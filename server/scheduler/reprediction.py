@@ -32,6 +32,8 @@ from statistics import NormalDist
 #: factor of about 3.6 between p50 and p90.
 DEFAULT_LOG_SIGMA = 1.0
 _Z90 = NormalDist().inv_cdf(0.9)
+#: p90 / p50 of a cost with that spread: what a promise allows for on a guess with no interval.
+DEFAULT_P90_RATIO = math.exp(_Z90 * DEFAULT_LOG_SIGMA)
 _STD = NormalDist()
 
 

@@ -122,6 +122,9 @@ class AgentState:
     virtual_finish: float
     bound: DelayBound
     shape: AgentShape
+    # The charge its promise allows for (policy cost units): its prediction's p90 where the
+    # prediction is uncertain (a predictor's interval), else its charge.
+    promise_charge: float = 0.0
     # The shape its ETA expects, where that is not the one its bound covers: a type's
     # learned shape bounds an agent at the type's p90 and estimates it at the median.
     eta_shape: AgentShape | None = None

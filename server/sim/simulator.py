@@ -42,6 +42,8 @@ class Predictions:
     # KV costs with the prefixes each agent's parallel requests share charged once (what a
     # prefix-aware Justitia charges); None: the same as `kv`.
     kv_shared: list[float] | None = None
+    # p90 of an agent's true cost over its prediction (the promise allows for it); None: exact
+    p90_ratio: float | None = None
 
     def kv_for(self, policy: Policy) -> list[float]:
         """The KV costs `policy` is told: prefix-aware for a prefix-aware Justitia."""
@@ -66,9 +68,11 @@ def make_predictions(agents: Sequence[AgentSpec], mode: str = "oracle", seed: in
             raise ValueError("noisy:LAMBDA needs LAMBDA >= 1")
         rng = random.Random(seed)
         factors = [lam ** rng.uniform(-1.0, 1.0) for _ in agents]
+        # true = predicted x L^-u: at most predicted x L^0.8 with probability 0.9
         return Predictions([c * f for c, f in zip(true_kv, factors, strict=True)],
                            [c * f for c, f in zip(true_c, factors, strict=True)], mode,
-                           None if shared is None else [c * f for c, f in zip(shared, factors, strict=True)])
+                           None if shared is None else [c * f for c, f in zip(shared, factors, strict=True)],
+                           p90_ratio=lam ** 0.8 if lam > 1 else None)
     if mode.startswith("model:"):
         if predictor is None:
             raise ValueError("model predictions need a predictor")
@@ -370,6 +374,7 @@ class _Run:
                 a.id, self.kv_predicted[i], t, agent_type=a.type,
                 predicted_compute_cost=self.predictions.compute[i],
                 shape=AgentShape(len(a.stages), a.critical_path_tokens),
+                cost_p90=self.kv_predicted[i] * self.predictions.p90_ratio if self.predictions.p90_ratio else None,
             )
             self.bounds[i] = view.delay_bound_s
             self.first_eta[i], self.first_deadline[i] = view.eta_s, view.deadline_s
