@@ -165,7 +165,8 @@ def run_demo(args: argparse.Namespace) -> int:
         console.print("  " + describe_wave(summary, url=args.url))
     console.print("[dim]JCT: submission to finish. 1st ETA: the server's ETA at submission. "
                   "fair: the finish time under an ideal fair share (GPS). bound: how late after "
-                  "fair the agent may finish at worst; kept: JCT <= fair + bound. ETA error: "
+                  "fair the agent may finish at worst; kept: JCT <= the deadline given at submission "
+                  "(its first fair + bound). ETA error: "
                   "|1st ETA - JCT| / JCT.[/dim]")
     console.print("[dim]The tiny model's weights are random: its text is noise. The engine, "
                   "the KV cache and the scheduling are real.[/dim]")
