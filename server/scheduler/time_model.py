@@ -4,9 +4,14 @@ One engine iteration (step) runs every running request one token and prefills th
 tokens scheduled in it. Its duration is modelled as
 
     step_s = base_s + per_seq_s * decode_seqs + per_prefill_token_s * prefill_tokens
-             + per_kv_token_s * kv_tokens_held
+             + per_kv_token_s * kv_tokens_attended
 
-(the simulator's profile form, server/sim/profiles.py). `prefill_tokens` are the prompt
+(the simulator's profile form, server/sim/profiles.py). `kv_tokens_attended` is the
+running requests' contexts summed: each request's whole prompt and output, a shared prefix
+once per request that reads it. The cache holds that prefix once, but attention reads it
+per sequence: on the CPU engine 16 requests over one shared 2,048-token head step 5.4 ms
+slower than 16 over 16-token heads, where the blocks held differ by 2,048 tokens
+(docs/benchmarks.md). Without shared prefixes the two counts are the same. `prefill_tokens` are the prompt
 tokens the step *computes*: tokens served from the prefix cache cost no prefill, so every
 user of the model counts uncached tokens only (prefix.py's `uncached_prompt`): the live
 server takes vLLM's computed-token count per step, the simulator's engine its uncached
@@ -61,7 +66,9 @@ class StepSample:
     seconds: float  # its duration
     decode_seqs: float  # requests that produced a token in it
     prefill_tokens: float  # prompt tokens computed in it
-    kv_tokens: float  # KV tokens held by the running requests
+    # Context tokens of the running requests (their attention reads them: a shared prefix
+    # once per request reading it, where the cache holds it once)
+    kv_tokens: float
 
     def features(self) -> tuple[float, float, float, float]:
         return (1.0, float(self.decode_seqs), float(self.prefill_tokens), float(self.kv_tokens))

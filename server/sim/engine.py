@@ -16,9 +16,15 @@ vLLM's chained block hashes do). A prefix no running request references stays ca
 is evicted (least recently released first) when memory runs short, before any preemption.
 Free memory, as the engine reports it, counts such unreferenced prefixes as free.
 
+An iteration's time is the profile's function of the batch, the prompt tokens it prefills
+and the context tokens its sequences attend over: each running request its whole prompt and
+what it has generated, a shared prefix once per request that reads it. Memory counts a shared
+prefix once; attention does not (16 requests over one shared 2,048-token head step 5.4 ms
+slower than over 16-token heads on the CPU engine, docs/benchmarks.md).
+
 Between events (a request finishing, memory running out, the next external arrival) nothing
 changes but the token counts, so `step` runs a whole stretch of decode iterations at once:
-their total duration is an arithmetic series in the KV in use.
+their total duration is an arithmetic series in the context attended.
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ class SimRequest:
     def kv(self) -> int:
         """KV tokens it holds of its own (its shared prefixes are the cache's)."""
         return self.prompt_tokens - shared_tokens(self.segments) + self.generated
+
+    @property
+    def context(self) -> int:
+        """Tokens its attention reads: its whole prompt, shared or not, and its output."""
+        return self.prompt_tokens + self.generated
 
 
 @dataclass
@@ -166,6 +177,7 @@ class EngineModel:
         self.running: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()  # preempted, resumed first
         self.kv_used = 0  # running requests' own tokens and every cached prefix
+        self.attended = 0  # running requests' contexts (a shared prefix once per request)
         self.cache = PrefixCache()
         self.iterations = 0
         self.preemptions = 0
@@ -217,6 +229,7 @@ class EngineModel:
         self.cache.prompt_tokens += req.prompt_tokens
         self.cache.hit_tokens += min(hits, req.prompt_tokens - 1)
         self.running.append(req)
+        self.attended += req.context
 
     def resume(self) -> None:
         """Bring preempted requests back (front first) while they fit."""
@@ -229,9 +242,11 @@ class EngineModel:
             # recompute the prompt (what the cache lost of it too) and the generated tokens
             req.prefill = max(1, req.prompt_tokens + req.generated - hits)
             self.running.append(req)
+            self.attended += req.context
 
     def _release(self, req: SimRequest) -> None:
         self.kv_used -= req.kv
+        self.attended -= req.context
         if req.segments:
             self.kv_used -= self.cache.detach(req.segments)
 
@@ -262,7 +277,7 @@ class EngineModel:
         prefill = sum(r.prefill for r in self.running)
         if prefill:
             n = 1
-            dt = prof.iteration_s(batch, prefill, self.kv_used)
+            dt = prof.iteration_s(batch, prefill, self.attended)
             for r in self.running:
                 r.prefill = 0
         else:
@@ -271,14 +286,15 @@ class EngineModel:
             over = self.kv_used + batch * n - self.capacity
             if over > 0:  # the stretch needs memory that unreferenced prefixes hold
                 self.kv_used -= self.cache.evict(over)
-            a = prof.base_s + prof.per_seq_s * batch + prof.per_kv_token_s * self.kv_used
-            c = prof.per_kv_token_s * batch  # growth of the KV term per iteration
+            a = prof.base_s + prof.per_seq_s * batch + prof.per_kv_token_s * self.attended
+            c = prof.per_kv_token_s * batch  # growth of the attended context per iteration
             if until < math.inf:
                 n = min(n, _iterations_to_reach(until - now, a, c))
             dt = n * a + c * n * (n - 1) / 2.0
         for r in self.running:
             r.generated += n
         self.kv_used += batch * n
+        self.attended += batch * n
         self.iterations += n
         done = [r for r in self.running if r.generated >= r.output_tokens]
         if done:

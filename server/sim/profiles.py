@@ -5,7 +5,10 @@ that were just admitted, or resumed after preemption, prefill their tokens in it
 duration is modelled as
 
     iteration_s = base_s + per_seq_s * batch + per_prefill_token_s * prefill_tokens
-                  + per_kv_token_s * kv_tokens_in_use
+                  + per_kv_token_s * kv_tokens_attended
+
+(`kv_tokens_attended`: the running requests' contexts summed, a shared prefix once per
+request that reads it; see server/scheduler/time_model.py.)
 
 `tau_ref_s` is the iteration time the scheduler's GPS rate uses (R = M / tau_ref): the
 iteration time of a decode batch with the whole KV cache in use.
