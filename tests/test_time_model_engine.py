@@ -68,3 +68,44 @@ def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys)
     agent = json.loads(res.read_text())["results"][0]["agents"][0]
     # one request of 300 + 20 tokens: about 20 steps of the fitted engine
     assert agent["jct_s"] == pytest.approx(prof.iteration_s(1, 300, 300) + 19 * prof.iteration_s(1, 0, 310), rel=0.2)
+
+
+@pytest.mark.engine
+def test_the_step_samples_count_a_shared_head_once_per_request_reading_it() -> None:
+    """Eight requests over one cached 512-token head: the engine holds the head once, but
+    each step's attention reads it eight times, and the time model's KV term is what the
+    steps read (benchmarks/attended_context.py). The samples then attend over more tokens
+    than the whole cache holds, and nothing is left counted once the requests are done."""
+    import asyncio
+
+    from server.engine.base import EngineRequest, SamplingOptions
+    from server.engine.vllm_local import LocalVLLMEngine
+    from server.scheduler.time_model import StepSample
+    from server.tiny_model import embedded_engine_config
+
+    async def run() -> tuple[list[StepSample], int, int]:
+        engine = LocalVLLMEngine(embedded_engine_config(kv_tokens=2048, max_model_len=1024, restarts=0))
+        await engine.start()
+        samples: list[StepSample] = []
+        engine.add_sample_listener(lambda _name, s: samples.append(s))
+        head = tuple(100 + i % 600 for i in range(512))
+
+        async def one(rid: str, tail: tuple[int, ...], max_tokens: int) -> None:
+            req = EngineRequest(rid, head + tail, SamplingOptions(max_tokens=max_tokens, ignore_eos=True,
+                                                                  temperature=0.0))
+            async for _ in engine.generate(req):
+                pass
+
+        try:
+            await one("warm", (7,), 1)  # the head in the prefix cache
+            samples.clear()
+            await asyncio.gather(*(one(f"r{i}", (10 + i,) * 8, 32) for i in range(8)))
+            await asyncio.sleep(0.1)
+            return samples, engine.info.kv_capacity_tokens, engine._stats.attended_tokens
+        finally:
+            await engine.close()
+
+    samples, capacity, left = asyncio.run(run())
+    assert samples
+    assert capacity <= 2048 < max(s.kv_tokens for s in samples) <= 8 * (512 + 8 + 32)
+    assert left == 0
