@@ -166,6 +166,7 @@ class Dispatcher:
         # prompt tokens it prefills per step (each prompt once over its d decode steps)
         self._mean_prompt = 0.0
         self._mean_decode = 0.0
+        self._mean_context = 0.0  # the whole prompt, cached or not: what attention reads
         self.running_count = 0
 
     # -- rate and capacity ------------------------------------------------------
@@ -472,10 +473,11 @@ class Dispatcher:
         # the prompt tokens the engine will compute: what running requests hold is cached
         computed = p - self.holds.covered(req.segments) if req.segments else p
         if self._mean_prompt + self._mean_decode <= 0:
-            self._mean_prompt, self._mean_decode = float(computed), float(d)
+            self._mean_prompt, self._mean_decode, self._mean_context = float(computed), float(d), float(p)
         else:
             self._mean_prompt += 0.05 * (computed - self._mean_prompt)
             self._mean_decode += 0.05 * (d - self._mean_decode)
+            self._mean_context += 0.05 * (p - self._mean_context)
         self.queue.push(agent, req)
         if self._hooked:
             self.policy.on_submit(self, agent, req, now, first)
@@ -784,12 +786,15 @@ class Dispatcher:
 
     def _step_holding(self, kv: float) -> float:
         """The time model's step with `kv` tokens reserved by requests of the current mix:
-        a request holds p + d/2 on average over its life, and prefills p once per d steps.
-        (EngineProfile names it iteration_s, the server's fitted TimeModel step_s.)"""
+        a request reserves p + d (p the prompt it computes), prefills p once per d steps and
+        attends over its whole prompt and d/2 outputs on average over its life (its shared
+        prefixes too: attention reads them per request). (EngineProfile names it
+        iteration_s, the server's fitted TimeModel step_s.)"""
         assert self.time_model is not None
         p, d = self._mean_prompt, max(1.0, self._mean_decode)
         batch = max(1.0, kv / (p + d))
-        return step_function(self.time_model)(round(batch), round(batch * p / d), int(batch * (p + d / 2)))
+        context = max(p, self._mean_context)
+        return step_function(self.time_model)(round(batch), round(batch * p / d), int(batch * (context + d / 2)))
 
     def _saturated_iteration_s(self) -> float:
         """One engine step with the whole cache in use by the current mix of requests (the
