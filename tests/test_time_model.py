@@ -178,3 +178,25 @@ def test_calibration_measures_the_engine_the_server_runs(tmp_path, monkeypatch) 
                  "kv_cache_space_gib", "engine_core_nice"):
         assert getattr(measured, name) == getattr(served.config, name), name
     assert measured.restarts == 0  # a calibration whose engine dies says so instead of measuring another
+
+
+def test_the_bank_also_fits_every_step_since_the_start() -> None:
+    """The recency-weighted model is the engine as it runs now; a record of a whole run
+    needs the fit to all of it (the model at a run's end is its last steps' engine)."""
+    from server.sim.cli import _fitted_profile
+
+    bank = TimeModelBank(DEFAULT_PRIOR, refit_every=100)
+    slow, fast = TimeModel(0.006, 0.0, 0.0, 0.0), TimeModel(0.002, 0.0, 0.0, 0.0)
+    for engine in (slow, fast):  # the engine speeds up half-way through the run
+        for i in range(3000):
+            seqs = 1 + i % 8
+            bank.observe("local", StepSample(engine.step_s(seqs, 0, 0), seqs, 0, 0))
+    now = bank.models()["local"].step_s(4, 0, 0)
+    whole = bank.describe()["since_start"]["local"]
+    assert now < 0.0025  # the last few thousand steps' engine
+    assert whole["samples"] == 6000
+    assert TimeModel(whole["base_s"], whole["per_seq_s"], whole["per_prefill_token_s"],
+                     whole["per_kv_token_s"]).step_s(4, 0, 0) == pytest.approx(0.004, rel=0.05)
+    # `bench live` simulates a run with the fit to all of it
+    prof = _fitted_profile(PROFILES["cpu-tiny"], bank.describe())
+    assert prof is not None and prof.iteration_s(4, 0, 0) == pytest.approx(0.004, rel=0.05)

@@ -371,10 +371,13 @@ def _add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[s
 
 def _fitted_profile(profile: EngineProfile, time_model: dict | None) -> EngineProfile | None:
     """`profile` with the coefficients the live server fitted to its engine's steps (None
-    when it fitted none, or fitted one per replica: the simulator has one engine)."""
+    when it fitted none, or fitted one per replica: the simulator has one engine): its fit
+    to every step of the run (`since_start`) where the server reports one, not the
+    recency-weighted fit, which at the end of a run is the engine of its last steps."""
     from dataclasses import replace
 
-    engines = (time_model or {}).get("engines") or {}
+    time_model = time_model or {}
+    engines = time_model.get("since_start") or time_model.get("engines") or {}
     if len(engines) != 1:
         return None
     [fit] = engines.values()
