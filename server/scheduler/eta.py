@@ -14,8 +14,7 @@ decode of its known requests) at the time model's iteration time, and R_j = R - 
 engine's rate R = M / tau minus the rate a_j of work that will arrive *ahead of j* while it
 waits (new agents the policy orders before j: under justitia, those whose cost is below
 j's tag minus V, halved for the wait; none under fcfs), for as long as arrivals have been
-measured (at least 2 s, at most the 60 s window; the rate itself over at least 1 s): then
-at full rate again (`served_by`).
+measured (at least 2 s, at most the 60 s window): then at full rate again (`served_by`).
 The arrival rate of work and its cost distribution are measured over the recent
 registrations (`WorkArrivals`).
 
@@ -87,12 +86,6 @@ class WorkArrivals:
     # its agents' ETAs came out short (session 8: p90 of the first-ETA error 0.51-0.60 with
     # 2 s against 0.54-0.61 with 10 s, paired in three live runs; docs/benchmarks.md).
     min_window_s: float = PROMISE_MIN_SPAN_S
-    # The rate itself is measured over at least this long (its projection still looks at
-    # least `min_window_s` ahead): over 2 s, a burst 0.5 s old was read at a quarter of its
-    # rate, and the agents it brought in its first second were told too little. Over 1 s,
-    # the contended burst's first-ETA error in the simulator (the rate measured) went from
-    # 0.311 to 0.207 at the median; the 300-agent mixes did not move.
-    min_rate_window_s: float = 1.0
     # A registration after a whole window without any begins an episode, measured from its
     # own start as a fresh server measures its first one: the window then holds nothing
     # before it, and over the whole window a burst after a lull was read as a sliver of itself
@@ -153,7 +146,7 @@ class WorkArrivals:
         if not self._events:
             self.rate = self.promise_rate = 0.0
             return
-        self.rate = self._rate(now, self.window_s, self.min_rate_window_s, self._first)
+        self.rate = self._rate(now, self.window_s, self.min_window_s, self._first)
         first = now if self._first is None else self._first
         self.span_s = max(self.min_window_s, min(self.window_s, now - first))
         self._forecast_from_episodes(now - first)
