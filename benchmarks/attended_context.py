@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,10 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from server.launcher import EmbeddedServer  # noqa: E402
+from benchmarks.engine_timing import TAIL, TOKENS, completer, embedded_server, write_json  # noqa: E402
 
-TOKENS = (100, 780)  # inside the tiny model's vocabulary
-TAIL = 16
 SIZES = (1, 4, 8, 16)
 
 
@@ -46,11 +42,7 @@ async def measure(url: str, head_tokens: int, output: int, rounds: int) -> dict[
     rng = random.Random(0)
     out: dict[str, list[float]] = {}
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-
-        async def complete(prompt: list[int], max_tokens: int) -> None:
-            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                           "ignore_eos": True, "temperature": 0.0})
-            r.raise_for_status()
+        complete = completer(client)
 
         for k in range(rounds):
             for n in SIZES:
@@ -76,11 +68,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, metavar="OUT")
     args = ap.parse_args()
     kv = 2 * max(SIZES) * (TAIL + args.output) + 2 * (args.head + TAIL) + 4096
-    home = tempfile.mkdtemp(prefix="justitia-attended-")
-    server_args = ["--policy", "justitia", "--kv-tokens", str(kv), "--max-model-len",
-                   str(max(2048, args.head + 2 * TAIL + args.output)), "--data-dir", home]
-    with EmbeddedServer(server_args) as srv:
-        runs = asyncio.run(measure(srv.url, args.head, args.output, args.rounds))
+    with embedded_server(kv, max(2048, args.head + 2 * TAIL + args.output), "justitia-attended-") as url:
+        runs = asyncio.run(measure(url, args.head, args.output, args.rounds))
     rows = []
     for n in SIZES:
         short = statistics.median(runs[f"{n}/short"]) / args.output
@@ -95,10 +84,7 @@ def main() -> int:
     print(f"each added sequence over the shared head: {1e9 * per_token:.0f} ns a step per head token")
     res = {"head_tokens": args.head, "tail_tokens": TAIL, "output_tokens": args.output, "kv_tokens": kv,
            "runs": runs, "rows": rows, "per_attended_token_s": per_token}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, res)
     return 0
 
 

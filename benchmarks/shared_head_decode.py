@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,10 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from server.launcher import EmbeddedServer  # noqa: E402
-
-TOKENS = (100, 780)  # inside the tiny model's vocabulary
-TAIL = 16
+from benchmarks.engine_timing import TAIL, TOKENS, completer, embedded_server, write_json  # noqa: E402
 
 
 def prompts(shared: bool, n: int, head_tokens: int, seed: int) -> list[list[int]]:
@@ -49,11 +44,7 @@ def prompts(shared: bool, n: int, head_tokens: int, seed: int) -> list[list[int]
 
 async def measure(url: str, n: int, head_tokens: int, output: int, rounds: int) -> dict[str, list[float]]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-
-        async def complete(prompt: list[int], max_tokens: int) -> None:
-            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                           "ignore_eos": True, "temperature": 0.0})
-            r.raise_for_status()
+        complete = completer(client)
 
         out: dict[str, list[float]] = {"shared": [], "private": []}
         for k in range(rounds):
@@ -78,11 +69,8 @@ def main() -> int:
     args = ap.parse_args()
     # room for every private head at once, and for max_model_len
     kv = max(4096, 2 * args.requests * (args.head + TAIL + args.output))
-    home = tempfile.mkdtemp(prefix="justitia-shared-head-")
-    server_args = ["--policy", "justitia", "--kv-tokens", str(kv), "--max-model-len",
-                   str(max(2048, args.head + TAIL + args.output)), "--data-dir", home]
-    with EmbeddedServer(server_args) as srv:
-        out = asyncio.run(measure(srv.url, args.requests, args.head, args.output, args.rounds))
+    with embedded_server(kv, max(2048, args.head + TAIL + args.output), "justitia-shared-head-") as url:
+        out = asyncio.run(measure(url, args.requests, args.head, args.output, args.rounds))
     ratios = [s / p for s, p in zip(out["shared"], out["private"], strict=True)]
     res = {"requests": args.requests, "head_tokens": args.head, "tail_tokens": TAIL, "output_tokens": args.output,
            "kv_tokens": kv, **out, "median_shared_s": statistics.median(out["shared"]),
@@ -91,10 +79,7 @@ def main() -> int:
     print(f"{args.requests} requests decoding {args.output} tokens over {args.head}-token heads: shared "
           f"{res['median_shared_s']:.3f} s, private {res['median_private_s']:.3f} s (medians); shared / private "
           f"per round {', '.join(f'{r:.2f}' for r in ratios)}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, res)
     return 0
 
 

@@ -103,8 +103,10 @@ class _StatsCollector:
         self.attended_tokens = 0
 
     def attend(self, delta: int) -> None:
-        """Requests in flight gained (or, negative, released) `delta` context tokens."""
-        self.attended_tokens = max(0, self.attended_tokens + delta)
+        """Requests in flight gained (or, negative, released) `delta` context tokens. Not
+        clamped at 0: every request releases exactly what it counted, so a negative count
+        is a bug to see, not to hide."""
+        self.attended_tokens += delta
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         now = time.monotonic()
@@ -626,8 +628,8 @@ class LocalVLLMEngine(TokenizerEngine):
         seqs = _Sequences(self._tokenizer, request.sampling.logprobs)
         stats = self._stats
         # every sequence of the request attends over its prompt, then its own output
-        held = len(request.prompt_token_ids) * max(1, int(getattr(request.sampling, "n", 1) or 1))
-        stats.attend(held)
+        counted = len(request.prompt_token_ids) * max(1, int(getattr(request.sampling, "n", 1) or 1))
+        stats.attend(counted)
         seen = 0  # output tokens counted so far
         try:
             async for out in llm.generate(
@@ -636,7 +638,7 @@ class LocalVLLMEngine(TokenizerEngine):
                 sequences = seqs.update(out.outputs)
                 output_tokens = sum(q.output_tokens for q in sequences)
                 stats.attend(output_tokens - seen)
-                held, seen = held + output_tokens - seen, output_tokens
+                counted, seen = counted + output_tokens - seen, output_tokens
                 metrics = getattr(out, "metrics", None)
                 first = sequences[0]
                 yield EngineOutput(
@@ -663,4 +665,4 @@ class LocalVLLMEngine(TokenizerEngine):
                     "send the request again") from exc
             raise
         finally:
-            stats.attend(-held)
+            stats.attend(-counted)
