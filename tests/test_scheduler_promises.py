@@ -10,6 +10,7 @@ import pytest
 
 from server.scheduler import AgentShape, BoundLimits, Dispatcher, RequestSpec, TauEstimator, kv_cost
 from server.scheduler.eta import WorkArrivals
+from server.scheduler.policies import POLICIES, closing_gap
 from tests.dispatchers import quiet_for
 
 
@@ -74,10 +75,54 @@ def test_replay_eta_counts_the_work_that_will_arrive_ahead() -> None:
     d.submit(req("b0", "big", 10, 10), 20.0)
     d.refresh_etas(20.0)
     # 140,000 units registered over 20 s (big's own included): 7,000 per second, of which
-    # the small agents' 2,000 per second are below big's gap / 2 (50,000) and go ahead of
-    # it, so big is left 8,000 per second: its 100,000 take 12.5 s
+    # the small agents' 2,000 per second are below big's gap (100,000, less half of what V
+    # closes over the 20 s: 8,700) and go ahead of it, so big is left 8,000 per second: its
+    # 100,000 take 12.5 s
     assert d.arrivals.rate == pytest.approx(7_000.0)
     assert d.view("big", 20.0).eta_s == pytest.approx(100_000 / 8_000)
+
+
+def test_the_gap_a_newcomer_must_stay_below_closes_as_v_advances() -> None:
+    """A newcomer goes ahead of j if V(t) + c < F_j; over the arrivals' span V closes the gap
+    G = F_j - V by `closing`: the mean gap is G - closing / 2 while V stays below F_j, and
+    G^2 / (2 closing) once V reaches F_j within the span (later newcomers go behind)."""
+    assert closing_gap(100.0, 0.0) == 100.0  # arrivals that end now see the whole gap
+    assert closing_gap(100.0, 40.0) == pytest.approx(80.0)
+    assert closing_gap(100.0, 100.0) == pytest.approx(50.0)  # both forms agree at the seam
+    assert closing_gap(100.0, 400.0) == pytest.approx(100.0 * 100.0 / 800.0)
+    assert closing_gap(-5.0, 10.0) == 0.0  # V already past F_j: nothing goes ahead
+    d = Dispatcher("justitia", 1000, 0.1)
+    d.register_agent("j", 100.0, 0.0)
+    agent = d.agents["j"]
+    g = agent.virtual_finish  # V = 0
+    assert POLICIES["justitia"].arrival_gap(agent, 0.0, 40.0) == pytest.approx(g - 20.0)
+    assert POLICIES["sjf"].arrival_gap(agent, 0.0, 40.0) == 100.0  # a cost gap: V does not close it
+
+
+def test_a_bursts_newcomers_count_against_the_whole_gap_of_a_long_wait() -> None:
+    """While 40 large agents share GPS, V crawls: the newcomers of the next two seconds meet
+    a gap of nearly F_j - V. Halving the gap for the wait, as before, let none of them ahead
+    of `big`; simulated, a burst after another burst was told 0.38 of its JCT off at the
+    median with the half gap, 0.17 with the closing one."""
+    d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
+    for i in range(40):
+        d.register_agent(f"w{i}", 1e6, 0.01 * i)
+        d.submit(req(f"w{i}r", f"w{i}", 10, 10), 0.01 * i)
+    for i in range(4):
+        d.register_agent(f"s{i}", 60_000.0, 0.4 + 0.05 * i)
+        d.submit(req(f"s{i}r", f"s{i}", 10, 10), 0.4 + 0.05 * i)
+    d.register_agent("big", 100_000.0, 0.6)
+    d.submit(req("b0", "big", 10, 10), 0.6)
+    d.refresh_etas(0.6)
+    v = d.clock.peek(0.6).V
+    gap = d.agents["big"].virtual_finish - v
+    assert 60_000.0 > gap / 2  # the newcomers like s* cost more than half the gap
+    assert closing_gap(gap, d._gap_closing(d.clock.backlog)) > 60_000.0  # but less than the mean gap
+    known = 4 * 60_000.0 + 100_000.0  # the s* agents are ahead, then big's own
+    span, arriving = d.arrivals.span_s, d.arrivals.ahead(60_001.0)
+    assert arriving > 0.9 * 10_000  # capped while it lasts, then counted whole
+    assert d.view("big", 0.6).eta_s == pytest.approx((known + arriving * span) / 10_000)
+    assert d.view("big", 0.6).eta_s > known / 10_000 + 20.0  # the half gap gave known / R
 
 
 def test_an_eta_reads_a_young_burst_at_its_rate() -> None:
@@ -342,6 +387,27 @@ def test_the_critical_path_uses_the_time_model() -> None:
     d.refresh_etas(0.0)
     # (98 + 2) steps of 10 ms, not of tau = 0.1 s
     assert d.view("a", 0.0).eta_s == pytest.approx(1.0)
+
+
+def test_etas_divide_by_what_the_engine_sustains_not_a_burst_start_prefill() -> None:
+    """At a burst's start every agent prefills its first prompt at once and the measured R
+    reads a fraction of what the engine sustains (live: 0.94M against 1.6M units a second);
+    ETAs divide by the time model's rate on the mix where that is faster."""
+    class Steps:
+        def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
+            return 0.001 + 0.0001 * decode_seqs
+
+    d = Dispatcher("justitia", 1000, 0.1, arrival_window_s=0, time_model=Steps())  # measured R = 10,000
+    assert d.eta_rate == d.rate  # no request seen: no mix to sustain
+    d.register_agent("a", 50_000.0, 0.0)
+    d.submit(req("a0", "a", 150, 50), 0.0)  # p + d = 200 reserved, p + d/2 = 175 held on average
+    batch = 1000 / 200
+    tau = 1000 * (0.001 + 0.0001 * batch) / (batch * 175)
+    assert d.eta_rate == pytest.approx(1000 / tau) and d.eta_rate > 10 * d.rate
+    d.refresh_etas(0.0)
+    assert d.view("a", 0.0).eta_s == pytest.approx(max(50_000 / d.eta_rate, 51 * 0.0015))
+    d.set_iteration_time(1e-5, 0.0)  # measured faster than the model: the measurement stands
+    assert d.eta_rate == d.rate == pytest.approx(1000 / 1e-5)
 
 
 def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:

@@ -720,9 +720,11 @@ class Dispatcher:
         off the request path: the live server's housekeeping, the simulator's timer."""
         self.arrivals.freeze(now)
         self._unpassed.clear()
-        v = self.clock.peek(now).V
+        reading = self.clock.peek(now)
+        v = reading.V
+        closing = self._gap_closing(reading.backlog)
         fair = self.clock.projection(now)  # every backlogged agent's GPS finish, one walk
-        policy, rate, it = self.policy, self.rate, self._iteration_s()
+        policy, rate, it = self.policy, self.eta_rate, self._iteration_s()
         agents = list(self.agents.values())
         keys = list(map(policy.static_key, agents))
         order = sorted(range(len(agents)), key=keys.__getitem__)
@@ -748,7 +750,7 @@ class Dispatcher:
                 charged = expected * unit
             if own < 0.0:
                 own = 0.0
-            g = gap(a, v) if scale else 0.0
+            g = gap(a, v, closing) if scale else 0.0
             arriving = scale * cprefix[bisect_left(costs, g)] if g > 0.0 else 0.0
             r = rate - (arriving if arriving < cap else cap)
             if arriving > 0.0 and total + own > r * span:  # arrivals end after `span` (served_by)
@@ -770,6 +772,44 @@ class Dispatcher:
         self._eta = EtaPass(now, rate, keys, prefix)
         # ended agents that GPS has finished since need no flush
         self._ended_backlog = {k for k in self._ended_backlog if self.clock.tag(k) is not None}
+
+    @property
+    def eta_rate(self) -> float:
+        """The rate ETAs divide work by: what the time model's engine sustains on the current
+        mix with its cache full of reservations, else R. Not the measured R: that is the rate
+        of the last stretch of steps, and at a burst's start every agent prefills its first
+        prompt at once, so R read half the engine's long-run rate there (live contended48:
+        0.94M against 1.6M units a second over the run) and the ETAs given in the burst
+        divided tens of seconds of work by it."""
+        tau = self._sustained_tau()
+        if tau is None:
+            return self.rate
+        rate = self.kv_capacity / tau
+        rate = rate * self.compute_per_kv if self.policy.cost_model == COMPUTE else rate
+        return max(self.rate, rate)
+
+    def _sustained_tau(self) -> float | None:
+        """tau as the time model's engine sustains it on the mix of requests seen (the
+        simulator's `EngineProfile.effective_tau_s`, from the running means): a request
+        reserves p + d, holds p + d/2 on average, and prefills p over its d steps. None
+        without a time model or a request seen."""
+        if self.time_model is None or self._mean_prompt + self._mean_decode <= 0:
+            return None
+        p, d = self._mean_prompt, max(1.0, self._mean_decode)
+        it = self._step_holding(self.kv_capacity)
+        served = self.kv_capacity * (p + d / 2) / (p + d)  # KV in use with the cache reserved full
+        return self.kv_capacity * it / served if it > 0 and served > 0 else None
+
+    def _gap_closing(self, backlog: int) -> float:
+        """How far V advances while the arrivals the ETAs count go on (`arrivals.span_s`):
+        GPS serves R a second among the backlogged agents, about half of the expected
+        newcomers among them on average over the span."""
+        arrivals = self.arrivals
+        if arrivals.rate <= 0.0 or not arrivals._costs:
+            return 0.0
+        mean_cost = arrivals._prefix[-1] / len(arrivals._costs)
+        joining = 0.5 * arrivals.rate * arrivals.span_s / mean_cost if mean_cost > 0 else 0.0
+        return arrivals.span_s * self.rate / max(1.0, backlog + joining)
 
     def _iteration_s(self) -> float:
         """One engine step with the work known now admitted: the time model's at the batch
@@ -850,9 +890,9 @@ class Dispatcher:
         before = self._eta.work_before(key) if self._eta is not None else 0.0
         before += self._unpassed_work_before(agent, key)
         own, _ = self._remaining(agent)
-        v = self.clock.peek(now).V
-        ahead = self.arrivals.ahead(self.policy.arrival_gap(agent, v))
-        return eta_of(now, before, own, self.rate, ahead, self._critical_path_s(agent, self._iteration_s()),
+        reading = self.clock.peek(now)
+        ahead = self.arrivals.ahead(self.policy.arrival_gap(agent, reading.V, self._gap_closing(reading.backlog)))
+        return eta_of(now, before, own, self.eta_rate, ahead, self._critical_path_s(agent, self._iteration_s()),
                       self.arrivals.span_s)
 
     def _unpassed_work_before(self, agent: AgentState, key: Any) -> float:

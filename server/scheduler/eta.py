@@ -11,10 +11,12 @@ the remaining work of the agents served before it:
 where w_j is j's remaining charged work (charged minus consumed, policy cost units), cp_j the
 time of its remaining critical path (its declared shape, `AgentShape`, else the longest
 decode of its known requests) at the time model's iteration time, and R_j = R - a_j: the
-engine's rate R = M / tau minus the rate a_j of work that will arrive *ahead of j* while it
-waits (new agents the policy orders before j: under justitia, those whose cost is below
-j's tag minus V, halved for the wait; none under fcfs), for as long as arrivals have been
-measured (at least 2 s, at most the 60 s window): then at full rate again (`served_by`).
+engine's rate R (`Dispatcher.eta_rate`: M / tau, or the time model's rate on the mix where
+that is faster) minus the rate a_j of work that will arrive *ahead of j* while it waits (new
+agents the policy orders before j: under justitia, those whose cost is below j's tag minus
+V, less half of what V advances over the arrivals' span, `closing_gap`; none under fcfs),
+for as long as arrivals have been measured (at least 2 s, at most the 60 s window): then at
+full rate again (`served_by`).
 The arrival rate of work and its cost distribution are measured over the recent
 registrations (`WorkArrivals`).
 

@@ -104,9 +104,11 @@ class Policy:
         """An int rank for vLLM's priority scheduling (lower runs first)."""
         return 0
 
-    def arrival_gap(self, agent: AgentState, v: float) -> float:
+    def arrival_gap(self, agent: AgentState, v: float, closing: float = 0.0) -> float:
         """ETA allowance: a new agent whose cost is below this is served before `agent`
-        (default, fair-share policies: one with less work than `agent` has left)."""
+        (default, fair-share policies: one with less work than `agent` has left).
+        `closing`: how far the virtual time V advances while the arrivals counted go on
+        (policies whose gap is measured in V close it by as much)."""
         return max(0.0, agent.charged_cost - agent.consumed_cost)
 
     # -- state and feedback (stateful policies only) -------------------------------------
@@ -158,7 +160,7 @@ class FCFS(Policy):
     def static_key(self, agent: AgentState) -> Any:
         return agent.seq
 
-    def arrival_gap(self, agent: AgentState, v: float) -> float:
+    def arrival_gap(self, agent: AgentState, v: float, closing: float = 0.0) -> float:
         return 0.0  # nothing that arrives later goes first
 
 
@@ -177,7 +179,7 @@ class SJF(Policy):
     def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return int(req.est_cost) if req is not None else int(agent.predicted_cost)
 
-    def arrival_gap(self, agent: AgentState, v: float) -> float:
+    def arrival_gap(self, agent: AgentState, v: float, closing: float = 0.0) -> float:
         return agent.predicted_cost
 
 
@@ -190,7 +192,7 @@ class Parrot(Policy):
     def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return agent.seq
 
-    def arrival_gap(self, agent: AgentState, v: float) -> float:
+    def arrival_gap(self, agent: AgentState, v: float, closing: float = 0.0) -> float:
         return 0.0
 
 
@@ -206,7 +208,7 @@ class SRJF(Policy):
     def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return int(agent.remaining_predicted)
 
-    def arrival_gap(self, agent: AgentState, v: float) -> float:
+    def arrival_gap(self, agent: AgentState, v: float, closing: float = 0.0) -> float:
         return agent.remaining_predicted
 
 
@@ -241,6 +243,21 @@ class VTC(Policy):
         agent.vtc_counter += 2.0 * output_tokens
 
 
+def closing_gap(gap: float, closing: float) -> float:
+    """The mean, over the arrivals' span, of the gap a newcomer's cost must stay below to go
+    ahead of an agent: a newcomer at V(t) goes ahead if V(t) + c < F_j, and V closes the gap
+    G = F_j - V by `closing` over the span (linearly: G - V't). Its mean is G - closing / 2
+    while V stays below F_j, and G^2 / (2 closing) when V reaches F_j within the span (the
+    later arrivals go behind). Not G / 2 whatever the span: a burst's arrivals come early in
+    a long wait, when the gap is nearly whole (contended48 simulated 200 s after another
+    burst, first-ETA error p50 0.38 with G / 2, 0.17 with G; docs/benchmarks.md)."""
+    if gap <= 0.0:
+        return 0.0
+    if closing <= gap:
+        return gap - 0.5 * closing
+    return gap * gap / (2.0 * closing)
+
+
 class Justitia(Policy):
     """GPS virtual finish tags (KV token-time, or compute tokens for justitia-c)."""
 
@@ -254,10 +271,8 @@ class Justitia(Policy):
         # vLLM needs an int; flooring a tag keeps the order (ties fall back to arrival).
         return int(agent.virtual_finish)
 
-    def arrival_gap(self, agent: AgentState, v: float) -> float:
-        # A newcomer goes ahead if its tag V + c is below F_j; V closes the gap F_j - V while
-        # the agent waits, so the wait's average gap is half of today's.
-        return 0.5 * (agent.virtual_finish - v)
+    def arrival_gap(self, agent: AgentState, v: float, closing: float = 0.0) -> float:
+        return closing_gap(agent.virtual_finish - v, closing)
 
 
 @dataclass(frozen=True)
