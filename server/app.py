@@ -9,6 +9,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -182,6 +183,20 @@ def _data_dir(config: ServerConfig) -> Path:
     return Path(config.data_dir).expanduser() if config.data_dir else justitia_home() / "data"
 
 
+def _time_model_prior(config: ServerConfig) -> dict[str, Any]:
+    """LiveConfig's prior of the engine's time model: the profile's coefficients when the
+    server was given one (measured on this engine), else LiveConfig's default."""
+    if config.profile is None:
+        return {}
+    from server.scheduler.time_model import TimeModel
+    from server.sim.profiles import load_profile
+
+    profile = load_profile(config.profile)
+    prior = TimeModel(profile.base_s, profile.per_seq_s, profile.per_prefill_token_s, profile.per_kv_token_s,
+                      source=f"prior: {profile.name} profile")
+    return {"time_model_prior": prior, "prior_measured": True}
+
+
 def _predictors(config: ServerConfig):
     from predictors import PredictorRegistry
     from predictors.online import OnlineTrainer
@@ -216,6 +231,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                 las_head_wait_weight=config.las_head_wait_weight,
                 session_idle_s=config.session_idle_s,
                 initial_tau_s=config.initial_tau_s,
+                **_time_model_prior(config),
                 lease_s=config.agent_lease_s,
                 retention_s=config.agent_retention_s,
                 max_num_seqs=config.max_num_seqs,

@@ -125,6 +125,12 @@ def register(commands: Commands) -> None:
     serve.add_argument("--session-idle-s", type=float, default=60.0, metavar="SECONDS",
                        help="an implicit session agent (OpenAI requests with a session header and "
                             "no agent tag) with no request in flight for this long is finished")
+    serve.add_argument("--profile", default=None, metavar="NAME|FILE",
+                       help="engine profile measured on this engine (`justitia bench calibrate "
+                            "--out FILE`, or a built-in name): the server's step-time model "
+                            "starts from it, and ETAs divide by the rate it sustains from the "
+                            "first request instead of waiting for the online fit (default: the "
+                            "cpu-tiny prior, trusted once fitted to 1,024 engine steps)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="server log level")
@@ -245,6 +251,13 @@ def run_serve(args: argparse.Namespace) -> int:
         _check_predictors(args.predictors)
     if args.retrain_every < 0:
         raise CommandError("--retrain-every takes a count of agents >= 0 (0 turns online learning off)")
+    if args.profile is not None:
+        from server.sim.profiles import load_profile
+
+        try:
+            load_profile(args.profile)
+        except ValueError as exc:
+            raise CommandError(f"--profile: {exc}") from None
     config = ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -269,6 +282,7 @@ def run_serve(args: argparse.Namespace) -> int:
         agent_retention_s=args.agent_retention,
         history_retention_s=args.history_retention,
         log_level=args.log_level,
+        profile=args.profile,
         **limits,
     )
     return serve(config)

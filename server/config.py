@@ -52,6 +52,10 @@ class ServerConfig(BaseModel):
         default=30 * 86_400, ge=0,
         description="Finished agents older than this leave the history (0: keep them all).")
     initial_tau_s: float = Field(default=0.01, gt=0)
+    profile: str | None = Field(
+        default=None,
+        description="Engine profile measured on this engine (a `bench calibrate` file, or a "
+                    "built-in name): the prior of the engine's time model.")
     log_level: str = "info"
     # Per-tenant limits (server/limits.py); None everywhere: no limits.
     rate_limit: Rate | None = Field(

@@ -109,6 +109,15 @@ class LiveConfig:
     quotas: Quotas = field(default_factory=Quotas)
     # Where the engine's time model starts before it has seen a step (server/scheduler/time_model.py).
     time_model_prior: TimeModel = DEFAULT_PRIOR
+    # The prior was measured on this engine (`serve --profile`, a `bench calibrate` file): it
+    # times ETAs from the start, and sets their rate (Dispatcher.eta_rate) before the fit has
+    # seen TRUSTED_STEPS steps.
+    prior_measured: bool = False
+
+
+# A fit to this many engine steps describes the engine whatever its prior: only then does a
+# model started from a prior measured elsewhere set the rate ETAs divide by.
+TRUSTED_STEPS = 1024
 
 
 class LiveScheduler:
@@ -182,6 +191,8 @@ class LiveScheduler:
             if listener is not None:
                 self.listeners.add(listener)
         self.time_models = TimeModelBank(config.time_model_prior)
+        if config.prior_measured:
+            self.dispatcher.set_time_model(config.time_model_prior)
         self._listen_to_engine()
 
     def _listen_to_engine(self) -> None:
@@ -265,7 +276,9 @@ class LiveScheduler:
         # replicas, whichever has learned from the most steps).
         models = self.time_models.models()
         if models:
-            self.dispatcher.set_time_model(max(models.values(), key=lambda m: m.samples))
+            model = max(models.values(), key=lambda m: m.samples)
+            self.dispatcher.set_time_model(
+                model, sustains=self.config.prior_measured or model.samples >= TRUSTED_STEPS)
 
     # -- agents -------------------------------------------------------------------
     def register(

@@ -63,6 +63,14 @@ def test_serve_refuses_public_bind_without_keys(capsys: pytest.CaptureFixture) -
     assert "--api-key" in capsys.readouterr().err
 
 
+def test_serve_refuses_a_profile_it_cannot_read(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", "--profile", str(tmp_path / "missing.json")]) == 2
+    assert "--profile: unknown profile" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["serve", "--profile", str(tmp_path / "bad.json")]) == 2
+    assert "not an engine profile" in capsys.readouterr().err
+
+
 def test_python_m_justitia_cli_reports_errors_in_one_line() -> None:
     # Run as `python -m`, a command's CommandError must still be the one main() catches.
     out = run_cli("serve", "--host", "0.0.0.0")

@@ -246,6 +246,34 @@ def test_untagged_request_becomes_a_finished_default_agent(fake_client: httpx.Cl
     assert new[0]["consumed_cost"] == pytest.approx(kv_cost(len(encode("hello")), 4))
 
 
+def test_a_profile_measured_on_the_engine_is_the_time_models_prior_and_sets_the_eta_rate(tmp_path) -> None:
+    """`serve --profile FILE` (what `bench live --profile FILE` passes): the time model starts
+    from the calibration, and ETAs divide by the rate its engine sustains on the requests
+    seen. Without it the built-in prior, measured on another host, times critical paths but
+    does not set that rate until the fit has seen TRUSTED_STEPS steps."""
+    from dataclasses import replace
+
+    from server.sim.profiles import get_profile, save_profile
+
+    path = tmp_path / "measured.json"
+    save_profile(replace(get_profile("cpu-tiny"), name="measured-here", per_kv_token_s=4e-7), path)
+    for profile in (str(path), None):
+        with FakeServer(tmp_path / f"data-{profile is None}", profile=profile) as srv, \
+                httpx.Client(base_url=srv.url, timeout=20) as c:
+            # a request seen (500 prompt tokens, 100 out): a mix to sustain
+            assert complete(c, None, 100, prompt="x" * 499).status_code == 200
+            snap = c.get("/v1/scheduler").json()
+        prior = snap["time_model"]["prior"]
+        if profile is None:
+            assert prior["source"] == "prior: cpu-tiny profile" and prior["per_kv_token_s"] == 0.0
+            assert snap["eta_rate"] == pytest.approx(snap["rate"])
+        else:
+            assert prior["source"] == "prior: measured-here profile" and prior["per_kv_token_s"] == 4e-7
+            # the server's 10 ms guess is slower than the profile's engine on such requests
+            # (about 5.5 ms for a full cache of them)
+            assert snap["eta_rate"] > 1.5 * snap["rate"]
+
+
 def test_eta_and_bound_are_the_cores_for_the_same_registrations(tmp_path) -> None:
     """As in the engine tier: the server's promises are the scheduler core's (on a server
     of its own, so that no other test's agents are in the backlog)."""

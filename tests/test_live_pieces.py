@@ -155,3 +155,27 @@ def test_the_queued_quota_is_counted_by_admission_and_given_back() -> None:
         return await one_request(live, e, "c")  # the quota was given back
 
     assert live_run(body, quotas=quotas) == 5
+
+
+def test_a_prior_measured_elsewhere_sets_the_eta_rate_only_once_fitted_to_enough_steps() -> None:
+    """The built-in prior (another host's engine, no attention term) made ETAs divide by
+    three times the engine's rate in a fresh server's first burst: until the fit has seen
+    TRUSTED_STEPS steps, the time model times critical paths but the measured R stays."""
+    from server.live import TRUSTED_STEPS
+    from server.scheduler.time_model import StepSample
+
+    async def body(live: LiveScheduler) -> tuple[float, float, float, float]:
+        e = live.register("t", "prompt", "x", predicted_cost=1e4)
+        await one_request(live, e, "r1", tokens=50)  # a mix to sustain
+        fast = StepSample(seconds=0.0005, decode_seqs=4, prefill_tokens=0, kv_tokens=200)
+        for _ in range(TRUSTED_STEPS - 1):
+            live.time_models.observe("local", fast)
+        live._update_tau()
+        few = (live.dispatcher.eta_rate, live.dispatcher.rate)
+        live.time_models.observe("local", fast)
+        live._update_tau()
+        return (*few, live.dispatcher.eta_rate, live.dispatcher.rate)
+
+    eta_few, rate_few, eta_enough, rate_enough = live_run(body)
+    assert eta_few == rate_few  # 1,023 steps: not yet the engine's model
+    assert eta_enough > 2 * rate_enough  # 1,024: its rate on the mix (the fit's 0.5 ms steps)

@@ -408,6 +408,9 @@ def test_etas_divide_by_what_the_engine_sustains_not_a_burst_start_prefill() -> 
     assert d.view("a", 0.0).eta_s == pytest.approx(max(50_000 / d.eta_rate, 51 * 0.0015))
     d.set_iteration_time(1e-5, 0.0)  # measured faster than the model: the measurement stands
     assert d.eta_rate == d.rate == pytest.approx(1000 / 1e-5)
+    d.set_iteration_time(0.1, 0.0)
+    d.set_time_model(Steps(), sustains=False)  # a model of another engine: it times paths only
+    assert d.eta_rate == d.rate
 
 
 def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:

@@ -121,6 +121,7 @@ class Dispatcher:
         self.typical_iteration_s: float | None = None
         self.uncertainty: str | None = None
         self.time_model = time_model
+        self._model_sustains = True  # the time model may set ETAs' rate (set_time_model)
         self.arrivals = WorkArrivals(window_s=arrival_window_s)
         self._eta: EtaPass | None = None
         # Agents registered since the last pass (refresh_etas), for the ETAs of agents
@@ -205,10 +206,15 @@ class Dispatcher:
         self.uncertainty = uncertainty
         self.clock.set_rate(self._rate(), now)
 
-    def set_time_model(self, time_model: TimeModel | None) -> None:
+    def set_time_model(self, time_model: TimeModel | None, *, sustains: bool = True) -> None:
         """The engine's iteration time as a function of its batch (plain data: an
-        EngineProfile, or the server's fitted model), for ETAs' critical paths."""
+        EngineProfile, or the server's fitted model), for ETAs' critical paths; and, with
+        `sustains`, for the rate ETAs divide by (`eta_rate`). A model that describes another
+        engine (a prior not measured on this one, a fit to few steps) times critical paths
+        but does not set that rate: the default prior made the rate three times the
+        engine's at a fresh server's first burst (live, the middle of it told -0.75)."""
         self.time_model = time_model
+        self._model_sustains = sustains
 
     def set_kv_capacity(self, kv_capacity_tokens: int, now: float) -> None:
         """Replicas added or removed: new M (and R) from `now` on."""
@@ -793,7 +799,7 @@ class Dispatcher:
         simulator's `EngineProfile.effective_tau_s`, from the running means): a request
         reserves p + d, holds p + d/2 on average, and prefills p over its d steps. None
         without a time model or a request seen."""
-        if self.time_model is None or self._mean_prompt + self._mean_decode <= 0:
+        if self.time_model is None or not self._model_sustains or self._mean_prompt + self._mean_decode <= 0:
             return None
         p, d = self._mean_prompt, max(1.0, self._mean_decode)
         it = self._step_holding(self.kv_capacity)
@@ -953,6 +959,7 @@ class Dispatcher:
             "promise": "widened" if self.uncertainty else "firm",
             "promise_reason": self.uncertainty or "",
             "rate": self.rate,
+            "eta_rate": self.eta_rate,
             "arrival_rate": self.arrivals.rate,
             "arrival_promise_rate": self.arrivals.promise_rate,
             "arrival_history_s": self.arrivals.history_s(now),

@@ -111,7 +111,8 @@ def register(commands: Commands) -> None:
                       help="oracle: agents declare their true cost; server: the server's predictor")
     live.add_argument("--profile", default="cpu-tiny", metavar="NAME|FILE",
                       help="engine profile of the simulator's prediction of each run (sim_mean_jct_s): "
-                           "cpu-tiny or a file written by `bench calibrate` with the same --kv-tokens")
+                           "cpu-tiny or a file written by `bench calibrate` with the same --kv-tokens; "
+                           "a file is also each server's `serve --profile` (its time model's prior)")
     live.add_argument("--no-sim", action="store_true",
                       help="skip the simulator's prediction of each policy")
     live.add_argument("--log-dir", metavar="DIR", default=None,
@@ -388,6 +389,15 @@ def _fitted_profile(profile: EngineProfile, time_model: dict | None) -> EnginePr
                    per_kv_token_s=fit["per_kv_token_s"], source=fit.get("source", ""))
 
 
+def _measured_here(profile: str) -> str | None:
+    """The profile for the servers `bench live` starts (their time model's prior): a `bench
+    calibrate` file measured this engine; a built-in name describes another (cpu-tiny
+    another host, a100-llama7b a GPU), and the server keeps its own prior."""
+    from pathlib import Path
+
+    return str(Path(profile).resolve()) if Path(profile).is_file() else None
+
+
 def _live(args: argparse.Namespace) -> int:
     import time
 
@@ -408,7 +418,7 @@ def _live(args: argparse.Namespace) -> int:
     opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
                        prediction=args.prediction, seed=args.seed, log_dir=args.log_dir,
                        las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight,
-                       teach=teach)
+                       teach=teach, profile=_measured_here(args.profile))
     t0 = time.perf_counter()
     rounds = _live_rounds(agents, policies, opts, args.repeat, args.quiet)
     wall = time.perf_counter() - t0

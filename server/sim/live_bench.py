@@ -72,6 +72,8 @@ class LiveOptions:
     # Replayed first on each server, unmeasured: the measured run then meets a server taught by
     # another sample of the same traffic (its engine speed, its cost predictor, its arrivals).
     teach: list[AgentSpec] | None = None
+    # A `bench calibrate` file: each server's time model starts from it (`serve --profile`).
+    profile: str | None = None
 
 
 class PrefixTokens:
@@ -224,6 +226,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         log.parent.mkdir(parents=True, exist_ok=True)
     args = ["--policy", policy, "--kv-tokens", str(opts.kv_tokens),
             "--max-model-len", str(opts.max_model_len), "--data-dir", home]
+    if opts.profile is not None:
+        args += ["--profile", opts.profile]
     if opts.las_half_life_s is not None:
         args += ["--las-half-life-s", str(opts.las_half_life_s)]
     if opts.las_head_wait_weight is not None:
