@@ -188,12 +188,12 @@ def _time_model_prior(config: ServerConfig) -> dict[str, Any]:
     server was given one (measured on this engine), else LiveConfig's default."""
     if config.profile is None:
         return {}
-    from server.scheduler.time_model import TimeModel
+    from dataclasses import replace
+
     from server.sim.profiles import load_profile
 
     profile = load_profile(config.profile)
-    prior = TimeModel(profile.base_s, profile.per_seq_s, profile.per_prefill_token_s, profile.per_kv_token_s,
-                      source=f"prior: {profile.name} profile")
+    prior = replace(profile.time_model(), source=f"prior: {profile.name} profile")
     return {"time_model_prior": prior, "prior_measured": True}
 
 

@@ -171,8 +171,9 @@ class Dispatcher:
         self.running_count = 0
 
     # -- rate and capacity ------------------------------------------------------
-    def _rate(self) -> float:
-        rate = self.kv_capacity / self.tau
+    def _rate(self, tau: float | None = None) -> float:
+        """M / tau in policy cost units (tau: the measured one unless given)."""
+        rate = self.kv_capacity / (self.tau if tau is None else tau)
         if self.policy.cost_model == COMPUTE:
             rate *= self.compute_per_kv
         return rate
@@ -788,11 +789,7 @@ class Dispatcher:
         0.94M against 1.6M units a second over the run) and the ETAs given in the burst
         divided tens of seconds of work by it."""
         tau = self._sustained_tau()
-        if tau is None:
-            return self.rate
-        rate = self.kv_capacity / tau
-        rate = rate * self.compute_per_kv if self.policy.cost_model == COMPUTE else rate
-        return max(self.rate, rate)
+        return self.rate if tau is None else max(self.rate, self._rate(tau))
 
     def _sustained_tau(self) -> float | None:
         """tau as the time model's engine sustains it on the mix of requests seen (the
@@ -811,11 +808,9 @@ class Dispatcher:
         GPS serves R a second among the backlogged agents, about half of the expected
         newcomers among them on average over the span."""
         arrivals = self.arrivals
-        if arrivals.rate <= 0.0 or not arrivals._costs:
+        if arrivals.rate <= 0.0:
             return 0.0
-        mean_cost = arrivals._prefix[-1] / len(arrivals._costs)
-        joining = 0.5 * arrivals.rate * arrivals.span_s / mean_cost if mean_cost > 0 else 0.0
-        return arrivals.span_s * self.rate / max(1.0, backlog + joining)
+        return arrivals.span_s * self.rate / max(1.0, backlog + 0.5 * arrivals.expected_agents())
 
     def _iteration_s(self) -> float:
         """One engine step with the work known now admitted: the time model's at the batch

@@ -179,6 +179,13 @@ class WorkArrivals:
         arrived yet)."""
         return None if self._first is None else max(0.0, now - self._first)
 
+    def expected_agents(self) -> float:
+        """Agents the measured rate brings over its span, at the recent mean cost (as of the
+        last `freeze`)."""
+        if not self._costs or self._prefix[-1] <= 0:
+            return 0.0
+        return self.rate * self.span_s * len(self._costs) / self._prefix[-1]
+
     def ahead(self, gap: float) -> float:
         """Rate of arriving work from agents of cost below `gap` (they go entirely ahead)."""
         if not self._costs or gap <= 0 or self._prefix[-1] <= 0:
