@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -148,8 +150,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
         with console.status("starting the embedded server "
                             "(vLLM CPU engine, tiny model, about a minute on 2 CPU cores)..."):
-            server = EmbeddedServer(["--kv-tokens", str(args.kv_tokens),
-                                     "--policy", args.policy]).start()
+            # a history of its own: a server restarts with what its history taught it
+            # (server/relearn.py), and the first wave is a fresh server's
+            history_dir = tempfile.mkdtemp(prefix="justitia-demo-")
+            server = EmbeddedServer(["--kv-tokens", str(args.kv_tokens), "--policy", args.policy,
+                                     "--data-dir", history_dir]).start()
         url = server.url
     try:
         started = time.monotonic()
@@ -158,6 +163,7 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+            shutil.rmtree(history_dir, ignore_errors=True)
 
     summaries = [wave_summary(number, batch) for number, batch in enumerate(batches, 1)]
     console.print(f"{len(batches)} wave(s) in {wall:.1f} s:")

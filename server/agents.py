@@ -52,6 +52,10 @@ class _RandomIds:
 new_agent_id = _RandomIds()
 
 
+# The type of the one-request agent made for an untagged request (server/service.py).
+DEFAULT_AGENT_TYPE = "default"
+
+
 @dataclass
 class RequestLog:
     """One finished request of an agent, as the history keeps it."""
@@ -64,6 +68,7 @@ class RequestLog:
     finished_s: float
     finish_reason: str | None
     preemptions: int = 0
+    cached_tokens: int | None = None  # prompt tokens the prefix cache served (None: not reported)
 
 
 @dataclass

@@ -31,7 +31,7 @@ MAX_METADATA_BYTES = 64 * 1024
 MAX_PREDICTED_COST = 1e18
 # The metadata keys the bound uses (server/live.py:_shape), and the ranges that keep the
 # bound's arithmetic finite.
-_SHAPE_RANGES = {"stages": (1, 1_000_000), "critical_path_tokens": (0, 10**12)}
+_SHAPE_RANGES = {"stages": (1, 1_000_000), "critical_path_tokens": (0, 10**12), "prefill_tokens": (0, 10**12)}
 
 
 class AgentCreate(RequestBody):
@@ -44,7 +44,9 @@ class AgentCreate(RequestBody):
     metadata: dict[str, Any] = Field(
         default_factory=dict,
         description=("The caller's; `stages` (int, 1 to 1e6) and `critical_path_tokens` (int, "
-                     "0 to 1e12) declare the agent's structure for its delay bound."))
+                     "0 to 1e12) declare the agent's structure for its delay bound, "
+                     "`prefill_tokens` (int, 0 to 1e12: the prompt tokens its requests will "
+                     "compute) the prefill its ETA counts."))
     predicted_cost: float | None = Field(
         default=None, ge=0, le=MAX_PREDICTED_COST, allow_inf_nan=False,
         description=("The agent's total KV token-time cost, when the caller knows it (trace "

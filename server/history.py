@@ -20,12 +20,12 @@ import sqlite3
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from predictors.history import HISTORY_QUERY, history_sample
-from server.agents import AgentEntry
+from server.agents import AgentEntry, RequestLog
 from server.scheduler.cost import kv_cost
 
 log = logging.getLogger("justitia.history")
@@ -261,10 +261,43 @@ class History:
         rec["requests"] = json.loads(rec["requests"])
         return rec
 
+    def recent_registrations(self, limit: int = 4096) -> list[tuple[float, float]]:
+        """(submitted_at, predicted_cost) of the last `limit` agents to have been submitted,
+        oldest first: the arrivals a restarted server replays (server/relearn.py). Blocking."""
+        self.flush()
+        with self._lock:
+            rows = self._db.execute("SELECT submitted_at, predicted_cost FROM agents "
+                                    "ORDER BY submitted_at DESC LIMIT ?", (limit,)).fetchall()
+        return [(float(t), float(c)) for t, c in reversed(rows)]
+
+    def recent_finished(self, per_type: int = 50) -> list[tuple[str, str, list[RequestLog]]]:
+        """(tenant, type, requests) of the last `per_type` finished agents of each tenant and
+        type, oldest first: the shapes a restarted server learns again. Blocking."""
+        self.flush()
+        sql = ("SELECT a.tenant, a.type, a.requests FROM agents AS a JOIN ("
+               " SELECT rowid AS k, ROW_NUMBER() OVER (PARTITION BY tenant, type ORDER BY rowid DESC) AS n"
+               " FROM agents WHERE state = 'finished') AS last ON a.rowid = last.k "
+               "WHERE last.n <= ? ORDER BY a.rowid")
+        with self._lock:
+            rows = self._db.execute(sql, (per_type,)).fetchall()
+        return [(tenant, type_, _request_logs(reqs)) for tenant, type_, reqs in rows]
+
     def count(self) -> int:
         self.flush()
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM agents").fetchone()[0])
+
+
+_REQUEST_FIELDS = frozenset(f.name for f in fields(RequestLog))
+
+
+def _request_logs(text: str) -> list[RequestLog]:
+    """A row's requests as written by `_row`; keys this version does not know are skipped, a
+    row that cannot be read gives none."""
+    try:
+        return [RequestLog(**{k: v for k, v in r.items() if k in _REQUEST_FIELDS}) for r in json.loads(text)]
+    except (TypeError, ValueError, AttributeError):
+        return []
 
 
 def _row(item: tuple) -> tuple:

@@ -63,6 +63,7 @@ from server.engine.base import (
 )
 from server.lifecycle import ABANDONED, AgentConflict, AgentNotFound, transition
 from server.limits import QuotaExceeded, Quotas
+from server.relearn import HistoryReading, Recalled, recall
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, get_policy, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.prefix import PrefixRef, block_chain
@@ -191,6 +192,7 @@ class LiveScheduler:
             if listener is not None:
                 self.listeners.add(listener)
         self.time_models = TimeModelBank(config.time_model_prior)
+        self.recalled = Recalled()  # what `start` learned again from the history
         if config.prior_measured:
             self.dispatcher.set_time_model(config.time_model_prior)
         self._listen_to_engine()
@@ -239,7 +241,24 @@ class LiveScheduler:
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
+        if self.history is not None:
+            await self._recall(self.history)
         self._task = asyncio.create_task(self._housekeeping(), name="justitia-housekeeping")
+
+    async def _recall(self, history: History) -> None:
+        """Learn again what the last run learned and the history kept (server/relearn.py):
+        the types' shapes and the episodes of arrivals."""
+        try:
+            reading = await asyncio.to_thread(HistoryReading.read, history, self.type_shapes.window,
+                                              self.dispatcher.arrivals.max_samples)
+        except Exception as exc:  # a history that cannot be read leaves the server fresh, not down
+            log.warning("could not read the history to learn from it again: %s", exc)
+            return
+        self.recalled = recall(reading, self.type_shapes, self.dispatcher, self.now(), self._wall())
+        if self.recalled.agents or self.recalled.registrations:
+            log.info("learned again from the history: the shapes of %d agents of %d types, %d "
+                     "registrations (%d episodes of arrivals)", self.recalled.agents, self.recalled.types,
+                     self.recalled.registrations, self.dispatcher.arrivals.episodes)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -635,6 +654,7 @@ class LiveScheduler:
                 finished_s=now - entry.submitted_mono,
                 finish_reason=last.finish_reason if last is not None else None,
                 preemptions=last.num_preemptions if last is not None else 0,
+                cached_tokens=last.cached_tokens if last is not None else None,
             ))
             entry.consumed_kv_cost += sum(kv_cost(ticket.prompt_tokens, x) for x in each or (d,))
         if last is not None:
@@ -688,6 +708,7 @@ class LiveScheduler:
             "dtype": self.engine.info.dtype,
         }
         snap["time_model"] = self.time_models.describe()
+        snap["recalled"] = asdict(self.recalled)
         return snap
 
     def _on_agent_change(self, entry: AgentEntry) -> None:
@@ -756,10 +777,13 @@ def _held_bytes(prompt: str, metadata: dict[str, Any]) -> int:
 
 
 def _shape(metadata: dict[str, Any]) -> AgentShape | None:
-    """An agent may declare its structure (`stages`, `critical_path_tokens`) in its
-    metadata; the bound then covers its own critical path instead of a one-stage guess."""
+    """An agent may declare its structure (`stages`, `critical_path_tokens`, and for its ETA
+    `prefill_tokens`) in its metadata; the bound then covers its own critical path instead
+    of a one-stage guess."""
     stages = metadata.get("stages")
     cp = metadata.get("critical_path_tokens")
+    prefill = metadata.get("prefill_tokens")
     if isinstance(stages, int) and stages >= 1:
-        return AgentShape(stages=stages, critical_path_tokens=cp if isinstance(cp, int) else None)
+        return AgentShape(stages=stages, critical_path_tokens=cp if isinstance(cp, int) else None,
+                          prefill_tokens=prefill if isinstance(prefill, int) else None)
     return None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio.to_thread
 
+from server.agents import DEFAULT_AGENT_TYPE
 from server.engine.base import (
     Engine,
     EngineOutput,
@@ -30,9 +31,6 @@ if TYPE_CHECKING:
     from server.agents import AgentEntry
     from server.live import LiveScheduler
     from server.sessions import SessionRef
-
-DEFAULT_AGENT_TYPE = "default"
-
 
 T = TypeVar("T")
 

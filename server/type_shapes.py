@@ -11,7 +11,9 @@ new stage. Per (tenant, type) it keeps the last `window` finished agents' shapes
 offers the p90 of their stage counts and critical paths to new agents of the type that
 declare none: a pessimistic shape, as promises need. Their ETAs expect the median: an ETA is
 an estimate, and the p90 of three agents is the longest of them. Shapes are kept per tenant: what one
-tenant's agents did never shapes another tenant's promises.
+tenant's agents did never shapes another tenant's promises. A shape also carries the prompt
+tokens the agent's requests computed (not served by the prefix cache): their prefill lies on
+its path, and ETAs count it (`AgentShape.prefill_tokens`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ ETA_QUANTILE = 0.5  # an ETA's: the typical agent of the type
 def infer_shape(requests: Sequence[RequestLog]) -> AgentShape | None:
     """The stages of a finished agent, from its requests' submission and finish times: a
     request submitted once all earlier ones had finished starts a new stage (a stage's
-    requests run in parallel, stages one after another). None without requests."""
+    requests run in parallel, stages one after another), and the prompt tokens they computed
+    (those the prefix cache did not serve, where the engine reported it). None without
+    requests."""
     if not requests:
         return None
     stages = 0
@@ -46,7 +50,8 @@ def infer_shape(requests: Sequence[RequestLog]) -> AgentShape | None:
             longest = 0
         longest = max(longest, r.output_tokens)
         busy_until = max(busy_until, r.finished_s)
-    return AgentShape(stages=stages, critical_path_tokens=critical + longest)
+    prefill = sum(r.prompt_tokens - min(r.prompt_tokens, r.cached_tokens or 0) for r in requests)
+    return AgentShape(stages=stages, critical_path_tokens=critical + longest, prefill_tokens=prefill)
 
 
 def _quantile(xs: list[int], q: float) -> int:
@@ -64,11 +69,15 @@ class TypeShapes(AgentListener):
     def on_agent_ended(self, entry: AgentEntry) -> None:
         if entry.state != "finished" or entry.auto:  # a one-request stand-in says nothing of a type
             return
-        shape = infer_shape(entry.requests)
+        self.learn(entry.tenant, entry.type, entry.requests)
+
+    def learn(self, tenant: str, agent_type: str, requests: Sequence[RequestLog]) -> bool:
+        """Keep the shape of one finished agent of the type (False: it had no requests)."""
+        shape = infer_shape(requests)
         if shape is None:
-            return
-        key = (entry.tenant, entry.type)
-        self._shapes.setdefault(key, collections.deque(maxlen=self.window)).append(shape)
+            return False
+        self._shapes.setdefault((tenant, agent_type), collections.deque(maxlen=self.window)).append(shape)
+        return True
 
     def typical(self, tenant: str, agent_type: str, quantile: float = QUANTILE) -> AgentShape | None:
         """The shape of a new agent of the type at `quantile` of the stage counts and of the
@@ -80,4 +89,5 @@ class TypeShapes(AgentListener):
         return AgentShape(
             stages=_quantile([s.stages for s in seen], quantile),
             critical_path_tokens=_quantile([s.critical_path_tokens or 0 for s in seen], quantile),
+            prefill_tokens=_quantile([s.prefill_tokens or 0 for s in seen], quantile),
         )

@@ -30,6 +30,17 @@ def test_prefix_object_and_list_round_trip(tmp_path):
     assert again.prefixes == agent.prefixes and again.stages == agent.stages
 
 
+def test_the_prefill_an_agent_declares_leaves_out_the_prefixes_its_earlier_requests_computed(tmp_path):
+    path = _write(tmp_path, {"id": "a17", "arrival": 0, "stages": [
+        [{"p": 2400, "d": 40, "prefix": {"id": "a17/ctx", "tokens": 2310}},
+         {"p": 2500, "d": 10, "prefix": [{"id": "fewshot", "tokens": 1800}, {"id": "a17/ctx", "tokens": 2310}]}],
+        [{"p": 2600, "d": 5, "prefix": [{"id": "fewshot", "tokens": 1800}]}]]})
+    (agent,) = load_workload(path)
+    # the first request computes all of its prompt; the second finds a17/ctx (2,310 tokens)
+    # named before it; the third finds fewshot (1,800), which the second named
+    assert agent.prefill_tokens == 2400 + (2500 - 2310) + (2600 - 1800)
+
+
 def test_a_file_without_prefixes_means_what_it_meant():
     agents = load_workload("benchmarks/workloads/mix300_2x.jsonl")
     assert all(not a.prefixes and a.kv_cost_shared == a.kv_cost for a in agents)

@@ -413,6 +413,32 @@ def test_etas_divide_by_what_the_engine_sustains_not_a_burst_start_prefill() -> 
     assert d.eta_rate == d.rate
 
 
+def test_an_etas_critical_path_counts_the_prefill_of_the_prompts_the_agent_computes() -> None:
+    """A burst's small verification agents are mostly prefill (one stage of 2,540- and
+    2,386-token prompts with 4-60 output tokens): the decode steps of their path alone gave
+    them a fifth of their JCT. The path now adds its declared prompt tokens at the time
+    model's cost of one more prefill token, in the pass and in a view between passes."""
+    class Steps:
+        def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
+            return 0.01 + 0.0001 * prefill_tokens
+
+    def eta(shape: AgentShape, refresh: bool) -> float:
+        d = Dispatcher("justitia", 1_000_000, 0.1, arrival_window_s=0, time_model=Steps())
+        d.register_agent("a", 1_000.0, 0.0, shape=shape)
+        if refresh:
+            d.refresh_etas(0.0)
+        return d.view("a", 0.0).eta_s
+
+    for refresh in (True, False):
+        decode_only = eta(AgentShape(1, 60), refresh)
+        assert decode_only == pytest.approx(61 * 0.01)  # the path dominates a tiny cost
+        assert eta(AgentShape(1, 60, 5_000), refresh) == pytest.approx(decode_only + 5_000 * 0.0001)
+        assert eta(AgentShape(1, 60, 0), refresh) == pytest.approx(decode_only)
+    no_model = Dispatcher("justitia", 1_000_000, 0.1, arrival_window_s=0)
+    no_model.register_agent("a", 1_000.0, 0.0, shape=AgentShape(1, 60, 5_000))
+    assert no_model.view("a", 0.0).eta_s == pytest.approx(61 * 0.1)  # no model: no prefill cost known
+
+
 def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:
     """Views of agents that have not sent a request are O(1) after a pass too: the pass's
     projection of an arrival (one binary search) is the clock's walk."""

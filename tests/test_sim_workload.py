@@ -20,6 +20,7 @@ def test_round_trip_and_extra_fields_are_ignored(tmp_path):
     assert [a.id for a in agents] == ["a1", "a17"]  # sorted by arrival
     assert agents[1].stages == [[(812, 120), (790, 118)], [(300, 256)]]
     assert agents[1].critical_path_tokens == 120 + 256
+    assert agents[1].prefill_tokens == 812 + 790 + 300  # nothing shared: every prompt token
     save_workload(agents, tmp_path / "w2.jsonl")
     assert [a.stages for a in load_workload(tmp_path / "w2.jsonl")] == [a.stages for a in agents]
 

@@ -28,6 +28,17 @@ def test_stages_are_told_apart_by_requests_that_ran_together() -> None:
     assert infer_shape([log(0.0, 1.0, 7)]).critical_path_tokens == 7  # type: ignore[union-attr]
 
 
+def test_a_shape_counts_the_prompt_tokens_its_requests_computed() -> None:
+    """What the prefix cache served is no prefill; a request the engine reported nothing for
+    counts whole."""
+    def req(prompt: int, cached: int | None) -> RequestLog:
+        return RequestLog("r", prompt_tokens=prompt, output_tokens=5, submitted_s=0.0, admitted_s=0.0,
+                          finished_s=1.0, finish_reason="length", cached_tokens=cached)
+
+    shape = infer_shape([req(2_000, 1_500), req(700, None), req(300, 0)])
+    assert shape is not None and shape.prefill_tokens == 500 + 700 + 300
+
+
 def _run_three_stages(c: httpx.Client, type_: str) -> None:
     rec = register(c, type_=type_)
     for _ in range(3):
@@ -60,15 +71,15 @@ def test_a_types_shape_bounds_at_its_p90_and_estimates_at_its_median() -> None:
     from server.type_shapes import ETA_QUANTILE, TypeShapes
 
     shapes = TypeShapes()
-    for stages in (1, 2, 5):  # one-request stages of 10 tokens each
+    for stages in (1, 2, 5):  # one-request stages of 10 tokens each, 10-token prompts
         entry = AgentEntry(id=f"a{stages}", type="t", tenant="x", prompt="", metadata={},
                            submitted_at=0.0, submitted_mono=0.0, predicted_cost=1.0)
         entry.state = "finished"
         entry.requests = [log(float(i), i + 0.5, 10) for i in range(stages)]
         shapes.on_agent_ended(entry)
     bound, eta = shapes.typical("x", "t"), shapes.typical("x", "t", ETA_QUANTILE)
-    assert bound is not None and (bound.stages, bound.critical_path_tokens) == (5, 50)
-    assert eta is not None and (eta.stages, eta.critical_path_tokens) == (2, 20)
+    assert bound is not None and (bound.stages, bound.critical_path_tokens, bound.prefill_tokens) == (5, 50, 50)
+    assert eta is not None and (eta.stages, eta.critical_path_tokens, eta.prefill_tokens) == (2, 20, 20)
     assert shapes.typical("y", "t") is None  # another tenant's agents of that name: unknown
 
 

@@ -42,13 +42,16 @@ class AgentShape:
     """What is known of an agent's structure when it is admitted.
 
     stages: number of sequential stages; critical_path_tokens: sum over stages of the longest
-    output of the stage. The live server uses what the agent declared, else its type's
-    typical shape (server/type_shapes.py), else this default: one stage whose longest
-    decode is d_max.
+    output of the stage; prefill_tokens: the prompt tokens its requests compute (those the
+    prefix cache does not serve), whose prefill lies on its path too: a stage's requests
+    decode only once their prompts are in (None: unknown, ETAs count no prefill). The live
+    server uses what the agent declared, else its type's typical shape
+    (server/type_shapes.py), else this default: one stage whose longest decode is d_max.
     """
 
     stages: int = 1
     critical_path_tokens: int | None = None
+    prefill_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -174,6 +174,11 @@ class WorkArrivals:
         if left > self.rate * self.span_s:
             self.rate, self.span_s = left / span, span
 
+    @property
+    def episodes(self) -> int:
+        """Episodes of arrivals remembered before the current one (at most EPISODES_KEPT)."""
+        return len(self._episodes)
+
     def history_s(self, now: float) -> float | None:
         """How long the current episode's arrivals have been measured for (None: none
         arrived yet)."""

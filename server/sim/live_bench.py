@@ -138,6 +138,7 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
         # The agent's structure lets the server state a bound that covers its critical path.
         "metadata": {"stages": len(agent.stages),
                      "critical_path_tokens": agent.critical_path_tokens,
+                     "prefill_tokens": agent.prefill_tokens,
                      "workload_id": agent.id},
     }
     if opts.prediction == "oracle":

@@ -65,6 +65,22 @@ class AgentSpec:
         return sum(max(d for _, d in st) for st in self.stages if st)
 
     @property
+    def prefill_tokens(self) -> int:
+        """The prompt tokens its requests compute, in submission order: a request's prompt
+        minus the longest of its named prefixes that an earlier request of the agent (or a
+        sibling listed before it) already named, which the prefix cache then serves. Prefixes
+        other agents computed are not counted as cached: that depends on the traffic."""
+        seen: set[str] = set()
+        total = 0
+        for s, st in enumerate(self.stages):
+            for i, (p, _) in enumerate(st):
+                chain = self.prefix(s, i)
+                cached = max((tokens for pid, tokens in chain if pid in seen), default=0)
+                seen.update(pid for pid, _ in chain)
+                total += p - cached
+        return total
+
+    @property
     def num_requests(self) -> int:
         return sum(len(st) for st in self.stages)
 

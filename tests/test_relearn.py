@@ -1,0 +1,105 @@
+"""What a restarted server learns again from its history (server/relearn.py): its types'
+shapes and the episodes of arrivals its ETAs forecast from. Both lived in memory only; a
+restart made a taught server fresh again."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server.agents import AgentEntry, RequestLog
+from server.history import History
+from server.relearn import HistoryReading, recall
+from server.scheduler import Dispatcher
+from server.type_shapes import TypeShapes
+from tests.fake_engine import FakeServer
+from tests.test_agents_api import complete, register
+
+
+def burst(start: float, n: int = 40, cost: float = 5_000.0) -> list[tuple[float, float]]:
+    return [(start + 0.05 * i, cost) for i in range(n)]
+
+
+def test_a_restarted_dispatcher_forecasts_the_next_burst_as_one_that_was_up_all_along() -> None:
+    """The same burst seen live, or replayed from the history at its times on the restarted
+    clock (before its start: negative), gives the next burst's first agent the same ETA."""
+    up = Dispatcher("justitia", 10_000, 0.1)
+    for i, (t, cost) in enumerate(burst(0.0)):
+        up.register_agent(f"old{i}", cost, t)
+    for i in range(40):  # they ended
+        up.cancel_agent(f"old{i}", 40.0)
+    restarted = Dispatcher("justitia", 10_000, 0.1)
+    now = 5.0  # 300 s after the old burst began, 5 s after the restart
+    assert restarted.recall_registrations(burst(now - 300.0) + [(now + 1.0, 1.0)], now) == 40  # not the future
+    fresh = Dispatcher("justitia", 10_000, 0.1)
+    etas = {}
+    for name, d, t in (("up", up, 300.0), ("restarted", restarted, now), ("fresh", fresh, now)):
+        d.register_agent("new", 20_000.0, t)
+        d.refresh_etas(t)
+        etas[name] = d.view("new", t).eta_s
+        assert d.arrivals.episodes == (0 if name == "fresh" else 1)
+    # the remembered burst of 40 smaller agents is expected again: they go ahead of this one
+    assert etas["restarted"] == pytest.approx(etas["up"], rel=1e-6)
+    assert etas["restarted"] > 1.5 * etas["fresh"]
+
+
+def test_the_history_gives_back_the_last_agents_of_each_type_and_the_registrations(tmp_path) -> None:
+    history = History(tmp_path / "h.sqlite3")
+
+    def agent(i: int, type_: str, state: str = "finished") -> AgentEntry:
+        entry = AgentEntry(id=f"a{i}", type=type_, tenant="t", prompt="", metadata={},
+                           submitted_at=1000.0 + i, submitted_mono=0.0, predicted_cost=10.0 * i)
+        entry.requests = [RequestLog(f"r{i}", prompt_tokens=100, output_tokens=5, submitted_s=0.0,
+                                     admitted_s=0.0, finished_s=1.0, finish_reason="length",
+                                     cached_tokens=60)]
+        entry.state = state
+        return entry
+
+    for i in range(5):
+        history.record(agent(i, "x"))
+    history.record(agent(5, "y", state="failed"))
+    history.record(agent(6, "y"))
+    finished = history.recent_finished(per_type=3)
+    assert [(t, n, len(r)) for t, n, r in finished] == [("t", "x", 1)] * 3 + [("t", "y", 1)]
+    assert finished[0][2][0].cached_tokens == 60
+    assert history.recent_registrations(limit=4) == [(1003.0, 30.0), (1004.0, 40.0), (1005.0, 50.0), (1006.0, 60.0)]
+    # a row written by a later version (an unknown key) or mangled: its requests are skipped
+    with history._lock:
+        history._db.execute("UPDATE agents SET requests = ? WHERE id = 'a4'",
+                            (json.dumps([{"request_id": "r", "prompt_tokens": 1, "output_tokens": 2,
+                                          "submitted_s": 0, "admitted_s": 0, "finished_s": 1,
+                                          "finish_reason": None, "new_field": 1}]),))
+        history._db.execute("UPDATE agents SET requests = 'not json' WHERE id = 'a3'")
+        history._db.commit()
+    reading = HistoryReading.read(history, 50, 100)
+    shapes = TypeShapes()
+    got = recall(reading, shapes, Dispatcher("justitia", 10_000, 0.1), now=10.0, wall_now=1010.0)
+    assert (got.agents, got.types, got.registrations) == (5, 2, 7)  # a3 gave no requests
+    history.close()
+
+
+def test_a_restarted_server_bounds_a_type_by_the_stages_it_learned_before(tmp_path) -> None:
+    def three_stages(c: httpx.Client) -> None:
+        rec = register(c, type_="looper")
+        for _ in range(3):
+            assert complete(c, rec["id"], 6).status_code == 200
+        assert c.post(f"/v1/agents/{rec['id']}/finish").status_code == 200
+
+    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+        assert complete(c, None, 6).status_code == 200  # a request seen: observed limits
+        fresh = register(c, type_="looper")
+        for _ in range(3):
+            three_stages(c)
+        taught = register(c, type_="looper")
+    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+        recalled = c.get("/v1/scheduler").json()["recalled"]
+        assert complete(c, None, 6).status_code == 200
+        again = register(c, type_="looper")
+        other = register(c, type_="never_seen")
+    # registrations: the untagged request's agent and the three loopers (the history keeps
+    # agents that ended: `fresh` and `taught` were still waiting when the server stopped)
+    assert recalled == {"agents": 3, "types": 1, "registrations": 4}
+    assert taught["delay_bound_s"] > fresh["delay_bound_s"]
+    assert again["delay_bound_s"] > other["delay_bound_s"]  # three stages, as before the restart
