@@ -49,6 +49,11 @@ CREATE TABLE IF NOT EXISTS agents (
     error TEXT
 );
 CREATE INDEX IF NOT EXISTS agents_type ON agents(type, state);
+CREATE TABLE IF NOT EXISTS time_models (
+    engine TEXT PRIMARY KEY,
+    model TEXT NOT NULL,
+    saved_at REAL NOT NULL
+);
 """
 
 _COLUMNS = ("id, type, tenant, state, prompt, metadata, submitted_at, finished_at, "
@@ -281,6 +286,23 @@ class History:
         with self._lock:
             rows = self._db.execute(sql, (per_type,)).fetchall()
         return [(tenant, type_, _request_logs(reqs)) for tenant, type_, reqs in rows]
+
+    def save_time_model(self, engine: str, model: dict[str, Any]) -> None:
+        """Keep the engine's fitted step-time model (server/relearn.py), keyed by what
+        identifies the engine. Blocking."""
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO time_models (engine, model, saved_at) VALUES (?, ?, ?)",
+                             (engine, json.dumps(model), time.time()))
+
+    def time_model(self, engine: str) -> dict[str, Any] | None:
+        """The step-time model last saved for the engine (None: none, or unreadable). Blocking."""
+        with self._lock:
+            row = self._db.execute("SELECT model FROM time_models WHERE engine = ?", (engine,)).fetchone()
+        try:
+            model = json.loads(row[0]) if row is not None else None
+        except ValueError:
+            return None
+        return model if isinstance(model, dict) else None
 
     def count(self) -> int:
         self.flush()

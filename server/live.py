@@ -63,7 +63,7 @@ from server.engine.base import (
 )
 from server.lifecycle import ABANDONED, AgentConflict, AgentNotFound, transition
 from server.limits import QuotaExceeded, Quotas
-from server.relearn import HistoryReading, Recalled, recall
+from server.relearn import HistoryReading, Recalled, engine_key, recall
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, get_policy, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.prefix import PrefixRef, block_chain
@@ -119,6 +119,7 @@ class LiveConfig:
 # A fit to this many engine steps describes the engine whatever its prior: only then does a
 # model started from a prior measured elsewhere set the rate ETAs divide by.
 TRUSTED_STEPS = 1024
+MODEL_SAVE_S = 60.0  # how often the fitted time model is saved in the history (and at shutdown)
 
 
 class LiveScheduler:
@@ -193,6 +194,9 @@ class LiveScheduler:
                 self.listeners.add(listener)
         self.time_models = TimeModelBank(config.time_model_prior)
         self.recalled = Recalled()  # what `start` learned again from the history
+        # the prior was measured on this engine: a calibration, or the last run's saved fit
+        self._prior_measured = config.prior_measured
+        self._model_saved_at = 0.0
         if config.prior_measured:
             self.dispatcher.set_time_model(config.time_model_prior)
         self._listen_to_engine()
@@ -250,11 +254,17 @@ class LiveScheduler:
         the types' shapes and the episodes of arrivals."""
         try:
             reading = await asyncio.to_thread(HistoryReading.read, history, self.type_shapes.window,
-                                              self.dispatcher.arrivals.max_samples)
+                                              self.dispatcher.arrivals.max_samples, self.engine.info)
         except Exception as exc:  # a history that cannot be read leaves the server fresh, not down
             log.warning("could not read the history to learn from it again: %s", exc)
             return
         self.recalled = recall(reading, self.type_shapes, self.dispatcher, self.now(), self._wall())
+        prior = reading.prior
+        # a calibration given to this run wins; a bank that has seen steps keeps its fit
+        if prior is not None and not self._prior_measured and not self.time_models.fitters:
+            self.time_models.prior = prior  # its fitters start from it (none has yet)
+            self._prior_measured = True
+            self.dispatcher.set_time_model(prior)
         if self.recalled.agents or self.recalled.registrations:
             log.info("learned again from the history: the shapes of %d agents of %d types, %d "
                      "registrations (%d episodes of arrivals)", self.recalled.agents, self.recalled.types,
@@ -266,6 +276,21 @@ class LiveScheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self.admission.fail_waiting(EngineError("the server is shutting down"))
+        await self._save_time_model()
+
+    async def _save_time_model(self) -> None:
+        """Keep the best-fitted time model in the history for the next run on this engine
+        (server/relearn.py), once it has learned from TRUSTED_STEPS steps."""
+        models = self.time_models.models()
+        if self.history is None or not models:
+            return
+        model = max(models.values(), key=lambda m: m.samples)
+        if model.samples < TRUSTED_STEPS:
+            return
+        try:
+            await asyncio.to_thread(self.history.save_time_model, engine_key(self.engine.info), model.as_dict())
+        except Exception as exc:  # the next run starts from its prior: worse ETAs, nothing lost
+            log.warning("could not save the engine's time model in the history: %s", exc)
 
     async def _housekeeping(self) -> None:
         last = self.now()
@@ -282,6 +307,9 @@ class LiveScheduler:
                     continue
                 last = self.now()
                 self._update_tau()
+                if self.now() - self._model_saved_at >= MODEL_SAVE_S:
+                    self._model_saved_at = self.now()
+                    await self._save_time_model()
                 await self._expire_idle_agents()
                 self._prune()
                 if not self.engine.healthy and not self._engine_recovering():
@@ -297,7 +325,7 @@ class LiveScheduler:
         if models:
             model = max(models.values(), key=lambda m: m.samples)
             self.dispatcher.set_time_model(
-                model, sustains=self.config.prior_measured or model.samples >= TRUSTED_STEPS)
+                model, sustains=self._prior_measured or model.samples >= TRUSTED_STEPS)
 
     # -- agents -------------------------------------------------------------------
     def register(

@@ -1,14 +1,19 @@
 """What a restarted server learns again from its history.
 
 A server that has served traffic knows more than a fresh one: its types' shapes
-(server/type_shapes.py) and the episodes of arrivals its ETAs forecast from
-(`WorkArrivals`). Live, a server taught by one burst gave the next burst first ETAs off by
-0.26 of their JCTs at the median, a fresh one 0.35 (docs/benchmarks.md). Both lived in
-memory only, so a restart (a deploy, a crash, a new engine) made the server fresh again.
-The history keeps every ended agent with its requests, so both are learned again from it
-when the server starts: the shapes of the last agents of each tenant's types, and the
+(server/type_shapes.py), the episodes of arrivals its ETAs forecast from (`WorkArrivals`)
+and its engine's speed (the time model fitted to its steps). Live, a server taught by one
+burst gave the next burst first ETAs off by 0.26 of their JCTs at the median, a fresh one
+0.35 (docs/benchmarks.md). All lived in
+memory only, so a restart (a deploy, a crash) made the server fresh again. The history
+keeps every ended agent with its requests, so the first two are learned again from it when
+the server starts: the shapes of the last agents of each tenant's types, and the
 registrations of the last agents replayed into the arrivals at their times on the
 scheduler's clock (before its start: negative), as if the server had been up all along.
+The fitted time model is saved in the history too (every minute, and at shutdown), keyed by
+what identifies the engine (model, dtype, KV capacity, block size, context length): a
+restarted server on the same engine starts from it as from a calibration of that engine
+(`serve --profile`), which wins where given.
 
 Untagged requests' one-request agents (type `default`) shape no type, as before the
 restart; they are arrivals like any agent.
@@ -16,10 +21,13 @@ restart; they are arrivals like any agent.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.agents import DEFAULT_AGENT_TYPE, RequestLog
+from server.engine.base import EngineInfo
+from server.scheduler.time_model import TimeModel
 
 if TYPE_CHECKING:
     from server.history import History
@@ -35,6 +43,7 @@ class Recalled:
     agents: int = 0
     types: int = 0
     registrations: int = 0
+    time_model_steps: int = 0  # the steps the saved time model was fitted to (0: none)
 
 
 @dataclass(frozen=True)
@@ -43,10 +52,37 @@ class HistoryReading:
 
     finished: list[tuple[str, str, list[RequestLog]]]  # (tenant, type, requests)
     registrations: list[tuple[float, float]]
+    saved_model: TimeModel | None = None  # the time model the last run on this engine fitted
 
     @classmethod
-    def read(cls, history: History, per_type: int, registrations: int) -> HistoryReading:
-        return cls(history.recent_finished(per_type), history.recent_registrations(registrations))
+    def read(cls, history: History, per_type: int, registrations: int, engine: EngineInfo) -> HistoryReading:
+        return cls(history.recent_finished(per_type), history.recent_registrations(registrations),
+                   saved_time_model(history.time_model(engine_key(engine))))
+
+    @property
+    def prior(self) -> TimeModel | None:
+        """The saved model as the time model's prior (a prior has learned from no step here)."""
+        if self.saved_model is None:
+            return None
+        m = self.saved_model
+        return TimeModel(*m.coefficients, source=f"prior: saved by the last run on this engine "
+                                                 f"(fitted to {m.samples} steps)")
+
+
+def engine_key(info: EngineInfo) -> str:
+    """What identifies an engine's speed, as the key of its saved time model."""
+    return json.dumps({"model": info.model, "dtype": info.dtype, "kv_capacity_tokens": info.kv_capacity_tokens,
+                       "block_size": info.block_size, "max_model_len": info.max_model_len}, sort_keys=True)
+
+
+def saved_time_model(saved: dict[str, Any] | None) -> TimeModel | None:
+    """A saved model (None: none saved, or not a model)."""
+    if saved is None:
+        return None
+    try:
+        return TimeModel.from_dict(saved)
+    except (TypeError, ValueError):
+        return None
 
 
 def recall(reading: HistoryReading, shapes: TypeShapes, dispatcher: Dispatcher, now: float,
@@ -60,4 +96,5 @@ def recall(reading: HistoryReading, shapes: TypeShapes, dispatcher: Dispatcher, 
             types.add((tenant, agent_type))
     replayed = dispatcher.recall_registrations(
         [(min(now, now - (wall_now - submitted_at)), cost) for submitted_at, cost in reading.registrations], now)
-    return Recalled(agents, len(types), replayed)
+    steps = reading.saved_model.samples if reading.saved_model is not None else 0
+    return Recalled(agents, len(types), replayed, steps)

@@ -4,6 +4,7 @@ restart made a taught server fresh again."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
@@ -14,7 +15,7 @@ from server.history import History
 from server.relearn import HistoryReading, recall
 from server.scheduler import Dispatcher
 from server.type_shapes import TypeShapes
-from tests.fake_engine import FakeServer
+from tests.fake_engine import FakeEngine, FakeServer
 from tests.test_agents_api import complete, register
 
 
@@ -73,7 +74,7 @@ def test_the_history_gives_back_the_last_agents_of_each_type_and_the_registratio
                                           "finish_reason": None, "new_field": 1}]),))
         history._db.execute("UPDATE agents SET requests = 'not json' WHERE id = 'a3'")
         history._db.commit()
-    reading = HistoryReading.read(history, 50, 100)
+    reading = HistoryReading.read(history, 50, 100, FakeEngine().info)
     shapes = TypeShapes()
     got = recall(reading, shapes, Dispatcher("justitia", 10_000, 0.1), now=10.0, wall_now=1010.0)
     assert (got.agents, got.types, got.registrations) == (5, 2, 7)  # a3 gave no requests
@@ -100,6 +101,49 @@ def test_a_restarted_server_bounds_a_type_by_the_stages_it_learned_before(tmp_pa
         other = register(c, type_="never_seen")
     # registrations: the untagged request's agent and the three loopers (the history keeps
     # agents that ended: `fresh` and `taught` were still waiting when the server stopped)
-    assert recalled == {"agents": 3, "types": 1, "registrations": 4}
+    assert recalled == {"agents": 3, "types": 1, "registrations": 4, "time_model_steps": 0}
     assert taught["delay_bound_s"] > fresh["delay_bound_s"]
     assert again["delay_bound_s"] > other["delay_bound_s"]  # three stages, as before the restart
+
+
+def test_a_restarted_server_starts_from_the_time_model_its_last_run_fitted(tmp_path) -> None:
+    """Saved at shutdown once fitted to TRUSTED_STEPS steps, keyed by the engine: the next
+    run on that engine starts from it as from a calibration (it sets the ETAs' rate at once);
+    a calibration given to the run wins; another engine does not take it."""
+    from server.live import TRUSTED_STEPS
+    from server.scheduler.time_model import StepSample
+
+    def snapshot(srv: FakeServer) -> dict:
+        with httpx.Client(base_url=srv.url, timeout=20) as c:
+            assert complete(c, None, 100, prompt="x" * 499).status_code == 200  # a mix to sustain
+            return c.get("/v1/scheduler").json()
+
+    with FakeServer(tmp_path) as srv:
+        first = snapshot(srv)
+        bank = srv.app.state.scheduler.time_models
+        for k in range(TRUSTED_STEPS):  # an engine of 2 ms + 5 us a sequence + 0.3 us a context token
+            seqs, kv = 1 + k % 16, 100 * (k % 40)
+            bank.observe("local", StepSample(0.002 + 5e-6 * seqs + 3e-7 * kv, seqs, 0, kv))
+        fitted = bank.models()["local"]
+    assert first["recalled"]["time_model_steps"] == 0
+    assert first["time_model"]["prior"]["source"] == "prior: cpu-tiny profile"
+    with FakeServer(tmp_path) as srv:
+        again = snapshot(srv)
+    prior = again["time_model"]["prior"]
+    assert again["recalled"]["time_model_steps"] == TRUSTED_STEPS
+    assert prior["source"].startswith("prior: saved by the last run on this engine")
+    assert (prior["base_s"], prior["per_seq_s"], prior["per_prefill_token_s"], prior["per_kv_token_s"]) \
+        == pytest.approx(fitted.coefficients)  # the first run's fit at its shutdown
+    assert prior["per_kv_token_s"] > 0  # learned: the built-in prior has no attention term
+    assert again["eta_rate"] > 1.5 * again["rate"]  # trusted from the start, as a calibration
+    other = FakeEngine(kv_capacity_tokens=8192)  # another engine: another speed
+    with FakeServer(tmp_path, engine=other) as srv:
+        elsewhere = snapshot(srv)
+    assert elsewhere["time_model"]["prior"]["source"] == "prior: cpu-tiny profile"
+    assert elsewhere["recalled"]["agents"] == 0 and elsewhere["recalled"]["registrations"] >= 2
+    # a calibration given to the run wins over the saved fit
+    from server.sim.profiles import get_profile, save_profile
+    save_profile(dataclasses.replace(get_profile("cpu-tiny"), name="measured-here"), tmp_path / "p.json")
+    with FakeServer(tmp_path, profile=str(tmp_path / "p.json")) as srv:
+        calibrated = snapshot(srv)
+    assert calibrated["time_model"]["prior"]["source"] == "prior: measured-here profile"
