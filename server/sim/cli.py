@@ -124,6 +124,10 @@ def register(commands: Commands) -> None:
                            "token ids: the measured run meets a server taught by another sample of the "
                            "same traffic (its engine speed, its cost predictor with --prediction server, "
                            "its arrival history) instead of a fresh one")
+    live.add_argument("--restart", action="store_true",
+                      help="with --teach: stop the taught server and start another on its data dir "
+                           "before the measured run, which then meets what a restarted server learns "
+                           "again from its history (types' shapes, arrivals, engine speed)")
     live.add_argument("--repeat", type=int, default=1, metavar="N",
                       help="run the policies N times, alternated (A B C A B C ...); each policy's row is "
                            "its run of median mean JCT, and the JSON's `repeats` holds every run and the "
@@ -412,13 +416,15 @@ def _live(args: argparse.Namespace) -> int:
     if args.teach:
         teach = _workload(args.teach, hint="`justitia bench make-workload --profile cpu-tiny` with another seed")
         _check_live_sizes(args, teach)
+    elif args.restart:
+        raise CommandError("--restart restarts a taught server: give --teach FILE too")
     _configured(args, policies)  # validates the options before any server starts
     if args.repeat < 1:
         raise CommandError(f"--repeat must be at least 1, not {args.repeat}")
     opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
                        prediction=args.prediction, seed=args.seed, log_dir=args.log_dir,
                        las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight,
-                       teach=teach, profile=_measured_here(args.profile))
+                       teach=teach, restart=args.restart, profile=_measured_here(args.profile))
     t0 = time.perf_counter()
     rounds = _live_rounds(agents, policies, opts, args.repeat, args.quiet)
     wall = time.perf_counter() - t0
@@ -440,6 +446,7 @@ def _live(args: argparse.Namespace) -> int:
         "prediction": args.prediction,
         "seed": args.seed,
         "teach": args.teach,
+        "restart": args.restart,
         "las_half_life_s": args.las_half_life_s,
         "las_head_wait_weight": args.las_head_wait_weight,
         "repeat": args.repeat,

@@ -72,6 +72,9 @@ class LiveOptions:
     # Replayed first on each server, unmeasured: the measured run then meets a server taught by
     # another sample of the same traffic (its engine speed, its cost predictor, its arrivals).
     teach: list[AgentSpec] | None = None
+    # With `teach`: stop the taught server and start another on its data dir before the
+    # measured run, which then meets what a restarted server learns again from its history.
+    restart: bool = False
     # A `bench calibrate` file: each server's time model starts from it (`serve --profile`).
     profile: str | None = None
 
@@ -234,6 +237,7 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     if opts.las_head_wait_weight is not None:
         args += ["--las-head-wait-weight", str(opts.las_head_wait_weight)]
     wall0 = time.perf_counter()
+    restart = bool(opts.teach) and opts.restart
     with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
             _off_worker_cores(srv.process.pid if srv.process else None):
         taught: dict | None = None  # the server's counters once taught: the run counts from there
@@ -241,7 +245,13 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
             # Other token ids than the measured run's: what it taught is not its prefix cache.
             _, taught = asyncio.run(_replay(srv.url, opts.teach, replace(opts, seed=opts.seed + TEACH_SEED),
                                             policy, None))
-        outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress))
+        if not restart:
+            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress))
+    if restart:  # the same data dir: the history the taught server wrote
+        log = log.with_name(log.stem + "-restarted.log") if log is not None else None
+        with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
+                _off_worker_cores(srv.process.pid if srv.process else None):
+            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress))
     rate = float(snap["rate"])
     # GPS reference at the rate the server measured, with the costs the agents really had.
     gps = gps_finish_times([o["arrival"] for o in outs], [a.kv_cost_shared for a in agents], rate)
@@ -251,10 +261,12 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
                     first_eta_s=float(o["first"]["eta_s"]), first_deadline_s=float(o["first"]["deadline_s"]))
         for a, o, g in zip(agents, outs, gps, strict=True)
     ]
+    counted_before = taught if not restart else None  # a restarted server counts from zero
+
     def since(metric: str) -> float:
         """The metric's growth over the measured run (a taught server counted before it)."""
         now = metric_value(snap["metrics_text"], metric) or 0.0
-        return now - (metric_value(taught["metrics_text"], metric) or 0.0) if taught else now
+        return now - (metric_value(counted_before["metrics_text"], metric) or 0.0) if counted_before else now
 
     preemptions = since("justitia_engine_preemptions")
     prompt_tokens = since("justitia_prefix_prompt_tokens")
@@ -266,8 +278,11 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         "time_model": snap.get("time_model"),
         # vLLM's prompt tokens served from its prefix cache over all prompt tokens
         "prefix_hit_rate": since("justitia_prefix_cached_tokens") / prompt_tokens if prompt_tokens else None,
-        "kv_saved_total": (snap.get("kv_saved_total") or 0) - ((taught or {}).get("kv_saved_total") or 0),
+        "kv_saved_total": (snap.get("kv_saved_total") or 0) - ((counted_before or {}).get("kv_saved_total") or 0),
         "taught_by": len(opts.teach) if opts.teach else 0,  # agents replayed before the run
+        "restarted": restart,  # the measured run met a server restarted after the teaching
+        # what the measured run's server learned again from the history when it started
+        "recalled": snap.get("recalled"),
         # engine steps the server's time model had fitted when the measured run began
         "taught_steps": _fitted_steps(taught) if taught else 0,
         # what the engine computed in (a profile measured in another dtype measured another engine)
