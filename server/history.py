@@ -49,9 +49,9 @@ CREATE TABLE IF NOT EXISTS agents (
     error TEXT
 );
 CREATE INDEX IF NOT EXISTS agents_type ON agents(type, state);
-CREATE TABLE IF NOT EXISTS time_models (
+CREATE TABLE IF NOT EXISTS engine_state (
     engine TEXT PRIMARY KEY,
-    model TEXT NOT NULL,
+    state TEXT NOT NULL,
     saved_at REAL NOT NULL
 );
 """
@@ -287,22 +287,22 @@ class History:
             rows = self._db.execute(sql, (per_type,)).fetchall()
         return [(tenant, type_, _request_logs(reqs)) for tenant, type_, reqs in rows]
 
-    def save_time_model(self, engine: str, model: dict[str, Any]) -> None:
-        """Keep the engine's fitted step-time model (server/relearn.py), keyed by what
-        identifies the engine. Blocking."""
+    def save_engine_state(self, engine: str, state: dict[str, Any]) -> None:
+        """Keep what the server measured of the engine (its fitted time model, its tau:
+        server/relearn.py), keyed by what identifies the engine. Blocking."""
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO time_models (engine, model, saved_at) VALUES (?, ?, ?)",
-                             (engine, json.dumps(model), time.time()))
+            self._db.execute("INSERT OR REPLACE INTO engine_state (engine, state, saved_at) VALUES (?, ?, ?)",
+                             (engine, json.dumps(state), time.time()))
 
-    def time_model(self, engine: str) -> dict[str, Any] | None:
-        """The step-time model last saved for the engine (None: none, or unreadable). Blocking."""
+    def engine_state(self, engine: str) -> dict[str, Any] | None:
+        """What was last saved of the engine (None: nothing, or unreadable). Blocking."""
         with self._lock:
-            row = self._db.execute("SELECT model FROM time_models WHERE engine = ?", (engine,)).fetchone()
+            row = self._db.execute("SELECT state FROM engine_state WHERE engine = ?", (engine,)).fetchone()
         try:
-            model = json.loads(row[0]) if row is not None else None
+            state = json.loads(row[0]) if row is not None else None
         except ValueError:
             return None
-        return model if isinstance(model, dict) else None
+        return state if isinstance(state, dict) else None
 
     def count(self) -> int:
         self.flush()

@@ -63,7 +63,7 @@ from server.engine.base import (
 )
 from server.lifecycle import ABANDONED, AgentConflict, AgentNotFound, transition
 from server.limits import QuotaExceeded, Quotas
-from server.relearn import HistoryReading, Recalled, engine_key, recall
+from server.relearn import HistoryReading, Recalled, engine_key, engine_state, recall
 from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, get_policy, kv_cost
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.prefix import PrefixRef, block_chain
@@ -259,6 +259,8 @@ class LiveScheduler:
             log.warning("could not read the history to learn from it again: %s", exc)
             return
         self.recalled = recall(reading, self.type_shapes, self.dispatcher, self.now(), self._wall())
+        if reading.saved_tau is not None and not self.tau.measured and self.tau.resume(*reading.saved_tau):
+            self.dispatcher.set_iteration_time(self.tau.tau_s, self.now(), **self.tau.promise_times())
         prior = reading.prior
         # a calibration given to this run wins; a bank that has seen steps keeps its fit
         if prior is not None and not self._prior_measured and not self.time_models.fitters:
@@ -276,21 +278,24 @@ class LiveScheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self.admission.fail_waiting(EngineError("the server is shutting down"))
-        await self._save_time_model()
+        await self._save_engine_state()
 
-    async def _save_time_model(self) -> None:
-        """Keep the best-fitted time model in the history for the next run on this engine
-        (server/relearn.py), once it has learned from TRUSTED_STEPS steps."""
-        models = self.time_models.models()
-        if self.history is None or not models:
+    async def _save_engine_state(self) -> None:
+        """Keep what this run measured of the engine in the history for the next run on it
+        (server/relearn.py): the best-fitted time model once it has learned from
+        TRUSTED_STEPS steps, and tau's evidence once a step has measured it."""
+        if self.history is None:
             return
-        model = max(models.values(), key=lambda m: m.samples)
-        if model.samples < TRUSTED_STEPS:
+        models = self.time_models.models()
+        model = max(models.values(), key=lambda m: m.samples) if models else None
+        state = engine_state(model if model is not None and model.samples >= TRUSTED_STEPS else None,
+                             self.tau.state() if self.tau.measured else None)
+        if not state:
             return
         try:
-            await asyncio.to_thread(self.history.save_time_model, engine_key(self.engine.info), model.as_dict())
-        except Exception as exc:  # the next run starts from its prior: worse ETAs, nothing lost
-            log.warning("could not save the engine's time model in the history: %s", exc)
+            await asyncio.to_thread(self.history.save_engine_state, engine_key(self.engine.info), state)
+        except Exception as exc:  # the next run starts from its priors: worse ETAs, nothing lost
+            log.warning("could not save the engine's measurements in the history: %s", exc)
 
     async def _housekeeping(self) -> None:
         last = self.now()
@@ -309,7 +314,7 @@ class LiveScheduler:
                 self._update_tau()
                 if self.now() - self._model_saved_at >= MODEL_SAVE_S:
                     self._model_saved_at = self.now()
-                    await self._save_time_model()
+                    await self._save_engine_state()
                 await self._expire_idle_agents()
                 self._prune()
                 if not self.engine.healthy and not self._engine_recovering():

@@ -10,10 +10,14 @@ keeps every ended agent with its requests, so the first two are learned again fr
 the server starts: the shapes of the last agents of each tenant's types, and the
 registrations of the last agents replayed into the arrivals at their times on the
 scheduler's clock (before its start: negative), as if the server had been up all along.
-The fitted time model is saved in the history too (every minute, and at shutdown), keyed by
-what identifies the engine (model, dtype, KV capacity, block size, context length): a
-restarted server on the same engine starts from it as from a calibration of that engine
-(`serve --profile`), which wins where given.
+What the server measured of its engine is saved in the history too (every minute, and at
+shutdown), keyed by what identifies the engine (model, dtype, KV capacity, block size,
+context length): the fitted time model, which a restarted server on the same engine starts
+from as from a calibration of that engine (`serve --profile`, which wins where given), and
+the evidence its tau is made of (R = M / tau, the rate ETAs divide by), which it continues
+from instead of its 10 ms guess. Restarted with the shapes and the arrivals but not the
+rate, a server told the last third of a burst twice its JCTs (live contended48, session 15:
+R read 0.41M of the engine's 0.6M units a second while the burst began).
 
 Untagged requests' one-request agents (type `default`) shape no type, as before the
 restart; they are arrivals like any agent.
@@ -44,6 +48,7 @@ class Recalled:
     types: int = 0
     registrations: int = 0
     time_model_steps: int = 0  # the steps the saved time model was fitted to (0: none)
+    tau_s: float | None = None  # the tau the last run on this engine measured (None: none)
 
 
 @dataclass(frozen=True)
@@ -53,11 +58,13 @@ class HistoryReading:
     finished: list[tuple[str, str, list[RequestLog]]]  # (tenant, type, requests)
     registrations: list[tuple[float, float]]
     saved_model: TimeModel | None = None  # the time model the last run on this engine fitted
+    saved_tau: tuple[float, float] | None = None  # its tau's evidence (TauEstimator.state)
 
     @classmethod
     def read(cls, history: History, per_type: int, registrations: int, engine: EngineInfo) -> HistoryReading:
+        state = history.engine_state(engine_key(engine)) or {}
         return cls(history.recent_finished(per_type), history.recent_registrations(registrations),
-                   saved_time_model(history.time_model(engine_key(engine))))
+                   saved_time_model(state.get("time_model")), saved_tau(state.get("tau")))
 
     @property
     def prior(self) -> TimeModel | None:
@@ -75,14 +82,31 @@ def engine_key(info: EngineInfo) -> str:
                        "block_size": info.block_size, "max_model_len": info.max_model_len}, sort_keys=True)
 
 
-def saved_time_model(saved: dict[str, Any] | None) -> TimeModel | None:
+def saved_time_model(saved: Any) -> TimeModel | None:
     """A saved model (None: none saved, or not a model)."""
-    if saved is None:
+    if not isinstance(saved, dict):
         return None
     try:
         return TimeModel.from_dict(saved)
     except (TypeError, ValueError):
         return None
+
+
+def saved_tau(saved: Any) -> tuple[float, float] | None:
+    """A saved tau's evidence, (busy seconds, full-cache iterations) (None: none, or not that)."""
+    if not (isinstance(saved, list) and len(saved) == 2 and all(isinstance(x, (int, float)) for x in saved)):
+        return None
+    return float(saved[0]), float(saved[1])
+
+
+def engine_state(model: TimeModel | None, tau: tuple[float, float] | None) -> dict[str, Any]:
+    """What is saved of the engine: the fitted model and the tau evidence, where known."""
+    state: dict[str, Any] = {}
+    if model is not None:
+        state["time_model"] = model.as_dict()
+    if tau is not None:
+        state["tau"] = list(tau)
+    return state
 
 
 def recall(reading: HistoryReading, shapes: TypeShapes, dispatcher: Dispatcher, now: float,
@@ -97,4 +121,5 @@ def recall(reading: HistoryReading, shapes: TypeShapes, dispatcher: Dispatcher, 
     replayed = dispatcher.recall_registrations(
         [(min(now, now - (wall_now - submitted_at)), cost) for submitted_at, cost in reading.registrations], now)
     steps = reading.saved_model.samples if reading.saved_model is not None else 0
-    return Recalled(agents, len(types), replayed, steps)
+    tau = reading.saved_tau[0] / reading.saved_tau[1] if reading.saved_tau is not None else None
+    return Recalled(agents, len(types), replayed, steps, tau)

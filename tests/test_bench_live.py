@@ -139,6 +139,30 @@ def test_bench_live_teaches_the_server_before_the_measured_run(tmp_path, justiti
     assert result["kv_saved_total"] > 0 and result["preemptions"] == 0
 
 
+def test_bench_live_restarts_the_taught_server_on_its_history(tmp_path, justitia_home, monkeypatch) -> None:
+    """`--teach FILE --restart`: the measured run meets another server started on the taught
+    one's data dir, which learned again what its history kept (server/relearn.py)."""
+    monkeypatch.setenv("JUSTITIA_HOME", justitia_home)
+    workload, teach = tmp_path / "w.jsonl", tmp_path / "teach.jsonl"
+    for path, n in ((workload, 2), (teach, 3)):
+        with path.open("w") as fh:
+            for i in range(n):
+                fh.write(json.dumps({"id": f"a{i}", "type": "stepper", "arrival": 0.1 * i, "prompt": f"step {i}",
+                                     "stages": [[{"p": 100, "d": 6}], [{"p": 120, "d": 6}]]}) + "\n")
+    out = tmp_path / "live.json"
+    assert main(["bench", "live", "--workload", str(workload), "--teach", str(teach), "--restart",
+                 "--policies", "justitia", "--no-sim", "--kv-tokens", "4096", "--max-model-len", "2048",
+                 "--json", str(out), "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["restart"] is True
+    [result] = doc["results"]
+    assert result["restarted"] is True and len(result["agents"]) == 2
+    # the three taught agents' shapes and registrations, from the history the first server wrote
+    recalled = result["recalled"]
+    assert (recalled["agents"], recalled["types"], recalled["registrations"]) == (3, 1, 3)
+    assert result["accounting_zero"] is True and result["preemptions"] == 0
+
+
 def test_bench_live_refuses_a_teaching_workload_that_does_not_fit(tmp_path, capsys) -> None:
     workload, teach = tmp_path / "w.jsonl", tmp_path / "t.jsonl"
     workload.write_text(json.dumps({"id": "a", "arrival": 0, "stages": [[{"p": 30, "d": 10}]]}) + "\n")
@@ -148,3 +172,5 @@ def test_bench_live_refuses_a_teaching_workload_that_does_not_fit(tmp_path, caps
     assert main(["bench", "live", "--workload", str(workload), "--teach", str(tmp_path / "no.jsonl"),
                  "--kv-tokens", "4096"]) == 2
     assert "no workload file" in capsys.readouterr().err
+    assert main(["bench", "live", "--workload", str(workload), "--restart", "--kv-tokens", "4096"]) == 2
+    assert "give --teach FILE too" in capsys.readouterr().err

@@ -101,15 +101,16 @@ def test_a_restarted_server_bounds_a_type_by_the_stages_it_learned_before(tmp_pa
         other = register(c, type_="never_seen")
     # registrations: the untagged request's agent and the three loopers (the history keeps
     # agents that ended: `fresh` and `taught` were still waiting when the server stopped)
-    assert recalled == {"agents": 3, "types": 1, "registrations": 4, "time_model_steps": 0}
+    assert recalled == {"agents": 3, "types": 1, "registrations": 4, "time_model_steps": 0, "tau_s": None}
     assert taught["delay_bound_s"] > fresh["delay_bound_s"]
     assert again["delay_bound_s"] > other["delay_bound_s"]  # three stages, as before the restart
 
 
-def test_a_restarted_server_starts_from_the_time_model_its_last_run_fitted(tmp_path) -> None:
-    """Saved at shutdown once fitted to TRUSTED_STEPS steps, keyed by the engine: the next
-    run on that engine starts from it as from a calibration (it sets the ETAs' rate at once);
-    a calibration given to the run wins; another engine does not take it."""
+def test_a_restarted_server_starts_from_the_time_model_and_the_tau_its_last_run_measured(tmp_path) -> None:
+    """Saved at shutdown once fitted to TRUSTED_STEPS steps (tau: once measured), keyed by
+    the engine: the next run on that engine starts from the model as from a calibration (it
+    sets the ETAs' rate at once) and continues the tau, not its 10 ms guess; a calibration
+    given to the run wins over the model; another engine takes neither."""
     from server.live import TRUSTED_STEPS
     from server.scheduler.time_model import StepSample
 
@@ -125,21 +126,31 @@ def test_a_restarted_server_starts_from_the_time_model_its_last_run_fitted(tmp_p
             seqs, kv = 1 + k % 16, 100 * (k % 40)
             bank.observe("local", StepSample(0.002 + 5e-6 * seqs + 3e-7 * kv, seqs, 0, kv))
         fitted = bank.models()["local"]
+        tau = srv.app.state.scheduler.tau
+        for _ in range(200):  # steps of 4 ms with the cache full: tau 4 ms
+            tau.observe_step(0.004, 4096, 4096)
+        measured_tau = tau.tau_s
     assert first["recalled"]["time_model_steps"] == 0
     assert first["time_model"]["prior"]["source"] == "prior: cpu-tiny profile"
     with FakeServer(tmp_path) as srv:
         again = snapshot(srv)
     prior = again["time_model"]["prior"]
     assert again["recalled"]["time_model_steps"] == TRUSTED_STEPS
+    assert again["recalled"]["tau_s"] == pytest.approx(measured_tau) and 0.004 <= measured_tau < 0.005
+    assert first["tau"] == pytest.approx(0.01)  # the guess (fake steps are too empty to measure it)
+    assert again["tau"] == pytest.approx(measured_tau, rel=0.01)
+    assert again["promise"] == "widened"  # until a step is measured here
     assert prior["source"].startswith("prior: saved by the last run on this engine")
     assert (prior["base_s"], prior["per_seq_s"], prior["per_prefill_token_s"], prior["per_kv_token_s"]) \
         == pytest.approx(fitted.coefficients)  # the first run's fit at its shutdown
     assert prior["per_kv_token_s"] > 0  # learned: the built-in prior has no attention term
-    assert again["eta_rate"] > 1.5 * again["rate"]  # trusted from the start, as a calibration
+    assert first["eta_rate"] == pytest.approx(first["rate"])  # the built-in prior: not trusted
+    assert again["eta_rate"] > 1.1 * again["rate"]  # trusted from the start, as a calibration
     other = FakeEngine(kv_capacity_tokens=8192)  # another engine: another speed
     with FakeServer(tmp_path, engine=other) as srv:
         elsewhere = snapshot(srv)
     assert elsewhere["time_model"]["prior"]["source"] == "prior: cpu-tiny profile"
+    assert elsewhere["tau"] == pytest.approx(0.01) and elsewhere["recalled"]["tau_s"] is None
     assert elsewhere["recalled"]["agents"] == 0 and elsewhere["recalled"]["registrations"] >= 2
     # a calibration given to the run wins over the saved fit
     from server.sim.profiles import get_profile, save_profile

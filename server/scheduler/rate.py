@@ -110,6 +110,19 @@ class TauEstimator:
         self._weight = self._weight * decay_n + duration_s * total
         self._weighted_tau = self._weighted_tau * decay_n + served * total
 
+    def state(self) -> tuple[float, float]:
+        """The decayed evidence tau is made of: (busy seconds, full-cache iterations served)."""
+        return self._weight, self._weighted_tau
+
+    def resume(self, weight: float, weighted_tau: float) -> bool:
+        """Continue from the evidence a previous run on the same engine left (`state`), as if
+        its steps had been seen here; promises stay widened until a step is measured here
+        (False: not usable evidence, nothing changed)."""
+        if not (0.0 < weight < float("inf") and 0.0 < weighted_tau < float("inf")):
+            return False
+        self._weight, self._weighted_tau = float(weight), float(weighted_tau)
+        return True
+
     def set_kv_capacity(self, kv_capacity_tokens: int) -> None:
         """Replicas changed: samples already taken stay valid (they are per full cache)."""
         self.kv_capacity_tokens = int(kv_capacity_tokens)
