@@ -17,7 +17,7 @@ from as from a calibration of that engine (`serve --profile`, which wins where g
 the evidence its tau is made of (R = M / tau, the rate ETAs divide by), which it continues
 from instead of its 10 ms guess. Restarted with the shapes and the arrivals but not the
 rate, a server told the last third of a burst twice its JCTs (live contended48, session 15:
-R read 0.41M of the engine's 0.6M units a second while the burst began).
+its R started from the guess, 0.41M units a second, where the taught server had 0.6M).
 
 Untagged requests' one-request agents (type `default`) shape no type, as before the
 restart; they are arrivals like any agent.
