@@ -119,7 +119,7 @@ class LiveConfig:
 # A fit to this many engine steps describes the engine whatever its prior: only then does a
 # model started from a prior measured elsewhere set the rate ETAs divide by.
 TRUSTED_STEPS = 1024
-MODEL_SAVE_S = 60.0  # how often the fitted time model is saved in the history (and at shutdown)
+ENGINE_SAVE_S = 60.0  # how often what was measured of the engine is saved in the history (and at shutdown)
 
 
 class LiveScheduler:
@@ -196,7 +196,7 @@ class LiveScheduler:
         self.recalled = Recalled()  # what `start` learned again from the history
         # the prior was measured on this engine: a calibration, or the last run's saved fit
         self._prior_measured = config.prior_measured
-        self._model_saved_at = 0.0
+        self._engine_saved_at = 0.0
         if config.prior_measured:
             self.dispatcher.set_time_model(config.time_model_prior)
         self._listen_to_engine()
@@ -251,7 +251,7 @@ class LiveScheduler:
 
     async def _recall(self, history: History) -> None:
         """Learn again what the last run learned and the history kept (server/relearn.py):
-        the types' shapes and the episodes of arrivals."""
+        the types' shapes, the episodes of arrivals, the engine's time model and tau."""
         try:
             reading = await asyncio.to_thread(HistoryReading.read, history, self.type_shapes.window,
                                               self.dispatcher.arrivals.max_samples, self.engine.info)
@@ -312,8 +312,8 @@ class LiveScheduler:
                     continue
                 last = self.now()
                 self._update_tau()
-                if self.now() - self._model_saved_at >= MODEL_SAVE_S:
-                    self._model_saved_at = self.now()
+                if self.now() - self._engine_saved_at >= ENGINE_SAVE_S:
+                    self._engine_saved_at = self.now()
                     await self._save_engine_state()
                 await self._expire_idle_agents()
                 self._prune()
