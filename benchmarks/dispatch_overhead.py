@@ -13,7 +13,8 @@ requests (ewsjf refits every 32 finished requests, and reroutes only when the ed
 than its hysteresis).
 
 The rows `eta-upkeep` time the ETA upkeep (server/scheduler/eta.py) with 10,000 agents
-queued (one pending request each, justitia): the same loop, plus `refresh_etas` every
+queued (one pending request each, justitia; a time model, the `cpu-tiny` profile's, and a
+declared shape per agent, as a live server has them): the same loop, plus `refresh_etas` every
 `--refresh-every` decisions (250: a quarter second at the loop's 1 ms of simulated time per
 decision), against the same loop without it. The upkeep per decision is the difference of the
 median steps; the refresh itself is amortised over the decisions between two refreshes (mean).
@@ -49,8 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataclasses import replace  # noqa: E402
 
-from server.scheduler import POLICY_NAMES, Dispatcher, RequestSpec, kv_cost  # noqa: E402
+from server.scheduler import POLICY_NAMES, AgentShape, Dispatcher, RequestSpec, kv_cost  # noqa: E402
 from server.scheduler.prefix import block_chain  # noqa: E402
+from server.sim.profiles import get_profile  # noqa: E402
 
 PREFIX_ROWS = ("justitia-prefixes", "justitia-blockhash")
 
@@ -184,10 +186,15 @@ def bench_eta(agents: int, steps: int, refresh_every: int, refresh: bool, seed: 
     """justitia with `agents` agents of one pending request each; `refresh`: run the ETA pass
     every `refresh_every` decisions (its cost lands in the step it follows)."""
     rng = random.Random(seed)
-    d = Dispatcher("justitia", kv_capacity_tokens=10**9, iteration_time_s=0.025)
+    # as in a live server: a time model (the profile prior at least) and agents that declare
+    # their shape, so that the pass takes its per-agent prefill path (session 16)
+    d = Dispatcher("justitia", kv_capacity_tokens=10**9, iteration_time_s=0.025,
+                   time_model=get_profile("cpu-tiny").time_model())
     now, lengths = 0.0, {}
     for a in range(agents):
-        d.register_agent(f"a{a}", kv_cost(1000, 200) * rng.uniform(0.2, 5), now, tenant=f"t{a % 8}")
+        shape = AgentShape(rng.randint(1, 8), rng.randint(50, 2000), rng.randint(0, 20_000))
+        d.register_agent(f"a{a}", kv_cost(1000, 200) * rng.uniform(0.2, 5), now, tenant=f"t{a % 8}",
+                         shape=shape)
         p, o = rng.randint(50, 3000), rng.randint(10, 800)
         d.submit(RequestSpec(f"r{a}", f"a{a}", p, o, o), now)
         lengths[f"r{a}"] = (p, o)

@@ -439,6 +439,37 @@ def test_an_etas_critical_path_counts_the_prefill_of_the_prompts_the_agent_compu
     assert no_model.view("a", 0.0).eta_s == pytest.approx(61 * 0.1)  # no model: no prefill cost known
 
 
+def test_an_agent_queued_behind_a_prefill_heavy_one_waits_for_its_prefill() -> None:
+    """KV token-time does not see prefill: a verification agent's long prompts with short
+    answers cost little of it and take the engine seconds. The replay divides work by the
+    engine's rate were prompts free and adds each agent's declared prefill at the time model's
+    cost of a prompt token; an agent that declares none is assumed to prefill like the mix (its
+    time is its charge at eta_rate, as before). In the pass and between passes."""
+    class Steps:
+        def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
+            return 0.01 + 0.0001 * prefill_tokens + 1e-7 * kv_tokens
+
+    def eta_behind(front: AgentShape | None, refresh: bool) -> tuple[float, Dispatcher]:
+        d = Dispatcher("justitia", 100_000, 1.0, arrival_window_s=0, time_model=Steps())
+        d.register_agent("front", 200_000.0, 0.0, shape=front)
+        d.submit(req("f0", "front", 1_000, 100), 0.0)  # the mix: 1,000-token prompts, 100 out
+        if refresh:
+            d.refresh_etas(0.0)
+        d.register_agent("behind", 2_000_000.0, 0.0)
+        d.submit(req("b0", "behind", 1_000, 100), 0.0)
+        return d.view("behind", 0.0).eta_s, d
+
+    for refresh in (True, False):
+        mix_like, d = eta_behind(None, refresh)
+        assert d.eta_rate > d.rate  # the model's rate on the mix, the one the replay knew before
+        # undeclared: both agents' charges at eta_rate, as before prefill was counted apart
+        assert mix_like == pytest.approx(2_200_000.0 / d.eta_rate, rel=1e-6)
+        none, _ = eta_behind(AgentShape(1, None, 0), refresh)
+        heavy, _ = eta_behind(AgentShape(1, None, 50_000), refresh)
+        assert heavy == pytest.approx(none + 50_000 * 0.0001, rel=1e-6)  # the front's prefill, 5 s
+        assert none < mix_like < heavy  # no prefill: sooner than a mix's agent; 50,000 tokens: later
+
+
 def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:
     """Views of agents that have not sent a request are O(1) after a pass too: the pass's
     projection of an arrival (one binary search) is the clock's walk."""

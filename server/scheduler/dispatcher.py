@@ -744,7 +744,8 @@ class Dispatcher:
         v = reading.V
         closing = self._gap_closing(reading.backlog)
         fair = self.clock.projection(now)  # every backlogged agent's GPS finish, one walk
-        policy, rate, it = self.policy, self.eta_rate, self._iteration_s()
+        policy, it = self.policy, self._iteration_s()
+        rate, per_unit, prefill_work = self._replay_rates()
         agents = list(self.agents.values())
         keys = list(map(policy.static_key, agents))
         order = sorted(range(len(agents)), key=keys.__getitem__)
@@ -754,7 +755,7 @@ class Dispatcher:
         gap, costs, cprefix = policy.arrival_gap, self.arrivals._costs, self.arrivals._prefix
         unit = self._kv_unit()
         prefill_s = self._prefill_token_s()
-        scale = self.arrivals.rate / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
+        scale = self.arrivals.rate * per_unit / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
         cap = MAX_ARRIVAL_SHARE * rate
         span = self.arrivals.span_s
         total = 0.0
@@ -771,14 +772,19 @@ class Dispatcher:
                 charged = expected * unit
             if own < 0.0:
                 own = 0.0
+            shape = a.eta_shape or a.shape
+            left = own / charged if charged > 0.0 else 1.0
+            # _replay_work, inlined
+            if shape.prefill_tokens is None or not prefill_work or charged <= 0.0:
+                work = own * per_unit
+            else:
+                work = own + left * shape.prefill_tokens * prefill_work
             g = gap(a, v, closing) if scale else 0.0
             arriving = scale * cprefix[bisect_left(costs, g)] if g > 0.0 else 0.0
             r = rate - (arriving if arriving < cap else cap)
-            if arriving > 0.0 and total + own > r * span:  # arrivals end after `span` (served_by)
-                r = (total + own) / max(span, (total + own + arriving * span) / rate)
-            shape = a.eta_shape or a.shape
+            if arriving > 0.0 and total + work > r * span:  # arrivals end after `span` (served_by)
+                r = (total + work) / max(span, (total + work + arriving * span) / rate)
             if shape.critical_path_tokens is not None:
-                left = own / charged if charged > 0.0 else 1.0
                 path = ((shape.critical_path_tokens + max(1, shape.stages)) * it
                         + (shape.prefill_tokens or 0) * prefill_s) * left
             elif a.pending or a.running:
@@ -786,10 +792,10 @@ class Dispatcher:
             else:
                 path = 0.0
             start = total / r
-            finish = (total + own) / r
+            finish = (total + work) / r
             a.eta_at = now + (finish if finish > start + path else start + path)
             a.fair_at = fair.finish.get(a.agent_id) if a.in_reference else fair.arrival(a.charged_cost)
-            total += own
+            total += work
             prefix[k + 1] = total
         self._eta = EtaPass(now, rate, keys, prefix)
         # ended agents that GPS has finished since need no flush
@@ -806,15 +812,32 @@ class Dispatcher:
         tau = self._sustained_tau()
         return self.rate if tau is None else max(self.rate, self._rate(tau))
 
-    def _sustained_tau(self) -> float | None:
+    def _replay_rates(self) -> tuple[float, float, float]:
+        """What the ETA replay measures work in: (rate, per_unit, prefill_work).
+
+        KV token-time does not see prefill: a verification agent's 2,500-token prompts with
+        4-token answers cost little of it and take the engine 0.2 s each. With a time model the
+        replay divides by R0, the rate of its engine on the current mix were prompts free, and
+        adds each agent's own prefill (`AgentShape.prefill_tokens`, the share not yet done)
+        as the work of that time at R0 (`prefill_work` a token); an agent whose prefill is
+        unknown is assumed to prefill like the mix, its charge scaled by R0 / eta_rate
+        (`per_unit`), which makes its time the one eta_rate gives. Without a time model,
+        eta_rate, 1, 0."""
+        rate = self.eta_rate
+        tau = self._sustained_tau(prefill=False)
+        if tau is None or (free := self._rate(tau)) <= rate:
+            return rate, 1.0, 0.0
+        return free, free / rate, self._prefill_token_s() * free
+
+    def _sustained_tau(self, prefill: bool = True) -> float | None:
         """tau as the time model's engine sustains it on the mix of requests seen (the
         simulator's `EngineProfile.effective_tau_s`, from the running means): a request
-        reserves p + d, holds p + d/2 on average, and prefills p over its d steps. None
-        without a time model or a request seen."""
+        reserves p + d, holds p + d/2 on average, and prefills p over its d steps (not with
+        `prefill=False`). None without a time model or a request seen."""
         if self.time_model is None or not self._model_sustains or self._mean_prompt + self._mean_decode <= 0:
             return None
         p, d = self._mean_prompt, max(1.0, self._mean_decode)
-        it = self._step_holding(self.kv_capacity)
+        it = self._step_holding(self.kv_capacity, prefill)
         served = self.kv_capacity * (p + d / 2) / (p + d)  # KV in use with the cache reserved full
         return self.kv_capacity * it / served if it > 0 and served > 0 else None
 
@@ -840,7 +863,7 @@ class Dispatcher:
             return step_function(self.time_model)(1, 0, 0)
         return self._step_holding(kv)
 
-    def _step_holding(self, kv: float) -> float:
+    def _step_holding(self, kv: float, prefill: bool = True) -> float:
         """The time model's step with `kv` tokens reserved by requests of the current mix:
         a request reserves p + d (p the prompt it computes), prefills p once per d steps and
         attends over its whole prompt and d/2 outputs on average over its life (its shared
@@ -850,7 +873,8 @@ class Dispatcher:
         p, d = self._mean_prompt, max(1.0, self._mean_decode)
         batch = max(1.0, kv / (p + d))
         context = max(p, self._mean_context)
-        return step_function(self.time_model)(round(batch), round(batch * p / d), int(batch * (context + d / 2)))
+        prefilled = round(batch * p / d) if prefill else 0
+        return step_function(self.time_model)(round(batch), prefilled, int(batch * (context + d / 2)))
 
     def _saturated_iteration_s(self) -> float:
         """One engine step with the whole cache in use by the current mix of requests (the
@@ -915,15 +939,24 @@ class Dispatcher:
         if agent.eta_at is not None:
             return max(now, agent.eta_at)
         key = self.policy.static_key(agent)
+        rates = self._replay_rates()
         before = self._eta.work_before(key) if self._eta is not None else 0.0
-        before += self._unpassed_work_before(agent, key)
-        own, _ = self._remaining(agent)
+        before += self._unpassed_work_before(agent, key, rates)
         reading = self.clock.peek(now)
         ahead = self.arrivals.ahead(self.policy.arrival_gap(agent, reading.V, self._gap_closing(reading.backlog)))
-        return eta_of(now, before, own, self.eta_rate, ahead, self._critical_path_s(agent, self._iteration_s()),
-                      self.arrivals.span_s)
+        return eta_of(now, before, self._replay_work(agent, rates), rates[0], ahead * rates[1],
+                      self._critical_path_s(agent, self._iteration_s()), self.arrivals.span_s)
 
-    def _unpassed_work_before(self, agent: AgentState, key: Any) -> float:
+    def _replay_work(self, agent: AgentState, rates: tuple[float, float, float]) -> float:
+        """The agent's remaining work in the replay's units (`_replay_rates`)."""
+        own, total = self._remaining(agent)
+        _, per_unit, prefill_work = rates
+        prefill = (agent.eta_shape or agent.shape).prefill_tokens
+        if prefill is None or not prefill_work or total <= 0.0:
+            return own * per_unit
+        return own + own / total * prefill * prefill_work
+
+    def _unpassed_work_before(self, agent: AgentState, key: Any, rates: tuple[float, float, float]) -> float:
         """Remaining work of the agents registered since the last pass that the policy
         orders before `agent`. A burst registers faster than passes run (every few hundred
         ms); without this, each of its agents got an ETA as if it were alone (the demo's 18
@@ -932,7 +965,7 @@ class Dispatcher:
         static_key = self.policy.static_key
         for a in self._unpassed:
             if a is not agent and self.agents.get(a.agent_id) is a and static_key(a) < key:
-                work += self._remaining(a)[0]
+                work += self._replay_work(a, rates)
         return work
 
     def view(self, agent_id: str, now: float) -> AgentView:
