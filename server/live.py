@@ -30,7 +30,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedDict
@@ -260,6 +260,7 @@ class LiveScheduler:
             return
         self.recalled = recall(reading, self.type_shapes, self.dispatcher, self.now(), self._wall())
         if reading.saved_tau is not None and not self.tau.measured and self.tau.resume(*reading.saved_tau):
+            self.recalled = replace(self.recalled, tau_s=self.tau.tau_s)
             self.dispatcher.set_iteration_time(self.tau.tau_s, self.now(), **self.tau.promise_times())
         prior = reading.prior
         # a calibration given to this run wins; a bank that has seen steps keeps its fit

@@ -48,7 +48,9 @@ class Recalled:
     types: int = 0
     registrations: int = 0
     time_model_steps: int = 0  # the steps the saved time model was fitted to (0: none)
-    tau_s: float | None = None  # the tau the last run on this engine measured (None: none)
+    # the tau the last run on this engine measured, continued here (None: none, or this run
+    # had measured its own first)
+    tau_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -121,5 +123,4 @@ def recall(reading: HistoryReading, shapes: TypeShapes, dispatcher: Dispatcher, 
     replayed = dispatcher.recall_registrations(
         [(min(now, now - (wall_now - submitted_at)), cost) for submitted_at, cost in reading.registrations], now)
     steps = reading.saved_model.samples if reading.saved_model is not None else 0
-    tau = reading.saved_tau[0] / reading.saved_tau[1] if reading.saved_tau is not None else None
-    return Recalled(agents, len(types), replayed, steps, tau)
+    return Recalled(agents, len(types), replayed, steps)
