@@ -468,6 +468,8 @@ def test_an_agent_queued_behind_a_prefill_heavy_one_waits_for_its_prefill() -> N
         heavy, _ = eta_behind(AgentShape(1, None, 50_000), refresh)
         assert heavy == pytest.approx(none + 50_000 * 0.0001, rel=1e-6)  # the front's prefill, 5 s
         assert none < mix_like < heavy  # no prefill: sooner than a mix's agent; 50,000 tokens: later
+        snap = d.snapshot(0.0)
+        assert snap["replay_rate"] > snap["eta_rate"] and snap["prefill_token_s"] == pytest.approx(0.0001)
 
 
 def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:

@@ -1015,6 +1015,9 @@ class Dispatcher:
             "promise_reason": self.uncertainty or "",
             "rate": self.rate,
             "eta_rate": self.eta_rate,
+            # what the ETA replay divides by and what one prompt token it adds takes
+            "replay_rate": self._replay_rates()[0],
+            "prefill_token_s": self._prefill_token_s(),
             "arrival_rate": self.arrivals.rate,
             "arrival_promise_rate": self.arrivals.promise_rate,
             "arrival_history_s": self.arrivals.history_s(now),
