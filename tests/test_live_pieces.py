@@ -179,3 +179,38 @@ def test_a_prior_measured_elsewhere_sets_the_eta_rate_only_once_fitted_to_enough
     eta_few, rate_few, eta_enough, rate_enough = live_run(body)
     assert eta_few == rate_few  # 1,023 steps: not yet the engine's model
     assert eta_enough > 2 * rate_enough  # 1,024: its rate on the mix (the fit's 0.5 ms steps)
+
+
+def test_a_calibrated_prior_times_etas_until_the_fit_has_seen_enough_steps() -> None:
+    """A calibration (or the last run's saved fit) describes this engine; a fit to a burst's
+    first few hundred steps, mostly prefills, does not: live, it halved the rate ETAs divide
+    by and a fresh server told the burst's last third twice its JCTs. Until the fit has seen
+    TRUSTED_STEPS steps the calibration times ETAs; then the fit does."""
+    from server.live import TRUSTED_STEPS
+    from server.scheduler.time_model import StepSample, TimeModel
+
+    calibration = TimeModel(0.004, 0.00002, 0.00009, 0.0000007, source="calibration")
+
+    async def body(live: LiveScheduler) -> tuple[Any, Any]:
+        slow = StepSample(seconds=0.05, decode_seqs=4, prefill_tokens=0, kv_tokens=200)
+        for _ in range(TRUSTED_STEPS - 1):
+            live.time_models.observe("local", slow)
+        live._update_tau()
+        few = live.dispatcher.time_model
+        live.time_models.observe("local", slow)
+        live._update_tau()
+        return few, live.dispatcher.time_model
+
+    few, enough = live_run(body, time_model_prior=calibration, prior_measured=True)
+    assert few is calibration  # 1,023 steps of a slower engine: the calibration still times ETAs
+    assert enough.samples == TRUSTED_STEPS  # 1,024: the fit, of 50 ms steps
+    assert enough.step_s(4, 0, 200) > 5 * calibration.step_s(4, 0, 200)
+
+    async def unmeasured(live: LiveScheduler) -> bool:
+        for _ in range(32):  # one refit
+            live.time_models.observe("local", StepSample(seconds=0.05, decode_seqs=4, prefill_tokens=0,
+                                                         kv_tokens=200))
+        live._update_tau()
+        return live.dispatcher.time_model is live.time_models.models()["local"]
+
+    assert live_run(unmeasured)  # the built-in prior: the early fit times paths at once
