@@ -8,7 +8,8 @@ the remaining work of the agents served before it:
     eta_j   = now + max((W_<j + w_j) / R_j,   all of it, served at full memory
                         start_j + cp_j)       then j's own remaining critical path
 
-where w_j is j's remaining charged work (charged minus consumed, policy cost units), cp_j the
+where w_j is j's remaining charged work (charged minus consumed, policy cost units; with a
+time model, its declared prefill added at the engine's time: `Dispatcher._replay_rates`), cp_j the
 time of its remaining critical path (its declared shape, `AgentShape`, else the longest
 decode of its known requests) at the time model's iteration time, and R_j = R - a_j: the
 engine's rate R (`Dispatcher.eta_rate`: M / tau, or the time model's rate on the mix where
