@@ -331,15 +331,16 @@ class LiveScheduler:
         if not models:
             return
         model = max(models.values(), key=lambda m: m.samples)
+        # A prior measured on this engine (a calibration, the last run's fit) keeps timing
+        # ETAs until the fit has seen TRUSTED_STEPS: a fit to a burst's first few hundred
+        # steps, mostly prefills, halved the rate ETAs divide by (a fresh server, live: 0.41M
+        # to 0.22M units a second; the fit to the whole run gives 0.39M, the calibration
+        # 0.40M), and the burst's last third was told twice its JCTs (session 16). A prior
+        # measured elsewhere is worse than an early fit, for critical paths at least.
         if model.samples >= TRUSTED_STEPS:
             self.dispatcher.set_time_model(model)
-        elif not self._prior_measured:  # an early fit beats a prior measured elsewhere, for paths
+        elif not self._prior_measured:
             self.dispatcher.set_time_model(model, sustains=False)
-        # A prior measured on this engine (a calibration, the last run's fit) keeps timing
-        # ETAs until then: a fit to a burst's first few hundred steps, mostly prefills,
-        # halved the rate ETAs divide by (a fresh server, live: 0.41M to 0.22M units a
-        # second; the fit to the whole run gives 0.39M, the calibration 0.40M), and the
-        # burst's last third was told twice its JCTs (session 16).
 
     # -- agents -------------------------------------------------------------------
     def register(
