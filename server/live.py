@@ -64,7 +64,15 @@ from server.engine.base import (
 from server.lifecycle import ABANDONED, AgentConflict, AgentNotFound, transition
 from server.limits import QuotaExceeded, Quotas
 from server.relearn import HistoryReading, Recalled, engine_key, engine_state, recall
-from server.scheduler import AgentShape, Dispatcher, RequestSpec, RequestStatus, get_policy, kv_cost
+from server.scheduler import (
+    AgentShape,
+    Dispatcher,
+    RequestSpec,
+    RequestStatus,
+    decode_for_kv_cost,
+    get_policy,
+    kv_cost,
+)
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.prefix import PrefixRef, block_chain
 from server.scheduler.rate import TauEstimator
@@ -80,6 +88,8 @@ log = logging.getLogger("justitia.live")
 
 # Of a registered prompt (up to 1 MB), only this much is kept once its cost is predicted.
 KEPT_PROMPT_CHARS = 64 * 1024
+# The output a request is guessed to decode when nothing predicts its agent's cost.
+FALLBACK_OUTPUT_TOKENS = 256
 
 __all__ = ["AgentConflict", "AgentNotFound", "LiveConfig", "LiveScheduler"]
 
@@ -362,8 +372,9 @@ class LiveScheduler:
         held = _held_bytes(kept_prompt, metadata)
         self.config.quotas.check_bytes(tenant, self._held_bytes[tenant], held)
         interval: tuple[float, float] | None = None
+        guessed: AgentShape | None = None  # the structure a guessed cost stands for
         if predicted_cost is None:
-            predicted_cost, cost_source, interval = self._predict(agent_type, prompt, tenant, metadata)
+            predicted_cost, cost_source, interval, guessed = self._predict(agent_type, prompt, tenant, metadata)
         else:
             cost_source = "request" if auto else "declared"
         agent_id = new_agent_id()
@@ -371,8 +382,12 @@ class LiveScheduler:
         view = self.dispatcher.register_agent(
             agent_id, predicted_cost, now, agent_type=agent_type, tenant=tenant,
             shape=declared or self.type_shapes.typical(tenant, agent_type),
-            # a learned shape: the promise covers the type's p90, the ETA expects its median
-            eta_shape=None if declared else self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE),
+            # A learned shape: the promise covers the type's p90, the ETA expects its median.
+            # With none, the ETA expects the one request a guessed cost stands for: with no
+            # path at all, a fresh server's demo agents were told 0.1-0.2 s for JCTs of 2-6 s
+            # (their whole cost at the engine's full rate).
+            eta_shape=None if declared else (
+                self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE) or guessed),
             cost_p90=interval[1] if interval else None,
         )
         entry = AgentEntry(
@@ -418,28 +433,33 @@ class LiveScheduler:
         entry.last_activity_mono = self.now()
         return entry
 
-    def _predict(self, agent_type: str, prompt: str, tenant: str,
-                 metadata: dict[str, Any]) -> tuple[float, CostSource, tuple[float, float] | None]:
-        """The predicted cost, where it came from, and its (p50, p90) interval when the
-        predictor gives one (re-prediction starts from it)."""
+    def _predict(self, agent_type: str, prompt: str, tenant: str, metadata: dict[str, Any]
+                 ) -> tuple[float, CostSource, tuple[float, float] | None, AgentShape | None]:
+        """The predicted cost, where it came from, its (p50, p90) interval when the
+        predictor gives one (re-prediction starts from it), and the shape the cost was
+        guessed as where it is a guess (a cold start or the fallback: one request of the
+        prompt's size, decoding until the cost is spent)."""
         if self.predictors is not None:
-            from predictors.features import submission_features
+            from predictors.features import estimate_tokens, submission_features
 
             # What the agent declared: its `features` numbers, fan-out and stage shape.
             features = submission_features(metadata)
             try:
                 predictor = self.predictors.get(agent_type, tenant)
-                source: CostSource = "cold_start" if getattr(predictor, "is_cold_start", False) else "model"
                 interval = getattr(predictor, "predict_interval", None)
                 bounds = interval(prompt, features) if interval is not None else None
-                return float(predictor.predict(prompt, features)), source, bounds
+                cost = float(predictor.predict(prompt, features))
+                if not getattr(predictor, "is_cold_start", False):
+                    return cost, "model", bounds, None
+                # the cold start's guess is one request of the prompt's estimated tokens
+                return cost, "cold_start", bounds, _one_request(estimate_tokens(prompt), cost)
             except Exception:
                 log.exception("predictor for %r failed; using the request-size fallback", agent_type)
         # No predictor: a one-request agent of the prompt's size with 256 output tokens, as
         # uncertain as a cold start's guess (its promise allows for the same spread).
         p = max(1, len(prompt) // 4)
-        cost = kv_cost(p, 256)
-        return cost, "fallback", (cost, cost * DEFAULT_P90_RATIO)
+        cost = kv_cost(p, FALLBACK_OUTPUT_TOKENS)
+        return cost, "fallback", (cost, cost * DEFAULT_P90_RATIO), _one_request(p, cost)
 
     def get(self, agent_id: str, tenant: str) -> AgentEntry:
         entry = self.agents.get(agent_id)
@@ -817,6 +837,11 @@ def _held_bytes(prompt: str, metadata: dict[str, Any]) -> int:
     """What an agent's record holds of its caller's data (--max-agent-bytes): its kept
     prompt and its metadata, as UTF-8 and JSON."""
     return len(prompt.encode("utf-8", "replace")) + (len(json.dumps(metadata, default=str)) if metadata else 0)
+
+
+def _one_request(prompt_tokens: int, cost: float) -> AgentShape:
+    """The shape of one request of `prompt_tokens` whose KV cost is `cost`."""
+    return AgentShape(stages=1, critical_path_tokens=decode_for_kv_cost(prompt_tokens, cost))
 
 
 def _shape(metadata: dict[str, Any]) -> AgentShape | None:

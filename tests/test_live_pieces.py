@@ -68,11 +68,11 @@ class Broken(AgentListener):
 
 
 def live_run(body: Callable[[LiveScheduler], Awaitable[Any]], *,
-             listeners: list[AgentListener] | None = None, **config: Any) -> Any:
+             listeners: list[AgentListener] | None = None, predictors: Any = None, **config: Any) -> Any:
     async def main() -> Any:
         engine = FakeEngine()
         await engine.start()
-        live = LiveScheduler(engine, LiveConfig(**config), listeners=listeners)
+        live = LiveScheduler(engine, LiveConfig(**config), listeners=listeners, predictors=predictors)
         try:
             return await asyncio.wait_for(body(live), 20)
         finally:
@@ -214,3 +214,29 @@ def test_a_calibrated_prior_times_etas_until_the_fit_has_seen_enough_steps() -> 
         return live.dispatcher.time_model is live.time_models.models()["local"]
 
     assert live_run(unmeasured)  # the built-in prior: the early fit times paths at once
+
+
+def test_a_guessed_cost_is_timed_as_the_one_request_it_stands_for() -> None:
+    """A fresh server's demo agents were told 0.1-0.2 s for JCTs of 2-6 s: their guessed
+    costs at the engine's full rate, with no critical path. A cost the server guesses (the
+    fallback, a cold start) is one request of the agent's prompt decoding until the cost is
+    spent; its ETA now expects that decode. A declared cost with no shape keeps its ETA."""
+    from predictors import PredictorRegistry
+    from server.live import FALLBACK_OUTPUT_TOKENS
+
+    prompt = "word " * 400
+
+    async def body(live: LiveScheduler) -> tuple[float, AgentEntry, AgentEntry]:
+        step = live.dispatcher._iteration_s()
+        declared = live.register("new_type", prompt, "x", predicted_cost=2e5)
+        guessed = live.register("new_type", prompt, "y")
+        return step, declared, guessed
+
+    for predictors, source in ((None, "fallback"), (PredictorRegistry(None), "cold_start")):
+        step, declared, guessed = live_run(body, predictors=predictors)
+        assert (declared.cost_source, guessed.cost_source) == ("declared", source)
+        assert declared.first_eta_s is not None and guessed.first_eta_s is not None
+        assert declared.first_eta_s < 100 * step  # its cost at the full rate: no path expected
+        # one request of 256 output tokens (the fallback's, and the cold start's d0 before any
+        # output was seen): 257 engine steps at least
+        assert guessed.first_eta_s >= (FALLBACK_OUTPUT_TOKENS + 1) * step

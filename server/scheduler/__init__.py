@@ -15,7 +15,7 @@
 """
 
 from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
-from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprint
+from .cost import COMPUTE, KV, compute_cost, cost_function, decode_for_kv_cost, kv_cost, kv_footprint
 from .dispatcher import Dispatcher
 from .gps_reference import gps_finish_times
 from .policies import POLICIES, POLICY_NAMES, Policy, get_policy
@@ -49,6 +49,7 @@ __all__ = [
     "delay_bound",
     "get_policy",
     "gps_finish_times",
+    "decode_for_kv_cost",
     "kv_cost",
     "kv_footprint",
 ]

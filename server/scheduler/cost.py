@@ -17,6 +17,7 @@ The footprint of a request is the peak KV it needs, p + d: what admission contro
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 KV = "kv"
@@ -28,6 +29,13 @@ def kv_cost(prompt_tokens: int, output_tokens: int) -> float:
     """KV token-time of one request: p*d + d*(d+1)/2."""
     p, d = prompt_tokens, output_tokens
     return float(p * d + d * (d + 1) // 2)
+
+
+def decode_for_kv_cost(prompt_tokens: int, cost: float) -> int:
+    """The output length d at which one request of `prompt_tokens` costs `cost` (kv_cost's
+    inverse, rounded): the decode a cost guessed as one request stands for."""
+    b = 2 * max(0, prompt_tokens) + 1
+    return max(0, round((math.sqrt(b * b + 8.0 * max(0.0, cost)) - b) / 2.0))
 
 
 def compute_cost(prompt_tokens: int, output_tokens: int) -> float:
