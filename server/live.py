@@ -346,10 +346,13 @@ class LiveScheduler:
         # steps, mostly prefills, halved the rate ETAs divide by (a fresh server, live: 0.41M
         # to 0.22M units a second; the fit to the whole run gives 0.39M, the calibration
         # 0.40M), and the burst's last third was told twice its JCTs (session 16). A prior
-        # measured elsewhere is worse than an early fit, for critical paths at least.
+        # measured elsewhere is worse than an early fit, for critical paths at least, and
+        # is no fit: until the first refit tau times paths, as it did before any step. (The
+        # built-in prior, set by whichever housekeeping tick followed the first steps, timed
+        # the demo's first wave at 2.7 ms a step in some runs and tau's 10 ms in others.)
         if model.samples >= TRUSTED_STEPS:
             self.dispatcher.set_time_model(model)
-        elif not self._prior_measured:
+        elif not self._prior_measured and model.samples > 0:
             self.dispatcher.set_time_model(model, sustains=False)
 
     # -- agents -------------------------------------------------------------------

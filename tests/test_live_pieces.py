@@ -206,14 +206,18 @@ def test_a_calibrated_prior_times_etas_until_the_fit_has_seen_enough_steps() -> 
     assert enough.samples == TRUSTED_STEPS  # 1,024: the fit, of 50 ms steps
     assert enough.step_s(4, 0, 200) > 5 * calibration.step_s(4, 0, 200)
 
-    async def unmeasured(live: LiveScheduler) -> bool:
-        for _ in range(32):  # one refit
-            live.time_models.observe("local", StepSample(seconds=0.05, decode_seqs=4, prefill_tokens=0,
-                                                         kv_tokens=200))
+    async def unmeasured(live: LiveScheduler) -> tuple[Any, bool]:
+        step = StepSample(seconds=0.05, decode_seqs=4, prefill_tokens=0, kv_tokens=200)
+        for _ in range(31):  # not yet a refit: the built-in prior is no fit, tau times paths
+            live.time_models.observe("local", step)
         live._update_tau()
-        return live.dispatcher.time_model is live.time_models.models()["local"]
+        before = live.dispatcher.time_model
+        live.time_models.observe("local", step)  # the first refit
+        live._update_tau()
+        return before, live.dispatcher.time_model is live.time_models.models()["local"]
 
-    assert live_run(unmeasured)  # the built-in prior: the early fit times paths at once
+    before, fitted = live_run(unmeasured)
+    assert before is None and fitted  # the built-in prior: the early fit times paths at once
 
 
 def test_a_guessed_cost_is_timed_as_the_one_request_it_stands_for() -> None:
