@@ -462,7 +462,8 @@ class LiveScheduler:
         # uncertain as a cold start's guess (its promise allows for the same spread).
         p = max(1, len(prompt) // 4)
         cost = kv_cost(p, FALLBACK_OUTPUT_TOKENS)
-        return cost, "fallback", (cost, cost * DEFAULT_P90_RATIO), _one_request(p, cost)
+        return cost, "fallback", (cost, cost * DEFAULT_P90_RATIO), \
+            AgentShape(stages=1, critical_path_tokens=FALLBACK_OUTPUT_TOKENS)
 
     def get(self, agent_id: str, tenant: str) -> AgentEntry:
         entry = self.agents.get(agent_id)
@@ -843,7 +844,8 @@ def _held_bytes(prompt: str, metadata: dict[str, Any]) -> int:
 
 
 def _one_request(prompt_tokens: int, cost: float) -> AgentShape:
-    """The shape of one request of `prompt_tokens` whose KV cost is `cost`."""
+    """The shape of one request of `prompt_tokens` whose KV cost is `cost` (the cold start
+    reports its guess's cost, not the output length it assumed)."""
     return AgentShape(stages=1, critical_path_tokens=decode_for_kv_cost(prompt_tokens, cost))
 
 

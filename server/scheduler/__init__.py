@@ -46,10 +46,10 @@ __all__ = [
     "VirtualClock",
     "compute_cost",
     "cost_function",
+    "decode_for_kv_cost",
     "delay_bound",
     "get_policy",
     "gps_finish_times",
-    "decode_for_kv_cost",
     "kv_cost",
     "kv_footprint",
 ]
