@@ -114,13 +114,16 @@ def test_bench_live_teaches_the_server_before_the_measured_run(tmp_path, justiti
     run's figures count from the end of that teaching."""
     monkeypatch.setenv("JUSTITIA_HOME", justitia_home)
     workload, teach = tmp_path / "w.jsonl", tmp_path / "teach.jsonl"
+    # Each agent's two stages decode 24 tokens one after the other: at least 48 engine steps
+    # however the agents overlap, so the teaching passes the time model's first refit (32
+    # steps) and the run another. With 8 tokens a stage CI's teaching once stayed under 32.
     for path, n in ((workload, 3), (teach, 4)):
         with path.open("w") as fh:
             for i in range(n):
-                reqs = [{"p": 300 + 20 * k, "d": 8, "prefix": [{"id": "sys/app", "tokens": 200}]}
+                reqs = [{"p": 300 + 20 * k, "d": 24, "prefix": [{"id": "sys/app", "tokens": 200}]}
                         for k in range(3)]
                 fh.write(json.dumps({"id": f"a{i}", "type": "mapper", "arrival": 0.1 * i,
-                                     "prompt": f"map {i}", "stages": [reqs, [{"p": 50, "d": 8}]]}) + "\n")
+                                     "prompt": f"map {i}", "stages": [reqs, [{"p": 50, "d": 24}]]}) + "\n")
     out = tmp_path / "live.json"
     rc = main(["bench", "live", "--workload", str(workload), "--teach", str(teach), "--policies", "justitia",
                "--prediction", "server", "--no-sim", "--kv-tokens", "4096", "--max-model-len", "2048",
