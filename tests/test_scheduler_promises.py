@@ -192,6 +192,31 @@ def test_a_burst_after_a_lull_is_expected_to_be_like_the_ones_before() -> None:
     assert fresh.rate * fresh.span_s == pytest.approx(100.0)  # no episode seen: what has come
 
 
+def test_a_lull_four_times_a_short_burst_ends_its_episode() -> None:
+    """A burst of 2.4 s, then 50 s without arrivals, then the next: a new episode, expected
+    like the first (live, on a fast host, `bench live --teach` left such a lull, the two
+    bursts read as one episode, the new one's rate as their work over 60 s: 2 of 48 promises
+    broke). A stream that went on for 20 s keeps the whole window before a lull ends it."""
+    def burst(w: WorkArrivals, start: float, n: int, gap: float = 0.05) -> None:
+        for i in range(n):
+            w.add(start + gap * i, 100.0)
+
+    short = WorkArrivals(window_s=60.0)
+    burst(short, 0.0, 48)
+    burst(short, 2.35 + 50.0, 1)
+    assert short.episodes == 1 and short.history_s(52.35) == pytest.approx(0.0)
+    assert short.rate * short.span_s == pytest.approx(4700.0)  # the 47 others of the burst
+    long_stream = WorkArrivals(window_s=60.0)
+    burst(long_stream, 0.0, 48, gap=20.0 / 47)
+    burst(long_stream, 20.0 + 50.0, 1)
+    assert long_stream.episodes == 0 and long_stream.history_s(70.0) == pytest.approx(70.0)
+    # under the floor: 39 s after a burst is still the same episode
+    near = WorkArrivals(window_s=60.0)
+    burst(near, 0.0, 48)
+    burst(near, 2.35 + 39.0, 1)
+    assert near.episodes == 0
+
+
 def test_refresh_is_one_pass_and_views_read_its_cache() -> None:
     """ETA upkeep is O(N log N) per pass, and views are O(1): the old eta_time walked every
     agent for every view (GET /v1/agents was O(N^2))."""

@@ -41,6 +41,7 @@ from typing import Any, Protocol, cast
 # beyond it the long-run load exceeds the rate, no finite promise holds, and deadlines say so.
 MAX_ARRIVAL_SHARE = 0.9
 PROMISE_MIN_SPAN_S = 2.0
+LULL_RATIO = 4.0  # a lull this many times a burst's length ends its episode (WorkArrivals)
 EPISODES_KEPT = 8  # the episodes of arrivals a server remembers (WorkArrivals)
 
 
@@ -95,6 +96,12 @@ class WorkArrivals:
     # (the contended burst simulated 200 s after another: first-ETA error p50 0.53, against
     # 0.31 on a fresh server). Shorter lulls are traffic: with 30 s, the gaps of up to 35 s
     # of the 300-agent mixes began episodes, and their errors grew (p50 0.213 to 0.229).
+    # But a lull of 4x a short burst's length, and at least `min_lull_s`, ends it too: on a
+    # host three times faster, `bench live --teach` left 50 s between the teaching burst
+    # (2.4 s) and the measured one, which then read as the same episode, its rate as the
+    # two bursts' work over 60 s: first-ETA error 0.45 / 0.82 and 2 of 48 promises broken,
+    # against 0.31 / 0.60 and 48/48 after a lull of just over a minute (session 18).
+    min_lull_s: float = 40.0
     _events: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)  # (t, cost)
     _origin: float | None = None  # the first arrival ever: the long window's history
     _first: float | None = None  # the first arrival of the current episode
@@ -116,7 +123,7 @@ class WorkArrivals:
         if self._origin is None:
             self._origin = t
         begun = False  # a new episode after an earlier one
-        if self._last is None or t - self._last > self.window_s:
+        if self._last is None or t - self._last > self._lull_s():
             if self._first is not None and self._last is not None:
                 self._episodes.append((self._episode_cost, self._last - self._first))
                 begun = True
@@ -128,6 +135,13 @@ class WorkArrivals:
             self._events.popleft()
         if begun:  # what the last refresh measured is of the last episode: measure this one now
             self.freeze(t)
+
+    def _lull_s(self) -> float:
+        """A gap in arrivals that ends the current episode: the window, or LULL_RATIO times
+        the episode's length where that is shorter (at least `min_lull_s`)."""
+        if self._first is None or self._last is None:
+            return self.window_s
+        return min(self.window_s, max(self.min_lull_s, LULL_RATIO * (self._last - self._first)))
 
     def _rate(self, now: float, window: float, min_span: float, since: float | None) -> float:
         """Work arrived since max(now - window, since) over that span (at least min_span)."""
