@@ -148,13 +148,15 @@ def test_work_arrivals_rate_and_shares() -> None:
     assert w.ahead(0.0) == 0.0
 
 
+def burst(w: WorkArrivals, start: float, n: int, gap: float = 0.05) -> None:
+    """`n` registrations of 100 units, `gap` seconds apart from `start` on."""
+    for i in range(n):
+        w.add(start + gap * i, 100.0)
+
+
 def test_a_burst_after_a_lull_is_measured_from_its_own_start() -> None:
     """A server that served a burst long ago reads a new burst as a fresh server would: over
     the whole window, the new one's rate was a sliver of itself and its ETAs came out short."""
-    def burst(w: WorkArrivals, start: float, n: int) -> None:
-        for i in range(n):
-            w.add(start + 0.05 * i, 100.0)
-
     fresh, taught = WorkArrivals(window_s=60.0), WorkArrivals(window_s=60.0)
     burst(taught, 0.0, 5)  # smaller than the new one: nothing more is expected of it
     burst(fresh, 200.0, 10)
@@ -177,8 +179,7 @@ def test_a_burst_after_a_lull_is_expected_to_be_like_the_ones_before() -> None:
     """A server that has seen a burst of 48 agents expects the rest of the next one from its
     first registration on, where the measured rate projects only what has come so far."""
     taught = WorkArrivals(window_s=60.0)
-    for i in range(48):
-        taught.add(0.05 * i, 100.0)
+    burst(taught, 0.0, 48)
     taught.add(300.0, 100.0)  # a new episode: measured at once, without waiting for a refresh
     assert taught.rate * taught.span_s == pytest.approx(4700.0)  # the 47 others of a typical burst
     assert taught.span_s == pytest.approx(2.35)  # over a typical burst's length
@@ -197,10 +198,6 @@ def test_a_lull_four_times_a_short_burst_ends_its_episode() -> None:
     like the first (live, on a fast host, `bench live --teach` left such a lull, the two
     bursts read as one episode, the new one's rate as their work over 60 s: 2 of 48 promises
     broke). A stream that went on for 20 s keeps the whole window before a lull ends it."""
-    def burst(w: WorkArrivals, start: float, n: int, gap: float = 0.05) -> None:
-        for i in range(n):
-            w.add(start + gap * i, 100.0)
-
     short = WorkArrivals(window_s=60.0)
     burst(short, 0.0, 48)
     burst(short, 2.35 + 50.0, 1)
