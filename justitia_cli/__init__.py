@@ -21,6 +21,7 @@ from dataclasses import dataclass
 COMMAND_MODULES = (
     "server.cli",
     "server.sim.cli",
+    "server.sim.family_cli",
     "predictors.cli",
     "justitia_cli.demo",
     "justitia_cli.status",

@@ -83,6 +83,10 @@ def register(commands: Commands) -> None:
                     help="requests name the prompt prefixes their sources share (app system prompts, "
                          "shared instructions, self-consistency prompts, growing ReAct contexts); "
                          "lengths and arrivals stay those of the same seed without it")
+    mk.add_argument("--shape", default=None, metavar="SHAPE",
+                    help="re-time (and reshape) the mix as one of the evaluation family's arrival shapes: "
+                         "poisson, bursts, diurnal, heavy-tail, tenants, sessions (--load is then the "
+                         "offered load of the whole span; --density and --prefixes do not apply)")
     mk.set_defaults(handler=_make_workload)
 
     live = commands.bench.add_parser(
@@ -593,6 +597,8 @@ def _make_workload(args: argparse.Namespace) -> int:
     if args.agents <= 0 or args.density <= 0 or not 0 < args.load:
         raise CommandError("--agents, --density and --load must be positive")
     profile = _profile(args.profile)
+    if args.shape is not None:
+        return _make_shaped(args, profile)
     agents = make_mix(
         args.agents, profile, kv_tokens=args.kv_tokens, density=args.density, load_1x=args.load,
         seed=args.seed, length_scale=args.length_scale, prefixes=args.prefixes,
@@ -606,6 +612,22 @@ def _make_workload(args: argparse.Namespace) -> int:
         shared = f", {100 * prefix_share(agents):.0f}% of prompt tokens reusable from a shared prefix"
     print(f"wrote {args.out}: {len(agents)} agents, {n_req} requests, arrivals over {agents[-1].arrival:.0f} s"
           + shared)
+    return 0
+
+
+def _make_shaped(args: argparse.Namespace, profile: EngineProfile) -> int:
+    from .shapes import SHAPES, ShapeSpec, make_shaped
+    from .workload import save_workload
+
+    if args.shape not in SHAPES:
+        raise CommandError(f"--shape must be one of {', '.join(SHAPES)}, not {args.shape!r}")
+    if args.prefixes or args.density != 1.0:
+        raise CommandError("--shape sets the arrivals itself: drop --density and --prefixes")
+    agents = make_shaped(ShapeSpec(args.shape, args.agents, args.load, args.seed), profile, args.kv_tokens)
+    save_workload(agents, args.out)
+    n_req = sum(a.num_requests for a in agents)
+    print(f"wrote {args.out}: {args.shape}, {len(agents)} agents, {n_req} requests, "
+          f"arrivals over {agents[-1].arrival:.1f} s")
     return 0
 
 
