@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,6 +29,7 @@ from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import install_fast_paths
 from server.openai_api import router as openai_router
 from server.service import InferenceService
+from server.tool_calls import ToolCallParser
 
 log = logging.getLogger("justitia.server")
 
@@ -197,6 +199,15 @@ def _time_model_prior(config: ServerConfig) -> dict[str, Any]:
     return {"time_model_prior": prior, "prior_measured": True}
 
 
+async def _tool_parser(config: ServerConfig, engine: Engine) -> ToolCallParser | None:
+    """vLLM's tool-call parser named by --tool-call-parser, loaded off the event loop
+    (importing vLLM's parsers takes seconds)."""
+    if config.tool_call_parser is None:
+        return None
+    tokenizer = getattr(engine, "tokenizer", None)
+    return await anyio.to_thread.run_sync(ToolCallParser, config.tool_call_parser, tokenizer)
+
+
 def _predictors(config: ServerConfig):
     from predictors import PredictorRegistry
     from predictors.online import OnlineTrainer
@@ -254,6 +265,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         app.state.metrics = metrics
         app.state.scheduler = scheduler
         app.state.service = InferenceService(engine, model_name, scheduler)
+        app.state.tool_parser = await _tool_parser(config, engine)
         app.state.ready = True
         log.info("engine ready: %s; capabilities %s; policy %s", engine.info,
                  ", ".join(sorted(capabilities.names)) or "none", config.policy)
@@ -274,6 +286,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         lifespan=lifespan,
     )
     app.state.config = config
+    app.state.tool_parser = None
     app.state.ready = False
     app.state.exit_code = 0
     app.state.rate_limiter = RateLimiter(PerTenant(config.rate_limit, config.tenant_rate_limits))

@@ -125,6 +125,11 @@ def register(commands: Commands) -> None:
     serve.add_argument("--session-idle-s", type=float, default=60.0, metavar="SECONDS",
                        help="an implicit session agent (OpenAI requests with a session header and "
                             "no agent tag) with no request in flight for this long is finished")
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help='one of vLLM\'s tool-call parsers (hermes, llama3_json, mistral, ...) for '
+                            'the model\'s own tool-call format: enables tool_choice "auto" (the default '
+                            'when a request lists tools). Without it "required" and named choices work '
+                            '(structured output) and "auto" is refused with a 400')
     serve.add_argument("--profile", default=None, metavar="NAME|FILE",
                        help="engine profile measured on this engine (`justitia bench calibrate "
                             "--out FILE`, or a built-in name): the server's step-time model "
@@ -258,6 +263,8 @@ def run_serve(args: argparse.Namespace) -> int:
             load_profile(args.profile)
         except ValueError as exc:
             raise CommandError(f"--profile: {exc}") from None
+    if args.tool_call_parser is not None:
+        _check_tool_call_parser(args.tool_call_parser)
     config = ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -270,6 +277,7 @@ def run_serve(args: argparse.Namespace) -> int:
         las_half_life_s=args.las_half_life_s,
         las_head_wait_weight=args.las_head_wait_weight,
         session_idle_s=args.session_idle_s,
+        tool_call_parser=args.tool_call_parser,
         host=args.host,
         port=args.port,
         api_keys=keys,
@@ -286,6 +294,14 @@ def run_serve(args: argparse.Namespace) -> int:
         **limits,
     )
     return serve(config)
+
+
+def _check_tool_call_parser(name: str) -> None:
+    from vllm.tool_parsers import ToolParserManager
+
+    known = ToolParserManager.list_registered()
+    if name not in known:
+        raise CommandError(f"--tool-call-parser: unknown parser {name!r}; vLLM has {', '.join(sorted(known))}")
 
 
 def serve(config: Any) -> int:

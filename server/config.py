@@ -26,6 +26,9 @@ class ServerConfig(BaseModel):
     las_head_wait_weight: float = Field(default=0.2, ge=0, description="las: weight of the head wait.")
     session_idle_s: float = Field(
         default=60.0, gt=0, description="An implicit session agent idle this long is finished.")
+    tool_call_parser: str | None = Field(
+        default=None, description='vLLM tool-call parser that reads the model\'s own call format '
+                                  '(tool_choice "auto"); None refuses "auto".')
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_keys: dict[str, str] = Field(default_factory=dict, description="key -> tenant")

@@ -33,6 +33,7 @@ from server.openai_schemas import (
 )
 from server.service import InferenceService, PreparedRequest, off_loop_if, render_chat
 from server.sessions import session_of
+from server.tool_calls import ToolCallParser, ToolPlan, plan_tools
 
 router = APIRouter()
 
@@ -43,7 +44,9 @@ def _service(request: Request) -> InferenceService:
     return request.app.state.service
 
 
-def _sampling(body: SamplingFields) -> SamplingOptions:
+def _sampling(body: SamplingFields, json_schema: str | None = None) -> SamplingOptions:
+    """The engine's options; `json_schema` (a forced tool call's grammar) replaces the
+    response format's."""
     limit = body.output_limit()
     return SamplingOptions(
         # no limit given: `prepare` sets the rest of the context (fill_context)
@@ -60,7 +63,7 @@ def _sampling(body: SamplingFields) -> SamplingOptions:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         json_object=body.json_object(),
-        json_schema=body.json_schema_text(),
+        json_schema=json_schema if json_schema is not None else body.json_schema_text(),
     )
 
 
@@ -155,13 +158,13 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _start(request: Request, body: SamplingFields, prompt: str | list[int], text: str,
-                 agent_header: str | None, tenant: str, id_prefix: str,
+                 agent_header: str | None, tenant: str, id_prefix: str, json_schema: str | None = None,
                  ) -> tuple[InferenceService, PreparedRequest, AgentEntry]:
     """Validate, tokenize and find the request's agent: everything before it may wait."""
     service = _service(request)
     _check_model(service, body)
     limits = request.app.state.request_size_limits
-    prepared = await service.prepare_async(new_id(id_prefix), prompt, _sampling(body),
+    prepared = await service.prepare_async(new_id(id_prefix), prompt, _sampling(body, json_schema),
                                            fill_context=body.output_limit() is None,
                                            token_cap=limits.for_tenant(tenant))
     check_request_size(limits, tenant, len(prepared.prompt_token_ids),
@@ -262,10 +265,14 @@ async def chat_completions(
     x_justitia_agent: str | None = Header(default=None),
     tenant: str = Depends(rate_limited_tenant),
 ) -> Response:
+    parser: ToolCallParser | None = request.app.state.tool_parser
+    plan = plan_tools(body.functions(), body.tool_choice_value(), body.parallel_tool_calls,
+                      parser.name if parser is not None else None)
+    tools = [{"type": "function", "function": f} for f in body.functions()] or None
     prompt = await off_loop_if(len(body.messages) > 1000, render_chat,
-                               [m.model_dump() for m in body.messages], _service(request).engine)
+                               [m.for_template() for m in body.messages], _service(request).engine, tools)
     service, prepared, agent = await _start(request, body, prompt, prompt, x_justitia_agent,
-                                      tenant, "chatcmpl")
+                                            tenant, "chatcmpl", plan.json_schema())
     rid = prepared.request_id
     created = now_s()
     with_logprobs = prepared.sampling.logprobs is not None
@@ -281,10 +288,11 @@ async def chat_completions(
 
         async def chunks() -> AsyncIterator[dict]:
             news = _News()
+            deltas = _ToolDeltas(plan, parser)
             async for out in service.stream(prepared, agent):
                 choices = []
                 for q, finish, first in news.of(out):
-                    delta: dict = {"content": q.delta_text}
+                    delta, finish = deltas.of(q, finish, first)
                     if first:
                         delta["role"] = "assistant"
                     choices.append({"index": q.index, "delta": delta,
@@ -310,15 +318,58 @@ async def chat_completions(
             "choices": [
                 {
                     "index": q.index,
-                    "message": {"role": "assistant", "content": q.text},
+                    **_answer(plan, parser, q.text, q.finish_reason),
                     "logprobs": _chat_logprobs(final.logprobs[q.index]) if with_logprobs else None,
-                    "finish_reason": q.finish_reason,
                 }
                 for q in out.each()
             ],
             "usage": _usage(out),
         }
     )
+
+
+def _answer(plan: ToolPlan, parser: ToolCallParser | None, text: str, finish: str | None) -> dict:
+    """A finished sequence's `message` and `finish_reason`: the tool calls it made, if any."""
+    if not plan.calls_tools:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    content, calls = plan.calls(text, parser)
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+        finish = "tool_calls" if finish == "stop" else finish
+    return {"message": message, "finish_reason": finish}
+
+
+class _ToolDeltas:
+    """Each streamed sequence's `delta`. A named function's arguments stream as they are
+    generated (the grammar makes them its whole answer); a `required` list or a parser's
+    reading needs the whole answer, so those calls come in the sequence's last chunk."""
+
+    def __init__(self, plan: ToolPlan, parser: ToolCallParser | None) -> None:
+        self.plan, self.parser = plan, parser
+        self.texts: dict[int, str] = defaultdict(str)
+        self.call_ids: dict[int, str] = {}
+
+    def of(self, q: SequenceOutput, finish: str | None, first: bool) -> tuple[dict, str | None]:
+        if not self.plan.calls_tools:
+            return {"content": q.delta_text}, finish
+        if self.plan.mode == "named":
+            entry: dict = {"index": 0, "function": {"arguments": q.delta_text}}
+            if first:
+                self.call_ids[q.index] = new_id("call")
+                entry |= {"id": self.call_ids[q.index], "type": "function",
+                          "function": {"name": self.plan.name, "arguments": q.delta_text}}
+            return {"tool_calls": [entry]}, ("tool_calls" if finish == "stop" else finish)
+        self.texts[q.index] += q.delta_text
+        if finish is None:
+            return {}, None
+        answer = _answer(self.plan, self.parser, self.texts[q.index], finish)
+        message, delta = answer["message"], {}
+        if message["content"]:
+            delta["content"] = message["content"]
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+        return delta, answer["finish_reason"]
 
 
 # -- the inference hot path --------------------------------------------------------------

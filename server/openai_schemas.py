@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response bodies (the subset the server implements).
 
 Fields OpenAI or vLLM define that would change the answer and that this server does not
-implement (tools, logit_bias, echo, ...) are refused with a 400 naming the field, never
+implement (logit_bias, echo, ...) are refused with a 400 naming the field, never
 ignored; their "off" value (null, false, an empty list) is accepted. Fields that change
 nothing here (`user`, `metadata`, `store`, ...) are accepted, and so are fields no API
 defines, as OpenAI-compatible servers do, so that clients written for other servers keep
@@ -39,10 +39,9 @@ MAX_LOGPROBS = 20
 # values that mean "off" (accepted) and why the rest are refused.
 _OFF: tuple[Any, ...] = (None, False, [], {}, "")
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": (_OFF, "tool calling is not supported by this server"),
-    "tool_choice": ((*_OFF, "none"), "tool calling is not supported by this server"),
-    "functions": (_OFF, "function calling is not supported by this server"),
-    "function_call": ((*_OFF, "none"), "function calling is not supported by this server"),
+    "functions": (_OFF, "the deprecated functions field is not supported; send tools"),
+    "function_call": ((*_OFF, "none"), "the deprecated function_call field is not supported; "
+                      "send tool_choice"),
     "logit_bias": (_OFF, "logit_bias is not supported by this server"),
     "echo": (_OFF, "echo is not supported by this server"),
     "suffix": (_OFF, "suffix (insertion) is not supported by this server"),
@@ -226,11 +225,109 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (only text is served here)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
+# OpenAI's rule for function names
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class CalledFunction(BaseModel):
+    name: FunctionName
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
+    """One message of the conversation. An assistant's turn that called tools carries
+    `tool_calls` (its content may be null); each tool's answer is a `role: "tool"` message
+    naming the call it answers."""
+
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message "
+                             "with tool_calls may leave it null)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: content as text, a call's arguments as
+        an object (the form Hugging Face templates expect, as vLLM passes them)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                for c in self.tool_calls]
+        return out
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: the template shows it as written
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -239,6 +336,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS,
         description="With logprobs: this many most likely alternatives per token.")
+    tools: list[ToolDefinition] | None = Field(
+        default=None, max_length=128, description="Functions the model may call (at most 128).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description='"auto" (the default with tools) needs --tool-call-parser.')
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -246,6 +348,22 @@ class ChatCompletionRequest(SamplingFields):
             raise field_error("top_logprobs", "top_logprobs needs logprobs: true",
                               self.top_logprobs)
         return self
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> ChatCompletionRequest:
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise field_error("response_format", "a forced tool call (tool_choice required or named) "
+                              "already fixes the answer's format; drop response_format")
+        return self
+
+    def functions(self) -> list[dict[str, Any]]:
+        """The listed functions, as plain dicts."""
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def tool_choice_value(self) -> Any:
+        c = self.tool_choice
+        return c.model_dump() if isinstance(c, NamedToolChoice) else c
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -283,7 +401,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):

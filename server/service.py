@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,13 +57,20 @@ class PreparedRequest:
     sampling: SamplingOptions
 
 
-def render_chat(messages: Sequence[dict[str, str]], engine: Engine) -> str:
+def render_chat(messages: Sequence[dict[str, Any]], engine: Engine,
+                tools: Sequence[dict[str, Any]] | None = None) -> str:
     """The model's chat template when it has one; a plain role-prefixed transcript if not
-    (the embedded tiny model has none)."""
-    templated = engine.apply_chat_template(messages)
+    (the embedded tiny model has none). `tools`: the functions the model may call, as
+    OpenAI's `{"type": "function", "function": ...}` objects."""
+    templated = engine.apply_chat_template(messages, tools=tools)
     if templated is not None:
         return templated
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    lines = [f"tools: {json.dumps([t['function'] for t in tools])}"] if tools else []
+    for m in messages:
+        who = f"tool {m['tool_call_id']}" if m["role"] == "tool" else m["role"]
+        lines.append(f"{who}: {m['content']}")
+        for c in m.get("tool_calls") or ():
+            lines.append(f"{m['role']} calls {c['function']['name']}: {json.dumps(c['function']['arguments'])}")
     return "\n".join(lines) + "\nassistant:"
 
 

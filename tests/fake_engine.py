@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,6 +139,20 @@ class FakeEngine:
     def healthy(self) -> bool:
         return self._healthy
 
+    @property
+    def tokenizer(self) -> Any:
+        """A Hugging Face tokenizer (the embedded tiny model's) for what reads model text
+        with one, as vLLM's tool-call parsers do; the fake's own token ids stay bytes."""
+        from transformers import PreTrainedTokenizerFast
+
+        from server.tiny_model import _build_tokenizer
+
+        return PreTrainedTokenizerFast(tokenizer_object=_build_tokenizer())
+
+    def last_prompt_text(self) -> str:
+        """The text of the last prompt the engine was given."""
+        return decode(list(self.requests[-1].prompt_token_ids))
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -151,7 +165,7 @@ class FakeEngine:
     def tokenize(self, text: str) -> list[int]:
         return encode(text)
 
-    def apply_chat_template(self, messages: ChatMessages) -> str | None:
+    def apply_chat_template(self, messages: ChatMessages, tools: Sequence[dict[str, Any]] | None = None) -> str | None:
         return None  # no template, as the embedded tiny model
 
     def add_step_listener(self, listener: StepListener) -> None:

@@ -96,3 +96,11 @@ def test_each_demo_wave_runs_new_inputs_of_every_kind() -> None:
     assert [a.name for a, _ in first] == [a.name for a, _ in second] == list(DEMO_AGENTS) * 2
     seen = [json.dumps(kw, sort_keys=True) for _, kw in first + second]
     assert len(set(seen)) == 24  # no input twice: the second wave is not the first replayed
+
+
+def test_the_tool_calling_example_runs_against_the_server(server) -> None:
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "tool_calling.py"), "--url", server.url],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "the model called get_weather(" in proc.stdout
+    assert "the Agents SDK's agent answered: 'sunny in " in proc.stdout

@@ -155,8 +155,9 @@ class EngineStats:
     steps_total: int = 0
 
 
-# The messages of a chat request: dicts with "role" and "content".
-ChatMessages = Sequence[dict[str, str]]
+# The messages of a chat request: dicts with "role" and "content" (and, for tool calling,
+# an assistant's "tool_calls" and a tool answer's "tool_call_id").
+ChatMessages = Sequence[dict[str, Any]]
 # `listener(step_seconds, kv_tokens_in_use)`, after every busy engine step.
 StepListener = Callable[[float, float], None]
 # `listener(engine_name, sample)`, after every busy engine step: its duration and batch shape.
@@ -189,10 +190,12 @@ class Engine(Protocol):
         """The model's token ids of `text` (BOS included, as vLLM would add it)."""
         ...
 
-    def apply_chat_template(self, messages: ChatMessages) -> str | None:
-        """The prompt the model's chat template makes of `messages`; None when the model
-        has no template (the server then writes a plain transcript). InvalidRequestError
-        when the template refuses the messages."""
+    def apply_chat_template(self, messages: ChatMessages,
+                            tools: Sequence[dict[str, Any]] | None = None) -> str | None:
+        """The prompt the model's chat template makes of `messages` (and of the `tools` it
+        may call, OpenAI's `{"type": "function", "function": ...}` objects); None when the
+        model has no template (the server then writes a plain transcript).
+        InvalidRequestError when the template refuses the messages."""
         ...
 
     def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:

@@ -14,7 +14,7 @@ any difference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from server.engine.base import NOT_STARTED, ChatMessages, EngineError, EngineInfo, InvalidRequestError
@@ -74,18 +74,26 @@ class TokenizerEngine:
             raise EngineError(NOT_STARTED)
         return self._info
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (None before start); vLLM's tool-call parsers
+        read a model's call format with it."""
+        return self._tokenizer
+
     def tokenize(self, text: str) -> list[int]:
         if self._encode is None:
             raise EngineError(NOT_STARTED)
         return self._encode(text)
 
-    def apply_chat_template(self, messages: ChatMessages) -> str | None:
+    def apply_chat_template(self, messages: ChatMessages,
+                            tools: Sequence[dict[str, Any]] | None = None) -> str | None:
         # Before start, or a model without a template (the embedded tiny one): None.
         if not getattr(self._tokenizer, "chat_template", None):
             return None
         try:
             return str(self._tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True))
+                list(messages), tools=list(tools) if tools else None, tokenize=False,
+                add_generation_prompt=True))
         except Exception as exc:  # a template refuses some conversations (roles out of order)
             raise InvalidRequestError(
                 f"the model's chat template refuses these messages: {exc}") from exc
