@@ -20,15 +20,14 @@ the p50 / p90 of both errors |eta - jct| / jct.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from rich.progress import track  # noqa: E402
 
 from server.sim.profiles import load_profile  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import TAU_SOURCES, _quantile, isolated_jct_s, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402
 
@@ -83,7 +82,7 @@ def main() -> int:
     if args.json:
         config = {"workload": args.workload, "profile": profile.name, "kv_tokens": args.kv_tokens,
                   "policy": args.policy, "tau": args.tau}
-        Path(args.json).write_text(json.dumps({"config": config, "summary": summary, "agents": rows}, indent=1))
+        write_result(args.json, {"config": config, "summary": summary, "agents": rows}, indent=1)
     return 0
 
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from server.sim.profiles import load_profile  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import TAU_SOURCES, AgentResult, _quantile, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402
 
@@ -72,7 +71,7 @@ def main() -> int:
         res = {"workload": args.workload, "teach": args.teach, "after_s": args.after, "profile": args.profile,
                "kv_tokens": args.kv_tokens, "policy": args.policy, "tau": args.tau, **out}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        write_result(args.json, res, indent=1)
         print(f"wrote {args.json}")
     return 0
 
