@@ -10,7 +10,7 @@ only error is what arrives after k. Compared with the JCT of the full run, its e
 floor left to an arrival allowance.
 
     .venv/bin/python benchmarks/eta_ceiling.py [--workload benchmarks/workloads/contended48.jsonl]
-        [--profile benchmarks/results/profile_cpu_tiny_4096_session9.json] [--kv-tokens 4096]
+        [--profile benchmarks/results/profile_cpu_tiny_4096_epyc.json] [--kv-tokens 4096]
         [--tau measured] [--json benchmarks/results/eta_ceiling_contended48.json]
 
 Prints each agent's JCT, its replay of known work and the server's first ETA (simulated), and
@@ -35,7 +35,7 @@ from server.sim.workload import load_workload  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="benchmarks/workloads/contended48.jsonl")
-    ap.add_argument("--profile", default="benchmarks/results/profile_cpu_tiny_4096_session9.json",
+    ap.add_argument("--profile", default="benchmarks/results/profile_cpu_tiny_4096_epyc.json",
                     help="a profile name or a file written by `bench calibrate`")
     ap.add_argument("--kv-tokens", type=int, default=4096)
     ap.add_argument("--policy", default="justitia")

@@ -9,7 +9,7 @@ live --teach`: the same scheduler core, the simulated engine.
 
     .venv/bin/python benchmarks/eta_taught_burst.py [--workload benchmarks/workloads/contended48.jsonl]
         [--teach benchmarks/workloads/contended48_seed4.jsonl] [--after 300]
-        [--profile benchmarks/results/profile_cpu_tiny_4096_session13.json] [--kv-tokens 4096]
+        [--profile benchmarks/results/profile_cpu_tiny_4096_epyc.json] [--kv-tokens 4096]
         [--tau measured] [--json OUT]
 """
 
@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--workload", default="benchmarks/workloads/contended48.jsonl")
     ap.add_argument("--teach", default="benchmarks/workloads/contended48_seed4.jsonl")
     ap.add_argument("--after", type=float, default=300.0, help="seconds from the teacher's start to the burst's")
-    ap.add_argument("--profile", default="benchmarks/results/profile_cpu_tiny_4096_session13.json")
+    ap.add_argument("--profile", default="benchmarks/results/profile_cpu_tiny_4096_epyc.json")
     ap.add_argument("--kv-tokens", type=int, default=4096)
     ap.add_argument("--policy", default="justitia")
     ap.add_argument("--tau", choices=TAU_SOURCES, default="measured")

@@ -98,7 +98,7 @@ def run_live(args: argparse.Namespace) -> dict:
             with placement(where):
                 justitia_cli.main(["bench", "live", "--workload", "benchmarks/workloads/contended48.jsonl",
                                    "--policies", "justitia,vtc", "--kv-tokens", "4096", "--max-model-len", "4096",
-                                   "--profile", "benchmarks/results/profile_cpu_tiny_4096_rerun.json",
+                                   "--profile", "benchmarks/results/profile_cpu_tiny_4096_epyc.json",
                                    "--json", str(path)])
             out["rounds"].append({"round": r, "placement": where, "result": str(path)})
     return out
