@@ -25,15 +25,17 @@ FIELDS = ("commit", "argv", "date", "host", "versions")
 
 
 def _commit() -> str | None:
-    """The checkout's commit (with `-dirty` when tracked files differ from it), or None."""
+    """The checkout's commit (with `-dirty` when tracked code differs from it), or None."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True,
                               text=True, timeout=10)
         if head.returncode != 0:
             return None
         commit = head.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO,
-                               capture_output=True, text=True, timeout=10)
+        # the code differs from the commit (docs and result files do not make a run's code differ)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)docs", ":(exclude)benchmarks/results", ":(exclude)*.md"],
+                               cwd=_REPO, capture_output=True, text=True, timeout=10)
         return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
