@@ -126,7 +126,7 @@ ENTRIES: list[Entry] = [
            m("justitia / srjf, 3x", "{v:.3f}x", v="mean.3x.justitia_over_srjf"),
            m("noisy:3 / oracle, 3x", "{v:.3f}x", v="mean.3x.noisy3_over_oracle")]),
     Entry("starvation", "Simulator", "A large agent under a flood of small ones", "starvation.json",
-          "justitia bench starvation --minutes 2,4,6,8,10 --policies srjf,justitia,vtc,ewsjf,equinox "
+          "justitia bench starvation --minutes 2,4,6,8,10 --policies srjf,justitia,vtc,ewsjf,equinox,las "
           "--json benchmarks/results/starvation.json",
           "Whether one large MapReduce agent finishes within its delay bound while small agents "
           "keep arriving (load 1.15) for up to ten minutes.",
@@ -140,6 +140,23 @@ ENTRIES: list[Entry] = [
           "prefix-sharing mixes.",
           [m("justitia / justitia-nocache, 3x", "{v:.3f}x", v="rows[density=3].justitia_over_nocache"),
            m("justitia / vtc, 3x", "{v:.3f}x", v="rows[density=3].justitia_over_vtc")]),
+    Entry("eta-sim", "Simulator", "ETAs of a fresh and a taught server (contended burst)",
+          "eta_taught_burst.json",
+          "python benchmarks/eta_taught_burst.py --profile benchmarks/results/profile_cpu_tiny_4096_epyc.json "
+          "--json benchmarks/results/eta_taught_burst.json",
+          "First-ETA error of the 48-agent burst in the simulator, on a fresh server and on one "
+          "taught by another burst first; the ceiling replays only the work known at each arrival.",
+          [m("fresh server p50 / p90", "{a:.2f} / {b:.2f}", a="fresh.eta_error_p50", b="fresh.eta_error_p90"),
+           m("taught server p50 / p90", "{a:.2f} / {b:.2f}", a="taught.eta_error_p50", b="taught.eta_error_p90")]),
+    Entry("eta-ceiling", "Simulator", "What the known work alone predicts", "eta_ceiling_contended48.json",
+          "python benchmarks/eta_ceiling.py --profile benchmarks/results/profile_cpu_tiny_4096_epyc.json "
+          "--json benchmarks/results/eta_ceiling_contended48.json",
+          "Each agent's JCT against a replay of the work known at its arrival (a perfect model of "
+          "that work): what remains is the work not yet arrived.",
+          [m("replay of known work, error p50 / p90", "{a:.2f} / {b:.2f}",
+             a="summary.replay_of_known_work_error_p50", b="summary.replay_of_known_work_error_p90"),
+           m("simulated server's first ETA, error p50 / p90", "{a:.2f} / {b:.2f}",
+             a="summary.first_eta_error_p50", b="summary.first_eta_error_p90")]),
     Entry("live-contended48", "Live (vLLM CPU engine)", "48 contending agents, a taught server",
           "live_contended48_taught.json", LIVE_TAUGHT,
           "The real server on the real vLLM CPU engine (tiny model, M = 4,096 KV tokens), each "
@@ -161,8 +178,8 @@ ENTRIES: list[Entry] = [
           "justitia bench live --workload benchmarks/workloads/contended48.jsonl --policies justitia "
           "--kv-tokens 4096 --max-model-len 4096 --profile PROFILE "
           "--json benchmarks/results/live_contended48_fresh.json",
-          "The same burst on a server that has seen no traffic before (on a host about three "
-          "times slower than the taught run's).",
+          "The same burst on a server that has seen no traffic before, on a host about three "
+          "times slower than the taught run's; PROFILE is that host's `bench calibrate` output.",
           [m("promises kept", "{k}/{n}", k=_j("justitia", "promises_kept"), n="#" + _j("justitia", "agents")),
            m("first-ETA error p50 / p90", "{a:.2f} / {b:.2f}", a=_j("justitia", "eta_error_p50"),
              b=_j("justitia", "eta_error_p90"))]),
@@ -179,7 +196,8 @@ ENTRIES: list[Entry] = [
           "justitia bench live --workload benchmarks/workloads/contended48p.jsonl "
           "--policies justitia,justitia-nocache,vtc --kv-tokens 4096 --max-model-len 4096 --profile PROFILE "
           "--json benchmarks/results/live_contended48p.json",
-          "Prefix-aware accounting against its ablation and vtc, with the engine's prefix cache on.",
+          "Prefix-aware accounting against its ablation and vtc, with the engine's prefix cache on; "
+          "PROFILE is the host's `bench calibrate` output.",
           [m("justitia / vtc mean JCT", "{v:.3f}x", v=_vs("justitia", "vtc")),
            m("justitia / justitia-nocache mean JCT", "{v:.3f}x", v=_vs("justitia", "justitia-nocache")),
            m("justitia prefix-cache hit rate", "{v:.0%}", v=_j("justitia", "prefix_hit_rate"))]),
@@ -389,7 +407,7 @@ def _provenance_line(doc: Any) -> str:
     if versions.get("vllm"):
         bits.append(f"vLLM {versions['vllm']}")
     if prov.get("note"):
-        bits.append(str(prov["note"]))
+        bits.append("recorded after the run: `provenance.note` in the file says what is known")
     return "Provenance: " + "; ".join(bits) + "."
 
 
