@@ -400,7 +400,8 @@ def _provenance_line(doc: Any) -> str:
     host = prov.get("host") or {}
     versions = prov.get("versions") or {}
     commit = prov.get("commit")
-    bits = [f"commit `{commit[:12]}`" if commit else "commit not recorded",
+    dirty = " (with uncommitted code changes)" if commit and str(commit).endswith("-dirty") else ""
+    bits = [f"commit `{str(commit)[:12]}`{dirty}" if commit else "commit not recorded",
             f"{str(prov.get('date') or 'date not recorded')[:10]}"]
     if host.get("cpu_model") or host.get("cpus"):
         bits.append(f"{host.get('cpus') or '?'} CPUs ({host.get('cpu_model') or 'model not recorded'})")
