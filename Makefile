@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent: seconds when done).
-.PHONY: setup browser demo test test-fast check docs
+.PHONY: setup browser demo test test-fast check docs results
 
 setup:
 	@bash scripts/setup.sh
@@ -24,3 +24,8 @@ check: setup
 	.venv/bin/ruff check .
 	.venv/bin/mypy
 	.venv/bin/lint-imports
+	.venv/bin/python benchmarks/results_page.py --check
+
+# docs/results.md and the README's results table, from the curated files in benchmarks/results/.
+results: setup
+	.venv/bin/python benchmarks/results_page.py

@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from justitia_sdk import Client, agent, llm, parallel_map  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 
 @agent("scale_fanout")
@@ -103,7 +103,7 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.json, result, indent=2)
     return 0 if result["finished"] == args.agents else 1
 
 

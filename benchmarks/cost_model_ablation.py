@@ -21,18 +21,17 @@ Writes benchmarks/results/cost_model_ablation.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import numpy as np  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
 from server.sim.mix import Traces, make_mix  # noqa: E402
 from server.sim.profiles import get_profile  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import run_comparison  # noqa: E402
 
 STRETCHED = ("self_consistency", "equation_verification")
@@ -75,8 +74,8 @@ def main() -> int:
             "kv_over_compute_p90_p10", "spearman_kv_compute", "justitia_c_over_justitia", "vtc_over_justitia")}
         print(f"k {k:g} mean:", {key: round(v, 3) for key, v in summary[f"{k:g}"].items()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": vars(args), "stretched_types": STRETCHED,
-                                          "rows": rows, "mean": summary}, indent=1) + "\n")
+    write_result(args.out, {"config": vars(args), "stretched_types": STRETCHED,
+                                          "rows": rows, "mean": summary}, indent=1)
     return 0
 
 

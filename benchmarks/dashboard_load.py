@@ -32,7 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
+from server.sim.provenance import write_result  # noqa: E402
 from tests.fake_engine import FakeEngine, FakeServer  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
@@ -167,7 +167,7 @@ def main() -> None:
         "met": {"first_render": render["max_s"] < 1.0,
                 "stream": max(still["bytes_per_s"], churn["bytes_per_s"]) < 100_000},
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, indent=2)
     print(json.dumps(result["met"]), file=sys.stderr)
 
 

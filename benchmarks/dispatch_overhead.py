@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import random
 import statistics
 import sys
@@ -47,12 +46,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from dataclasses import replace  # noqa: E402
 
 from server.scheduler import POLICY_NAMES, AgentShape, Dispatcher, RequestSpec, kv_cost  # noqa: E402
 from server.scheduler.prefix import block_chain  # noqa: E402
 from server.sim.profiles import get_profile  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 PREFIX_ROWS = ("justitia-prefixes", "justitia-blockhash")
 
@@ -236,8 +235,8 @@ def compare_token_sources(args: argparse.Namespace) -> int:
     print("median of the runs' medians: " + ", ".join(f"{t} {m:.1f} us" for t, m in medians.items()))
     out = args.out.replace(".json", "_tokens.json")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"python": sys.version.split()[0], "median_of_medians_us": medians,
-                                     "rows": rows}, indent=1) + "\n")
+    write_result(out, {"python": sys.version.split()[0], "median_of_medians_us": medians,
+                                     "rows": rows}, indent=1)
     print(f"wrote {out}")
     return 0
 
@@ -285,8 +284,8 @@ def main() -> int:
     if args.eta_only:
         args.out = args.out.replace(".json", "_eta.json")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"python": sys.version.split()[0], "eta_upkeep": upkeep,
-                                              "eta_rows": eta_rows}, indent=1) + "\n")
+        write_result(args.out, {"python": sys.version.split()[0], "eta_upkeep": upkeep,
+                                              "eta_rows": eta_rows}, indent=1)
         print(f"wrote {args.out}")
         return 0
     for policy in (*POLICY_NAMES, "ewsjf-8groups", *PREFIX_ROWS):
@@ -299,8 +298,8 @@ def main() -> int:
             print(f"{'':13s} one refit that moves every edge: {r['refit_ms']:.1f} ms "
                   f"({r['rerouted']} requests rerouted)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"python": sys.version.split()[0], "rows": rows, "eta_upkeep": upkeep,
-                                          "eta_rows": eta_rows}, indent=1) + "\n")
+    write_result(args.out, {"python": sys.version.split()[0], "rows": rows, "eta_upkeep": upkeep,
+                                          "eta_rows": eta_rows}, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -7,7 +7,6 @@ tiny model) with `ignore_eos`, so that every request decodes exactly the tokens 
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from typing import Any
 import httpx
 
 from server.launcher import EmbeddedServer
+from server.sim.provenance import write_result
 
 TOKENS = (100, 780)  # token ids inside the tiny model's vocabulary
 TAIL = 16  # tokens after a head, so that no two prompts are the same
@@ -50,5 +50,5 @@ def write_json(path: str | None, result: dict[str, Any]) -> None:
     if not path:
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(path, result, indent=1)
     print(f"wrote {path}")

@@ -10,7 +10,7 @@ only error is what arrives after k. Compared with the JCT of the full run, its e
 floor left to an arrival allowance.
 
     .venv/bin/python benchmarks/eta_ceiling.py [--workload benchmarks/workloads/contended48.jsonl]
-        [--profile benchmarks/results/profile_cpu_tiny_4096_session9.json] [--kv-tokens 4096]
+        [--profile benchmarks/results/profile_cpu_tiny_4096_epyc.json] [--kv-tokens 4096]
         [--tau measured] [--json benchmarks/results/eta_ceiling_contended48.json]
 
 Prints each agent's JCT, its replay of known work and the server's first ETA (simulated), and
@@ -20,15 +20,14 @@ the p50 / p90 of both errors |eta - jct| / jct.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from rich.progress import track  # noqa: E402
 
 from server.sim.profiles import load_profile  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import TAU_SOURCES, _quantile, isolated_jct_s, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402
 
@@ -36,7 +35,7 @@ from server.sim.workload import load_workload  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="benchmarks/workloads/contended48.jsonl")
-    ap.add_argument("--profile", default="benchmarks/results/profile_cpu_tiny_4096_session9.json",
+    ap.add_argument("--profile", default="benchmarks/results/profile_cpu_tiny_4096_epyc.json",
                     help="a profile name or a file written by `bench calibrate`")
     ap.add_argument("--kv-tokens", type=int, default=4096)
     ap.add_argument("--policy", default="justitia")
@@ -83,7 +82,7 @@ def main() -> int:
     if args.json:
         config = {"workload": args.workload, "profile": profile.name, "kv_tokens": args.kv_tokens,
                   "policy": args.policy, "tau": args.tau}
-        Path(args.json).write_text(json.dumps({"config": config, "summary": summary, "agents": rows}, indent=1))
+        write_result(args.json, {"config": config, "summary": summary, "agents": rows}, indent=1)
     return 0
 
 

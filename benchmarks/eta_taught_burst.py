@@ -9,7 +9,7 @@ live --teach`: the same scheduler core, the simulated engine.
 
     .venv/bin/python benchmarks/eta_taught_burst.py [--workload benchmarks/workloads/contended48.jsonl]
         [--teach benchmarks/workloads/contended48_seed4.jsonl] [--after 300]
-        [--profile benchmarks/results/profile_cpu_tiny_4096_session13.json] [--kv-tokens 4096]
+        [--profile benchmarks/results/profile_cpu_tiny_4096_epyc.json] [--kv-tokens 4096]
         [--tau measured] [--json OUT]
 """
 
@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from server.sim.profiles import load_profile  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import TAU_SOURCES, AgentResult, _quantile, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402
 
@@ -47,7 +46,7 @@ def main() -> int:
     ap.add_argument("--workload", default="benchmarks/workloads/contended48.jsonl")
     ap.add_argument("--teach", default="benchmarks/workloads/contended48_seed4.jsonl")
     ap.add_argument("--after", type=float, default=300.0, help="seconds from the teacher's start to the burst's")
-    ap.add_argument("--profile", default="benchmarks/results/profile_cpu_tiny_4096_session13.json")
+    ap.add_argument("--profile", default="benchmarks/results/profile_cpu_tiny_4096_epyc.json")
     ap.add_argument("--kv-tokens", type=int, default=4096)
     ap.add_argument("--policy", default="justitia")
     ap.add_argument("--tau", choices=TAU_SOURCES, default="measured")
@@ -72,7 +71,7 @@ def main() -> int:
         res = {"workload": args.workload, "teach": args.teach, "after_s": args.after, "profile": args.profile,
                "kv_tokens": args.kv_tokens, "policy": args.policy, "tau": args.tau, **out}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        write_result(args.json, res, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -25,10 +25,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
 import schemathesis  # noqa: E402
 
 from server.launcher import EmbeddedServer  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 from tests.fuzz_driver import (  # noqa: E402
     CHECKS,
     EXCLUDED,
@@ -198,7 +198,7 @@ def main() -> int:
                           for t in tallies for kind, ex in t.examples.items()],
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.json, result, indent=1)
     print(f"wrote {args.json}")
     clean = summary["failures"] == 0 and not hostile["failed"] and hostile["healthy_after"]
     return 0 if clean and healthy else 1

@@ -40,8 +40,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
 from server.launcher import EmbeddedServer  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 KEYS = {"mallory": "key-mallory", "alice": "key-alice", "admin": "key-admin"}
 ATTACKS = ("agents", "prompt4mb", "chat200k", "ids1m", "deep", "slowloris", "kill9")
@@ -274,8 +274,8 @@ def main() -> int:
         results[name] = run_attack(name, args, home)
         print(json.dumps(results[name]), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"config": vars(args) | {"json": str(args.json)},
-                                     "results": results}, indent=2) + "\n")
+    write_result(args.json, {"config": vars(args) | {"json": str(args.json)},
+                                     "results": results}, indent=2)
     return 0
 
 

@@ -30,8 +30,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
 from server.launcher import EmbeddedServer  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 
 @dataclass
@@ -184,7 +184,7 @@ def main() -> int:
         + sum(args.agents * args.requests - r["requests_ok"] - r["requests_failed"] for r in rounds),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, indent=2)
     print(f"\n{'round':>5} {'ok':>7} {'failed':>6} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'RSS MB':>7}  scheduler after")
     for i, r in enumerate(rounds, 1):

@@ -36,7 +36,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
 from predictors.agent_models import LOOP_AGENT_TYPES  # noqa: E402
 from predictors.cold_start import ColdStartEstimator  # noqa: E402
 from predictors.evaluation import (  # noqa: E402
@@ -50,6 +49,7 @@ from predictors.persistence import library_versions  # noqa: E402
 from predictors.samples import read_samples  # noqa: E402
 from predictors.synthetic import synthesize  # noqa: E402
 from predictors.training import Candidate, fit_predictor  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 EXAMPLE = ROOT / "predictors" / "data" / "example_samples.jsonl.gz"
 PROFILED = ROOT / "predictors" / "data" / "example_agents_profiled.jsonl.gz"
@@ -370,7 +370,7 @@ def main() -> None:
     results["targets"] = ok
     results["bench_seconds"] = time.perf_counter() - t0
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write_result(args.json, results, indent=2)
     print("\ntargets:", json.dumps(ok, indent=1))
     print(f"wrote {args.json} ({results['bench_seconds']:.0f} s)")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import sys
@@ -24,10 +23,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import httpx  # noqa: E402
 
 from server.launcher import EmbeddedServer  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 TOKENS = (100, 780)  # inside the tiny model's vocabulary
 
@@ -83,8 +82,8 @@ def main() -> int:
     print(f"{n} requests at once, head cached: {out['siblings_at_once_warm']:.0f} (all of them: {n * h})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"siblings": n, "head_tokens": h, "tail_tokens": args.tail,
-                                               **out}, indent=1) + "\n")
+        write_result(args.json, {"siblings": n, "head_tokens": h, "tail_tokens": args.tail,
+                                               **out}, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -16,15 +16,14 @@ with the prefixes its agents' sources share, same lengths and arrivals.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from server.sim.mix import prefix_share, share_prefixes  # noqa: E402
 from server.sim.profiles import get_profile  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import run_comparison  # noqa: E402
 from server.sim.workload import load_workload, save_workload  # noqa: E402
 
@@ -77,8 +76,8 @@ def main() -> int:
     if args.live_workload:
         live_workload(args.live_workload)
     rows = sim_targets([int(d) for d in args.densities.split(",")])
-    Path(args.out).write_text(json.dumps({"policies": POLICIES, "kv_tokens": 45_000, "profile": "a100-llama7b",
-                                          "prediction": "oracle", "rows": rows}, indent=1) + "\n")
+    write_result(args.out, {"policies": POLICIES, "kv_tokens": 45_000, "profile": "a100-llama7b",
+                                          "prediction": "oracle", "rows": rows}, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -10,7 +10,6 @@ httpx over aiohttp (`httpx_aiohttp.AiohttpTransport`). Prints wall time and mean
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -20,9 +19,9 @@ import anyio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
 from justitia_sdk import AsyncClient, agent, llm, parallel_map  # noqa: E402
 from server.launcher import EmbeddedServer  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 
 @agent("fanout")
@@ -58,7 +57,7 @@ def main() -> None:
         print(f"{k:8s} wall {statistics.median(r['wall_s'] for r in runs):.2f} s, mean JCT "
               f"{statistics.median(r['mean_jct_s'] for r in runs):.2f} s")
     path = ROOT / "benchmarks/results/sdk_transport.json"
-    path.write_text(json.dumps({"config": vars(args), "runs": out}, indent=1) + "\n")
+    write_result(path, {"config": vars(args), "runs": out}, indent=1)
 
 
 if __name__ == "__main__":

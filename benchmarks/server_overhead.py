@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import shlex
 import statistics
@@ -32,10 +31,10 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
 from contextlib import ExitStack  # noqa: E402
 
 from server.launcher import EmbeddedServer, VLLMOpenAIServer  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 KV_TOKENS = 16384
 MAX_MODEL_LEN = 1024
@@ -187,7 +186,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     out = {"config": {**vars(args), "variant": [[n, shlex.join(a)] for n, a in args.variant]},
            **results, "overhead": overhead}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,6 @@ script measures it, both ways, side by side:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.streams, as the tests use it
+from server.sim.provenance import write_result  # noqa: E402
 
 PROBE = """
 import sys, time
@@ -98,7 +98,7 @@ def run_live(args: argparse.Namespace) -> dict:
             with placement(where):
                 justitia_cli.main(["bench", "live", "--workload", "benchmarks/workloads/contended48.jsonl",
                                    "--policies", "justitia,vtc", "--kv-tokens", "4096", "--max-model-len", "4096",
-                                   "--profile", "benchmarks/results/profile_cpu_tiny_4096_rerun.json",
+                                   "--profile", "benchmarks/results/profile_cpu_tiny_4096_epyc.json",
                                    "--json", str(path)])
             out["rounds"].append({"round": r, "placement": where, "result": str(path)})
     return out
@@ -116,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     result = run_probe(args) if args.what == "probe" else run_live(args)
     if getattr(args, "json", None):
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_result(args.json, result, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,14 @@ mean JCT over theirs and the share of agents that finish no later under them tha
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from server.sim.mix import Traces, make_mix  # noqa: E402
 from server.sim.profiles import get_profile  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 from server.sim.report import compare  # noqa: E402
 from server.sim.simulator import make_predictions, run_comparison  # noqa: E402
 
@@ -81,7 +80,7 @@ def main() -> int:
         }
         print(f"mean over seeds {density}x:", {k: round(v, 3) for k, v in summary[f'{density}x'].items()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"load_1x": args.load, "rows": rows, "mean": summary}, indent=1) + "\n")
+    write_result(args.out, {"load_1x": args.load, "rows": rows, "mean": summary}, indent=1)
     return 0
 
 

@@ -183,9 +183,10 @@ def run_demo(args: argparse.Namespace) -> int:
                  "deadline_s": h.deadline_s, "first_deadline_s": h.first_deadline_s, "kept": h.kept_promise,
                  "error": repr(h.error) if h.error else None}
                 for number, batch in enumerate(batches, 1) for h in batch]
-        Path(args.json).write_text(json.dumps({"url": url, "policy": snapshot.get("policy"),
-                                               "wall_s": wall, "waves": summaries, "agents": rows},
-                                              indent=1))
+        from server.sim.provenance import write_result
+
+        write_result(args.json, {"url": url, "policy": snapshot.get("policy"),
+                                 "wall_s": wall, "waves": summaries, "agents": rows})
     failed = 0
     for number, batch in enumerate(batches, 1):
         for index, error in batch.errors:

@@ -346,6 +346,10 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def _write_json(path: str, obj: Any) -> None:
+    from server.sim.provenance import with_provenance
+
+    if isinstance(obj, dict):
+        obj = with_provenance(dict(obj))
     p = Path(path)
     try:
         if p.parent and not p.parent.exists():

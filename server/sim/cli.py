@@ -632,8 +632,6 @@ def _make_shaped(args: argparse.Namespace, profile: EngineProfile) -> int:
 
 
 def _starvation(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
 
     from .starvation import run_starvation
 
@@ -656,7 +654,7 @@ def _starvation(args: argparse.Namespace) -> int:
                       "yes" if r["within_bound"] else "NO", f"{r['small_mean_jct_s']:.1f}")
     Console().print(table)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        report = {"config": vars(args) | {"handler": None}, "rows": rows}
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        from .provenance import write_result
+
+        write_result(args.json, {"config": vars(args) | {"handler": None}, "rows": rows})
     return 0

@@ -185,8 +185,6 @@ def load_profile(name_or_path: str) -> EngineProfile:
 
 def save_profile(profile: EngineProfile, path: str | Path, **extra: object) -> dict:
     """Write a profile file: the profile's fields, plus what `extra` adds (fit, settings)."""
-    doc = {"format": PROFILE_FORMAT, "profile": profile.as_dict(), **extra}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    return doc
+    from .provenance import write_result
+
+    return write_result(path, {"format": PROFILE_FORMAT, "profile": profile.as_dict(), **extra})

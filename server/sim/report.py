@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from .provenance import write_result
 from .simulator import PolicyResult
 
 
@@ -116,10 +116,7 @@ def write_json(path: str | Path, config: dict, results: Sequence[PolicyResult],
     }
     if repeats is not None:
         doc["repeats"] = repeats
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    return doc
+    return write_result(path, doc)
 
 
 def print_table(results: Sequence[PolicyResult], title: str = "") -> None:
