@@ -759,6 +759,8 @@ class Dispatcher:
         """Replay the policy's order once (O(N log N)) and cache every agent's ETA. Called
         off the request path: the live server's housekeeping, the simulator's timer."""
         self.arrivals.freeze(now)
+        for a in self._unpassed:
+            a.eta_key_at = None
         self._unpassed.clear()
         reading = self.clock.peek(now)
         v = reading.V
@@ -841,7 +843,9 @@ class Dispatcher:
                  else fair.arrival(agent.charged_cost, agent.tenant))
             if t is not None:
                 return (t, agent.seq)
-        return (self.fair_finish_time(agent.agent_id, now), agent.seq)
+        if agent.eta_key_at is None:  # once per agent between passes (a burst's registrations)
+            agent.eta_key_at = self.fair_finish_time(agent.agent_id, now)
+        return (agent.eta_key_at, agent.seq)
 
     @property
     def eta_rate(self) -> float:

@@ -80,12 +80,12 @@ def hierarchical_gps_finish_times(arrivals: Sequence[float], costs: Sequence[flo
     k = 0
     eps = 1e-9
 
+    count: dict[object, int] = {}  # tenant -> its agents with work left
+
     def speeds() -> dict[int, float]:
-        count: dict[object, int] = {}
-        for j in remaining:
-            count[tenants[j]] = count.get(tenants[j], 0) + 1
         wsum = sum(weights.get(tn, 1.0) for tn in count)
-        return {j: rate * weights.get(tenants[j], 1.0) / wsum / count[tenants[j]] for j in remaining}
+        share = {tn: rate * weights.get(tn, 1.0) / wsum / n for tn, n in count.items()}
+        return {j: share[tenants[j]] for j in remaining}
 
     while k < len(order) or remaining:
         next_arrival = arrivals[order[k]] if k < len(order) else float("inf")
@@ -102,6 +102,9 @@ def hierarchical_gps_finish_times(arrivals: Sequence[float], costs: Sequence[flo
                     if remaining[j] <= eps * max(1.0, speed[j] * dt):
                         finish[j] = t
                         del remaining[j]
+                        count[tenants[j]] -= 1
+                        if not count[tenants[j]]:
+                            del count[tenants[j]]
                 continue
             dt = next_arrival - t
             for j in remaining:
@@ -114,4 +117,5 @@ def hierarchical_gps_finish_times(arrivals: Sequence[float], costs: Sequence[flo
                 finish[i] = max(t, arrivals[i])
             else:
                 remaining[i] = float(costs[i])
+                count[tenants[i]] = count.get(tenants[i], 0) + 1
     return finish

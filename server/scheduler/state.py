@@ -137,6 +137,7 @@ class AgentState:
     # one does not slow the virtual clock (docs/concepts.md, "Promises no one else can break").
     in_reference: bool = False
     ended: bool = False  # finished, cancelled or expired: gone from the dispatcher's tables
+    eta_key_at: float | None = None  # several tenants: its H-GPS finish, for ETAs before the next pass
     eta_at: float | None = None  # ETA (caller's clock) from the last refresh_etas pass
     fair_at: float | None = None  # GPS finish from that pass (None: its tag changed since)
     deadline_at: float | None = None  # the promised deadline (caller's clock), set at registration
