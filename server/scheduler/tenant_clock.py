@@ -136,8 +136,8 @@ class TenantClock:
                 raise ValueError(f"tenant weight must be positive: {tenant!r}={w!r}")
             self.weights[tenant] = float(w)
         self.rate = rate
-        self.now = now
-        self.V = 0.0  # top level (multi-tenant only)
+        self._now = now
+        self._v = 0.0  # top level (multi-tenant only)
         self._solo: _TenantClock | None = _TenantClock(rate=rate, now=now)
         self._solo_tenant: Tenant = None
         self._solo_named = False  # a tenant has arrived (the solo clock is that tenant's)
@@ -151,7 +151,29 @@ class TenantClock:
         self._seq = itertools.count()
         # the current stretch of constant slope: time and V at its start
         self._seg = (now, 0.0)
-        self.departures: dict[object, tuple[float, float]] = {}  # key -> (time, V) of its H-GPS finish
+        self._deps: dict[object, tuple[float, float]] = {}  # key -> (time, V) of its H-GPS finish
+
+    @property
+    def now(self) -> float:
+        """The time the clock was last moved to."""
+        return self._solo.now if self._solo is not None else self._now
+
+    @property
+    def departures(self) -> dict[object, float]:
+        """Key -> GPS finish time of the agents that have finished in the reference."""
+        if self._solo is not None:
+            return self._solo.departures
+        return {key: t for key, (t, _) in self._deps.items()}
+
+    @property
+    def flat(self) -> VirtualClock | None:
+        """The flat clock while there is one tenant (None once there are two)."""
+        return self._solo
+
+    @property
+    def V(self) -> float:
+        """The virtual time: the flat clock's with one tenant, else the top level's."""
+        return self._solo.V if self._solo is not None else self._v
 
     # -- mode -----------------------------------------------------------------------
     @property
@@ -175,7 +197,7 @@ class TenantClock:
         solo.fresh = []
         self._clocks[self._solo_tenant] = solo
         self._solo = None
-        self.now, self.V = now, 0.0
+        self._now, self._v = now, 0.0
         self._seg = (now, 0.0)
         self._retag(self._solo_tenant)
 
@@ -201,16 +223,16 @@ class TenantClock:
         """Advance the tenant's clock to its service now, converting its departures."""
         clock = self._clocks[tenant]
         if tenant in self._tags:
-            clock.advance(max(clock.now, self._service(tenant, self.V)))
+            clock.advance(max(clock.now, self._service(tenant, self._v)))
         if clock.fresh:
-            w_a, v_a = self._anchor.get(tenant, (clock.now, self.V))
+            w_a, v_a = self._anchor.get(tenant, (clock.now, self._v))
             w = self.weight(tenant)
             seg_t, seg_v = self._seg
             slope = self.rate / self._weight_sum if self._weight_sum > 0 else 0.0
             for key, w_dep in clock.fresh:
                 v_dep = v_a + (w_dep - w_a) / w
-                t_dep = seg_t + (v_dep - seg_v) / slope if slope > 0 else self.now
-                self.departures[key] = (min(max(t_dep, seg_t), self.now), v_dep)
+                t_dep = seg_t + (v_dep - seg_v) / slope if slope > 0 else self._now
+                self._deps[key] = (min(max(t_dep, seg_t), self._now), v_dep)
             clock.fresh.clear()
 
     def _top_event(self) -> None:
@@ -218,7 +240,7 @@ class TenantClock:
         departures they process later fall in one stretch of constant slope."""
         for tenant in list(self._tags):
             self._sync(tenant)
-        self._seg = (self.now, self.V)
+        self._seg = (self._now, self._v)
 
     def _retag(self, tenant: Tenant) -> None:
         """The tenant's remaining work changed (at the clock's time): its top tag, and
@@ -229,9 +251,9 @@ class TenantClock:
         if clock.backlog and remaining > 0.0:
             if tenant not in self._tags:
                 self._top_event()
-                self._anchor[tenant] = (clock.now, self.V)
+                self._anchor[tenant] = (clock.now, self._v)
                 self._weight_sum += self.weight(tenant)
-            tag = self.V + remaining / self.weight(tenant)
+            tag = self._v + remaining / self.weight(tenant)
             self._tags[tenant] = tag
             heapq.heappush(self._heap, (tag, next(self._seq), tenant))
         elif tenant in self._tags:
@@ -244,7 +266,7 @@ class TenantClock:
         self._weight_sum -= self.weight(tenant)
         if not self._tags:
             self._weight_sum = 0.0
-        self._seg = (self.now, self.V)
+        self._seg = (self._now, self._v)
 
     def _top_walk(self, state: _TopState, until: float) -> _TopState:
         """The top level moved to `until` on copies (departures of whole tenants)."""
@@ -267,12 +289,12 @@ class TenantClock:
         """Move to `now`, processing tenants' departures from the top level. Returns V
         (the solo clock's V while there is one tenant)."""
         if self._solo is not None:
-            self.now = max(self.now, now)
+            self._now = max(self._now, now)
             return self._solo.advance(now)
-        if now < self.now:
-            if self.now - now > 1e-9:
-                raise ValueError(f"time went backwards: {now} < {self.now}")
-            return self.V
+        if now < self._now:
+            if self._now - now > 1e-9:
+                raise ValueError(f"time went backwards: {now} < {self._now}")
+            return self._v
         guard = 0
         while self._tags and guard < 10_000:
             guard += 1
@@ -280,11 +302,11 @@ class TenantClock:
             if self._tags.get(tenant) != tag:
                 heapq.heappop(self._heap)
                 continue
-            t_dep = self.now + (tag - self.V) * self._weight_sum / self.rate
+            t_dep = self._now + (tag - self._v) * self._weight_sum / self.rate
             if t_dep > now:
                 break
             heapq.heappop(self._heap)
-            self.now, self.V = max(self.now, t_dep), tag
+            self._now, self._v = max(self._now, t_dep), tag
             clock = self._clocks[tenant]
             self._sync(tenant)
             if clock.backlog and clock.remaining() > 1e-9 * max(1.0, abs(clock.V)):
@@ -292,12 +314,12 @@ class TenantClock:
                 continue
             for key in list(clock._tags):  # a rounding residue: done now
                 clock.flush([key], clock.now)
-                self.departures[key] = (self.now, self.V)
+                self._deps[key] = (self._now, self._v)
             self._leave(tenant)
         if self._tags and self._weight_sum > 0:
-            self.V += (now - self.now) * self.rate / self._weight_sum
-        self.now = now
-        return self.V
+            self._v += (now - self._now) * self.rate / self._weight_sum
+        self._now = now
+        return self._v
 
     def arrive(self, key: object, cost: float, now: float, tenant: Tenant = None) -> float:
         """Agent `key` of `tenant` arrives with `cost`: its tag in its tenant's clock."""
@@ -306,7 +328,7 @@ class TenantClock:
                 self._solo_tenant, self._solo_named = tenant, True
             if tenant == self._solo_tenant:
                 self._tenant_of[key] = tenant
-                self.now = max(self.now, now)
+                self._now = max(self._now, now)
                 return self._solo.arrive(key, cost, now)
             self._split(tenant, now)
         self.advance(now)
@@ -314,7 +336,7 @@ class TenantClock:
         f = clock.arrive(key, cost, clock.now)
         self._tenant_of[key] = tenant
         if cost == 0:
-            self.departures[key] = (now, self.V)
+            self._deps[key] = (now, self._v)
         self._retag(tenant)
         return f
 
@@ -330,7 +352,7 @@ class TenantClock:
 
     def extend(self, key: object, old_tag: float, extra: float, now: float) -> float:
         if self._solo is not None:
-            self.now = max(self.now, now)
+            self._now = max(self._now, now)
             return self._solo.extend(key, old_tag, extra, now)
         clock = self._for(key, now)
         if clock is None:
@@ -391,7 +413,7 @@ class TenantClock:
             tenant = self._tenant_of.get(key)
             if tenant in self._clocks:
                 self._clocks[tenant].forget(key)
-            self.departures.pop(key, None)
+            self._deps.pop(key, None)
         self._tenant_of.pop(key, None)
 
     # -- reads ----------------------------------------------------------------------
@@ -409,8 +431,8 @@ class TenantClock:
         return clock.tag(key) if clock is not None else None
 
     def _state(self, now: float) -> _TopState:
-        now = max(now, self.now)
-        return self._top_walk(_TopState(self.now, self.V, dict(self._tags)), now)
+        now = max(now, self._now)
+        return self._top_walk(_TopState(self._now, self._v, dict(self._tags)), now)
 
     def _inner_reading(self, tenant: Tenant, state: _TopState) -> tuple[_TenantClock | None, float]:
         """The tenant's clock and its service at the top state's time (a read)."""
@@ -485,11 +507,11 @@ class TenantClock:
         state = self._state(now)
         clock, service = self._inner_reading(tenant, state)
         if clock is None or key not in clock._tags:
-            dep = self.departures.get(key)
+            dep = self._deps.get(key)
             return dep[1] if dep is not None else state.V
         work = self._work_to(clock, service, tag)
         if work <= 0.0:
-            dep = self.departures.get(key)
+            dep = self._deps.get(key)
             return dep[1] if dep is not None else state.V
         return state.V + work / self.weight(tenant)
 
@@ -501,11 +523,11 @@ class TenantClock:
         state = self._state(now)
         clock, service = self._inner_reading(tenant, state)
         if clock is None or key not in clock._tags:
-            dep = self.departures.get(key)
+            dep = self._deps.get(key)
             return dep[0] if dep is not None else now
         work = self._work_to(clock, service, tag)
         if work <= 0.0:
-            dep = self.departures.get(key)
+            dep = self._deps.get(key)
             return min(now, dep[0]) if dep is not None else now
         return self._time_of(state, state.V + work / self.weight(tenant))
 
@@ -572,7 +594,7 @@ class TenantClock:
                 if key in clock._tags and w_fin > service:
                     points.append((state.V + (w_fin - service) / w, key))
                 else:
-                    dep = self.departures.get(key)
+                    dep = self._deps.get(key)
                     finish[key] = min(now, dep[0]) if dep is not None else now
         points.sort(key=lambda p: p[0])
         # one sweep of the top level's breakpoints
