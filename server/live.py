@@ -181,6 +181,7 @@ class LiveScheduler:
             now=0.0,
             block_size=engine.info.block_size,
             context_tokens=engine.info.max_model_len,
+            tenant_weights=config.tenant_weights,
         )
         # R = M / tau must be the rate the engine really serves with the memory it fills,
         # not M over the raw step time (see server/scheduler/rate.py).

@@ -21,7 +21,6 @@ from server.sim.simulator import make_predictions, simulate
 from server.sim.workload import AgentSpec, parse_agent
 
 
-
 # -- the reference -------------------------------------------------------------------------
 def test_hierarchical_reference_with_one_tenant_is_flat_gps() -> None:
     rng = random.Random(3)
@@ -188,7 +187,7 @@ def test_queue_then_cancel_leaves_another_tenants_bound() -> None:
     # the attacker queues 200 requests of 2,040 prompt tokens on one agent, then cancels it
     d.register_agent("x", 1.0, 0.2, tenant="attacker")
     for j in range(200):
-        d.submit(RequestSpec(f"x/{j}", "x", 2040, 40, 40), 0.2)
+        d.submit(RequestSpec(f"x/{j}", "x", 2040, 500, 500), 0.2)
     d.admit(0.2)
     during = d.register_agent("h3", kv_cost(500, 500), 4.0, tenant="honest").delay_bound_s
     d.cancel_agent("x", 8.0)
