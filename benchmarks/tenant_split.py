@@ -9,7 +9,9 @@ every 2 s from t = 1 s. Another tenant sends N requests of 300 + 60 tokens from 
 
 Each is run without tenants (the flat fair share per agent: every agent is its own claim)
 and with them (the hierarchical fair share: tenants first, then their agents), under
-justitia on the simulator's default engine (M = 45,000 tokens). Printed and written to
+justitia on the simulator's default engine (M = 45,000 tokens). Then queue-then-cancel on
+the scheduler core: another tenant's delay bound around a cancelled agent's 200 queued
+requests. Printed and written to
 benchmarks/results/tenant_split.json: the honest agents' mean JCT, their largest first
 deadline (seconds after arrival), their promises kept, and each split's ratio against
 `one`. What it shows: without tenants, splitting multiplies the honest tenant's JCT and
@@ -31,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from server.scheduler import Dispatcher, RequestSpec, kv_cost  # noqa: E402
 from server.sim.profiles import get_profile  # noqa: E402
 from server.sim.simulator import make_predictions, simulate  # noqa: E402
 from server.sim.workload import AgentSpec  # noqa: E402
@@ -76,6 +79,25 @@ def run(shape: str, tenants: bool, n: int) -> dict:
     }
 
 
+def queue_then_cancel() -> dict:
+    """Another tenant queues 200 requests of 2,040 + 500 tokens on one agent and cancels it
+    8 s later: an honest tenant's delay bound before, during and after (scheduler core)."""
+    d = Dispatcher("justitia", 45_000, 0.025)
+    d.register_agent("h", 4 * kv_cost(500, 500), 0.0, tenant=HONEST)
+    for j in range(4):
+        d.submit(RequestSpec(f"h/{j}", "h", 500, 500, 500), 0.0)
+    d.admit(0.0)
+    before = d.register_agent("h2", kv_cost(500, 500), 0.1, tenant=HONEST).delay_bound_s
+    d.register_agent("x", 1.0, 0.2, tenant=FLOOD)
+    for j in range(200):
+        d.submit(RequestSpec(f"x/{j}", "x", 2040, 500, 500), 0.2)
+    d.admit(0.2)
+    during = d.register_agent("h3", kv_cost(500, 500), 4.0, tenant=HONEST).delay_bound_s
+    d.cancel_agent("x", 8.0)
+    after = d.register_agent("h4", kv_cost(500, 500), 8.1, tenant=HONEST).delay_bound_s
+    return {"bound_before_s": before, "bound_during_s": during, "bound_after_s": after, "ratio": after / before}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1500, help="the other tenant's requests (default 1500)")
@@ -93,6 +115,9 @@ def main() -> int:
               f"{row['honest_mean_jct_s']:>8.2f}s {row['jct_ratio_vs_one']:>5.2f}x "
               f"{row['honest_max_first_deadline_s']:>8.1f}s {row['deadline_ratio_vs_one']:>5.2f}x "
               f"{row['honest_promises_kept']:>3}/5 {row['honest_within_bound']:>4}/5")
+    cancel = queue_then_cancel()
+    print(f"queue-then-cancel: another tenant's bound {cancel['bound_before_s']:.1f} s before, "
+          f"{cancel['bound_during_s']:.1f} s queued, {cancel['bound_after_s']:.1f} s after ({cancel['ratio']:.2f}x)")
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
     except OSError:
@@ -102,6 +127,7 @@ def main() -> int:
                    "honest": "5 agents x 4 stages x 2 requests (400 + 32 tokens), one every 2 s from t = 1",
                    "flood": "requests of 300 + 60 tokens from t = 0"},
         "rows": rows,
+        "queue_then_cancel": cancel,
         "provenance": {"commit": commit, "argv": sys.argv, "date": datetime.datetime.now(datetime.UTC).isoformat(),
                        "host": {"cpus": __import__("os").cpu_count(), "cpu_model": platform.processor()},
                        "versions": {"python": platform.python_version()}},
