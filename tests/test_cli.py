@@ -108,8 +108,7 @@ def test_every_command_offers_every_policy_of_the_scheduler() -> None:
 
 
 def test_serve_tenant_weights_and_the_queued_quota_default() -> None:
-    from justitia_cli import CommandError
-    from justitia_cli import build_parser
+    from justitia_cli import CommandError, build_parser
     from server.cli import _parse_limits
 
     def limits(*argv: str) -> dict:

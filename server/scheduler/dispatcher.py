@@ -107,7 +107,7 @@ class Dispatcher:
         time_model: TimeModel | None = None,
         arrival_window_s: float = 60.0,
         context_tokens: int | None = None,
-        tenant_weights: Mapping[str | None, float] | None = None,
+        tenant_weights: Mapping[Any, float] | None = None,
         tenant_limits: Mapping[str | None, BoundLimits] | None = None,
     ) -> None:
         # A stateful policy (ewsjf, equinox) gets an instance of its own, seeded.

@@ -8,6 +8,7 @@ departure), in O(n^2). Tests compare the two; the simulator reports `gps_finish_
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], rate: float) -> list[float]:
@@ -60,7 +61,7 @@ def gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], rate: fl
 
 
 def hierarchical_gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], tenants: Sequence[object],  # noqa: C901
-                                  rate: float, weights: Mapping[object, float] | None = None) -> list[float]:
+                                  rate: float, weights: Mapping[Any, float] | None = None) -> list[float]:
     """Hierarchical GPS fluid finish time of every agent (same order as the inputs).
 
     The rate R is shared among the tenants that have work left, in proportion to their

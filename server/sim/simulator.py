@@ -13,6 +13,7 @@ import random
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from server.scheduler import (
     AgentShape,
@@ -253,7 +254,7 @@ def simulate(
     seed: int = 0,
     isolated: Sequence[float] | None = None,
     tau: str = "profile",
-    tenant_weights: Mapping[str | None, float] | None = None,
+    tenant_weights: Mapping[Any, float] | None = None,
 ) -> PolicyResult:
     """Run one policy over the workload; returns per-agent finish times and counters.
     `seed` seeds a policy that learns online (ewsjf's tuner): same seed, same run.
@@ -451,7 +452,7 @@ def run_comparison(
     backfill: bool = False,
     seed: int = 0,
     tau: str = "profile",
-    tenant_weights: Mapping[str | None, float] | None = None,
+    tenant_weights: Mapping[Any, float] | None = None,
 ) -> list[PolicyResult]:
     """Every policy on the same workload, predictions and GPS reference (`tau`: `simulate`'s)."""
     agents = sorted(agents, key=lambda a: a.arrival)
@@ -467,7 +468,7 @@ def run_comparison(
 
 
 def reference_finish_times(agents: Sequence[AgentSpec], rate: float,
-                           tenant_weights: Mapping[str | None, float] | None = None) -> list[float]:
+                           tenant_weights: Mapping[Any, float] | None = None) -> list[float]:
     """The GPS fluid finish times `gps_finish_s` reports: flat GPS over the agents, or, when
     agents name tenants, hierarchical GPS (tenants by weight, then their agents)."""
     arrivals, costs = [a.arrival for a in agents], [a.kv_cost_shared for a in agents]
