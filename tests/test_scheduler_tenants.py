@@ -249,3 +249,18 @@ def test_workload_tenant_field_is_read_and_written() -> None:
     assert a.tenant == "acme" and a.to_json()["tenant"] == "acme"
     b = parse_agent({"id": "b", "arrival": 0, "stages": [[{"p": 1, "d": 1}]]})
     assert b.tenant is None and "tenant" not in b.to_json()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_agents_of_several_tenants_finish_within_their_hierarchical_bound(seed: int) -> None:
+    rng = random.Random(seed)
+    agents = []
+    for i in range(rng.randint(3, 14)):
+        stages = [[(rng.randint(50, 1500), rng.randint(1, 300)) for _ in range(rng.randint(1, 4))]
+                  for _ in range(rng.randint(1, 4))]
+        agents.append(AgentSpec(f"a{i}", "t", rng.uniform(0, 20), stages, tenant=rng.choice("ABC")))
+    agents.sort(key=lambda a: a.arrival)
+    res = simulate(agents, "justitia", get_profile("a100-llama7b"), rng.choice([3000, 6000, 12000]),
+                   make_predictions(agents), isolated=[0.0] * len(agents))
+    for a in res.agents:
+        assert a.finish_s <= a.gps_finish_s + a.delay_bound_s + 1e-6, a
