@@ -249,6 +249,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                 quotas=Quotas(PerTenant(config.max_agents, config.tenant_max_agents),
                               PerTenant(config.max_queued, config.tenant_max_queued),
                               PerTenant(config.max_agent_bytes, config.tenant_max_agent_bytes)),
+                tenant_weights=dict(config.tenant_weights),
             ),
             predictors=predictors,
             history=history,

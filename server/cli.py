@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 from pathlib import Path
@@ -89,7 +90,11 @@ def register(commands: Commands) -> None:
     serve.add_argument("--max-queued", action="append", default=[], metavar="[TENANT=]N",
                        help="per-tenant quota of requests waiting for admission; requests over "
                             "it get 429 with Retry-After (same syntax as --max-agents; default: "
-                            "no quota)")
+                            "4096 per tenant; a bare 'off' lifts it for every tenant)")
+    serve.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=W",
+                       help="the tenant's weight in the fair share among tenants: the engine is "
+                            "shared among tenants in proportion to their weights, then among each "
+                            "tenant's agents (repeatable; default 1 for every tenant)")
     serve.add_argument("--max-agent-bytes", action="append", default=[], metavar="[TENANT=]SIZE",
                        help="per-tenant quota of memory held by live agents: the bytes of their "
                             "kept prompts (up to 64 KiB each) and metadata (up to 64 KiB each); "
@@ -170,6 +175,7 @@ def _parse_api_keys(items: list[str]) -> dict[str, str]:
 def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]:
     """The limit options as ServerConfig fields; overrides must name a known tenant."""
     from server.auth import DEFAULT_TENANT
+    from server.config import DEFAULT_MAX_QUEUED
     from server.limits import Rate, parse_bytes, parse_count, parse_per_tenant, parse_tokens
 
     known = tenants or {DEFAULT_TENANT}
@@ -177,7 +183,7 @@ def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]
     for option, items, parse in (("--rate-limit", args.rate_limit, Rate.parse),
                                  ("--max-request-tokens", args.max_request_tokens, parse_tokens),
                                  ("--max-agents", args.max_agents, parse_count),
-                                 ("--max-queued", args.max_queued, parse_count),
+                                 ("--max-queued", [i for i in args.max_queued if i != "off"], parse_count),
                                  ("--max-agent-bytes", args.max_agent_bytes, parse_bytes)):
         try:
             parsed[option] = limits = parse_per_tenant(items, parse)
@@ -190,12 +196,33 @@ def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]
                                f"no --api-key defines (tenants: {', '.join(sorted(known))})")
     rate, size = parsed["--rate-limit"], parsed["--max-request-tokens"]
     agents, queued = parsed["--max-agents"], parsed["--max-queued"]
+    # a safe default: a tenant cannot queue without bound unless the operator says so
+    max_queued = queued.default if queued.default is not None or "off" in args.max_queued else DEFAULT_MAX_QUEUED
     return {"rate_limit": rate.default, "tenant_rate_limits": rate.overrides,
             "max_request_tokens": size.default, "tenant_max_request_tokens": size.overrides,
             "max_agents": agents.default, "tenant_max_agents": agents.overrides,
-            "max_queued": queued.default, "tenant_max_queued": queued.overrides,
+            "max_queued": max_queued, "tenant_max_queued": queued.overrides,
+            "tenant_weights": _parse_tenant_weights(args.tenant_weight, known),
             "max_agent_bytes": parsed["--max-agent-bytes"].default,
             "tenant_max_agent_bytes": parsed["--max-agent-bytes"].overrides}
+
+
+def _parse_tenant_weights(items: list[str], known: set[str]) -> dict[str, float]:
+    """--tenant-weight TENANT=W: a positive weight for a tenant an --api-key defines."""
+    weights: dict[str, float] = {}
+    for item in items:
+        tenant, sep, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not sep or not tenant or not 0 < weight < math.inf:
+            raise CommandError(f"--tenant-weight takes TENANT=W with W a positive number, got {item!r}")
+        if tenant not in known:
+            raise CommandError(f"--tenant-weight names tenant {tenant!r} that no --api-key defines "
+                               f"(tenants: {', '.join(sorted(known))})")
+        weights[tenant] = weight
+    return weights
 
 
 def _is_loopback(host: str) -> bool:

@@ -6,6 +6,9 @@ from pydantic import BaseModel, Field
 
 from server.limits import Rate
 
+# Requests a tenant may have waiting for admission unless told otherwise (--max-queued).
+DEFAULT_MAX_QUEUED = 4096
+
 
 class ServerConfig(BaseModel):
     model: str | None = Field(
@@ -75,9 +78,12 @@ class ServerConfig(BaseModel):
     )
     max_agents: int | None = Field(default=None, ge=1, description="Live agents per tenant.")
     tenant_max_agents: dict[str, int | None] = Field(default_factory=dict)
-    max_queued: int | None = Field(default=None, ge=1,
-                                   description="Queued (not yet admitted) requests per tenant.")
+    max_queued: int | None = Field(default=DEFAULT_MAX_QUEUED, ge=1,
+                                   description="Queued (not yet admitted) requests per tenant (None: no quota).")
     tenant_max_queued: dict[str, int | None] = Field(default_factory=dict)
+    # Hierarchical fair share: a tenant's weight in the engine's share among tenants (default 1).
+    tenant_weights: dict[str, float] = Field(default_factory=dict,
+                                             description="tenant -> its weight in the fair share among tenants")
     max_agent_bytes: int | None = Field(default=None, ge=1,
                                         description="Bytes of prompts and metadata held by a tenant's live agents.")
     tenant_max_agent_bytes: dict[str, int | None] = Field(default_factory=dict)

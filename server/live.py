@@ -118,6 +118,8 @@ class LiveConfig:
     housekeeping_s: float = 1.0
     eta_refresh_s: float = 0.25  # ETAs are replayed this often, off the request path
     quotas: Quotas = field(default_factory=Quotas)
+    # tenant -> its weight in the hierarchical fair share (default 1; tenant_clock.py)
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     # Where the engine's time model starts before it has seen a step (server/scheduler/time_model.py).
     time_model_prior: TimeModel = DEFAULT_PRIOR
     # The prior was measured on this engine (`serve --profile`, a `bench calibrate` file): it
@@ -181,6 +183,7 @@ class LiveScheduler:
             now=0.0,
             block_size=engine.info.block_size,
             context_tokens=engine.info.max_model_len,
+            tenant_weights=config.tenant_weights,
         )
         # R = M / tau must be the rate the engine really serves with the memory it fills,
         # not M over the raw step time (see server/scheduler/rate.py).

@@ -105,3 +105,21 @@ def test_every_command_offers_every_policy_of_the_scheduler() -> None:
     for command in (("bench", "sim"), ("bench", "live")):
         text = " ".join(run_cli(*command, "--help").stdout.split())
         assert ", ".join(POLICY_NAMES) in text
+
+
+def test_serve_tenant_weights_and_the_queued_quota_default() -> None:
+    from justitia_cli import CommandError, build_parser
+    from server.cli import _parse_limits
+
+    def limits(*argv: str) -> dict:
+        args = build_parser().parse_args(["serve", *argv])
+        return _parse_limits(args, {"alice", "bob"})
+
+    parsed = limits("--tenant-weight", "alice=3", "--tenant-weight", "bob=0.5")
+    assert parsed["tenant_weights"] == {"alice": 3.0, "bob": 0.5}
+    assert parsed["max_queued"] == 4096  # a safe default quota of queued requests per tenant
+    assert limits("--max-queued", "off")["max_queued"] is None
+    assert limits("--max-queued", "10")["max_queued"] == 10
+    for bad in ("carol=2", "alice=0", "alice=x", "alice"):
+        with pytest.raises(CommandError, match="--tenant-weight"):
+            limits("--tenant-weight", bad)

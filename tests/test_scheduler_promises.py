@@ -327,14 +327,19 @@ def test_a_huge_declaration_widens_only_its_own_tenants_bounds() -> None:
     assert d.register_agent("v", 20_000.0, 1.0, tenant="B").delay_bound_s == pytest.approx(before)
 
 
-def test_real_work_does_set_c_max_for_everyone() -> None:
+def test_real_work_sets_c_max_for_its_own_tenant() -> None:
     d = Dispatcher("justitia", 1000, 0.1)
     d.register_agent("big", 10.0, 0.0, tenant="A")  # under-declared...
     for i in range(4):
         d.submit(req(f"b{i}", "big", 500, 500), 0.0)  # ...but real requests are work
     real = 4 * kv_cost(500, 500)
+    # its own tenant's agents are promised against it
+    assert d.register_agent("y", 1_000.0, 0.0, tenant="A").bound.lag_s == pytest.approx(
+        (2 * kv_cost(500, 500) + real) / 10_000)
+    # another tenant's: against its requests (they may block it), not its agent's total,
+    # which under the hierarchical fair share takes A's share only
     lag = d.register_agent("x", 1_000.0, 0.0, tenant="B").bound.lag_s
-    assert lag == pytest.approx((2 * kv_cost(500, 500) + real) / 10_000)
+    assert lag == pytest.approx((2 * kv_cost(500, 500) + 1_000.0) / 10_000)
 
 
 # -- deadlines that hold ----------------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 - `cost`: KV token-time and compute-token cost of a request.
 - `virtual_clock`: the GPS virtual clock (virtual finish tags, O(log n) per event).
-- `gps_reference`: an exact offline GPS fluid simulation (the reference in tests).
+- `tenant_clock`: hierarchical GPS (tenants weighted, then their agents); the flat clock
+  while there is one tenant.
+- `gps_reference`: exact offline GPS fluid simulations, flat and hierarchical (the references
+  in tests).
 - `policies`: ordering keys and admission rules of fcfs, sjf, vtc, parrot, srjf, justitia,
   justitia-c, and the stateful baselines ewsjf and equinox.
 - `ewsjf`, `tuner`: EWSJF's partitioning, group queues and online (Thompson sampling) tuner.
@@ -17,11 +20,12 @@
 from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
 from .cost import COMPUTE, KV, compute_cost, cost_function, decode_for_kv_cost, kv_cost, kv_footprint
 from .dispatcher import Dispatcher
-from .gps_reference import gps_finish_times
+from .gps_reference import gps_finish_times, hierarchical_gps_finish_times
 from .policies import POLICIES, POLICY_NAMES, Policy, get_policy
 from .queues import AgentHeapQueue, RequestQueue
 from .rate import TauEstimator
 from .state import AgentState, AgentView, RequestSpec, RequestState, RequestStatus, SchedulerContext
+from .tenant_clock import TenantClock
 from .virtual_clock import VirtualClock
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "RequestStatus",
     "SchedulerContext",
     "TauEstimator",
+    "TenantClock",
     "VirtualClock",
     "compute_cost",
     "cost_function",
@@ -50,6 +55,7 @@ __all__ = [
     "delay_bound",
     "get_policy",
     "gps_finish_times",
+    "hierarchical_gps_finish_times",
     "kv_cost",
     "kv_footprint",
 ]

@@ -55,10 +55,11 @@ token-time plus what its hold adds to its agent's (`PrefixLedger`). justitia-noc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .bounds import AgentShape, BoundLimits, delay_bound
@@ -66,7 +67,7 @@ from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprin
 from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S, EtaPass, TimeModel, WorkArrivals, eta_of, step_function
 from .policies import FOOTPRINT, Justitia, Policy, get_policy
 from .prefix import PrefixHolds, PrefixLedger, private_kv_cost, segments, shared_tokens, uncached_prompt
-from .queues import RequestQueue
+from .queues import RequestQueue, TenantQueue
 from .state import (
     AgentState,
     AgentView,
@@ -76,7 +77,7 @@ from .state import (
     RequestState,
     RequestStatus,
 )
-from .virtual_clock import VirtualClock
+from .tenant_clock import HierProjection, TenantClock
 
 __all__ = ["AgentState", "AgentView", "Dispatcher", "RequestSpec", "RequestState", "RequestStatus"]
 
@@ -106,6 +107,8 @@ class Dispatcher:
         time_model: TimeModel | None = None,
         arrival_window_s: float = 60.0,
         context_tokens: int | None = None,
+        tenant_weights: Mapping[Any, float] | None = None,
+        tenant_limits: Mapping[str | None, BoundLimits] | None = None,
     ) -> None:
         # A stateful policy (ewsjf, equinox) gets an instance of its own, seeded.
         self.policy = (get_policy(policy) if isinstance(policy, str) else policy).bind(seed)
@@ -140,6 +143,7 @@ class Dispatcher:
         self.prefix_block = self.block_size * max(1, PREFIX_UNIT_TOKENS // self.block_size)
         self.backfill_depth = backfill_depth
         self._declared_limits = limits
+        self._tenant_limits = dict(tenant_limits or {})  # declared per tenant (over `limits`)
         # The longest request the engine takes (prompt and output): what bounds requests
         # before any is seen (None: nothing).
         self.context_tokens = context_tokens
@@ -148,7 +152,9 @@ class Dispatcher:
         # justitia-c keeps its clock in compute tokens; its rate is M/tau converted with the
         # compute/KV ratio of the requests submitted so far (1/256 before any).
         self._mix = CostMix()
-        self.clock = VirtualClock(rate=self._rate(), now=now)
+        # Hierarchical GPS: tenants (weighted by `tenant_weights`, default 1) first, then their
+        # agents; with one tenant, the flat GPS clock (tenant_clock.py).
+        self.clock = TenantClock(rate=self._rate(), now=now, weights=tenant_weights)
         self.agents: dict[str, AgentState] = {}
         self.requests: dict[str, RequestState] = {}
         self._seq = itertools.count()
@@ -233,6 +239,9 @@ class Dispatcher:
     def limits_for(self, tenant: str | None) -> BoundLimits:
         """The limits an agent of `tenant` is promised against: the operator's, or what the
         scheduler can trust (real work of anyone, predictions of `tenant` only)."""
+        declared = self._tenant_limits.get(tenant)
+        if declared is not None:
+            return declared
         if self._declared_limits is not None:
             return self._declared_limits
         limits = self._observed.as_limits(tenant)
@@ -296,7 +305,7 @@ class Dispatcher:
             submitted_at=now,
             predicted_cost=predicted_cost,
             charged_cost=charge,
-            virtual_finish=self.clock.peek(now).V + charge,  # provisional until it enters B
+            virtual_finish=self.clock.tenant_v(tenant, now) + charge,  # provisional until it enters B
             bound=None,  # type: ignore[arg-type]  # set just below
             shape=shape or AgentShape(),
             eta_shape=eta_shape,
@@ -318,7 +327,7 @@ class Dispatcher:
         An agent that waited after registering has its deadline moved by its own wait."""
         agent.in_reference = True
         agent.fair_at = None  # the pass projected it as if joining then; it joins now
-        agent.virtual_finish = self.clock.arrive(agent.agent_id, agent.charged_cost, now)
+        agent.virtual_finish = self.clock.arrive(agent.agent_id, agent.charged_cost, now, agent.tenant)
         if now > agent.submitted_at:
             self._promise(agent, now)
 
@@ -328,7 +337,7 @@ class Dispatcher:
         pessimistic iteration time. Never a promise the scheduler expects to break: where
         its assumptions fail, the promise is widened and says why. Made again when the
         agent starts late or over-runs; it then only moves later."""
-        v = self.clock.peek(now).V
+        v = self.clock.tenant_v(agent.tenant, now)
         # A predicted cost may be short of the real one. An agent that over-runs is charged
         # its excess as it shows, so its fair finish moves later with it: the promise allows
         # for the prediction's p90 (live, a fresh server promised its first agent 16.0 s on
@@ -384,8 +393,8 @@ class Dispatcher:
         if extra <= 0.0:
             return self.fair_finish_time(agent.agent_id, now)
         if not agent.in_reference:
-            return self.clock.arrival_finish_time(agent.charged_cost + extra, now)
-        return self.clock.projected_time(agent.virtual_finish + extra, now)
+            return self.clock.arrival_finish_time(agent.charged_cost + extra, now, agent.tenant)
+        return self.clock.projected_time(agent.virtual_finish + extra, now, agent.tenant)
 
     def finish_agent(self, agent_id: str, now: float) -> AgentView:
         """The agent is done: forget it (pending requests, if any, are dropped)."""
@@ -417,6 +426,8 @@ class Dispatcher:
                 self.pending_kv -= req.footprint
                 pending.append(req)
         self.queue.remove_agent(agent, pending)
+        # what it had admitted: its queued requests leave the bound's C_max with it
+        admitted_kv = agent.committed_kv - sum(req.est_kv_cost for req in pending)
         for req in pending:
             req.status = DONE
         agent.pending = 0
@@ -428,6 +439,9 @@ class Dispatcher:
                 self._ended_backlog.add(agent_id)
         self.clock.forget(agent_id)
         del self.agents[agent_id]
+        self._observed.drop(agent, admitted_kv)
+        if self.clock.hierarchical and isinstance(self.queue, TenantQueue):
+            self.queue.retag(agent.tenant)  # its settled charge moved its tenant's order
         self._flush_if_dry(now)
         return running
 
@@ -470,7 +484,7 @@ class Dispatcher:
         observed.max_output_tokens = max(observed.max_output_tokens, spec.max_tokens)
         agent.committed_kv += req.est_kv_cost
         agent.longest_decode = max(agent.longest_decode, d)
-        observed.max_agent_cost = max(observed.max_agent_cost, agent.committed_kv)
+        observed.commit(agent)
         self.requests[spec.request_id] = req
         agent.request_ids.add(spec.request_id)
         agent.requests_total += 1
@@ -558,6 +572,7 @@ class Dispatcher:
         agent.consumed_cost += real
         agent.consumed_kv += real_kv
         agent.committed_kv += real_kv - req.est_kv_cost
+        self._observed.commit(agent)
         agent.requests_done += 1
         self._commit(agent, real - req.est_cost, now)
         self.queue.requeue(agent)
@@ -719,8 +734,13 @@ class Dispatcher:
         if agent.fair_at is not None:  # the last refresh_etas pass's (views stay O(1))
             return agent.fair_at if agent.in_reference else max(now, agent.fair_at)
         if not agent.in_reference:
-            return self.clock.arrival_finish_time(agent.charged_cost, now)
+            return self.clock.arrival_finish_time(agent.charged_cost, now, agent.tenant)
         return self.clock.finish_time(agent_id, agent.virtual_finish, now)
+
+    def tenant_position(self, agent: AgentState) -> float:
+        """The agent's H-GPS finish on the tenants' virtual scale at the clock's time: the
+        order of tenants (`TenantQueue`). Its tag itself while there is one tenant."""
+        return self.clock.position(agent.agent_id, agent.virtual_finish, self.clock.now)
 
     # -- ETAs (eta.py) -------------------------------------------------------------
     def recall_registrations(self, events: Sequence[tuple[float, float]], now: float) -> int:
@@ -739,6 +759,8 @@ class Dispatcher:
         """Replay the policy's order once (O(N log N)) and cache every agent's ETA. Called
         off the request path: the live server's housekeeping, the simulator's timer."""
         self.arrivals.freeze(now)
+        for a in self._unpassed:
+            a.eta_key_at = None
         self._unpassed.clear()
         reading = self.clock.peek(now)
         v = reading.V
@@ -747,7 +769,12 @@ class Dispatcher:
         policy, it = self.policy, self._iteration_s()
         rate, per_unit, prefill_work = self._replay_rates()
         agents = list(self.agents.values())
-        keys = list(map(policy.static_key, agents))
+        hier = self.clock.hierarchical
+        if hier:  # tenants first: replay in the order of the agents' H-GPS finish
+            keys = [self._eta_key(a, now, fair) for a in agents]
+            tenant_v = {t: self.clock.tenant_v(t, now) for t in {a.tenant for a in agents}}
+        else:
+            keys = list(map(policy.static_key, agents))
         order = sorted(range(len(agents)), key=keys.__getitem__)
         keys = [keys[i] for i in order]
         prefix = [0.0] * (len(agents) + 1)
@@ -779,7 +806,7 @@ class Dispatcher:
                 work = own * per_unit
             else:
                 work = own + left * shape.prefill_tokens * prefill_work
-            g = gap(a, v, closing) if scale else 0.0
+            g = (gap(a, tenant_v[a.tenant] if hier else v, closing)) if scale else 0.0
             arriving = scale * cprefix[bisect_left(costs, g)] if g > 0.0 else 0.0
             r = rate - (arriving if arriving < cap else cap)
             if arriving > 0.0 and total + work > r * span:  # arrivals end after `span` (served_by)
@@ -794,12 +821,31 @@ class Dispatcher:
             start = total / r
             finish = (total + work) / r
             a.eta_at = now + (finish if finish > start + path else start + path)
-            a.fair_at = fair.finish.get(a.agent_id) if a.in_reference else fair.arrival(a.charged_cost)
+            if not a.in_reference:
+                a.fair_at = fair.arrival(a.charged_cost, a.tenant) if isinstance(fair, HierProjection) \
+                    else fair.arrival(a.charged_cost)
+            else:
+                a.fair_at = fair.finish.get(a.agent_id)
             total += work
             prefix[k + 1] = total
         self._eta = EtaPass(now, rate, keys, prefix)
         # ended agents that GPS has finished since need no flush
         self._ended_backlog = {k for k in self._ended_backlog if self.clock.tag(k) is not None}
+
+    def _eta_key(self, agent: AgentState, now: float, fair: Any = None) -> Any:
+        """The agent's place in the ETA replay: the policy's static key, or, with several
+        tenants under a tag-ordered policy, its H-GPS finish (tags of different tenants are
+        on different scales)."""
+        if not self.clock.hierarchical or not isinstance(self.policy, Justitia):
+            return self.policy.static_key(agent)
+        if fair is not None:
+            t = (fair.finish.get(agent.agent_id) if agent.in_reference
+                 else fair.arrival(agent.charged_cost, agent.tenant))
+            if t is not None:
+                return (t, agent.seq)
+        if agent.eta_key_at is None:  # once per agent between passes (a burst's registrations)
+            agent.eta_key_at = self.fair_finish_time(agent.agent_id, now)
+        return (agent.eta_key_at, agent.seq)
 
     @property
     def eta_rate(self) -> float:
@@ -938,12 +984,13 @@ class Dispatcher:
         agent = self._agent(agent_id)
         if agent.eta_at is not None:
             return max(now, agent.eta_at)
-        key = self.policy.static_key(agent)
+        key = self._eta_key(agent, now)
         rates = self._replay_rates()
         before = self._eta.work_before(key) if self._eta is not None else 0.0
-        before += self._unpassed_work_before(agent, key, rates)
+        before += self._unpassed_work_before(agent, key, rates, now)
         reading = self.clock.peek(now)
-        ahead = self.arrivals.ahead(self.policy.arrival_gap(agent, reading.V, self._gap_closing(reading.backlog)))
+        v = self.clock.tenant_v(agent.tenant, now) if self.clock.hierarchical else reading.V
+        ahead = self.arrivals.ahead(self.policy.arrival_gap(agent, v, self._gap_closing(reading.backlog)))
         return eta_of(now, before, self._replay_work(agent, rates), rates[0], ahead * rates[1],
                       self._critical_path_s(agent, self._iteration_s()), self.arrivals.span_s)
 
@@ -956,13 +1003,16 @@ class Dispatcher:
             return own * per_unit
         return own + own / total * prefill * prefill_work
 
-    def _unpassed_work_before(self, agent: AgentState, key: Any, rates: tuple[float, float, float]) -> float:
+    def _unpassed_work_before(self, agent: AgentState, key: Any, rates: tuple[float, float, float],
+                              now: float = 0.0) -> float:
         """Remaining work of the agents registered since the last pass that the policy
         orders before `agent`. A burst registers faster than passes run (every few hundred
         ms); without this, each of its agents got an ETA as if it were alone (the demo's 18
         agents, submitted at once: a first ETA of 0.0 s each, JCTs of 0.5-1.7 s)."""
         work = 0.0
-        static_key = self.policy.static_key
+        static_key: Callable[[AgentState], Any] = self.policy.static_key
+        if self.clock.hierarchical and isinstance(self.policy, Justitia):
+            static_key = functools.partial(self._eta_key, now=now)
         for a in self._unpassed:
             if a is not agent and self.agents.get(a.agent_id) is a and static_key(a) < key:
                 work += self._replay_work(a, rates)

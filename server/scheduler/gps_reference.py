@@ -7,7 +7,8 @@ departure), in O(n^2). Tests compare the two; the simulator reports `gps_finish_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], rate: float) -> list[float]:
@@ -56,4 +57,66 @@ def gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], rate: fl
                 finish[i] = max(t, arrivals[i])
             else:
                 remaining[i] = float(costs[i])
+    return finish
+
+
+def hierarchical_gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], tenants: Sequence[object],  # noqa: C901
+                                  rate: float, weights: Mapping[Any, float] | None = None) -> list[float]:
+    """Hierarchical GPS fluid finish time of every agent (same order as the inputs).
+
+    The rate R is shared among the tenants that have work left, in proportion to their
+    weights (default 1), and each tenant's share equally among its agents that have work
+    left. Independent of `TenantClock` on purpose: remaining work, event by event, O(n^2).
+    With one tenant it is `gps_finish_times`.
+    """
+    if not len(arrivals) == len(costs) == len(tenants):
+        raise ValueError("arrivals, costs and tenants differ in length")
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    weights = weights or {}
+    order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
+    finish = [0.0] * len(arrivals)
+    remaining: dict[int, float] = {}
+    t = 0.0
+    k = 0
+    eps = 1e-9
+
+    count: dict[object, int] = {}  # tenant -> its agents with work left
+
+    def speeds() -> dict[int, float]:
+        wsum = sum(weights.get(tn, 1.0) for tn in count)
+        share = {tn: rate * weights.get(tn, 1.0) / wsum / n for tn, n in count.items()}
+        return {j: share[tenants[j]] for j in remaining}
+
+    while k < len(order) or remaining:
+        next_arrival = arrivals[order[k]] if k < len(order) else float("inf")
+        if not remaining:
+            t = max(t, next_arrival)
+        if remaining:
+            speed = speeds()
+            j_min = min(remaining, key=lambda j: (remaining[j] / speed[j], j))
+            dt = remaining[j_min] / speed[j_min]
+            if t + dt <= next_arrival:
+                t += dt
+                for j in list(remaining):
+                    remaining[j] -= speed[j] * dt
+                    if remaining[j] <= eps * max(1.0, speed[j] * dt):
+                        finish[j] = t
+                        del remaining[j]
+                        count[tenants[j]] -= 1
+                        if not count[tenants[j]]:
+                            del count[tenants[j]]
+                continue
+            dt = next_arrival - t
+            for j in remaining:
+                remaining[j] -= speed[j] * dt
+            t = next_arrival
+        while k < len(order) and arrivals[order[k]] <= t:
+            i = order[k]
+            k += 1
+            if costs[i] <= 0:
+                finish[i] = max(t, arrivals[i])
+            else:
+                remaining[i] = float(costs[i])
+                count[tenants[i]] = count.get(tenants[i], 0) + 1
     return finish

@@ -64,7 +64,7 @@ from typing import Any
 from .cost import COMPUTE, KV
 from .ewsjf import EwsjfConfig, EwsjfState, ticket_of
 from .las import LasScoreQueue, log2_add
-from .queues import AgentHeapQueue, RequestQueue
+from .queues import AgentHeapQueue, RequestQueue, TenantQueue
 from .state import (
     AgentState,
     Charge,
@@ -259,7 +259,14 @@ def closing_gap(gap: float, closing: float) -> float:
 
 
 class Justitia(Policy):
-    """GPS virtual finish tags (KV token-time, or compute tokens for justitia-c)."""
+    """GPS virtual finish tags (KV token-time, or compute tokens for justitia-c).
+
+    Tenants first: with agents of several tenants, the queue orders tenants by the
+    hierarchical GPS finish of the agent each would serve next (`TenantQueue`), and each
+    tenant's agents by their tags in the tenant's own clock (tenant_clock.py)."""
+
+    def make_queue(self, ctx: SchedulerContext, backfill_depth: int) -> RequestQueue:
+        return TenantQueue(self.agent_key, ctx.tenant_position, backfill_depth)
 
     def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
         return (agent.virtual_finish, agent.seq, head.seq)

@@ -150,3 +150,119 @@ class AgentHeapQueue:
                 return agent
             heapq.heappop(heap)
         return None
+
+
+TenantPosition = Callable[[AgentState], float]
+
+
+class TenantQueue:
+    """Tenants first, then agents (hierarchical fair share; tenant_clock.py).
+
+    Each tenant's agents wait in an `AgentHeapQueue` of their own, in the policy's order;
+    the tenants wait in a heap keyed by `position(leader)`: the H-GPS finish, on the top
+    level's virtual scale, of the agent the tenant would serve next. A position moves only
+    with an event of its own tenant, so a tenant is re-keyed when one of its agents is
+    (`requeue`) and nothing else is touched. With one tenant the queue is that tenant's
+    `AgentHeapQueue`, decision for decision."""
+
+    def __init__(self, key: AgentKey, position: TenantPosition, backfill_depth: int = 0) -> None:
+        self._key = key
+        self._position = position
+        self._depth = backfill_depth
+        self._queues: dict[object, AgentHeapQueue] = {}
+        self._order: dict[object, int] = {}  # tenant -> first-seen rank (ties)
+        self._heap: list[tuple[float, int, int, object]] = []  # (position, version, rank, tenant)
+        self._version: dict[object, int] = {}
+        self._deferred: list[object] = []  # tenants with an agent set aside
+        self._set_aside = 0
+        self._solo: AgentHeapQueue | None = None
+
+    def _queue(self, tenant: object) -> AgentHeapQueue:
+        q = self._queues.get(tenant)
+        if q is None:
+            q = self._queues[tenant] = AgentHeapQueue(self._key, self._depth)
+            self._order[tenant] = len(self._order)
+            self._version[tenant] = 0
+            if len(self._queues) == 1:
+                self._solo = q
+            else:
+                self._solo = None
+                for other in self._queues:  # two tenants now: order them
+                    if other != tenant:
+                        self._retag(other)
+        return q
+
+    def _retag(self, tenant: object) -> None:
+        if self._solo is not None:
+            return
+        q = self._queues[tenant]
+        self._version[tenant] += 1
+        leader = q.leader()
+        if leader is not None:
+            heapq.heappush(self._heap, (self._position(leader), self._version[tenant], self._order[tenant], tenant))
+
+    def _top(self) -> AgentHeapQueue | None:
+        if self._solo is not None:
+            return self._solo
+        heap = self._heap
+        while heap:
+            _, version, _, tenant = heap[0]
+            if self._version[tenant] == version:
+                return self._queues[tenant]
+            heapq.heappop(heap)
+        return None
+
+    def push(self, agent: AgentState, req: RequestState) -> None:
+        self._queue(agent.tenant).push(agent, req)
+
+    def peek(self, now: float) -> RequestState | None:
+        q = self._top()
+        return q.peek(now) if q is not None else None
+
+    def pop(self, agent: AgentState, req: RequestState) -> None:
+        self._queue(agent.tenant).pop(agent, req)
+
+    def remove(self, agent: AgentState, req: RequestState) -> None:
+        self._queue(agent.tenant).remove(agent, req)
+
+    def remove_agent(self, agent: AgentState, pending: list[RequestState]) -> None:
+        self._queue(agent.tenant).remove_agent(agent, pending)
+        self._retag(agent.tenant)
+
+    def requeue(self, agent: AgentState) -> None:
+        self._queue(agent.tenant).requeue(agent)
+        self._retag(agent.tenant)
+
+    def retag(self, tenant: object) -> None:
+        """Something in the tenant's clock moved (an agent settled or left): re-key it."""
+        if tenant in self._queues:
+            self._retag(tenant)
+
+    def defer(self) -> bool:
+        if self._set_aside >= self._depth:
+            return False
+        q = self._top()
+        if q is None:
+            return False
+        tenant = next(t for t, tq in self._queues.items() if tq is q)
+        if not q.defer():
+            return False
+        self._set_aside += 1
+        if tenant not in self._deferred:
+            self._deferred.append(tenant)
+        self._retag(tenant)
+        return True
+
+    def restore(self) -> None:
+        for tenant in self._deferred:
+            self._queues[tenant].restore()
+            self._retag(tenant)
+        self._deferred.clear()
+        self._set_aside = 0
+
+    def head(self, agent: AgentState) -> RequestState | None:
+        return agent.heap[0][2] if agent.heap else None
+
+    def leader(self) -> AgentState | None:
+        q = self._top()
+        return q.leader() if q is not None else None

@@ -11,6 +11,7 @@ docs/concepts.md explains the policies.
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -135,6 +136,8 @@ class AgentState:
     # In the GPS reference (B) only from its first request on: an agent that never sends
     # one does not slow the virtual clock (docs/concepts.md, "Promises no one else can break").
     in_reference: bool = False
+    ended: bool = False  # finished, cancelled or expired: gone from the dispatcher's tables
+    eta_key_at: float | None = None  # several tenants: its H-GPS finish, for ETAs before the next pass
     eta_at: float | None = None  # ETA (caller's clock) from the last refresh_etas pass
     fair_at: float | None = None  # GPS finish from that pass (None: its tag changed since)
     deadline_at: float | None = None  # the promised deadline (caller's clock), set at registration
@@ -206,23 +209,59 @@ class ObservedLimits:
     declared.
 
     c_max and d_max come from submitted requests (real prompts and max_tokens, which the
-    server caps at the engine's context length). C_max is the largest *real* agent cost seen
-    (KV token-time of its submitted requests, corrected to their true lengths), and, for an
-    agent's own bound, the predictions of its own tenant: a declaration widens the bounds of
-    the tenant that made it and no one else's.
+    server caps at the engine's context length). C_max is per tenant: the largest *real*
+    agent cost of the agent's own tenant (KV token-time of the submitted requests of its
+    live agents, corrected to their true lengths as they finish; of its ended agents, what
+    was admitted), and its own predictions. Another tenant's agents, declarations and
+    queued-then-cancelled requests widen no one else's bound: under the hierarchical fair
+    share another tenant's work takes that tenant's share, not this agent's (docs/concepts.md).
     """
 
     max_request_cost: float = 0.0  # c_max: KV token-time of the largest request
-    max_agent_cost: float = 0.0  # C_max: largest committed KV token-time of any agent
+    max_agent_cost: float = 0.0  # largest committed KV token-time of any agent (reported)
     max_output_tokens: int = 0  # d_max: the largest max_tokens
     declared: dict[str | None, float] = field(default_factory=dict)  # tenant -> largest prediction
+    # tenant -> heap of (-committed KV, agent seq, agent) of its live agents (lazy: stale
+    # entries, whose agent ended or committed more since, are dropped when they surface)
+    live: dict[str | None, list[tuple[float, int, AgentState]]] = field(default_factory=dict)
+    ended: dict[str | None, float] = field(default_factory=dict)  # tenant -> largest admitted work of an ended agent
+    _kept: dict[str | None, int] = field(default_factory=dict)  # live heap sizes after the last compaction
 
     def declare(self, tenant: str | None, predicted_cost: float) -> None:
         self.declared[tenant] = max(self.declared.get(tenant, 0.0), predicted_cost)
 
+    def commit(self, agent: AgentState) -> None:
+        """The agent's committed KV changed (a request submitted, or corrected as it ended)."""
+        self.max_agent_cost = max(self.max_agent_cost, agent.committed_kv)
+        heap = self.live.setdefault(agent.tenant, [])
+        heapq.heappush(heap, (-agent.committed_kv, agent.seq, agent))
+        if len(heap) > 64 and len(heap) > 4 * self._kept.get(agent.tenant, 0):
+            # stale entries below the top: keep each live agent's current one
+            fresh = {a.seq: (c, s, a) for c, s, a in heap if not a.ended and a.committed_kv == -c}
+            heap[:] = list(fresh.values())
+            heapq.heapify(heap)
+            self._kept[agent.tenant] = len(heap)
+
+    def drop(self, agent: AgentState, admitted_kv: float) -> None:
+        """The agent ended; `admitted_kv`: the work it really had admitted (its queued
+        requests, dropped, are not counted)."""
+        agent.ended = True  # its live entries are stale from now on
+        if admitted_kv > self.ended.get(agent.tenant, 0.0):
+            self.ended[agent.tenant] = admitted_kv
+
+    def agent_cost(self, tenant: str | None) -> float:
+        """C_max of `tenant`'s bounds."""
+        best = max(self.ended.get(tenant, 0.0), self.declared.get(tenant, 0.0))
+        heap = self.live.get(tenant)
+        while heap:
+            cost, _, agent = heap[0]
+            if not agent.ended and agent.committed_kv == -cost:
+                return max(best, -cost)
+            heapq.heappop(heap)
+        return best
+
     def as_limits(self, tenant: str | None = None) -> BoundLimits:
-        c_big = max(self.max_agent_cost, self.declared.get(tenant, 0.0))
-        return BoundLimits(self.max_request_cost, c_big, int(self.max_output_tokens))
+        return BoundLimits(self.max_request_cost, self.agent_cost(tenant), int(self.max_output_tokens))
 
 
 @dataclass
@@ -254,4 +293,9 @@ class SchedulerContext(Protocol):
 
     def leader(self) -> AgentState | None:
         """The agent whose head request is admitted next (agent-keyed queues), or None."""
+        ...
+
+    def tenant_position(self, agent: AgentState) -> float:
+        """The agent's hierarchical GPS finish on the tenants' virtual scale (the order of
+        tenants, tenant_clock.py), at the clock's current time."""
         ...

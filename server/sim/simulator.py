@@ -11,10 +11,20 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from server.scheduler import AgentShape, BoundLimits, Dispatcher, Policy, RequestSpec, get_policy, gps_finish_times
+from server.scheduler import (
+    AgentShape,
+    BoundLimits,
+    Dispatcher,
+    Policy,
+    RequestSpec,
+    get_policy,
+    gps_finish_times,
+    hierarchical_gps_finish_times,
+)
 from server.scheduler.cost import KV, kv_cost
 from server.scheduler.policies import FOOTPRINT, Justitia
 from server.scheduler.prefix import segments
@@ -94,6 +104,17 @@ def workload_limits(agents: Sequence[AgentSpec]) -> BoundLimits:
         max_agent_cost=max((a.kv_cost for a in agents), default=0.0),
         max_output_tokens=max((d for _, d in reqs), default=0),
     )
+
+
+def tenant_limits(agents: Sequence[AgentSpec]) -> dict[str | None, BoundLimits] | None:
+    """Per tenant, the workload's limits with C_max that of the tenant's own agents (None
+    when the agents name fewer than two tenants: the workload's limits hold for all)."""
+    tenants = {a.tenant for a in agents}
+    if len(tenants) < 2:
+        return None
+    whole = workload_limits(agents)
+    return {t: BoundLimits(whole.max_request_cost, max(a.kv_cost for a in agents if a.tenant == t),
+                           whole.max_output_tokens) for t in tenants}
 
 
 @dataclass
@@ -233,6 +254,7 @@ def simulate(
     seed: int = 0,
     isolated: Sequence[float] | None = None,
     tau: str = "profile",
+    tenant_weights: Mapping[Any, float] | None = None,
 ) -> PolicyResult:
     """Run one policy over the workload; returns per-agent finish times and counters.
     `seed` seeds a policy that learns online (ewsjf's tuner): same seed, same run.
@@ -254,13 +276,13 @@ def simulate(
     predictions = predictions or make_predictions(agents)
     limits = workload_limits(agents)
     if gps_finish is None:
-        gps_finish = gps_finish_times([a.arrival for a in agents], [a.kv_cost_shared for a in agents],
-                                       m / profile_tau)
+        gps_finish = reference_finish_times(agents, m / profile_tau, tenant_weights)
     pol = get_policy(policy) if isinstance(policy, str) else policy
     # measured: the loop hands the estimator's guess (and its widened promises) over at t = 0,
     # before the first agent registers
     disp = Dispatcher(pol, m, profile_tau if estimator is None else estimator.tau_s, limits=limits,
-                      backfill=backfill, seed=seed, time_model=profile)
+                      backfill=backfill, seed=seed, time_model=profile, tenant_weights=tenant_weights,
+                      tenant_limits=tenant_limits(agents))
     engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"))
 
     run = _Run(agents, disp, engine, predictions, estimator)
@@ -371,7 +393,7 @@ class _Run:
         while self.nxt < len(self.agents) and self.agents[self.nxt].arrival <= t:
             i, a = self.nxt, self.agents[self.nxt]
             view = self.disp.register_agent(
-                a.id, self.kv_predicted[i], t, agent_type=a.type,
+                a.id, self.kv_predicted[i], t, agent_type=a.type, tenant=a.tenant,
                 predicted_compute_cost=self.predictions.compute[i],
                 shape=AgentShape(len(a.stages), a.critical_path_tokens, a.prefill_tokens),
                 cost_p90=self.kv_predicted[i] * self.predictions.p90_ratio if self.predictions.p90_ratio else None,
@@ -430,16 +452,26 @@ def run_comparison(
     backfill: bool = False,
     seed: int = 0,
     tau: str = "profile",
+    tenant_weights: Mapping[Any, float] | None = None,
 ) -> list[PolicyResult]:
     """Every policy on the same workload, predictions and GPS reference (`tau`: `simulate`'s)."""
     agents = sorted(agents, key=lambda a: a.arrival)
     m = int(kv_tokens or profile.kv_tokens)
     # The GPS reference charges shared prefixes once (what the work really is; without
     # prefixes, kv_cost_shared is kv_cost): a stricter reference than the prefix-blind one.
-    gps = gps_finish_times([a.arrival for a in agents], [a.kv_cost_shared for a in agents],
-                           m / gps_tau_s(profile, m, agents))
+    gps = reference_finish_times(agents, m / gps_tau_s(profile, m, agents), tenant_weights)
     predictions = predictions or make_predictions(agents)
     isolated = isolated_jct_s(agents, profile, m)
     return [simulate(agents, p, profile, m, predictions, backfill=backfill, gps_finish=gps, seed=seed,
-                     isolated=isolated, tau=tau)
+                     isolated=isolated, tau=tau, tenant_weights=tenant_weights)
             for p in policies]
+
+
+def reference_finish_times(agents: Sequence[AgentSpec], rate: float,
+                           tenant_weights: Mapping[Any, float] | None = None) -> list[float]:
+    """The GPS fluid finish times `gps_finish_s` reports: flat GPS over the agents, or, when
+    agents name tenants, hierarchical GPS (tenants by weight, then their agents)."""
+    arrivals, costs = [a.arrival for a in agents], [a.kv_cost_shared for a in agents]
+    if len({a.tenant for a in agents}) > 1:
+        return hierarchical_gps_finish_times(arrivals, costs, [a.tenant for a in agents], rate, tenant_weights)
+    return gps_finish_times(arrivals, costs, rate)

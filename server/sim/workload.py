@@ -5,6 +5,11 @@
 
 Stages run one after another, the requests of a stage in parallel. Extra fields are ignored.
 
+An agent may carry `"tenant": "NAME"` (an addition: files without it mean what they meant
+before): the simulator then shares the engine among tenants first, then among each tenant's
+agents (hierarchical fair share, server/scheduler/tenant_clock.py), and reports GPS finish
+times under the same hierarchy.
+
 A request may carry `prefix` (DESIGN section 8, additions): one `{"id", "tokens"}` object or
 a list of them, shortest first, each extending the one before, naming the prompt prefixes it
 shares with other requests (tokens <= p). They are kept in `AgentSpec.prefixes`, keyed by
@@ -32,6 +37,7 @@ class AgentSpec:
     prompt: str = ""
     extra: dict = field(default_factory=dict)
     prefixes: dict[tuple[int, int], Chain] = field(default_factory=dict)  # (stage, index) -> chain
+    tenant: str | None = None  # whose fair share it draws on (hierarchical fair share)
 
     def prefix(self, stage: int, index: int) -> Chain:
         """The prefix chain of request `index` of `stage` (empty: nothing shared)."""
@@ -90,6 +96,8 @@ class AgentSpec:
             out["prompt"] = self.prompt
         out["stages"] = [[self._request_json(s, i, p, d) for i, (p, d) in enumerate(st)]
                          for s, st in enumerate(self.stages)]
+        if self.tenant is not None:
+            out["tenant"] = self.tenant
         out.update(self.extra)
         return out
 
@@ -153,6 +161,7 @@ def parse_agent(obj: dict, where: str = "") -> AgentSpec:
             stages=stages,
             prompt=str(obj.get("prompt") or ""),
             prefixes=prefixes,
+            tenant=None if obj.get("tenant") is None else str(obj["tenant"]),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, WorkloadError):

@@ -1,0 +1,612 @@
+"""Hierarchical GPS: tenants first, then the agents within each tenant.
+
+Flat GPS shares the rate R equally among backlogged *agents*, so a tenant that splits its
+work into more agents (or sends untagged requests, one agent each) takes more of everyone's
+share. Hierarchical GPS (H-GPS) shares R among the backlogged *tenants* in proportion to
+their weights w_t (`--tenant-weight TENANT=W`, default 1), and each tenant's share equally
+among its own backlogged agents:
+
+    top level:   dV/dt = R / sum_{t backlogged} w_t             (V: the tenants' virtual time)
+    tenant t:    W_t, its service, grows by w_t dV while t is backlogged
+    within t:    dv_t/dW_t = 1 / |B_t|,   F_j = v_t(a_j) + C_j   (an agent's tag in its tenant)
+
+A tenant is backlogged while its own agents are (B_t not empty): its remaining work is
+sum_{j in B_t} (F_j - v_t), so it leaves the top level when V reaches
+T_t = V + remaining_t / w_t. Each tenant's clock is a `VirtualClock` whose "time" is the
+tenant's service W_t (rate 1): arrivals, over-runs, cancellations and settlements inside
+a tenant are exactly the flat clock's, in the tenant's own units.
+
+Ordering across tenants. An agent's tag F_j only orders it within its tenant. Across
+tenants the dispatcher orders tenants by the H-GPS finish, on the top-level scale V, of
+each tenant's first agent in line h: P_t = V + X_h / w_t, with X_h the tenant's work GPS
+does before h finishes (sum over B_t of min(F_k, F_h) - v_t). P_t does not change as time
+passes (V grows by dV, X_h shrinks by w_t dV), nor when another tenant's work arrives; only
+an event of tenant t moves it (`position`).
+
+One tenant (the single-tenant server, a workload without tenants) is the flat clock, bit
+for bit: until a second tenant's agent arrives, every call goes to one `VirtualClock` with
+rate R on the caller's clock. At the second tenant that clock becomes the first tenant's
+clock (rebased onto its service) and the hierarchy starts from there.
+
+Like the flat clock, nothing here reads a wall clock (callers pass `now`), and reads
+(`peek`, `finish_time`, `projected_time`, `arrival_finish_time`, `projection`,
+`position`) do not move the clock. docs/concepts.md derives it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .virtual_clock import ClockReading, Projection, VirtualClock
+
+Tenant = Any  # a tenant's name (None: the one shared tenant)
+
+
+def _first(pair: tuple[float, Any]) -> float:
+    return pair[0]
+
+
+class _TenantClock(VirtualClock):
+    """A tenant's own GPS clock: the flat clock, keeping the sum of its live tags (its
+    remaining work is that sum less |B| v) and, when asked, the departures it processes."""
+
+    tag_sum: float = 0.0
+    fresh: list[tuple[object, float]] | None = None  # departures since the last collection
+
+    def _track(self, key: object, f: float) -> None:
+        super()._track(key, f)
+        self.tag_sum += f
+
+    def _untrack(self, key: object) -> None:
+        entry = self._entry.get(key)
+        if entry is not None:
+            self.tag_sum -= entry[0]
+        super()._untrack(key)
+        if not self._entry:
+            self.tag_sum = 0.0  # no drift survives an empty backlog
+
+    def remaining(self) -> float:
+        return max(0.0, self.tag_sum - len(self._tags) * self.V) if self._tags else 0.0
+
+    def advance(self, now: float) -> float:
+        if self.fresh is None:
+            return super().advance(now)
+        # the flat walk, recording each departure (key, time on this clock)
+        if now < self.now:
+            self._check_time(now)
+            return self.V
+        t = self.now
+        while self._heap:
+            f, _, key = self._heap[0]
+            if self._tags.get(key) != f:
+                heapq.heappop(self._heap)
+                continue
+            n = len(self._tags)
+            t_dep = t + (f - self.V) * n / self.rate
+            if t_dep > now:
+                break
+            heapq.heappop(self._heap)
+            del self._tags[key]
+            self._untrack(key)
+            if key in self._live:
+                self.departures[key] = t_dep
+            self.fresh.append((key, t_dep))
+            t, self.V = t_dep, f
+        if self._tags:
+            self.V += (now - t) * self.rate / len(self._tags)
+        self.now = now
+        return self.V
+
+
+@dataclass
+class HierProjection:
+    """H-GPS finish times at `now` with no further arrivals: of every backlogged agent
+    (`finish`), and of an agent that would join a tenant with some cost (`arrival`)."""
+
+    now: float
+    finish: dict[object, float]
+    clock: TenantClock
+
+    def arrival(self, cost: float, tenant: Tenant = None) -> float:
+        return self.clock.arrival_finish_time(cost, self.now, tenant)
+
+
+@dataclass
+class _TopState:
+    """The top level at some time: V, the backlogged tenants' weights and top tags."""
+
+    t: float
+    V: float
+    tags: dict[Tenant, float]  # backlogged tenant -> T_t
+
+
+class TenantClock:
+    """Hierarchical GPS over tenants (weighted) and their agents (equal shares)."""
+
+    def __init__(self, rate: float, now: float = 0.0, weights: Mapping[Tenant, float] | None = None) -> None:
+        if rate <= 0:
+            raise ValueError("rate must be positive")
+        self.weights: dict[Tenant, float] = {}
+        for tenant, w in (weights or {}).items():
+            if not w > 0:
+                raise ValueError(f"tenant weight must be positive: {tenant!r}={w!r}")
+            self.weights[tenant] = float(w)
+        self.rate = rate
+        self._now = now
+        self._v = 0.0  # top level (multi-tenant only)
+        self._solo: _TenantClock | None = _TenantClock(rate=rate, now=now)
+        self._solo_tenant: Tenant = None
+        self._solo_named = False  # a tenant has arrived (the solo clock is that tenant's)
+        self._clocks: dict[Tenant, _TenantClock] = {}
+        self._tenant_of: dict[object, Tenant] = {}
+        # top level: backlogged tenants, their tags T_t and service anchors (W_a, V_a)
+        self._tags: dict[Tenant, float] = {}
+        self._anchor: dict[Tenant, tuple[float, float]] = {}
+        self._weight_sum = 0.0
+        self._heap: list[tuple[float, int, Tenant]] = []
+        self._seq = itertools.count()
+        # the current stretch of constant slope: time and V at its start
+        self._seg = (now, 0.0)
+        self._deps: dict[object, tuple[float, float]] = {}  # key -> (time, V) of its H-GPS finish
+
+    @property
+    def now(self) -> float:
+        """The time the clock was last moved to."""
+        return self._solo.now if self._solo is not None else self._now
+
+    @property
+    def departures(self) -> dict[object, float]:
+        """Key -> GPS finish time of the agents that have finished in the reference."""
+        if self._solo is not None:
+            return self._solo.departures
+        return {key: t for key, (t, _) in self._deps.items()}
+
+    @property
+    def flat(self) -> VirtualClock | None:
+        """The flat clock while there is one tenant (None once there are two)."""
+        return self._solo
+
+    @property
+    def V(self) -> float:
+        """The virtual time: the flat clock's with one tenant, else the top level's."""
+        return self._solo.V if self._solo is not None else self._v
+
+    # -- mode -----------------------------------------------------------------------
+    @property
+    def hierarchical(self) -> bool:
+        """True once agents of two tenants have arrived."""
+        return self._solo is None
+
+    def weight(self, tenant: Tenant) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def tenant_of(self, key: object) -> Tenant:
+        return self._tenant_of.get(key)
+
+    def _split(self, tenant: Tenant, now: float) -> None:
+        """A second tenant arrives: the solo clock becomes its tenant's, rebased onto that
+        tenant's service (rate 1, service 0 now), and the top level starts at V = 0."""
+        solo = self._solo
+        assert solo is not None
+        solo.advance(now)
+        solo.now, solo.rate = 0.0, 1.0
+        solo.fresh = []
+        self._clocks[self._solo_tenant] = solo
+        self._solo = None
+        self._now, self._v = now, 0.0
+        self._seg = (now, 0.0)
+        self._retag(self._solo_tenant)
+
+    def _clock(self, tenant: Tenant, now: float) -> _TenantClock:
+        """The tenant's clock, synced to `now` (the clock advanced to `now` first)."""
+        clock = self._clocks.get(tenant)
+        if clock is None:
+            clock = self._clocks[tenant] = _TenantClock(rate=1.0, now=0.0)
+            clock.fresh = []
+        self._sync(tenant)
+        return clock
+
+    # -- top level ------------------------------------------------------------------
+    def _service(self, tenant: Tenant, v: float) -> float:
+        """The tenant's service W_t when the top level is at `v` (backlogged tenants)."""
+        anchor = self._anchor.get(tenant)
+        if anchor is None:
+            return self._clocks[tenant].now
+        w_a, v_a = anchor
+        return w_a + self.weight(tenant) * (v - v_a)
+
+    def _sync(self, tenant: Tenant) -> None:
+        """Advance the tenant's clock to its service now, converting its departures."""
+        clock = self._clocks[tenant]
+        if tenant in self._tags:
+            clock.advance(max(clock.now, self._service(tenant, self._v)))
+        if clock.fresh:
+            w_a, v_a = self._anchor.get(tenant, (clock.now, self._v))
+            w = self.weight(tenant)
+            seg_t, seg_v = self._seg
+            slope = self.rate / self._weight_sum if self._weight_sum > 0 else 0.0
+            for key, w_dep in clock.fresh:
+                v_dep = v_a + (w_dep - w_a) / w
+                t_dep = seg_t + (v_dep - seg_v) / slope if slope > 0 else self._now
+                self._deps[key] = (min(max(t_dep, seg_t), self._now), v_dep)
+            clock.fresh.clear()
+
+    def _top_event(self) -> None:
+        """The slope changes now: every tenant's clock is brought to now first, so that the
+        departures they process later fall in one stretch of constant slope."""
+        for tenant in list(self._tags):
+            self._sync(tenant)
+        self._seg = (self._now, self._v)
+
+    def _retag(self, tenant: Tenant) -> None:
+        """The tenant's remaining work changed (at the clock's time): its top tag, and
+        whether it is backlogged."""
+        clock = self._clocks[tenant]
+        self._sync(tenant)
+        remaining = clock.remaining()
+        if clock.backlog and remaining > 0.0:
+            if tenant not in self._tags:
+                self._top_event()
+                self._anchor[tenant] = (clock.now, self._v)
+                self._weight_sum += self.weight(tenant)
+            tag = self._v + remaining / self.weight(tenant)
+            self._tags[tenant] = tag
+            heapq.heappush(self._heap, (tag, next(self._seq), tenant))
+        elif tenant in self._tags:
+            self._leave(tenant)
+
+    def _leave(self, tenant: Tenant) -> None:
+        self._top_event()
+        del self._tags[tenant]
+        self._anchor.pop(tenant, None)
+        self._weight_sum -= self.weight(tenant)
+        if not self._tags:
+            self._weight_sum = 0.0
+        self._seg = (self._now, self._v)
+
+    def _top_walk(self, state: _TopState, until: float) -> _TopState:
+        """The top level moved to `until` on copies (departures of whole tenants)."""
+        t, v, tags = state.t, state.V, dict(state.tags)
+        order = sorted(((tag, tenant) for tenant, tag in tags.items()), key=_first)
+        wsum = sum(self.weight(tn) for tn in tags)
+        for tag, tenant in order:
+            t_dep = t + (tag - v) * wsum / self.rate
+            if t_dep > until:
+                break
+            t, v = t_dep, tag
+            del tags[tenant]
+            wsum -= self.weight(tenant)
+        if tags and wsum > 0:
+            v += (until - t) * self.rate / wsum
+        return _TopState(until, v, tags)
+
+    # -- updates --------------------------------------------------------------------
+    def advance(self, now: float) -> float:
+        """Move to `now`, processing tenants' departures from the top level. Returns V
+        (the solo clock's V while there is one tenant)."""
+        if self._solo is not None:
+            self._now = max(self._now, now)
+            return self._solo.advance(now)
+        if now < self._now:
+            if self._now - now > 1e-9:
+                raise ValueError(f"time went backwards: {now} < {self._now}")
+            return self._v
+        guard = 0
+        while self._tags and guard < 10_000:
+            guard += 1
+            tag, _, tenant = self._heap[0]
+            if self._tags.get(tenant) != tag:
+                heapq.heappop(self._heap)
+                continue
+            t_dep = self._now + (tag - self._v) * self._weight_sum / self.rate
+            if t_dep > now:
+                break
+            heapq.heappop(self._heap)
+            self._now, self._v = max(self._now, t_dep), tag
+            clock = self._clocks[tenant]
+            self._sync(tenant)
+            if clock.backlog and clock.remaining() > 1e-9 * max(1.0, abs(clock.V)):
+                self._retag(tenant)  # rounding left it a hair of work: a new tag just ahead
+                continue
+            for key in list(clock._tags):  # a rounding residue: done now
+                clock.flush([key], clock.now)
+                self._deps[key] = (self._now, self._v)
+            self._leave(tenant)
+        if self._tags and self._weight_sum > 0:
+            self._v += (now - self._now) * self.rate / self._weight_sum
+        self._now = now
+        return self._v
+
+    def arrive(self, key: object, cost: float, now: float, tenant: Tenant = None) -> float:
+        """Agent `key` of `tenant` arrives with `cost`: its tag in its tenant's clock."""
+        if self._solo is not None:
+            if not self._solo_named:
+                self._solo_tenant, self._solo_named = tenant, True
+            if tenant == self._solo_tenant:
+                self._tenant_of[key] = tenant
+                self._now = max(self._now, now)
+                return self._solo.arrive(key, cost, now)
+            self._split(tenant, now)
+        self.advance(now)
+        clock = self._clock(tenant, now)
+        f = clock.arrive(key, cost, clock.now)
+        self._tenant_of[key] = tenant
+        if cost == 0:
+            self._deps[key] = (now, self._v)
+        self._retag(tenant)
+        return f
+
+    def _for(self, key: object, now: float) -> _TenantClock | None:
+        """The clock of `key`'s tenant, synced to `now` (None: the solo clock's mode)."""
+        if self._solo is not None:
+            return None
+        self.advance(now)
+        tenant = self._tenant_of.get(key)
+        if tenant not in self._clocks:
+            return None
+        return self._clock(tenant, now)
+
+    def extend(self, key: object, old_tag: float, extra: float, now: float) -> float:
+        if self._solo is not None:
+            self._now = max(self._now, now)
+            return self._solo.extend(key, old_tag, extra, now)
+        clock = self._for(key, now)
+        if clock is None:
+            return old_tag + max(0.0, extra)
+        f = clock.extend(key, old_tag, extra, clock.now)
+        self._retag(self._tenant_of[key])
+        return f
+
+    def remove(self, key: object, now: float) -> None:
+        if self._solo is not None:
+            self._solo.remove(key, now)
+            return
+        clock = self._for(key, now)
+        if clock is not None:
+            clock.remove(key, clock.now)
+            self._retag(self._tenant_of[key])
+
+    def settle(self, key: object, unused: float, now: float) -> float | None:
+        if self._solo is not None:
+            return self._solo.settle(key, unused, now)
+        clock = self._for(key, now)
+        if clock is None:
+            return None
+        f = clock.settle(key, unused, clock.now)
+        self._retag(self._tenant_of[key])
+        return f
+
+    def flush(self, keys: Iterable[object], now: float) -> None:
+        if self._solo is not None:
+            self._solo.flush(keys, now)
+            return
+        self.advance(now)
+        touched: set[Tenant] = set()
+        for key in keys:
+            tenant = self._tenant_of.get(key)
+            if tenant in self._clocks:
+                clock = self._clock(tenant, now)
+                clock.flush([key], clock.now)
+                touched.add(tenant)
+        for tenant in touched:
+            self._retag(tenant)
+
+    def set_rate(self, rate: float, now: float) -> None:
+        if rate <= 0:
+            raise ValueError("rate must be positive")
+        if self._solo is not None:
+            self._solo.set_rate(rate, now)
+            self.rate = rate
+            return
+        self.advance(now)
+        self._top_event()
+        self.rate = rate
+
+    def forget(self, key: object) -> None:
+        if self._solo is not None:
+            self._solo.forget(key)
+        else:
+            tenant = self._tenant_of.get(key)
+            if tenant in self._clocks:
+                self._clocks[tenant].forget(key)
+            self._deps.pop(key, None)
+        self._tenant_of.pop(key, None)
+
+    # -- reads ----------------------------------------------------------------------
+    @property
+    def backlog(self) -> int:
+        if self._solo is not None:
+            return self._solo.backlog
+        return sum(c.backlog for c in self._clocks.values())
+
+    def tag(self, key: object) -> float | None:
+        if self._solo is not None:
+            return self._solo.tag(key)
+        tenant = self._tenant_of.get(key)
+        clock = self._clocks.get(tenant)
+        return clock.tag(key) if clock is not None else None
+
+    def _state(self, now: float) -> _TopState:
+        now = max(now, self._now)
+        return self._top_walk(_TopState(self._now, self._v, dict(self._tags)), now)
+
+    def _inner_reading(self, tenant: Tenant, state: _TopState) -> tuple[_TenantClock | None, float]:
+        """The tenant's clock and its service at the top state's time (a read)."""
+        clock = self._clocks.get(tenant)
+        if clock is None:
+            return None, 0.0
+        if tenant in self._tags:
+            w_a, v_a = self._anchor[tenant]
+            w = self.weight(tenant)
+            if tenant in state.tags:
+                return clock, max(clock.now, w_a + w * (state.V - v_a))
+            # it left the top level before the state's time: all of its work is done
+            return clock, max(clock.now, w_a + w * (self._tags[tenant] - v_a))
+        return clock, clock.now
+
+    def peek(self, now: float) -> ClockReading:
+        """V and |B| at `now` without moving the clock (V: the top level's, or the solo
+        clock's with one tenant)."""
+        if self._solo is not None:
+            return self._solo.peek(now)
+        state = self._state(now)
+        backlog = 0
+        for tenant in state.tags:
+            clock, service = self._inner_reading(tenant, state)
+            if clock is not None:
+                backlog += clock.peek(service).backlog
+        return ClockReading(state.V, backlog, [])
+
+    def tenant_v(self, tenant: Tenant, now: float) -> float:
+        """v_t at `now`: the virtual time of the tenant's own clock (its agents' tags are
+        on this scale). The solo clock's V while there is one tenant."""
+        if self._solo is not None:
+            return self._solo.peek(now).V if tenant == self._solo_tenant or not self._solo_named else 0.0
+        state = self._state(now)
+        clock, service = self._inner_reading(tenant, state)
+        return clock.peek(service).V if clock is not None else 0.0
+
+    def _work_to(self, clock: _TenantClock, service: float, tag: float, joining: int = 0) -> float:
+        """Service the tenant must receive from `service` until its clock reaches `tag`."""
+        reading = clock.peek(service)
+        if joining:
+            return clock._project(reading, tag, service, joining=joining) - service
+        if tag <= reading.V:
+            return 0.0
+        return clock._project(reading, tag, service) - service
+
+    def _time_of(self, state: _TopState, target_v: float, extra: tuple[Tenant, float] | None = None) -> float:
+        """When the top level reaches `target_v` from `state` with no further arrivals
+        (`extra`: a tenant whose remaining work grows by that much now, as an arrival)."""
+        tags = dict(state.tags)
+        if extra is not None:
+            tenant, work = extra
+            tags[tenant] = max(tags.get(tenant, state.V), state.V) + work / self.weight(tenant)
+        t, v = state.t, state.V
+        wsum = sum(self.weight(tn) for tn in tags)
+        for tag, tenant in sorted(((tg, tn) for tn, tg in tags.items()), key=_first):
+            if tag >= target_v:
+                break
+            t += (tag - v) * wsum / self.rate
+            v = tag
+            wsum -= self.weight(tenant)
+        if target_v <= v:
+            return t
+        return t + (target_v - v) * (wsum if wsum > 0 else 1.0) / self.rate
+
+    def position(self, key: object, tag: float, now: float) -> float:
+        """The agent's H-GPS finish on the top level's scale V (no further arrivals): the
+        tenant order's key. Constant while nothing happens in its tenant."""
+        if self._solo is not None:
+            return tag
+        tenant = self._tenant_of.get(key)
+        state = self._state(now)
+        clock, service = self._inner_reading(tenant, state)
+        if clock is None or key not in clock._tags:
+            dep = self._deps.get(key)
+            return dep[1] if dep is not None else state.V
+        work = self._work_to(clock, service, tag)
+        if work <= 0.0:
+            dep = self._deps.get(key)
+            return dep[1] if dep is not None else state.V
+        return state.V + work / self.weight(tenant)
+
+    def finish_time(self, key: object, tag: float, now: float) -> float:
+        """H-GPS finish time of `key` as seen at `now` (its departure if done)."""
+        if self._solo is not None:
+            return self._solo.finish_time(key, tag, now)
+        tenant = self._tenant_of.get(key)
+        state = self._state(now)
+        clock, service = self._inner_reading(tenant, state)
+        if clock is None or key not in clock._tags:
+            dep = self._deps.get(key)
+            return dep[0] if dep is not None else now
+        work = self._work_to(clock, service, tag)
+        if work <= 0.0:
+            dep = self._deps.get(key)
+            return min(now, dep[0]) if dep is not None else now
+        return self._time_of(state, state.V + work / self.weight(tenant))
+
+    def projected_time(self, tag: float, now: float, tenant: Tenant = None) -> float:
+        """When `tenant`'s clock will reach `tag` if nothing else arrives."""
+        if self._solo is not None:
+            return self._solo.projected_time(tag, now)
+        state = self._state(now)
+        clock, service = self._inner_reading(tenant, state)
+        if clock is None:
+            return now
+        work = self._work_to(clock, service, tag)
+        if work <= 0.0:
+            return now
+        return self._time_of(state, state.V + work / self.weight(tenant))
+
+    def arrival_finish_time(self, cost: float, now: float, tenant: Tenant = None) -> float:
+        """H-GPS finish time of an agent of `tenant` that would arrive at `now` with `cost`."""
+        if self._solo is not None:
+            if self._solo_named and tenant != self._solo_tenant:
+                return self._split_arrival(cost, now, tenant)
+            return self._solo.arrival_finish_time(cost, now)
+        if cost <= 0:
+            return now
+        state = self._state(now)
+        clock, service = self._inner_reading(tenant, state)
+        if clock is None:
+            work = cost
+        else:
+            reading = clock.peek(service)
+            work = clock._project(reading, reading.V + cost, service, joining=1) - service
+        return self._time_of(state, state.V + work / self.weight(tenant), (tenant, cost))
+
+    def _split_arrival(self, cost: float, now: float, tenant: Tenant) -> float:
+        """Solo mode, an agent of a second tenant: it would get its weight's share of R
+        against the one tenant there is while both are backlogged."""
+        if cost <= 0:
+            return now
+        solo = self._solo
+        assert solo is not None
+        v = solo.peek(now).V
+        other = float(sum(f - v for f, _, _ in solo._sorted if f > v))  # the solo tenant's work left
+        w, w_o = self.weight(tenant), self.weight(self._solo_tenant)
+        # both served together until the smaller (per weight) runs out
+        v_new, v_old = cost / w, other / w_o
+        both = min(v_new, v_old)
+        t = both * (w + w_o) / self.rate
+        if v_new > both:
+            t += (v_new - both) * w / self.rate
+        return now + t
+
+    def projection(self, now: float) -> Projection | HierProjection:
+        """Every backlogged agent's finish time at `now` (no further arrivals)."""
+        if self._solo is not None:
+            return self._solo.projection(now)
+        state = self._state(now)
+        finish: dict[object, float] = {}
+        points: list[tuple[float, object]] = []
+        for tenant, clock in self._clocks.items():
+            _, service = self._inner_reading(tenant, state)
+            proj = clock.projection(service)
+            w = self.weight(tenant)
+            for key, w_fin in proj.finish.items():
+                if key in clock._tags and w_fin > service:
+                    points.append((state.V + (w_fin - service) / w, key))
+                else:
+                    dep = self._deps.get(key)
+                    finish[key] = min(now, dep[0]) if dep is not None else now
+        points.sort(key=lambda p: p[0])
+        # one sweep of the top level's breakpoints
+        tags = sorted(((tg, tn) for tn, tg in state.tags.items()), key=_first)
+        t, v = state.t, state.V
+        wsum = sum(self.weight(tn) for tn in state.tags)
+        i = 0
+        for target, key in points:
+            while i < len(tags) and tags[i][0] < target:
+                t += (tags[i][0] - v) * wsum / self.rate
+                v = tags[i][0]
+                wsum -= self.weight(tags[i][1])
+                i += 1
+            finish[key] = t + (target - v) * (wsum if wsum > 0 else 1.0) / self.rate if target > v else t
+        return HierProjection(now, finish, self)
