@@ -247,6 +247,13 @@ def run_serve(args: argparse.Namespace) -> int:
             raise CommandError(f"{option} must be a positive number of seconds, not {value}")
     if not 0 <= args.las_head_wait_weight < float("inf"):
         raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {args.las_head_wait_weight}")
+    if args.model is not None:
+        from server.model_check import ModelNotFound, check_model
+
+        try:
+            check_model(args.model)
+        except ModelNotFound as exc:
+            raise CommandError(str(exc)) from None
     if args.predictors is not None:
         _check_predictors(args.predictors)
     if args.retrain_every < 0:
