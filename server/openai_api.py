@@ -263,7 +263,7 @@ async def chat_completions(
     tenant: str = Depends(rate_limited_tenant),
 ) -> Response:
     prompt = await off_loop_if(len(body.messages) > 1000, render_chat,
-                               [m.model_dump() for m in body.messages], _service(request).engine)
+                               [m.for_template() for m in body.messages], _service(request).engine)
     service, prepared, agent = await _start(request, body, prompt, prompt, x_justitia_agent,
                                       tenant, "chatcmpl")
     rid = prepared.request_id

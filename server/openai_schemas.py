@@ -39,7 +39,8 @@ MAX_LOGPROBS = 20
 # values that mean "off" (accepted) and why the rest are refused.
 _OFF: tuple[Any, ...] = (None, False, [], {}, "")
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": (_OFF, "tool calling is not supported by this server"),
+    "tools": (_OFF, "tool calling (the tools parameter) is not supported by this server; a "
+              "tool history in messages (assistant tool_calls, role tool) is accepted"),
     "tool_choice": ((*_OFF, "none"), "tool calling is not supported by this server"),
     "functions": (_OFF, "function calling is not supported by this server"),
     "function_call": ((*_OFF, "none"), "function calling is not supported by this server"),
@@ -226,11 +227,88 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    arguments: str = Field(default="", description="The call's arguments as JSON text.")
+
+
+class ToolCall(BaseModel):
+    """A tool call the model made earlier in the conversation (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
+    """One message of a conversation. Besides text messages, an OpenAI-style tool history is
+    accepted: an assistant message with `tool_calls` (its `content` may be null) and the
+    `role: "tool"` messages that answer them (`tool_call_id`). It is rendered through the
+    model's chat template as vLLM's own server renders it; calling tools (`tools`) is not
+    supported."""
+
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant message may have tool_calls, not a {self.role} one")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message "
+                             "with tool_calls may have content null)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id: the id of the assistant's "
+                             "tool call it answers")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it, as vLLM's server passes it: text content
+        (empty for none), and a tool call's JSON arguments as an object."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str) -> Any:
+    """A tool call's arguments as the object they encode (templates write them out as JSON);
+    the text itself when it is not JSON (a model does not always write valid JSON)."""
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(SamplingFields):

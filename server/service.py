@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,13 +57,22 @@ class PreparedRequest:
     sampling: SamplingOptions
 
 
-def render_chat(messages: Sequence[dict[str, str]], engine: Engine) -> str:
+def render_chat(messages: Sequence[dict[str, Any]], engine: Engine) -> str:
     """The model's chat template when it has one; a plain role-prefixed transcript if not
-    (the embedded tiny model has none)."""
+    (the embedded tiny model has none), in which a tool call reads
+    `assistant (tool call ID): NAME(ARGUMENTS)` and its answer `tool (ID): RESULT`."""
     templated = engine.apply_chat_template(messages)
     if templated is not None:
         return templated
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    lines = []
+    for m in messages:
+        if m.get("content") or not m.get("tool_calls"):
+            who = f"tool ({m['tool_call_id']})" if m.get("tool_call_id") else m["role"]
+            lines.append(f"{who}: {m.get('content') or ''}")
+        for call in m.get("tool_calls") or ():
+            args = call["function"]["arguments"]
+            text = args if isinstance(args, str) else json.dumps(args)
+            lines.append(f"{m['role']} (tool call {call['id']}): {call['function']['name']}({text})")
     return "\n".join(lines) + "\nassistant:"
 
 

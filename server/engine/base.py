@@ -155,8 +155,9 @@ class EngineStats:
     steps_total: int = 0
 
 
-# The messages of a chat request: dicts with "role" and "content".
-ChatMessages = Sequence[dict[str, str]]
+# The messages of a chat request: dicts with "role" and "content" (text), and in a tool
+# history "tool_calls" (OpenAI's shape, arguments as an object) or "tool_call_id".
+ChatMessages = Sequence[dict[str, Any]]
 # `listener(step_seconds, kv_tokens_in_use)`, after every busy engine step.
 StepListener = Callable[[float, float], None]
 # `listener(engine_name, sample)`, after every busy engine step: its duration and batch shape.
