@@ -96,3 +96,18 @@ def test_each_demo_wave_runs_new_inputs_of_every_kind() -> None:
     assert [a.name for a, _ in first] == [a.name for a, _ in second] == list(DEMO_AGENTS) * 2
     seen = [json.dumps(kw, sort_keys=True) for _, kw in first + second]
     assert len(set(seen)) == 24  # no input twice: the second wave is not the first replayed
+
+
+def test_the_notebook_starts_its_server_through_the_public_api() -> None:
+    """The notebook imported `server.launcher.EmbeddedServer`, an internal module; the public
+    name is `server.EmbeddedServer` (and `server.launcher` keeps working)."""
+    import server
+    import server.launcher
+
+    assert server.EmbeddedServer is server.launcher.EmbeddedServer
+    assert server.ServerStartError is server.launcher.ServerStartError
+    assert "EmbeddedServer" in server.__all__
+    code = "\n".join("".join(c["source"]) for c in json.loads(
+        (EXAMPLES / "notebook.ipynb").read_text())["cells"] if c["cell_type"] == "code")
+    assert "from server import EmbeddedServer" in code
+    assert "server.launcher" not in code
