@@ -29,13 +29,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--kv-tokens", type=int, default=8192)
+    ap.add_argument("--startup-timeout", type=float, default=900.0, metavar="SECONDS")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "startup_time.json"))
     args = ap.parse_args()
     runs = []
     for i in range(args.runs):
         load = os.getloadavg()[0]
         home = tempfile.mkdtemp(prefix="justitia-startup-")
-        srv = EmbeddedServer(["--kv-tokens", str(args.kv_tokens), "--data-dir", home])
+        srv = EmbeddedServer(["--kv-tokens", str(args.kv_tokens), "--data-dir", home],
+                             startup_timeout=args.startup_timeout)
         t0 = time.monotonic()
         srv.start()
         ready = time.monotonic() - t0

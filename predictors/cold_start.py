@@ -180,7 +180,7 @@ def _positive(v: Any) -> bool:
 def _declared(features: Mapping[str, Any], name: str, default: float) -> float:
     """A declared positive number of the agent's features (a bad value: the default)."""
     v = features.get(name)
-    return float(v) if _positive(v) else default
+    return float(v) if isinstance(v, (int, float)) and _positive(v) else default
 
 
 def _prompt_tokens(prompt: str, features: Mapping[str, Any] | None) -> float:
