@@ -50,7 +50,7 @@ def server_url(url: str | None, kv_tokens: int) -> Iterator[str]:
     import httpx
     from rich.console import Console
 
-    from server.launcher import EmbeddedServer
+    from server import EmbeddedServer
 
     with Console().status("starting the embedded server (vLLM CPU engine, ~30 s)..."):
         srv = EmbeddedServer(["--kv-tokens", str(kv_tokens)]).start()

@@ -1,6 +1,6 @@
 """`justitia demo` (the README's main job): the embedded server and a batch of example agents.
 
-The demo starts the server (`server.launcher.EmbeddedServer`) unless given `--url`, so it lives
+The demo starts the server (`server.EmbeddedServer`) unless given `--url`, so it lives
 in the CLI host rather than in the SDK, which talks HTTP only.
 """
 
@@ -146,7 +146,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.url:
         url = args.url
     else:
-        from server.launcher import EmbeddedServer
+        from server import EmbeddedServer
 
         with console.status("starting the embedded server "
                             "(vLLM CPU engine, tiny model, about a minute on 2 CPU cores)..."):

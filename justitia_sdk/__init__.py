@@ -43,8 +43,9 @@ if TYPE_CHECKING:
         ServerUnavailableError,
     )
     from justitia_sdk._models import AgentRecord, Completion, Usage
+    from justitia_sdk._names import AGENT_TYPE_MAX_LENGTH, AGENT_TYPE_PATTERN, check_agent_type
     from justitia_sdk._openai import openai_client, tagged_http_client
-    from justitia_sdk._parallel import parallel_map
+    from justitia_sdk._parallel import parallel_map, run_sync
     from justitia_sdk._profile import profile_agent, samples_of
 
 # Where each public name lives. The package imports lazily so that `justitia --help` (whose
@@ -62,7 +63,9 @@ _EXPORTS = {
     "ServerUnavailableError": "_errors",
     "AgentRecord": "_models", "Completion": "_models", "Usage": "_models",
     "openai_client": "_openai", "tagged_http_client": "_openai",
-    "parallel_map": "_parallel",
+    "parallel_map": "_parallel", "run_sync": "_parallel",
+    "AGENT_TYPE_MAX_LENGTH": "_names", "AGENT_TYPE_PATTERN": "_names",
+    "check_agent_type": "_names",
 }
 
 
@@ -80,6 +83,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AGENT_TYPE_MAX_LENGTH",
+    "AGENT_TYPE_PATTERN",
     "APIError",
     "Agent",
     "AgentClosedError",
@@ -98,6 +103,7 @@ __all__ = [
     "Usage",
     "agent",
     "chat",
+    "check_agent_type",
     "complete",
     "current_agent",
     "current_agent_id",
@@ -110,6 +116,7 @@ __all__ = [
     "parallel_map",
     "profile_agent",
     "registered_agents",
+    "run_sync",
     "samples_of",
     "tagged_http_client",
 ]

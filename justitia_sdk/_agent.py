@@ -20,6 +20,7 @@ from justitia_sdk._client import AsyncClient
 from justitia_sdk._context import AgentRun, current_client, current_run
 from justitia_sdk._errors import JustitiaError
 from justitia_sdk._models import AgentRecord, Completion
+from justitia_sdk._names import check_agent_type
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -71,7 +72,9 @@ class Agent(Generic[P, R]):
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"@agent needs an async function; {fn!r} is not one")
         self.fn = fn
-        self.name = name or fn.__name__
+        # Checked here, where the agent is defined: the server refuses such a type only when
+        # the agent first runs, perhaps deep inside a batch.
+        self.name = check_agent_type(fn.__name__ if name is None else name)
         self.prompt_extractor = prompt
         self.metadata = dict(metadata or {})
         functools.update_wrapper(self, fn)

@@ -1,14 +1,29 @@
-"""`parallel_map`: one stage of a task-parallel agent."""
+"""`parallel_map`: one stage of a task-parallel agent; `run_sync`: a blocking tool in it."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
+import anyio.to_thread
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+async def run_sync(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """`fn(*args, **kwargs)` in a worker thread, awaited: how an async agent calls a blocking
+    (sync) tool, such as `requests.get` or `time.sleep`, without stopping the event loop, and
+    so every other agent and request of the process, while it runs.
+
+    Equivalent to `await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))`;
+    anyio's default limit of 40 threads at once applies. Cancelling the caller does not stop
+    the thread: the call runs to its end and its result is dropped.
+    """
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
 def _first_failure(group: BaseExceptionGroup) -> BaseException:

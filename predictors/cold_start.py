@@ -1,24 +1,30 @@
 """Cost estimates for agent types that have no trained predictor yet.
 
-Before any agent of a type has finished, the estimate treats the agent as one request whose
-prompt is the agent's prompt text (``P`` estimated tokens) and whose output is ``d0`` tokens:
-``P*d0 + d0*(d0+1)/2``. ``d0`` is the mean output length per request that the server has
-reported so far over all types (``features["output_tokens"] / features["requests"]`` passed
-to :meth:`ColdStartEstimator.observe`), or ``default_output_tokens`` before any report.
+**The prior** of a type never seen is built from the agent itself, never from other types:
+its requests are its declared ``stages`` times ``fan_out`` (1 each when not declared), each
+with the agent's prompt (``P`` estimated tokens) and ``d`` output tokens, so the cost is
+``requests * (P*d + d*(d+1)/2)``. ``d`` is the declared ``max_tokens`` feature, else the
+declared ``critical_path_tokens / stages``, else ``default_output_tokens`` (256). Agents of
+other types never move it: three 8-token agents of one type used to set ``d`` for every type
+not seen yet, and an agent that went on to cost 100,000 was predicted 200.
 
-As agents of the type complete, :meth:`ColdStartEstimator.observe` adds ``(P, cost)`` to a
-per-type log-log ridge regression ``log cost = a + b * log(1 + P)`` whose slope is pulled
-towards 1 (cost proportional to prompt size) with ``prior_strength`` pseudo-observations. One
-observation gives a pure ratio (cost proportional to the prompt); more observations learn how
-cost grows with the prompt. The regression keeps six running sums per type: ``observe`` and
-``predict`` are O(1) and take a few microseconds.
+**Observations of the type** (:meth:`ColdStartEstimator.observe`) feed a per-type log-log
+ridge regression ``log cost = a + b * log(1 + P)`` whose slope is pulled towards 1 (cost
+proportional to prompt size) with ``prior_strength`` pseudo-observations; six running sums
+per type, so ``observe`` and ``predict`` are O(1) (a few microseconds). The estimate blends
+the regression into the prior gradually, in log space, with weight ``n^2 / (n^2 + k^2)`` for
+``n`` observations (``k = blend_observations``, 3: weights 0.1, 0.31, 0.5, 0.64 after 1-4
+agents, 0.92 after 10, 0.98 after 20): a few agents, perhaps unrepresentative, do not
+decide a type's cost by themselves.
 
 :meth:`ColdStartEstimator.predict_interval` gives ``(p50, p90)``: the estimate, and the
-estimate times ``exp(1.28 sigma)``, with ``sigma`` the spread of ``log cost`` about the
-regression, shrunk towards ``prior_log_sigma`` (1.0: a factor of 3.6 between p50 and p90)
-with ``prior_strength`` pseudo-observations. A type never seen has the prior's spread: the
-server's promises allow for the p90 (docs/concepts.md, "The deadline promised at
-registration"), and a guess of one request of ``d0`` tokens can be that far off.
+estimate times ``exp(1.28 sigma)``. ``sigma`` combines the spread of the type's agents about
+their regression (shrunk towards the prior's) with the uncertainty of the estimate's level:
+the prior's share of it while the prior weighs, the regression's standard error as
+observations come in. Before any observation ``sigma`` is ``prior_log_sigma`` (1.0: a factor
+of 3.6 between p50 and p90); it narrows as a type's agents show consistent costs, and stays
+wide for a type whose costs scatter. The server's promises allow for the p90
+(docs/concepts.md, "The deadline promised at registration").
 """
 
 from __future__ import annotations
@@ -54,17 +60,18 @@ class _Stats:
 
 
 class ColdStartEstimator:
-    """Online per-type cost estimates from prompt token counts and observed costs."""
+    """Online per-type cost estimates from the agent's prompt, its declared shape and the
+    observed costs of its type."""
 
     def __init__(self, default_output_tokens: float = 256.0, prior_strength: float = 2.0,
-                 max_log_slope: float = 3.0, prior_log_sigma: float = 1.0):
+                 max_log_slope: float = 3.0, prior_log_sigma: float = 1.0,
+                 blend_observations: float = 3.0):
         self.default_output_tokens = float(default_output_tokens)
         self.prior_strength = float(prior_strength)
         self.max_log_slope = float(max_log_slope)
         self.prior_log_sigma = float(prior_log_sigma)
+        self.blend_observations = float(blend_observations)
         self._stats: dict[str, _Stats] = {}
-        self._out_tokens = 0.0
-        self._out_requests = 0.0
         self._lock = threading.Lock()
 
     # -- queries -------------------------------------------------------------------------
@@ -73,10 +80,25 @@ class ColdStartEstimator:
         s = self._stats.get(agent_type)
         return s.n if s else 0
 
-    def output_tokens_per_request(self) -> float:
-        if self._out_requests > 0:
-            return self._out_tokens / self._out_requests
-        return self.default_output_tokens
+    def observation_weight(self, n: int) -> float:
+        """The weight of a type's own ``n`` observations against the prior: n^2/(n^2+k^2)."""
+        k2 = self.blend_observations ** 2
+        return n * n / (n * n + k2) if n > 0 else 0.0
+
+    def prior(self, prompt: str, features: Mapping[str, Any] | None = None) -> float:
+        """The cost of an agent of a type never seen: its declared requests (``stages`` x
+        ``fan_out``, 1 each by default) of the prompt's tokens and ``d`` output tokens each
+        (declared ``max_tokens``, else ``critical_path_tokens / stages``, else
+        ``default_output_tokens``)."""
+        tokens = _prompt_tokens(prompt, features)
+        f = features or {}
+        stages = _declared(f, "stages", 1.0)
+        requests = stages * _declared(f, "fan_out", 1.0)
+        d = _declared(f, "max_tokens", 0.0)
+        if d <= 0:
+            cp = _declared(f, "critical_path_tokens", 0.0)
+            d = cp / stages if cp > 0 else self.default_output_tokens
+        return max(1.0, requests * (tokens * d + d * (d + 1.0) / 2.0))
 
     def predict(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None = None) -> float:
         """Estimated total cost of an agent of ``agent_type`` with this prompt."""
@@ -85,18 +107,20 @@ class ColdStartEstimator:
     def predict_interval(self, agent_type: str, prompt: str,
                          features: Mapping[str, Any] | None = None) -> tuple[float, float]:
         """``(p50, p90)`` of the agent's total cost: the estimate, and the estimate times
-        the spread the type's costs have shown about it (the prior's before any)."""
+        ``exp(1.28 sigma)``, ``sigma`` the uncertainty of the estimate (see the module)."""
         estimate, sigma = self._fit(agent_type, prompt, features)
         return estimate, estimate * math.exp(_Z90 * sigma)
 
     def _fit(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None) -> tuple[float, float]:
         """The estimate and the spread (sigma of log cost) around it."""
-        tokens = _prompt_tokens(prompt, features)
+        prior = math.log(self.prior(prompt, features))
+        # The prior's uncertainty, split evenly between the spread of agents about a type's
+        # typical cost and the uncertainty of where that typical cost lies.
+        part = self.prior_log_sigma / math.sqrt(2.0)
         s = self._stats.get(agent_type)
         if s is None or s.n == 0:
-            d0 = self.output_tokens_per_request()
-            return max(1.0, tokens * d0 + d0 * (d0 + 1.0) / 2.0), self.prior_log_sigma
-        x = math.log1p(tokens)
+            return math.exp(prior), self.prior_log_sigma
+        x = math.log1p(_prompt_tokens(prompt, features))
         n = s.n
         mx, my = s.sx / n, s.sy / n
         cxx = s.sxx - n * mx * mx
@@ -107,30 +131,22 @@ class ColdStartEstimator:
         b = min(self.max_log_slope, max(0.0, b))
         # residuals about the fitted line; the intercept took one degree of freedom
         sse = max(0.0, cyy - 2.0 * b * cxy + b * b * cxx)
-        sigma = math.sqrt((lam * self.prior_log_sigma ** 2 + sse) / (lam + n - 1))
-        return max(1.0, math.exp(my + b * (x - mx))), sigma
+        spread = math.sqrt((lam * part ** 2 + sse) / (lam + n - 1))
+        w = self.observation_weight(n)
+        level = (1.0 - w) * part + w * spread / math.sqrt(n)
+        estimate = w * (my + b * (x - mx)) + (1.0 - w) * prior
+        return max(1.0, math.exp(estimate)), math.sqrt(spread ** 2 + level ** 2)
 
     # -- updates -------------------------------------------------------------------------
     def observe(self, agent_type: str, prompt: str, cost: float, features: Mapping[str, Any] | None = None) -> None:
-        """Record a completed agent of ``agent_type`` whose real cost was ``cost``.
-
-        ``features`` may carry ``output_tokens`` (total output tokens of the agent) and
-        ``requests`` (or ``n_requests``, its number of requests), as the SDK's profiler and
-        the server record them; they refine the output length assumed for types never seen.
-        """
+        """Record a completed agent of ``agent_type`` whose real cost was ``cost``. It moves
+        the estimates of its own type only."""
         if not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0):
             return
         x = math.log1p(_prompt_tokens(prompt, features))
         y = math.log(cost)
         with self._lock:
             self._stats.setdefault(agent_type, _Stats()).add(x, y)
-            if features:
-                out = features.get("output_tokens")
-                nreq = features.get("n_requests", features.get("requests"))
-                if isinstance(out, (int, float)) and isinstance(nreq, (int, float)) and \
-                        _positive(out) and _positive(nreq):
-                    self._out_tokens += float(out)
-                    self._out_requests += float(nreq)
 
 
 class ColdStartPredictor:
@@ -159,6 +175,12 @@ class ColdStartPredictor:
 
 def _positive(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _declared(features: Mapping[str, Any], name: str, default: float) -> float:
+    """A declared positive number of the agent's features (a bad value: the default)."""
+    v = features.get(name)
+    return float(v) if isinstance(v, (int, float)) and _positive(v) else default
 
 
 def _prompt_tokens(prompt: str, features: Mapping[str, Any] | None) -> float:

@@ -108,7 +108,9 @@ class PredictorRegistry:
                 estimator = self._cold_by_tenant.setdefault(
                     tenant, ColdStartEstimator(self.cold_start.default_output_tokens,
                                                self.cold_start.prior_strength,
-                                               self.cold_start.max_log_slope))
+                                               self.cold_start.max_log_slope,
+                                               self.cold_start.prior_log_sigma,
+                                               self.cold_start.blend_observations))
         return estimator
 
     def get(self, agent_type: str, tenant: str | None = None):

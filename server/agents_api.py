@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from justitia_sdk import AGENT_TYPE_MAX_LENGTH, AGENT_TYPE_PATTERN
 from server import errors
 from server.agents import AgentEntry, AgentRecord
 from server.auth import rate_limited_tenant, require_admin, tenant_of
@@ -37,7 +38,7 @@ _SHAPE_RANGES = {"stages": (1, 1_000_000), "critical_path_tokens": (0, 10**12), 
 class AgentCreate(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
-    type: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:\-]+$",
+    type: str = Field(min_length=1, max_length=AGENT_TYPE_MAX_LENGTH, pattern=AGENT_TYPE_PATTERN,
                       description="Agent type: selects the cost predictor.")
     prompt: str = Field(default="", max_length=MAX_PROMPT_CHARS,
                         description="The text the cost predictor sees.")

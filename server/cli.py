@@ -261,6 +261,29 @@ def _check_predictors(path: str) -> None:
         print(f"skipping predictor {bad}: {error}", file=sys.stderr, flush=True)
 
 
+def _check_files(args: argparse.Namespace) -> None:
+    """What serve names on disk or by name (model, predictors, profile, tool-call parser),
+    checked before the engine starts: one line each, not an engine's traceback."""
+    if args.model is not None:
+        from server.model_check import ModelNotFound, check_model
+
+        try:
+            check_model(args.model)
+        except ModelNotFound as exc:
+            raise CommandError(str(exc)) from None
+    if args.predictors is not None:
+        _check_predictors(args.predictors)
+    if args.profile is not None:
+        from server.sim.profiles import load_profile
+
+        try:
+            load_profile(args.profile)
+        except ValueError as exc:
+            raise CommandError(f"--profile: {exc}") from None
+    if args.tool_call_parser is not None:
+        _check_tool_call_parser(args.tool_call_parser)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from server.config import ServerConfig
 
@@ -279,19 +302,9 @@ def run_serve(args: argparse.Namespace) -> int:
             raise CommandError(f"{option} must be a positive number of seconds, not {value}")
     if not 0 <= args.las_head_wait_weight < float("inf"):
         raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {args.las_head_wait_weight}")
-    if args.predictors is not None:
-        _check_predictors(args.predictors)
     if args.retrain_every < 0:
         raise CommandError("--retrain-every takes a count of agents >= 0 (0 turns online learning off)")
-    if args.profile is not None:
-        from server.sim.profiles import load_profile
-
-        try:
-            load_profile(args.profile)
-        except ValueError as exc:
-            raise CommandError(f"--profile: {exc}") from None
-    if args.tool_call_parser is not None:
-        _check_tool_call_parser(args.tool_call_parser)
+    _check_files(args)
     config = ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,

@@ -270,14 +270,14 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs content (only an assistant message "
                              "with tool_calls may leave it null)")
         if self.tool_calls and self.role != "assistant":
-            raise ValueError("only an assistant message carries tool_calls")
+            raise ValueError(f"only an assistant message may have tool_calls, not a {self.role} one")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
         return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)  # as vLLM's server joins them
         return self.content or ""
 
     def for_template(self) -> dict[str, Any]:

@@ -60,17 +60,21 @@ class PreparedRequest:
 def render_chat(messages: Sequence[dict[str, Any]], engine: Engine,
                 tools: Sequence[dict[str, Any]] | None = None) -> str:
     """The model's chat template when it has one; a plain role-prefixed transcript if not
-    (the embedded tiny model has none). `tools`: the functions the model may call, as
-    OpenAI's `{"type": "function", "function": ...}` objects."""
+    (the embedded tiny model has none), which lists the `tools` (OpenAI's `{"type":
+    "function", "function": ...}` objects) and in which a tool call reads
+    `assistant (tool call ID): NAME(ARGUMENTS)` and its answer `tool (ID): RESULT`."""
     templated = engine.apply_chat_template(messages, tools=tools)
     if templated is not None:
         return templated
     lines = [f"tools: {json.dumps([t['function'] for t in tools])}"] if tools else []
     for m in messages:
-        who = f"tool {m['tool_call_id']}" if m["role"] == "tool" else m["role"]
-        lines.append(f"{who}: {m['content']}")
-        for c in m.get("tool_calls") or ():
-            lines.append(f"{m['role']} calls {c['function']['name']}: {json.dumps(c['function']['arguments'])}")
+        if m.get("content") or not m.get("tool_calls"):
+            who = f"tool ({m['tool_call_id']})" if m.get("tool_call_id") else m["role"]
+            lines.append(f"{who}: {m.get('content') or ''}")
+        for call in m.get("tool_calls") or ():
+            args = call["function"]["arguments"]
+            text = args if isinstance(args, str) else json.dumps(args)
+            lines.append(f"{m['role']} (tool call {call['id']}): {call['function']['name']}({text})")
     return "\n".join(lines) + "\nassistant:"
 
 

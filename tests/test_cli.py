@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,34 @@ def test_serve_tenant_weights_and_the_queued_quota_default() -> None:
     for bad in ("carol=2", "alice=0", "alice=x", "alice"):
         with pytest.raises(CommandError, match="--tenant-weight"):
             limits("--tenant-weight", bad)
+
+
+def test_serve_a_model_path_typo_is_one_line_and_starts_no_engine(tmp_path: Path) -> None:
+    """A typo in --model ended, after the engine had begun to start, in a 45-line traceback
+    from the hub library (`HFValidationError: Repo id must be in the form ...`)."""
+    out = run_cli("serve", "--model", str(tmp_path / "no-such-model"), "--port", "9")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "no such model folder" in lines[0] and "no-such-model" in lines[0]
+    assert "config.json" in lines[0] and "justitia model init-tiny" in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_model_must_be_a_model_folder_or_a_cached_hub_id(tmp_path: Path) -> None:
+    from server.model_check import ModelNotFound, check_model
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFound, match="has no config.json"):
+        check_model(str(tmp_path / "empty"))
+    (tmp_path / "file.bin").write_text("x")
+    with pytest.raises(ModelNotFound, match="is a file"):
+        check_model(str(tmp_path / "file.bin"))
+    # a hub id: only a model already in the local cache serves (nothing is downloaded)
+    out = subprocess.run([sys.executable, "-m", "justitia_cli", "serve", "--model",
+                          "nobody/no-such-model-here", "--port", "9"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "HF_HOME": str(tmp_path / "hf")})
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "Hugging Face cache" in out.stderr and "downloads nothing" in out.stderr
+    assert main(["model", "init-tiny", str(tmp_path / "m")]) == 0
+    check_model(str(tmp_path / "m"))  # a model folder passes

@@ -104,3 +104,18 @@ def test_the_tool_calling_example_runs_against_the_server(server) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "the model called get_weather(" in proc.stdout
     assert "the Agents SDK's agent answered: 'sunny in " in proc.stdout
+
+
+def test_the_notebook_starts_its_server_through_the_public_api() -> None:
+    """The notebook imported `server.launcher.EmbeddedServer`, an internal module; the public
+    name is `server.EmbeddedServer` (and `server.launcher` keeps working)."""
+    import server
+    import server.launcher
+
+    assert server.EmbeddedServer is server.launcher.EmbeddedServer
+    assert server.ServerStartError is server.launcher.ServerStartError
+    assert "EmbeddedServer" in server.__all__
+    code = "\n".join("".join(c["source"]) for c in json.loads(
+        (EXAMPLES / "notebook.ipynb").read_text())["cells"] if c["cell_type"] == "code")
+    assert "from server import EmbeddedServer" in code
+    assert "server.launcher" not in code

@@ -524,3 +524,80 @@ def test_queued_requests_fail_when_the_engine_dies(tmp_path) -> None:
         worker.join(20)
         assert results and results[0].status_code == 503, results
         assert "engine" in results[0].json()["detail"]
+
+
+# -- an OpenAI-style tool history ------------------------------------------------------------
+
+TOOL_HISTORY = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"},
+]
+
+
+def test_a_tool_history_is_accepted_and_rendered(fake_client: httpx.Client) -> None:
+    """An agent that calls its own tools sends OpenAI's tool history back: an assistant
+    message with `content: null` and `tool_calls`, then the `role: "tool"` answer. It failed
+    with `messages.1.content: Input should be a valid string`."""
+    r = fake_client.post("/v1/chat/completions",
+                         json={"messages": TOOL_HISTORY, "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    # No chat template on the fake: the transcript carries the call and its answer.
+    transcript = ("user: What is the weather in Paris?\n"
+                  "assistant (tool call call_1): get_weather({\"city\": \"Paris\"})\n"
+                  "tool (call_1): 18 C, clear\nassistant:")
+    assert r.json()["usage"]["prompt_tokens"] == len(encode(transcript))
+    # content as a list of text parts, as OpenAI allows, is the same text
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} if m["content"] else m
+             for m in TOOL_HISTORY]
+    same = fake_client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 3})
+    assert same.status_code == 200, same.text
+    assert same.json()["usage"]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+
+
+def test_a_malformed_tool_history_and_auto_without_a_parser_are_clear_400s(
+        fake_client: httpx.Client) -> None:
+    post = fake_client.post
+    no_id = [TOOL_HISTORY[0], TOOL_HISTORY[1], {"role": "tool", "content": "18 C"}]
+    _assert_4xx(post("/v1/chat/completions", json={"messages": no_id}), 400, "tool_call_id")
+    empty = [{"role": "user", "content": None}]
+    _assert_4xx(post("/v1/chat/completions", json={"messages": empty}), 400,
+                "user message needs content")
+    calls_from_user = [{"role": "user", "content": "x", "tool_calls": TOOL_HISTORY[1]["tool_calls"]}]
+    _assert_4xx(post("/v1/chat/completions", json={"messages": calls_from_user}), 400,
+                "only an assistant message may have tool_calls")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    refused = post("/v1/chat/completions", json={"messages": TOOL_HISTORY, "tools": tools})
+    _assert_4xx(refused, 400, "tool_choice", "auto", "--tool-call-parser")
+    assert refused.json()["error"]["param"] == "tool_choice"
+
+
+@pytest.mark.timeout(300)  # importing transformers takes a while on a busy 2-core host
+def test_a_tool_history_reaches_the_models_chat_template(tmp_path) -> None:
+    """With a model whose chat template knows tools, the history is rendered by it, as vLLM's
+    server renders it: the call's JSON arguments as an object, the answer's tool_call_id."""
+    from transformers import AutoTokenizer
+
+    from server.engine.tokens import TokenizerEngine
+    from server.openai_schemas import ChatCompletionRequest
+    from server.service import render_chat
+    from server.tiny_model import init_tiny
+
+    model = init_tiny(tmp_path / "m")
+    template = ("{% for m in messages %}<{{ m.role }}>"
+                "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.id }} "
+                "{{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}"
+                "{% else %}{{ m.content }}{% endif %}"
+                "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}</{{ m.role }}>"
+                "{% endfor %}<assistant>")
+    engine = TokenizerEngine()
+    engine._tokenizer = AutoTokenizer.from_pretrained(str(model))
+    engine._tokenizer.chat_template = template
+    body = ChatCompletionRequest.model_validate({"messages": TOOL_HISTORY})
+    rendered = render_chat([m.for_template() for m in body.messages], engine)
+    assert rendered == ('<user>What is the weather in Paris?</user>'
+                        '<assistant>CALL call_1 get_weather {"city": "Paris"}</assistant>'
+                        '<tool>18 C, clear FOR call_1</tool><assistant>')

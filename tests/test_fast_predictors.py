@@ -247,3 +247,29 @@ def test_an_untagged_request_does_not_set_the_cold_starts_output_length(tmp_path
         wait_until(lambda: [a["state"] for a in all_agents(client) if a["cost_source"] == "request"] == ["finished"])
         after = register(client, "never_seen_b", prompt)["predicted_cost"]
     assert after == pytest.approx(before)  # the default output length, unchanged
+
+
+def test_three_tiny_agents_do_not_poison_an_unseen_types_cold_start(tmp_path: Path) -> None:
+    """Three 8-token agents run just before a batch set the output length assumed for every
+    type not seen yet: agents of another type that went on to use 79k-115k were predicted
+    156-292. The unseen type's prediction comes from its own prompt and declared shape, and
+    its interval allows for a guess."""
+    prompt = "Research the history of the river and write a report on each town. " * 6
+    shape = {"stages": 3, "fan_out": 5, "features": {"max_tokens": 512}}
+    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        before = register(client, "researcher_a", prompt, metadata=shape)
+        for _ in range(3):
+            tiny = register(client, "warm_up", "hi")
+            assert complete(client, tiny["id"], 8, prompt="hi").status_code == 200
+            assert client.post(f"/v1/agents/{tiny['id']}/finish").status_code == 200
+        wait_until(lambda: len([a for a in all_agents(client)
+                                if a["type"] == "warm_up" and a["state"] == "finished"]) == 3)
+        after = register(client, "researcher_b", prompt, metadata=shape)
+        plain = register(client, "researcher_c", prompt)
+    assert after["cost_source"] == "cold_start"
+    assert after["predicted_cost"] == pytest.approx(before["predicted_cost"])
+    # what the declared shape implies: 15 requests of the prompt and 512 output tokens each
+    assert after["predicted_cost"] > 15 * 512 * 512 / 2
+    # undeclared: one request of 256 output tokens, not of the warm-up's 8
+    assert plain["predicted_cost"] > 256 * 256 / 2
+    assert after["predicted_cost_p90"] > 3 * after["predicted_cost"]

@@ -82,7 +82,7 @@ def test_content_given_as_text_parts_is_joined(fake_client: httpx.Client, fake_s
     r = chat(fake_client, messages=[{"role": "user", "content": [{"type": "text", "text": "alpha "},
                                                                  {"type": "text", "text": "beta"}]}])
     assert r.status_code == 200, r.text
-    assert "alpha beta" in fake_server.engine.last_prompt_text()
+    assert "alpha \nbeta" in fake_server.engine.last_prompt_text()  # joined as vLLM joins them
 
 
 def test_a_named_choice_constrains_the_answer_to_that_functions_arguments() -> None:

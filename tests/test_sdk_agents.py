@@ -18,6 +18,7 @@ from justitia_sdk import (
     default_prompt,
     llm,
     parallel_map,
+    run_sync,
 )
 
 pytestmark = pytest.mark.anyio
@@ -60,6 +61,49 @@ def test_prompt_extractor_and_name() -> None:
     assert plain.name == "plain"
     with pytest.raises(TypeError):
         agent(lambda x: x)
+
+
+def test_an_invalid_agent_name_is_refused_where_the_agent_is_defined() -> None:
+    """The server refuses such a type (`400: type: String should match pattern ...`), but
+    only when the agent first ran, perhaps deep inside a batch."""
+    from justitia_sdk import AGENT_TYPE_PATTERN
+    from server.agents_api import AgentCreate
+
+    for bad in ("research assistant", "résumé", "a/b", "", "x" * 201):
+        with pytest.raises(ValueError, match="invalid agent type name"):
+            @agent(bad)
+            async def fn(x: str) -> str:
+                return x
+        with pytest.raises(ValueError):
+            AgentCreate(type=bad)  # the server's own rule agrees
+    async def body(x: str) -> str:
+        return x
+
+    for good in ("research_assistant", "chat:6-turn", "v1.2", "x" * 200):
+        assert agent(good)(body).name == good
+        assert AgentCreate(type=good).type == good
+    # one rule: the server's schema uses the SDK's constant
+    assert AgentCreate.model_json_schema()["properties"]["type"]["pattern"] == AGENT_TYPE_PATTERN
+
+
+async def test_run_sync_keeps_the_event_loop_running_during_a_blocking_tool() -> None:
+    """A blocking call made directly in an async agent stops the event loop; through
+    run_sync it runs in a thread while other tasks (here: the one it waits for) go on."""
+    import threading
+
+    released = threading.Event()
+
+    def blocking_tool(q: str) -> str:
+        # waits for a task on the event loop: it can only return if the loop keeps running
+        return q.upper() if released.wait(timeout=30) else "the loop was blocked"
+
+    async def release_soon() -> None:
+        await anyio.sleep(0)
+        released.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(release_soon)
+        assert await run_sync(blocking_tool, "query") == "QUERY"
 
 
 async def test_requests_carry_the_agent_id_through_helpers_and_parallel_map(server) -> None:

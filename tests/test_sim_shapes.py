@@ -122,6 +122,7 @@ def test_bench_family_writes_its_json_and_refuses_bad_input(tmp_path, capsys):
     assert doc["config"]["seeds"] == [0, 1] and doc["config"]["shapes"] == ["poisson", "tenants"]
     assert {s["shape"] for s in doc["shapes"]} == {"poisson", "tenants"}
     assert len(doc["runs"]) == 4
+    assert {"commit", "argv", "date", "host", "versions"} <= set(doc["provenance"])
     assert "poisson" in capsys.readouterr().out
     assert main(["bench", "family", "--shapes", "sawtooth"]) == 2
     assert main(["bench", "family", "--seeds", "5-1"]) == 2

@@ -6,8 +6,6 @@ Registered by the CLI host (justitia_cli); the simulator is imported when the co
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from justitia_cli import CommandError, Commands, formatter
 
@@ -63,6 +61,7 @@ def _family(args: argparse.Namespace) -> int:
 
     from .family import family_json, run_family, summarise
     from .profiles import load_profile
+    from .provenance import write_result
     from .shapes import SHAPES, ShapeSpec
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -97,7 +96,5 @@ def _family(args: argparse.Namespace) -> int:
     if args.json:
         config = {"shapes": shapes, "seeds": parse_seeds(args.seeds), "policies": policies, "agents": args.agents,
                   "load": args.load, "profile": profile.name, "kv_tokens": args.kv_tokens}
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(family_json(rows, config), indent=1) + "\n", encoding="utf-8")
+        write_result(args.json, family_json(rows, config))
     return 0
