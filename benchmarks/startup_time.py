@@ -12,7 +12,6 @@ else the host runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server import EmbeddedServer  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
     out = {"host": {"cores": os.cpu_count(), "machine": platform.machine()},
            "kv_tokens": args.kv_tokens, "runs": runs,
            "min_s": min(times), "max_s": max(times)}
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.json, out, indent=2)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,6 @@ deadlines; with tenants, they stay within 1.5x.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server.scheduler import Dispatcher, RequestSpec, kv_cost  # noqa: E402
 from server.sim.profiles import get_profile  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import make_predictions, simulate  # noqa: E402
 from server.sim.workload import AgentSpec  # noqa: E402
 
@@ -118,22 +115,14 @@ def main() -> int:
     cancel = queue_then_cancel()
     print(f"queue-then-cancel: another tenant's bound {cancel['bound_before_s']:.1f} s before, "
           f"{cancel['bound_during_s']:.1f} s queued, {cancel['bound_after_s']:.1f} s after ({cancel['ratio']:.2f}x)")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except OSError:
-        commit = ""
     out = {
         "config": {"requests": args.requests, "policy": "justitia", "kv_tokens": 45_000, "profile": "a100-llama7b",
                    "honest": "5 agents x 4 stages x 2 requests (400 + 32 tokens), one every 2 s from t = 1",
                    "flood": "requests of 300 + 60 tokens from t = 0"},
         "rows": rows,
         "queue_then_cancel": cancel,
-        "provenance": {"commit": commit, "argv": sys.argv, "date": datetime.datetime.now(datetime.UTC).isoformat(),
-                       "host": {"cpus": __import__("os").cpu_count(), "cpu_model": platform.processor()},
-                       "versions": {"python": platform.python_version()}},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(f"wrote {args.out}")
     return 0
 
