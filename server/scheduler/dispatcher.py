@@ -65,6 +65,7 @@ from typing import Any
 from .bounds import AgentShape, BoundLimits, delay_bound
 from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprint
 from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S, EtaPass, TimeModel, WorkArrivals, eta_of, step_function
+from .eta_interval import EtaCalibration
 from .policies import FOOTPRINT, Justitia, Policy, get_policy
 from .prefix import PrefixHolds, PrefixLedger, private_kv_cost, segments, shared_tokens, uncached_prompt
 from .queues import RequestQueue, TenantQueue
@@ -127,6 +128,8 @@ class Dispatcher:
         self.time_model = time_model
         self._model_sustains = True  # the time model may set ETAs' rate (set_time_model)
         self.arrivals = WorkArrivals(window_s=arrival_window_s)
+        # How far first ETAs have been off: the ETA interval's factors (eta_interval.py).
+        self.eta_calibration = EtaCalibration()
         self._eta: EtaPass | None = None
         # Agents registered since the last pass (refresh_etas), for the ETAs of agents
         # registered after them before the next pass (`_unpassed_work_before`).
@@ -1018,11 +1021,18 @@ class Dispatcher:
                 work += self._replay_work(a, rates)
         return work
 
+    def observe_jct(self, first_eta_s: float, jct_s: float) -> None:
+        """A finished agent's JCT against its first ETA (both seconds from its submission):
+        what the ETA intervals are calibrated on."""
+        self.eta_calibration.observe(first_eta_s, jct_s)
+
     def view(self, agent_id: str, now: float) -> AgentView:
         """The agent's record: tag, costs and times (seconds from its submission)."""
         agent = self._agent(agent_id)
         fair = self.fair_finish_time(agent_id, now) - agent.submitted_at
         bound = agent.bound.total_s
+        eta = self.eta_time(agent_id, now) - agent.submitted_at
+        deadline = (agent.deadline_at if agent.deadline_at is not None else now) - agent.submitted_at
         return AgentView(
             agent_id=agent_id,
             agent_type=agent.agent_type,
@@ -1032,9 +1042,10 @@ class Dispatcher:
             consumed_cost=agent.consumed_cost,
             virtual_finish=agent.virtual_finish,
             fair_finish_s=fair,
-            eta_s=self.eta_time(agent_id, now) - agent.submitted_at,
+            eta_s=eta,
+            eta_interval_s=self.eta_calibration.interval(now - agent.submitted_at, eta, deadline),
             delay_bound_s=bound,
-            deadline_s=(agent.deadline_at if agent.deadline_at is not None else now) - agent.submitted_at,
+            deadline_s=deadline,
             bound=agent.bound,
             requests_total=agent.requests_total,
             requests_done=agent.requests_done,

@@ -200,6 +200,7 @@ class AgentView:
     promise: str = "firm"  # "firm" | "widened" | "none": how far deadline_s can be trusted
     promise_reason: str = ""  # why a promise is widened (or none)
     expected_cost: float | None = None  # re-predicted total KV cost (None: not re-predicted)
+    eta_interval_s: tuple[float, float] | None = None  # [p10, p90] around eta_s (eta_interval.py)
 
 
 # -- what the dispatcher has observed ------------------------------------------------------

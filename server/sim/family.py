@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from .profiles import EngineProfile
 from .shapes import ShapeSpec, make_shaped
-from .simulator import AgentResult, PolicyResult, run_comparison
+from .simulator import PolicyResult, run_comparison
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,6 @@ def _quantile(xs: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _coverage(agents: Iterable[AgentResult]) -> float | None:
-    inside = [lo <= a.jct_s <= hi for a in agents
-              if (interval := getattr(a, "first_eta_interval_s", None)) is not None
-              for lo, hi in [interval]]
-    return sum(inside) / len(inside) if inside else None
-
-
 def row_of(spec: ShapeSpec, result: PolicyResult) -> FamilyRow:
     s = result.summary()
     ratios = [a.first_deadline_s / a.jct_s for a in result.agents
@@ -56,7 +49,7 @@ def row_of(spec: ShapeSpec, result: PolicyResult) -> FamilyRow:
         shape=spec.shape, seed=spec.seed, policy=result.policy, agents=len(result.agents),
         mean_jct_s=s["mean_jct_s"], eta_error_p50=s["eta_error_p50"], eta_error_p90=s["eta_error_p90"],
         promises_kept=s["promises_kept"], promises=sum(a.first_deadline_s is not None for a in result.agents),
-        deadline_over_jct_p50=_quantile(ratios, 0.5), eta_coverage=_coverage(result.agents),
+        deadline_over_jct_p50=_quantile(ratios, 0.5), eta_coverage=s["eta_coverage"],
     )
 
 

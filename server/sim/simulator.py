@@ -130,6 +130,8 @@ class AgentResult:
     first_deadline_s: float | None = None
     # The agent's JCT alone on an idle engine (`isolated_jct_s`): the denominator of its slowdown.
     isolated_s: float | None = None
+    # [p10, p90] given with the first ETA, seconds from its arrival (DESIGN section 8).
+    first_eta_interval_s: tuple[float, float] | None = None
 
     @property
     def jct_s(self) -> float:
@@ -166,6 +168,7 @@ class AgentResult:
             "delay_bound_s": self.delay_bound_s,
             "first_eta_s": self.first_eta_s,
             "first_deadline_s": self.first_deadline_s,
+            "first_eta_interval_s": list(self.first_eta_interval_s) if self.first_eta_interval_s else None,
             "isolated_s": self.isolated_s,
             "slowdown": self.slowdown,
         }
@@ -196,6 +199,7 @@ class PolicyResult:
             "max_lag_vs_gps_s": max((a.finish_s - a.gps_finish_s for a in self.agents), default=0.0),
             "eta_error_p50": _quantile(eta_errors, 0.50) if eta_errors else None,
             "eta_error_p90": _quantile(eta_errors, 0.90) if eta_errors else None,
+            "eta_coverage": eta_coverage(self.agents),
             "promises_kept": sum(a.promise_kept is True for a in self.agents),
             "jain_slowdown": jain_index([s for a in self.agents if (s := a.slowdown) is not None]),
             "max_slowdown": max((s for a in self.agents if (s := a.slowdown) is not None), default=None),
@@ -208,6 +212,13 @@ class PolicyResult:
 
     def as_dict(self) -> dict:
         return {**self.summary(), "agents": [a.as_dict() for a in self.agents]}
+
+
+def eta_coverage(agents: Sequence[AgentResult]) -> float | None:
+    """The share of agents whose JCT fell inside their first ETA interval (None: no intervals)."""
+    inside = [lo - 1e-9 <= a.jct_s <= hi + 1e-9 for a in agents
+              if a.first_eta_interval_s is not None for lo, hi in [a.first_eta_interval_s]]
+    return sum(inside) / len(inside) if inside else None
 
 
 def jain_index(xs: Sequence[float]) -> float | None:
@@ -291,7 +302,7 @@ def simulate(
         isolated = isolated_jct_s(agents, profile, m)
     results = [
         AgentResult(a.id, a.type, a.arrival, run.finish[i], gps_finish[i], run.bounds[i], run.first_eta[i],
-                    run.first_deadline[i], isolated[i] or None)
+                    run.first_deadline[i], isolated[i] or None, run.first_interval[i])
         for i, a in enumerate(agents)
     ]
     return PolicyResult(
@@ -339,6 +350,7 @@ class _Run:
         self.bounds = [0.0] * n
         self.first_eta = [0.0] * n
         self.first_deadline = [0.0] * n
+        self.first_interval: list[tuple[float, float] | None] = [None] * n
         self.nxt = 0  # the next agent to arrive
         self.done = 0
 
@@ -400,6 +412,7 @@ class _Run:
             )
             self.bounds[i] = view.delay_bound_s
             self.first_eta[i], self.first_deadline[i] = view.eta_s, view.deadline_s
+            self.first_interval[i] = view.eta_interval_s
             if a.stages:
                 self.submit_stage(i, t)
             else:
@@ -438,6 +451,7 @@ class _Run:
             self.agent_done(i, t)
 
     def agent_done(self, i: int, t: float) -> None:
+        self.disp.observe_jct(self.first_eta[i], t - self.agents[i].arrival)
         self.disp.finish_agent(self.agents[i].id, t)
         self.finish[i] = t
         self.done += 1

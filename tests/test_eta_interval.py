@@ -1,0 +1,49 @@
+"""ETA intervals (server/scheduler/eta_interval.py): calibrated on finished agents, and the
+simulator's coverage on held-out seeds of the evaluation family."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from server.scheduler.eta_interval import MIN_SEEN, PRIOR_HIGH, PRIOR_LOW, EtaCalibration
+from server.sim.family import run_family
+from server.sim.profiles import get_profile
+from server.sim.shapes import ShapeSpec
+
+
+def test_a_fresh_calibration_takes_the_prior_and_scales_the_remaining_time() -> None:
+    cal = EtaCalibration()
+    assert (cal.factors.low, cal.factors.high) == (PRIOR_LOW, PRIOR_HIGH)
+    # 4 s elapsed of an ETA of 10 s: the remaining 6 s is what is uncertain
+    low, high = cal.interval(4.0, 10.0)
+    assert low == pytest.approx(4.0 + 6.0 * PRIOR_LOW) and high == pytest.approx(4.0 + 6.0 * PRIOR_HIGH)
+    # never past the deadline it was promised, never narrower than the ETA itself
+    assert cal.interval(0.0, 10.0, deadline_s=11.0)[1] == 11.0
+    assert cal.interval(12.0, 10.0) == (12.0, 12.0)  # past its ETA: nothing left to scale
+
+
+def test_the_factors_follow_how_wrong_the_etas_were() -> None:
+    cal = EtaCalibration()
+    rng = random.Random(0)
+    for _ in range(MIN_SEEN - 1):
+        cal.observe(10.0, 30.0)
+    assert cal.factors.high == PRIOR_HIGH  # not enough seen yet
+    for _ in range(300):  # ETAs that came true within +-50%, then three times too short
+        cal.observe(10.0, 10.0 * rng.uniform(0.5, 1.5))
+    assert 0.5 <= cal.factors.low < 0.65 and 1.35 < cal.factors.high <= 1.5
+    for _ in range(300):
+        cal.observe(10.0, 10.0 * rng.uniform(2.5, 3.5))
+    assert cal.factors.low == 1.0 and 2.5 < cal.factors.high <= 3.5  # the window forgets the old
+    cal.observe(0.0, 5.0)  # an agent told 0 s teaches nothing (no ratio)
+    assert cal.seen == 200
+
+
+def test_held_out_seeds_land_about_eighty_percent_inside_their_first_interval() -> None:
+    profile = get_profile("cpu-tiny")
+    specs = [ShapeSpec(shape, 48, 0.9, seed) for shape in ("poisson", "bursts") for seed in (100, 101)]
+    rows = run_family(specs, ["justitia"], profile, 4096)
+    coverage = [r.eta_coverage for r in rows]
+    assert all(c is not None for c in coverage)
+    assert 0.7 <= sum(coverage) / len(coverage) <= 0.95, coverage
