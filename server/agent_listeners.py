@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from server.history import HistoryUnwritable
+from server.data_dir import HistoryUnwritable
 
 if TYPE_CHECKING:
     from server.agents import AgentEntry

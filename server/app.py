@@ -20,8 +20,9 @@ from server.agents_api import router as agents_router
 from server.config import ServerConfig
 from server.dashboard import DashboardHub
 from server.dashboard.api import router as dashboard_router
+from server.data_dir import check_writable
 from server.engine.base import NOT_RUNNING, Capabilities, Engine, Supervised
-from server.history import History, check_writable
+from server.history import History
 from server.limits import PerTenant, Quotas, RateLimiter
 from server.live import LiveConfig, LiveScheduler
 from server.metrics import CONTENT_TYPE, Metrics

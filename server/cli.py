@@ -92,8 +92,10 @@ def register(commands: Commands) -> None:
                             "no quota)")
     serve.add_argument("--max-agent-bytes", action="append", default=[], metavar="[TENANT=]SIZE",
                        help="per-tenant quota of memory held by live agents: the bytes of their "
-                            "kept prompts (up to 64 Ki characters each) and metadata JSON (--max-metadata-bytes each), as held in memory; "
-                            "registrations over it get 429 with Retry-After. SIZE: bytes, or with "
+                            "kept prompts (up to 64 Ki characters each) and metadata JSON "
+                            "(--max-metadata-bytes each), as held in memory; registrations over "
+                            "it get 429 with Retry-After (413: one agent over the whole quota). "
+                            "SIZE: bytes, or with "
                             "K/M/G (e.g. 64M); same syntax as --max-agents (default: no quota)")
     serve.add_argument("--max-metadata-bytes", action="append", default=["64K"], metavar="[TENANT=]SIZE",
                        help="the most metadata (as compact JSON) one agent may carry; a larger "
@@ -244,7 +246,21 @@ def _check_predictors(path: str) -> None:
         print(f"skipping predictor {bad}: {error}", file=sys.stderr, flush=True)
 
 
+def _check_data_dir(data_dir: str | None) -> None:
+    """Before anything starts (the engine would start only to be stopped): the history's
+    directory can be written, else one line and exit status 2."""
+    from server.data_dir import HistoryUnwritable, check_writable
+    from server.tiny_model import justitia_home
+
+    try:
+        check_writable(Path(data_dir).expanduser() if data_dir else justitia_home() / "data")
+    except HistoryUnwritable as exc:
+        raise CommandError(f"{exc.reason}: the server keeps its history there; give it a "
+                           "writable --data-dir") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    _check_data_dir(args.data_dir)
     from server.config import ServerConfig
 
     keys = _parse_api_keys(args.api_key)
@@ -322,15 +338,10 @@ def serve(config: Any) -> int:
     """Run the server until it stops; its exit status (non-zero: the engine failed)."""
     import uvicorn
 
-    from server.app import _data_dir, create_app
-    from server.history import HistoryUnwritable, check_writable
+    from server.app import create_app
     from server.http import raise_open_files_limit, uvicorn_config
 
-    try:  # before anything starts: the engine would start only to be stopped
-        check_writable(_data_dir(config))
-    except HistoryUnwritable as exc:
-        raise CommandError(f"{exc.reason}: the server keeps its history there; give it a "
-                           "writable --data-dir") from None
+    _check_data_dir(config.data_dir)
 
     if config.model is None and not config.engine_urls:
         from server.tiny_model import ensure_default_model

@@ -22,8 +22,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from server.data_dir import HistoryUnwritable
 from server.engine.base import EngineError, InvalidRequestError
-from server.history import HistoryUnwritable
 from server.limits import QuotaExceeded, TooLarge
 from server.live import AgentConflict, AgentNotFound
 

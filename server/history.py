@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import sqlite3
 import threading
@@ -74,44 +73,12 @@ DEFAULT_MAX_BYTES = 1 << 30
 TRIM_TO = 0.9
 
 
-class HistoryUnwritable(Exception):
-    """The history cannot be written (disk full, read-only, I/O error): an agent's end that
-    cannot be made durable is not acknowledged (503)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"history cannot be written: {reason}")
-        self.reason = reason
-
 
 @dataclass
 class _Row:
     values: tuple
     done: Future[None]
     urgent: bool = True
-
-
-def check_writable(directory: str | Path) -> None:
-    """Raise HistoryUnwritable, saying why, unless the history can be kept in `directory`:
-    it exists or can be made, a file in it can be written and synced, and the history file,
-    if there is one, can be opened for writing."""
-    path = Path(directory).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".justitia-write-check-{os.getpid()}"
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, b"justitia")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            probe.unlink(missing_ok=True)
-        for name in ("history.sqlite3", "history.sqlite3-wal", "history.sqlite3-shm"):
-            if (path / name).exists():
-                os.close(os.open(path / name, os.O_RDWR))
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        where = exc.filename or path
-        raise HistoryUnwritable(f"the data dir {path} cannot be written ({where}: {reason})") from None
 
 
 class History:
@@ -251,12 +218,7 @@ class History:
             with self._lock:  # before the callers learn of it: they ask which rows wait
                 self._unwritten_ids = {item.values[0] for item in failed}
                 self.unwritten = len(failed)
-            for item in items:
-                if not item.done.done():
-                    if error is None:
-                        item.done.set_result(None)
-                    else:  # the caller learns it now; the row is kept and retried
-                        item.done.set_exception(error)
+            _settle(items, error)
             if error is None:
                 self._prune()
                 self._trim()
@@ -434,6 +396,17 @@ class History:
         self.flush()
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM agents").fetchone()[0])
+
+
+def _settle(items: list[_Row], error: sqlite3.Error | None) -> None:
+    """Tell the callers waiting for these rows how their first commit went (a failed row
+    is kept and retried; its caller learns of the failure now)."""
+    for item in items:
+        if not item.done.done():
+            if error is None:
+                item.done.set_result(None)
+            else:
+                item.done.set_exception(error)
 
 
 _REQUEST_FIELDS = frozenset(f.name for f in fields(RequestLog))

@@ -26,9 +26,8 @@ import builtins
 import collections
 import contextlib
 import itertools
-import json
-import sys
 import logging
+import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field, replace
