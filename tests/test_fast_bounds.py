@@ -239,7 +239,7 @@ def test_a_finish_that_cannot_be_made_durable_is_refused_and_acknowledged_once_w
 _SERVER_SCRIPT = textwrap.dedent("""
     import sys, time
     from tests.fake_engine import FakeServer
-    srv = FakeServer(sys.argv[1]).start()
+    srv = FakeServer(sys.argv[1], retrain_every=0).start()  # no retraining process
     print(srv.url, flush=True)
     for line in sys.stdin:
         if line.strip() == "full":
@@ -257,7 +257,7 @@ def test_a_kill_while_the_disk_is_full_loses_no_acknowledged_finish(tmp_path) ->
     root = str(Path(__file__).resolve().parent.parent)
     proc = subprocess.Popen([sys.executable, "-c", _SERVER_SCRIPT, str(data)], cwd=root,
                             env={**os.environ, "PYTHONPATH": root}, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     acknowledged, refused = set(), set()
     try:
         assert proc.stdout is not None and proc.stdin is not None
@@ -279,7 +279,7 @@ def test_a_kill_while_the_disk_is_full_loses_no_acknowledged_finish(tmp_path) ->
             for i in range(10, 40):
                 one(i)
     finally:
-        proc.send_signal(signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # kill -9, and nothing of it left behind
         proc.wait(30)
     assert len(acknowledged) >= 10 and len(refused) >= 20  # a row may fit in a free page
     history = History(data / "history.sqlite3")
