@@ -67,6 +67,8 @@ ROW_OVERHEAD_BYTES = 160
 _SIZE_SQL = (f"{ROW_OVERHEAD_BYTES} + length(prompt) + length(metadata) + length(requests) "
              "+ coalesce(length(error), 0) + length(id) + length(type) + length(tenant)")
 DEFAULT_MAX_ROWS = 1_000_000
+#: Rows that failed to commit are kept for a retry up to this many.
+MAX_UNWRITTEN_ROWS = 10_000
 DEFAULT_MAX_BYTES = 1 << 30
 #: Once over a bound, the oldest rows go until the history is this fraction of it, so that
 #: trimming happens once per tenth of the bound, not at every commit.
@@ -107,6 +109,10 @@ class History:
         self.unwritten = 0
         self.last_error: str | None = None
         self._unwritten_ids: set[str] = set()  # the agents of those rows
+        #: Rows kept for a retry at most (the oldest nobody waits for go past it), and how
+        #: many went that way.
+        self.max_unwritten_rows = MAX_UNWRITTEN_ROWS
+        self.dropped = 0
         self._last_prune = 0.0
         self._lock = threading.Lock()  # one statement or transaction at a time
         #: Rows and bytes of rows held (the `size` column's sum), kept up to date by the writer.
@@ -214,7 +220,7 @@ class History:
             if error is None:
                 failed, retry_s = [], 1.0
             else:
-                failed, retry_s = items, min(30.0, retry_s * 2)
+                failed, retry_s = self._keep_for_retry(items), min(30.0, retry_s * 2)
             with self._lock:  # before the callers learn of it: they ask which rows wait
                 self._unwritten_ids = {item.values[0] for item in failed}
                 self.unwritten = len(failed)
@@ -226,6 +232,23 @@ class History:
                 self._queue.task_done()
             if any(item is _STOP for item in batch):
                 return
+
+    def _keep_for_retry(self, items: list[_Row]) -> list[_Row]:
+        """The rows to retry, bounded: past MAX_UNWRITTEN_ROWS the oldest rows nobody waits
+        for (untagged requests' agents) go; rows whose end a caller waits for all stay."""
+        excess = len(items) - self.max_unwritten_rows
+        if excess <= 0:
+            return items
+        kept: list[_Row] = []
+        for item in items:
+            if excess > 0 and not item.urgent:
+                excess -= 1
+                self.dropped += 1
+                continue
+            kept.append(item)
+        log.error("the history cannot be written: %d rows of untagged requests' agents dropped "
+                  "so far to bound the memory of the rows waiting for a retry", self.dropped)
+        return kept
 
     def _commit(self, items: list[_Row]) -> sqlite3.Error | None:
         if not items:

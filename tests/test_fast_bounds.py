@@ -288,6 +288,25 @@ def test_a_kill_while_the_disk_is_full_loses_no_acknowledged_finish(tmp_path) ->
     assert acknowledged <= kept, f"{len(acknowledged - kept)} acknowledged finishes lost"
 
 
+def test_rows_waiting_for_a_retry_are_bounded_keeping_those_a_caller_waits_for(tmp_path) -> None:
+    history = History(tmp_path / "h.sqlite3")
+    history.max_unwritten_rows = 5
+    _fill_disk(history)
+    waited = [history.record(_finished(i, prompt="x" * 5000)) for i in range(3)]
+    for i in range(3, 20):
+        history.record(_finished(i, prompt="x" * 5000), urgent=False)
+    history.flush()
+    assert all(w.exception() is not None for w in waited)
+    assert history.unwritten <= 5 and history.dropped >= 15
+    assert all(history.unwritten_agent(f"agt-{i:06d}") for i in range(3))
+    with history._lock:
+        history._db.execute("PRAGMA max_page_count = 1073741823")
+    history.close()  # writes what is kept
+    reopened = History(tmp_path / "h.sqlite3")
+    assert {f"agt-{i:06d}" for i in range(3)} <= {s["agent_id"] for s in reopened.samples("hist")}
+    reopened.close()
+
+
 # -- the data dir -------------------------------------------------------------------------
 
 def _read_only_dir(tmp_path: Path) -> Path:
