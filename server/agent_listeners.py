@@ -15,6 +15,8 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from server.data_dir import HistoryUnwritable
+
 if TYPE_CHECKING:
     from server.agents import AgentEntry
     from server.engine.base import EngineOutput
@@ -62,11 +64,20 @@ class AgentListeners(AgentListener):
         self._each("on_request_finished", entry, out)
 
 
+#: Refused ends remembered for their retry (the oldest forgotten first).
+MAX_REFUSED = 100_000
+
+
 class HistoryStore(Protocol):
     """server/history.py's `History`, as far as the scheduler uses it."""
 
     def record(self, entry: AgentEntry, *, urgent: bool = ...) -> concurrent.futures.Future[None]:
         ...
+
+    @property
+    def failing(self) -> str | None: ...
+
+    def unwritten_agent(self, agent_id: str) -> bool: ...
 
 
 class HistoryWriter(AgentListener):
@@ -77,6 +88,8 @@ class HistoryWriter(AgentListener):
         self.history = history
         # Writes the API has not yet waited for (finish and cancel wait for theirs).
         self._writes: dict[str, concurrent.futures.Future[None]] = {}
+        # Agents whose end was refused (503) because their row could not be written.
+        self._refused: dict[str, None] = {}
 
     def on_agent_ended(self, entry: AgentEntry) -> None:
         # An untagged request's agent is nobody's to wait for.
@@ -90,14 +103,39 @@ class HistoryWriter(AgentListener):
 
             write.add_done_callback(forget)
 
+    def check_writable(self) -> None:
+        """Raise HistoryUnwritable while the history's writes fail: an end that could not be
+        made durable is refused before anything changes."""
+        reason = self.history.failing
+        if reason is not None:
+            raise HistoryUnwritable(reason)
+
     async def durable(self, entry: AgentEntry) -> None:
+        """Return once the agent's row is committed; HistoryUnwritable if it could not be
+        (the agent has ended in memory and its row is retried, but its end is not
+        acknowledged: a call to end it again answers once the row is written)."""
         write = self._writes.pop(entry.id, None)
         if write is None:
             return
         try:
             await asyncio.wrap_future(write)
-        except Exception:  # logged by the writer; the agent's end stands
-            pass
+        except Exception as exc:  # logged by the writer
+            if not self.history.unwritten_agent(entry.id):
+                return  # written since, by a retry
+            self._refused[entry.id] = None
+            while len(self._refused) > MAX_REFUSED:
+                del self._refused[next(iter(self._refused))]
+            raise HistoryUnwritable(self.history.failing or str(exc)) from None
+
+    def refused(self, entry: AgentEntry) -> bool:
+        """Whether ending the agent was refused for want of a durable row: True once the row
+        is written (the end is acknowledged now); HistoryUnwritable while it waits."""
+        if entry.id not in self._refused:
+            return False
+        if self.history.unwritten_agent(entry.id):
+            raise HistoryUnwritable(self.history.failing or "the agent's row waits for a retry")
+        del self._refused[entry.id]
+        return True
 
 
 class Predictors(Protocol):
@@ -145,7 +183,7 @@ class PredictorFeedback(AgentListener):
             from predictors.features import submission_features
 
             self.predictors.learn(entry.type, entry.prompt, entry.consumed_kv_cost, entry.predicted_cost,
-                                  submission_features(entry.metadata), tenant=entry.tenant)
+                                  submission_features(entry.meta()), tenant=entry.tenant)
 
 
 class MetricsRecorder(AgentListener):

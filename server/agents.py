@@ -15,9 +15,10 @@ this module owns identity, tenancy, lifecycle and the request log written to the
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -52,6 +53,16 @@ class _RandomIds:
 new_agent_id = _RandomIds()
 
 
+#: An ended agent keeps metadata up to this size in memory for its record; larger metadata
+#: is only in the history.
+ENDED_METADATA_BYTES = 1024
+
+
+def encode_metadata(metadata: dict[str, Any]) -> bytes:
+    """Metadata as the server keeps it: compact JSON, UTF-8."""
+    return json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 # The type of the one-request agent made for an untagged request (server/service.py).
 DEFAULT_AGENT_TYPE = "default"
 
@@ -77,7 +88,10 @@ class AgentEntry:
     type: str
     tenant: str
     prompt: str
-    metadata: dict[str, Any]
+    # The caller's metadata arrives as a dict and is kept as compact JSON bytes
+    # (`metadata_json`): 21,700 empty objects are 64 KB of JSON but 1.5 MB of Python dicts.
+    # `meta()` parses it when something needs it.
+    metadata: InitVar[dict[str, Any] | None]
     submitted_at: float  # unix seconds
     submitted_mono: float  # the scheduler's clock (seconds since server start)
     predicted_cost: float
@@ -103,10 +117,36 @@ class AgentEntry:
     version: int = 0
     seq: int = 0  # registration order in this server (the cursor of GET /v1/agents)
     held_bytes: int = 0  # its prompt and metadata, against the tenant's --max-agent-bytes
+    metadata_json: bytes = b"{}"
+    # `metadata.stages` when it is an int (re-prediction reads it after every request).
+    declared_stages: int | None = None
+    # An ended agent's metadata over ENDED_METADATA_BYTES is let go (the history has it).
+    metadata_dropped: bool = False
     # Made only while someone watches (SSE): touch() runs several times per request.
     _changed: asyncio.Event | None = None
     # The scheduler's change feed (multiplexed event streams of the agent's tenant).
     on_change: Callable[[AgentEntry], None] | None = field(default=None, repr=False)
+
+    def __post_init__(self, metadata: dict[str, Any] | None) -> None:
+        if metadata:
+            self.metadata_json = encode_metadata(metadata)
+            stages = metadata.get("stages")
+            if isinstance(stages, int) and not isinstance(stages, bool):
+                self.declared_stages = stages
+
+    def meta(self) -> dict[str, Any]:
+        """The metadata, parsed (a new dict each call)."""
+        if self.metadata_json == b"{}":
+            return {}
+        return json.loads(self.metadata_json)
+
+    def let_go(self) -> None:
+        """The agent has ended and its history row is queued: what only the history needs
+        leaves memory. Its prompt goes; its metadata stays when small (records show it)."""
+        self.prompt = ""
+        if len(self.metadata_json) > ENDED_METADATA_BYTES:
+            self.metadata_json = b"{}"
+            self.metadata_dropped = True
 
     @property
     def terminal(self) -> bool:
@@ -181,3 +221,6 @@ class AgentRecord(BaseModel):
     error: str | None = Field(default=None, description="Why a `failed` agent failed.")
     jct_s: float | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata_dropped: bool = Field(default=False, description=(
+        "The agent has ended and its metadata, over 1 KiB, is no longer held in memory: "
+        "`metadata` is empty here and the history keeps it."))

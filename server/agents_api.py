@@ -24,9 +24,6 @@ from server.validation import RequestBody
 router = APIRouter(tags=["agents"])
 
 MAX_PROMPT_CHARS = 1_000_000
-# Metadata is kept with the agent for its lease and retention, and written to the history:
-# its size is bounded (100k keys used to cost 9 MB of memory per agent).
-MAX_METADATA_BYTES = 64 * 1024
 # Far above any real agent (1e18 is about a million requests of a million tokens each); a
 # larger declared cost let the record's times overflow to infinity, which JSON cannot carry.
 MAX_PREDICTED_COST = 1e18
@@ -44,7 +41,8 @@ class AgentCreate(RequestBody):
                         description="The text the cost predictor sees.")
     metadata: dict[str, Any] = Field(
         default_factory=dict,
-        description=("The caller's; `stages` (int, 1 to 1e6) and `critical_path_tokens` (int, "
+        description=("The caller's (kept as compact JSON, at most --max-metadata-bytes, "
+                     "64 KiB by default); `stages` (int, 1 to 1e6) and `critical_path_tokens` (int, "
                      "0 to 1e12) declare the agent's structure for its delay bound, "
                      "`prefill_tokens` (int, 0 to 1e12: the prompt tokens its requests will "
                      "compute) the prefill its ETA counts."))
@@ -60,10 +58,6 @@ class AgentCreate(RequestBody):
     @field_validator("metadata")
     @classmethod
     def _shape_in_range(cls, metadata: dict[str, Any]) -> dict[str, Any]:
-        size = len(json.dumps(metadata, separators=(",", ":")).encode())
-        if size > MAX_METADATA_BYTES:
-            raise ValueError(f"metadata holds {size} bytes of JSON; at most "
-                             f"{MAX_METADATA_BYTES} are kept with an agent")
         for key, (low, high) in _SHAPE_RANGES.items():
             value = metadata.get(key)
             # Other types are ignored, as before: metadata is the caller's.
@@ -195,7 +189,7 @@ async def agent_events(agent_id: str, request: Request,
 
 
 @router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord,
-             responses=errors.responses(400, 401, 404, 409))
+             responses=errors.responses(400, 401, 404, 409, 503))
 async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of),
                        body: AgentFinish | None = None) -> AgentRecord:
     """The agent is done: `finished`, or `failed` with `{"error": "..."}` when its code
@@ -206,7 +200,7 @@ async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(te
 
 
 @router.delete("/v1/agents/{agent_id}", response_model=AgentRecord,
-               responses=errors.responses(401, 404, 409))
+               responses=errors.responses(401, 404, 409, 503))
 async def cancel_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
     s = _scheduler(request)
     return s.record(await s.cancel(_entry(agent_id, request, tenant)))
@@ -299,24 +293,63 @@ async def list_predictors(request: Request, tenant: str = Depends(tenant_of)) ->
             "predictors": describe() if describe is not None else []}
 
 
-@router.get("/v1/history", tags=["operations"], responses=errors.responses(400, 401))
+#: A page of GET /v1/history holds at most this many bytes (and at least one sample).
+MAX_HISTORY_PAGE_BYTES = 16 << 20
+#: Rows read from the history at a time while a page streams.
+_HISTORY_CHUNK_ROWS = 32
+
+
+@router.get("/v1/history", tags=["operations"], response_class=StreamingResponse,
+            responses={200: {"description": "`{\"samples\": [...], \"next_cursor\": ...}`",
+                             "content": {"application/json": {}}},
+                       **errors.responses(400, 401)})
 async def history_samples(request: Request, tenant: str = Depends(tenant_of),
                           agent_type: str | None = Query(default=None),
                           limit: int = Query(default=10_000, ge=1, le=100_000,
                                              description="At most this many samples (default "
                                                          "10,000, at most 100,000)."),
+                          max_bytes: int = Query(default=MAX_HISTORY_PAGE_BYTES, ge=1,
+                                                 le=MAX_HISTORY_PAGE_BYTES, description=(
+                                                     "At most this many bytes of samples in "
+                                                     "the page (default and most 16 MiB); a "
+                                                     "page holds at least one sample.")),
                           cursor: str | None = Query(default=None, max_length=32,
                                                      description="`next_cursor` of the page before"),
-                          ) -> dict:
+                          ) -> StreamingResponse:
     """Finished agents of the caller's tenant as predictor training samples, oldest first,
-    a page at a time (`next_cursor`: null on the last page)."""
+    a page at a time (`next_cursor`: null on the last page). A page ends at `limit` samples
+    or `max_bytes`, whichever comes first, and is streamed as it is read."""
     after = 0
     if cursor is not None:
         if not cursor.isdigit() or int(cursor) >= 2**63:
             raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
         after = int(cursor)
     history = request.app.state.history
-    # SQLite reads (and the wait for queued writes) stay off the event loop.
-    samples, last = await anyio.to_thread.run_sync(
-        functools.partial(history.samples_page, agent_type, tenant, limit, after))
-    return {"samples": samples, "next_cursor": str(last) if last is not None else None}
+
+    async def page() -> AsyncIterator[bytes]:
+        yield b'{"samples": ['
+        count, size, last = 0, 0, after
+        next_cursor: int | None = None
+        while True:
+            want = min(_HISTORY_CHUNK_ROWS, limit - count)
+            # SQLite reads (and the first one's wait for queued writes) leave the event loop.
+            rows = await anyio.to_thread.run_sync(
+                functools.partial(history.sample_rows, agent_type, tenant, want + 1, last,
+                                  flush=count == 0 and last == after))
+            full = False
+            for rowid, sample in rows[:want]:
+                data = json.dumps(sample).encode()
+                if count and size + len(data) + 2 > max_bytes - 64:  # 64: the head and tail
+                    full = True
+                    break
+                yield (b", " if count else b"") + data
+                count, size, last = count + 1, size + len(data) + 2, rowid
+            if full or (len(rows) > want and count >= limit):
+                next_cursor = last
+                break
+            if len(rows) <= want:
+                break
+        tail = str(next_cursor) if next_cursor is not None else None
+        yield b'], "next_cursor": ' + json.dumps(tail).encode() + b"}"
+
+    return StreamingResponse(page(), media_type="application/json")

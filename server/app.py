@@ -21,6 +21,7 @@ from server.agents_api import router as agents_router
 from server.config import ServerConfig
 from server.dashboard import DashboardHub
 from server.dashboard.api import router as dashboard_router
+from server.data_dir import check_writable
 from server.engine.base import NOT_RUNNING, Capabilities, Engine, Supervised
 from server.history import History
 from server.limits import PerTenant, Quotas, RateLimiter
@@ -222,6 +223,13 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal engine, model_name
+        # The history first: a data dir that cannot be written stops the start here, with
+        # one clear error, before an engine is started for nothing.
+        check_writable(_data_dir(config))
+        history = History(_data_dir(config) / "history.sqlite3",
+                          retention_s=config.history_retention_s or None,
+                          max_rows=config.history_max_rows or None,
+                          max_bytes=config.history_max_bytes or None)
         if engine is None:
             engine, model_name = build_engine(config)
         capabilities = Capabilities.of(engine)  # what the engine offers, found once
@@ -230,8 +238,6 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         if not model_name:
             model_name = engine.info.served_name or engine.info.model
         await _warm_up(engine)
-        history = History(_data_dir(config) / "history.sqlite3",
-                          retention_s=config.history_retention_s or None)
         metrics = Metrics()
         predictors = _predictors(config)
         scheduler = LiveScheduler(
@@ -248,7 +254,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                 max_num_seqs=config.max_num_seqs,
                 quotas=Quotas(PerTenant(config.max_agents, config.tenant_max_agents),
                               PerTenant(config.max_queued, config.tenant_max_queued),
-                              PerTenant(config.max_agent_bytes, config.tenant_max_agent_bytes)),
+                              PerTenant(config.max_agent_bytes, config.tenant_max_agent_bytes),
+                              PerTenant(config.max_metadata_bytes, config.tenant_max_metadata_bytes)),
                 tenant_weights=dict(config.tenant_weights),
             ),
             predictors=predictors,
@@ -329,8 +336,9 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         if state == "running" and history is not None and history.unwritten:
             # Finished agents are not being recorded (disk full?): drain this server.
             return JSONResponse({"status": "degraded", "detail": (
-                f"{history.unwritten} finished agents could not be written to the history "
-                f"({history.last_error}); retrying")}, 503)
+                f"history cannot be written: {history.unwritten} ended agents could not be "
+                f"written to the history ({history.last_error}); retrying, and finish and "
+                "cancel calls are refused (503) until they are written")}, 503)
         if request.app.state.ready and state == "running":
             return JSONResponse({"status": "ready", "model": request.app.state.service.model_name})
         if state == "running":

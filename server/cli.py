@@ -97,9 +97,16 @@ def register(commands: Commands) -> None:
                             "tenant's agents (repeatable; default 1 for every tenant)")
     serve.add_argument("--max-agent-bytes", action="append", default=[], metavar="[TENANT=]SIZE",
                        help="per-tenant quota of memory held by live agents: the bytes of their "
-                            "kept prompts (up to 64 KiB each) and metadata (up to 64 KiB each); "
-                            "registrations over it get 429 with Retry-After. SIZE: bytes, or with "
+                            "kept prompts (up to 64 Ki characters each) and metadata JSON "
+                            "(--max-metadata-bytes each), as held in memory; registrations over "
+                            "it get 429 with Retry-After (413: one agent over the whole quota). "
+                            "SIZE: bytes, or with "
                             "K/M/G (e.g. 64M); same syntax as --max-agents (default: no quota)")
+    serve.add_argument("--max-metadata-bytes", action="append", default=["64K"], metavar="[TENANT=]SIZE",
+                       help="the most metadata (as compact JSON) one agent may carry; a larger "
+                            "registration gets 413 naming this limit. Same syntax as "
+                            "--max-agent-bytes (default 64K; TENANT=off lifts it for one tenant, "
+                            "leaving the body size limit)")
     serve.add_argument("--engine-url", action="append", default=[], metavar="URL",
                        help="use a remote vLLM OpenAI server as the engine (repeatable: "
                             "replicas; M is the sum of their KV capacities) instead of the "
@@ -127,6 +134,13 @@ def register(commands: Commands) -> None:
     serve.add_argument("--history-retention", type=float, default=30 * 86_400, metavar="SECONDS",
                        help="finished agents older than this are deleted from the history "
                             "(checked every 10 minutes; default 30 days; 0 keeps everything)")
+    serve.add_argument("--history-max-rows", type=int, default=1_000_000, metavar="N",
+                       help="the most agents the history keeps; past it the oldest are deleted "
+                            "(0: no bound)")
+    serve.add_argument("--history-max-bytes", default="1G", metavar="SIZE",
+                       help="the most bytes of agents (prompts, metadata, request logs) the "
+                            "history keeps; past it the oldest are deleted. SIZE: bytes, or with "
+                            "K/M/G (0: no bound)")
     serve.add_argument("--session-idle-s", type=float, default=60.0, metavar="SECONDS",
                        help="an implicit session agent (OpenAI requests with a session header and "
                             "no agent tag) with no request in flight for this long is finished")
@@ -184,7 +198,8 @@ def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]
                                  ("--max-request-tokens", args.max_request_tokens, parse_tokens),
                                  ("--max-agents", args.max_agents, parse_count),
                                  ("--max-queued", [i for i in args.max_queued if i != "off"], parse_count),
-                                 ("--max-agent-bytes", args.max_agent_bytes, parse_bytes)):
+                                 ("--max-agent-bytes", args.max_agent_bytes, parse_bytes),
+                                 ("--max-metadata-bytes", args.max_metadata_bytes, parse_bytes)):
         try:
             parsed[option] = limits = parse_per_tenant(items, parse)
         except ValueError as exc:
@@ -204,7 +219,9 @@ def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]
             "max_queued": max_queued, "tenant_max_queued": queued.overrides,
             "tenant_weights": _parse_tenant_weights(args.tenant_weight, known),
             "max_agent_bytes": parsed["--max-agent-bytes"].default,
-            "tenant_max_agent_bytes": parsed["--max-agent-bytes"].overrides}
+            "tenant_max_agent_bytes": parsed["--max-agent-bytes"].overrides,
+            "max_metadata_bytes": parsed["--max-metadata-bytes"].default,
+            "tenant_max_metadata_bytes": parsed["--max-metadata-bytes"].overrides}
 
 
 def _parse_tenant_weights(items: list[str], known: set[str]) -> dict[str, float]:
@@ -284,6 +301,19 @@ def _check_files(args: argparse.Namespace) -> None:
         _check_tool_call_parser(args.tool_call_parser)
 
 
+def _check_data_dir(data_dir: str | None) -> None:
+    """Before anything starts (the engine would start only to be stopped): the history's
+    directory can be written, else one line and exit status 2."""
+    from server.data_dir import HistoryUnwritable, check_writable
+    from server.tiny_model import justitia_home
+
+    try:
+        check_writable(Path(data_dir).expanduser() if data_dir else justitia_home() / "data")
+    except HistoryUnwritable as exc:
+        raise CommandError(f"{exc.reason}: the server keeps its history there; give it a "
+                           "writable --data-dir") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from server.config import ServerConfig
 
@@ -302,6 +332,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise CommandError(f"{option} must be a positive number of seconds, not {value}")
     if not 0 <= args.las_head_wait_weight < float("inf"):
         raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {args.las_head_wait_weight}")
+    if args.history_max_rows < 0:
+        raise CommandError("--history-max-rows takes a count of agents >= 0 (0: no bound)")
     if args.retrain_every < 0:
         raise CommandError("--retrain-every takes a count of agents >= 0 (0 turns online learning off)")
     _check_files(args)
@@ -329,6 +361,8 @@ def run_serve(args: argparse.Namespace) -> int:
         agent_lease_s=args.agent_lease,
         agent_retention_s=args.agent_retention,
         history_retention_s=args.history_retention,
+        history_max_rows=args.history_max_rows,
+        history_max_bytes=_history_bytes(args.history_max_bytes),
         log_level=args.log_level,
         profile=args.profile,
         **limits,
@@ -344,12 +378,25 @@ def _check_tool_call_parser(name: str) -> None:
         raise CommandError(f"--tool-call-parser: unknown parser {name!r}; vLLM has {', '.join(sorted(known))}")
 
 
+def _history_bytes(text: str) -> int:
+    from server.limits import parse_bytes
+
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise CommandError(f"--history-max-bytes: {exc}") from None
+
+
 def serve(config: Any) -> int:
     """Run the server until it stops; its exit status (non-zero: the engine failed)."""
     import uvicorn
 
     from server.app import create_app
     from server.http import raise_open_files_limit, uvicorn_config
+
+    _check_data_dir(config.data_dir)
 
     if config.model is None and not config.engine_urls:
         from server.tiny_model import ensure_default_model

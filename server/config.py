@@ -57,6 +57,12 @@ class ServerConfig(BaseModel):
     history_retention_s: float = Field(
         default=30 * 86_400, ge=0,
         description="Finished agents older than this leave the history (0: keep them all).")
+    history_max_rows: int = Field(
+        default=1_000_000, ge=0,
+        description="The most agents the history keeps; the oldest go first (0: no bound).")
+    history_max_bytes: int = Field(
+        default=1 << 30, ge=0,
+        description="The most bytes of rows the history keeps; the oldest go first (0: no bound).")
     initial_tau_s: float = Field(default=0.01, gt=0)
     profile: str | None = Field(
         default=None,
@@ -87,3 +93,6 @@ class ServerConfig(BaseModel):
     max_agent_bytes: int | None = Field(default=None, ge=1,
                                         description="Bytes of prompts and metadata held by a tenant's live agents.")
     tenant_max_agent_bytes: dict[str, int | None] = Field(default_factory=dict)
+    max_metadata_bytes: int | None = Field(default=64 * 1024, ge=1,
+                                           description="Bytes of one agent's metadata (compact JSON).")
+    tenant_max_metadata_bytes: dict[str, int | None] = Field(default_factory=dict)

@@ -22,8 +22,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from server.data_dir import HistoryUnwritable
 from server.engine.base import EngineError, InvalidRequestError
-from server.limits import QuotaExceeded
+from server.limits import QuotaExceeded, TooLarge
 from server.live import AgentConflict, AgentNotFound
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
@@ -104,10 +105,13 @@ _MEANING = {
     404: "Unknown agent (or another tenant's), unknown model, or unknown replica.",
     409: "The agent has ended (finished, cancelled, expired), or the call does not apply to "
          "this server's engine.",
-    413: "The body is over the server's size limit.",
+    413: "The body is over the server's size limit, or the agent's metadata over "
+         "--max-metadata-bytes (or its prompt and metadata over the tenant's whole "
+         "--max-agent-bytes).",
     429: "The tenant is over its --rate-limit, --max-agents or --max-queued; retry after "
          "Retry-After seconds.",
-    503: "The engine is not running.",
+    503: "The engine is not running; or, on finish and cancel, the history cannot be "
+         "written (the agent's end is not acknowledged: retry once readiness is back).",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
                                 "schema": {"type": "integer"}}}
@@ -168,7 +172,9 @@ _STATUS: dict[type[Exception], int] = {
     InvalidRequestError: 400,
     AgentNotFound: 404,
     AgentConflict: 409,
+    TooLarge: 413,
     EngineError: 503,
+    HistoryUnwritable: 503,
 }
 
 

@@ -46,7 +46,8 @@ CREATE TABLE IF NOT EXISTS agents (
     prompt_tokens INTEGER NOT NULL,
     output_tokens INTEGER NOT NULL,
     requests TEXT NOT NULL,
-    error TEXT
+    error TEXT,
+    size INTEGER
 );
 CREATE INDEX IF NOT EXISTS agents_type ON agents(type, state);
 CREATE TABLE IF NOT EXISTS engine_state (
@@ -57,9 +58,22 @@ CREATE TABLE IF NOT EXISTS engine_state (
 """
 
 _COLUMNS = ("id, type, tenant, state, prompt, metadata, submitted_at, finished_at, "
-            "predicted_cost, cost, n_requests, prompt_tokens, output_tokens, requests, error")
-_INSERT = f"INSERT OR REPLACE INTO agents ({_COLUMNS}) VALUES ({','.join('?' * 15)})"
+            "predicted_cost, cost, n_requests, prompt_tokens, output_tokens, requests, error, size")
+_INSERT = f"INSERT OR REPLACE INTO agents ({_COLUMNS}) VALUES ({','.join('?' * 16)})"
 _STOP = None
+#: What a row costs beyond its text columns (numbers, the id, SQLite's own overhead): the
+#: `size` of a row is this plus the lengths of its prompt, metadata, requests and error.
+ROW_OVERHEAD_BYTES = 160
+_SIZE_SQL = (f"{ROW_OVERHEAD_BYTES} + length(prompt) + length(metadata) + length(requests) "
+             "+ coalesce(length(error), 0) + length(id) + length(type) + length(tenant)")
+DEFAULT_MAX_ROWS = 1_000_000
+#: Rows that failed to commit are kept for a retry up to this many.
+MAX_UNWRITTEN_ROWS = 10_000
+DEFAULT_MAX_BYTES = 1 << 30
+#: Once over a bound, the oldest rows go until the history is this fraction of it, so that
+#: trimming happens once per tenth of the bound, not at every commit.
+TRIM_TO = 0.9
+
 
 
 @dataclass
@@ -75,11 +89,15 @@ class History:
 
     prune_every_s = 600.0
 
-    def __init__(self, path: str | Path, retention_s: float | None = None) -> None:
+    def __init__(self, path: str | Path, retention_s: float | None = None,
+                 max_rows: int | None = DEFAULT_MAX_ROWS, max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         #: Rows older than this (seconds since they ended) are deleted; None keeps them all.
         self.retention_s = retention_s
+        #: The most rows, and bytes of rows, kept (None: no bound): the oldest go first.
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
         #: Where an unreadable history file was moved before starting afresh (None: it was fine).
         self.recovered_from: Path | None = None
         try:
@@ -90,8 +108,15 @@ class History:
         #: Rows whose commit failed (disk full, I/O error), retried with backoff.
         self.unwritten = 0
         self.last_error: str | None = None
+        self._unwritten_ids: set[str] = set()  # the agents of those rows
+        #: Rows kept for a retry at most (the oldest nobody waits for go past it), and how
+        #: many went that way.
+        self.max_unwritten_rows = MAX_UNWRITTEN_ROWS
+        self.dropped = 0
         self._last_prune = 0.0
         self._lock = threading.Lock()  # one statement or transaction at a time
+        #: Rows and bytes of rows held (the `size` column's sum), kept up to date by the writer.
+        self.rows, self.bytes = self._totals()
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_forever, name="justitia-history",
                                         daemon=True)
@@ -131,6 +156,24 @@ class History:
         columns = {row[1] for row in db.execute("PRAGMA table_info(agents)")}
         if "error" not in columns:
             db.execute("ALTER TABLE agents ADD COLUMN error TEXT")
+        if "size" not in columns:  # rows written before the history was bounded in bytes
+            db.execute("ALTER TABLE agents ADD COLUMN size INTEGER")
+            db.execute(f"UPDATE agents SET size = {_SIZE_SQL}")
+
+    def _totals(self) -> tuple[int, int]:
+        with self._lock:
+            rows, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM agents").fetchone()
+        return int(rows), int(size)
+
+    @property
+    def failing(self) -> str | None:
+        """Why the history cannot be written now (rows are waiting for a retry), else None."""
+        return (self.last_error or "unknown error") if self.unwritten else None
+
+    def unwritten_agent(self, agent_id: str) -> bool:
+        """Whether the agent's row is among those waiting for a retry."""
+        with self._lock:
+            return agent_id in self._unwritten_ids
 
     def close(self) -> None:
         self._queue.put(_STOP)
@@ -143,7 +186,7 @@ class History:
         WAL is written before the commit returns)."""
         done: Future[None] = Future()
         self._queue.put(_Row((entry.id, entry.type, entry.tenant, entry.state, entry.prompt,
-                              dict(entry.metadata), entry.submitted_at, entry.finished_at,
+                              entry.metadata_json.decode(), entry.submitted_at, entry.finished_at,
                               entry.predicted_cost, list(entry.requests), entry.error), done,
                              urgent))
         return done
@@ -174,31 +217,50 @@ class History:
                         break
             items = failed + [item for item in batch if item is not _STOP]
             error = self._commit(items)
-            for item in items:
-                if not item.done.done():
-                    if error is None:
-                        item.done.set_result(None)
-                    else:  # the caller learns it now; the row is kept and retried
-                        item.done.set_exception(error)
             if error is None:
                 failed, retry_s = [], 1.0
-                self._prune()
             else:
-                failed, retry_s = items, min(30.0, retry_s * 2)
-            self.unwritten = len(failed)
+                failed, retry_s = self._keep_for_retry(items), min(30.0, retry_s * 2)
+            with self._lock:  # before the callers learn of it: they ask which rows wait
+                self._unwritten_ids = {item.values[0] for item in failed}
+                self.unwritten = len(failed)
+            _settle(items, error)
+            if error is None:
+                self._prune()
+                self._trim()
             for _ in batch:
                 self._queue.task_done()
             if any(item is _STOP for item in batch):
                 return
 
+    def _keep_for_retry(self, items: list[_Row]) -> list[_Row]:
+        """The rows to retry, bounded: past MAX_UNWRITTEN_ROWS the oldest rows nobody waits
+        for (untagged requests' agents) go; rows whose end a caller waits for all stay."""
+        excess = len(items) - self.max_unwritten_rows
+        if excess <= 0:
+            return items
+        kept: list[_Row] = []
+        for item in items:
+            if excess > 0 and not item.urgent:
+                excess -= 1
+                self.dropped += 1
+                continue
+            kept.append(item)
+        log.error("the history cannot be written: %d rows of untagged requests' agents dropped "
+                  "so far to bound the memory of the rows waiting for a retry", self.dropped)
+        return kept
+
     def _commit(self, items: list[_Row]) -> sqlite3.Error | None:
         if not items:
             return None
+        rows = [_row(item.values) for item in items]
         try:
             with self._lock:
                 self._db.execute("BEGIN")
-                self._db.executemany(_INSERT, [_row(item.values) for item in items])
+                self._db.executemany(_INSERT, rows)
                 self._db.execute("COMMIT")
+                self.rows += len(rows)
+                self.bytes += sum(row[-1] for row in rows)
         except sqlite3.Error as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("could not write %d finished agents to the history (%s); retrying",
@@ -225,6 +287,55 @@ class History:
             return
         if gone:
             log.info("history: %d agents older than the retention deleted", gone)
+
+    def _trim(self) -> None:
+        """Over --history-max-rows or --history-max-bytes: the oldest rows go, until the
+        history is at TRIM_TO of its bounds."""
+        over_rows = self.max_rows is not None and self.rows > self.max_rows
+        over_bytes = self.max_bytes is not None and self.bytes > self.max_bytes
+        if not (over_rows or over_bytes):
+            return
+        drop_rows = self.rows - int(self.max_rows * TRIM_TO) if over_rows and self.max_rows else 0
+        drop_bytes = self.bytes - int(self.max_bytes * TRIM_TO) if over_bytes and self.max_bytes else 0
+        try:
+            with self._lock:
+                last, rows, size = 0, 0, 0
+                while rows < drop_rows or size < drop_bytes:
+                    chunk = self._db.execute("SELECT rowid, size FROM agents WHERE rowid > ? "
+                                             "ORDER BY rowid LIMIT 1000", (last,)).fetchall()
+                    if not chunk:
+                        break
+                    for rowid, row_size in chunk:
+                        last, rows, size = rowid, rows + 1, size + (row_size or 0)
+                        if rows >= drop_rows and size >= drop_bytes:
+                            break
+                self._db.execute("DELETE FROM agents WHERE rowid <= ?", (last,))
+        except sqlite3.Error as exc:
+            log.warning("could not trim the history: %s", exc)
+            return
+        self.rows, self.bytes = self._totals()
+        log.info("history over its bounds (--history-max-rows %s, --history-max-bytes %s): the "
+                 "oldest %d agents deleted", self.max_rows, self.max_bytes, rows)
+
+    def sample_rows(self, agent_type: str | None, tenant: str | None, n: int, after: int,
+                    flush: bool = True) -> list[tuple[int, dict[str, Any]]]:
+        """Up to `n` finished agents written after row `after`, as (row, training sample).
+        Blocking."""
+        if flush:
+            self.flush()
+        sql = HISTORY_QUERY
+        args: list[Any] = [after]
+        if agent_type is not None:
+            sql += " AND type = ?"
+            args.append(agent_type)
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            args.append(tenant)
+        sql += " ORDER BY rowid LIMIT ?"
+        args.append(n)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [(row[7], history_sample(row)) for row in rows]
 
     def samples(self, agent_type: str | None = None, tenant: str | None = None,
                 limit: int = 100_000) -> list[dict[str, Any]]:
@@ -310,6 +421,17 @@ class History:
             return int(self._db.execute("SELECT COUNT(*) FROM agents").fetchone()[0])
 
 
+def _settle(items: list[_Row], error: sqlite3.Error | None) -> None:
+    """Tell the callers waiting for these rows how their first commit went (a failed row
+    is kept and retried; its caller learns of the failure now)."""
+    for item in items:
+        if not item.done.done():
+            if error is None:
+                item.done.set_result(None)
+            else:
+                item.done.set_exception(error)
+
+
 _REQUEST_FIELDS = frozenset(f.name for f in fields(RequestLog))
 
 
@@ -325,9 +447,13 @@ def _request_logs(text: str) -> list[RequestLog]:
 def _row(item: tuple) -> tuple:
     (agent_id, type_, tenant, state, prompt, metadata, submitted_at, finished_at,
      predicted_cost, reqs, error) = item
+    requests = json.dumps([asdict(r) for r in reqs])
+    # as SQL's length() counts: characters
+    size = (ROW_OVERHEAD_BYTES + len(prompt) + len(metadata) + len(requests) + len(error or "")
+            + len(agent_id) + len(type_) + len(tenant))
     return (
-        agent_id, type_, tenant, state, prompt, json.dumps(metadata), submitted_at, finished_at,
+        agent_id, type_, tenant, state, prompt, metadata, submitted_at, finished_at,
         predicted_cost, sum(kv_cost(r.prompt_tokens, r.output_tokens) for r in reqs), len(reqs),
         sum(r.prompt_tokens for r in reqs), sum(r.output_tokens for r in reqs),
-        json.dumps([asdict(r) for r in reqs]), error,
+        requests, error, size,
     )

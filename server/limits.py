@@ -181,6 +181,15 @@ class QuotaExceeded(Exception):
                          "retry once some of them have ended")
 
 
+#: One agent's metadata, as compact JSON (--max-metadata-bytes).
+DEFAULT_MAX_METADATA_BYTES = 64 * 1024
+
+
+class TooLarge(Exception):
+    """What a request asks the server to hold is over a limit it can never fit (413, with
+    the limit named)."""
+
+
 @dataclass(frozen=True)
 class Quotas:
     """Per-tenant quotas on what a tenant holds in the server at once."""
@@ -189,6 +198,14 @@ class Quotas:
     queued_requests: PerTenant[int] = field(default_factory=PerTenant)
     # bytes of prompt and metadata the tenant's live agents hold in the server's memory
     agent_bytes: PerTenant[int] = field(default_factory=PerTenant)
+    # bytes of one agent's metadata (compact JSON)
+    metadata_bytes: PerTenant[int] = field(default_factory=lambda: PerTenant(DEFAULT_MAX_METADATA_BYTES))
+
+    def check_metadata(self, tenant: str, size: int) -> None:
+        limit = self.metadata_bytes.for_tenant(tenant)
+        if limit is not None and size > limit:
+            raise TooLarge(f"the metadata holds {size} bytes of JSON; tenant {tenant!r} may keep "
+                           f"at most {limit} bytes of metadata with an agent (--max-metadata-bytes)")
 
     def check_agents(self, tenant: str, live: int) -> None:
         quota = self.live_agents.for_tenant(tenant)
@@ -202,6 +219,9 @@ class Quotas:
 
     def check_bytes(self, tenant: str, held: int, adding: int) -> None:
         quota = self.agent_bytes.for_tenant(tenant)
+        if quota is not None and adding > quota:  # it would never fit: retrying is no use
+            raise TooLarge(f"this agent's prompt and metadata hold {adding} bytes, over tenant "
+                           f"{tenant!r}'s whole quota of {quota} bytes (--max-agent-bytes)")
         if quota is not None and held + adding > quota:
             raise QuotaExceeded(tenant, "bytes", quota, "--max-agent-bytes", message=(
                 f"tenant {tenant!r} has {held} bytes of prompts and metadata in live agents and this "

@@ -26,8 +26,8 @@ import builtins
 import collections
 import contextlib
 import itertools
-import json
 import logging
+import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -51,6 +51,7 @@ from server.agents import (
     AgentStateName,
     CostSource,
     RequestLog,
+    encode_metadata,
     new_agent_id,
 )
 from server.engine.base import (
@@ -373,9 +374,11 @@ class LiveScheduler:
     ) -> AgentEntry:
         self.config.quotas.check_agents(tenant, self._live_count[tenant])
         now = self.now()
-        metadata = dict(metadata or {})
+        metadata = metadata or {}
         kept_prompt = prompt[:KEPT_PROMPT_CHARS]
-        held = _held_bytes(kept_prompt, metadata)
+        metadata_json = encode_metadata(metadata) if metadata else b"{}"
+        self.config.quotas.check_metadata(tenant, len(metadata_json))
+        held = _held_bytes(kept_prompt, metadata_json)
         self.config.quotas.check_bytes(tenant, self._held_bytes[tenant], held)
         interval: tuple[float, float] | None = None
         guessed: AgentShape | None = None  # the structure a guessed cost stands for
@@ -402,7 +405,7 @@ class LiveScheduler:
             tenant=tenant,
             # What a predictor learns from later (the history); the rest served prediction.
             prompt=kept_prompt,
-            metadata=metadata,
+            metadata=None,
             submitted_at=self._wall(),
             submitted_mono=now,
             predicted_cost=predicted_cost,
@@ -415,6 +418,10 @@ class LiveScheduler:
             first_eta_s=view.eta_s,
             on_change=self._on_agent_change,
         )
+        entry.metadata_json = metadata_json  # the bytes counted above, not encoded twice
+        stages = metadata.get("stages")
+        if isinstance(stages, int) and not isinstance(stages, bool):
+            entry.declared_stages = stages
         entry.seq = next(self._agent_seq)
         self.agents[agent_id] = entry
         self._by_tenant.setdefault(tenant, SortedDict())[entry.seq] = entry
@@ -519,7 +526,8 @@ class LiveScheduler:
             error=entry.error,
             cost_source=entry.cost_source,
             jct_s=jct,
-            metadata=entry.metadata,
+            metadata=entry.meta(),
+            metadata_dropped=entry.metadata_dropped,
             **view,
         )
 
@@ -543,8 +551,12 @@ class LiveScheduler:
     async def finish(self, entry: AgentEntry, error: str | None = None) -> AgentEntry:
         """The agent is done: `finished`, or `failed` when its client reports an `error`
         (its code raised). Requests of it still in flight are orphans (the agent's code
-        has returned or raised without them), so they are aborted, as on cancel."""
+        has returned or raised without them), so they are aborted, as on cancel.
+        HistoryUnwritable (503) when its end cannot be made durable (docs/reliability.md)."""
+        if self._refused_before(entry):
+            return entry
         self.require_live(entry)
+        self._check_history()
         state: AgentStateName = "finished" if error is None else "failed"
         if error is not None:
             entry.error = error[:MAX_ERROR_CHARS]
@@ -556,10 +568,22 @@ class LiveScheduler:
         return entry
 
     async def cancel(self, entry: AgentEntry) -> AgentEntry:
+        if self._refused_before(entry):
+            return entry
         self.require_live(entry)
+        self._check_history()
         await self._cancel(entry, "cancelled")
         await self._durable(entry)
         return entry
+
+    def _refused_before(self, entry: AgentEntry) -> bool:
+        """An end refused for want of a durable row, asked again: acknowledged once the row
+        is written (True), refused again while it waits (HistoryUnwritable)."""
+        return self._history_writer is not None and self._history_writer.refused(entry)
+
+    def _check_history(self) -> None:
+        if self._history_writer is not None:
+            self._history_writer.check_writable()
 
     async def _durable(self, entry: AgentEntry) -> None:
         """Return once the agent's history row is committed: an agent the API reported
@@ -604,6 +628,9 @@ class LiveScheduler:
             del self._sessions[(entry.tenant, entry.session)]
         self._ended.append(entry.id)
         self.listeners.on_agent_ended(entry)
+        # The listeners have taken what they need (the history row is queued with them):
+        # an ended agent keeps only what its record shows.
+        entry.let_go()
         entry.touch()
 
     async def _expire_idle_agents(self) -> None:
@@ -744,10 +771,8 @@ class LiveScheduler:
         if entry.in_flight == 0:
             entry.stages_done += 1
         p50, p90 = entry.cost_interval or (None, None)
-        stages = entry.metadata.get("stages")
         total = expected_total(entry.predicted_cost, entry.consumed_kv_cost, p50=p50, p90=p90,
-                               stages_done=entry.stages_done,
-                               stages=stages if isinstance(stages, int) and not isinstance(stages, bool) else None)
+                               stages_done=entry.stages_done, stages=entry.declared_stages)
         self.dispatcher.repredict(entry.id, total, now)
 
     @property
@@ -840,10 +865,10 @@ class LiveScheduler:
                 yield None
 
 
-def _held_bytes(prompt: str, metadata: dict[str, Any]) -> int:
-    """What an agent's record holds of its caller's data (--max-agent-bytes): its kept
-    prompt and its metadata, as UTF-8 and JSON."""
-    return len(prompt.encode("utf-8", "replace")) + (len(json.dumps(metadata, default=str)) if metadata else 0)
+def _held_bytes(prompt: str, metadata_json: bytes) -> int:
+    """What a live agent holds of its caller's data in memory (--max-agent-bytes): its kept
+    prompt (the string's own size: 1, 2 or 4 bytes a character) and its metadata's JSON."""
+    return sys.getsizeof(prompt) + sys.getsizeof(metadata_json)
 
 
 def _one_request(prompt_tokens: int, cost: float) -> AgentShape:
