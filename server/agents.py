@@ -110,6 +110,7 @@ class AgentEntry:
     cost_interval: tuple[float, float] | None = None
     stages_done: int = 0
     first_eta_s: float | None = None
+    first_eta_interval_s: tuple[float, float] | None = None
     error: str | None = None  # why a failed agent failed, as its client reported it
     # Frozen at the end so that a finished agent's record stays readable after the
     # dispatcher forgets it.
@@ -194,6 +195,10 @@ class AgentRecord(BaseModel):
     submitted_at: float
     fair_finish_s: float = Field(description="GPS finish projected from now, no further arrivals.")
     eta_s: float = Field(description="Projected finish under the running policy.")
+    eta_interval_s: tuple[float, float] | None = Field(default=None, description=(
+        "[p10, p90] around eta_s, seconds from submitted_at: the remaining time scaled by how "
+        "far first ETAs of finished agents have been off (about 80% of agents finish inside "
+        "their first interval); never past deadline_s when that is later than eta_s."))
     delay_bound_s: float = Field(description="Promise: finish by fair_finish_s + delay_bound_s.")
     delay_bound_terms: dict[str, float] = Field(default_factory=dict, description=(
         "delay_bound_s's three terms, in seconds: lag_s (the lag behind GPS), blocking_s "
@@ -208,6 +213,8 @@ class AgentRecord(BaseModel):
         "policy keeps no delay bound."))
     promise_reason: str = Field(default="", description="Why the promise is widened (or none).")
     first_eta_s: float | None = Field(default=None, description="ETA given at registration.")
+    first_eta_interval_s: tuple[float, float] | None = Field(
+        default=None, description="eta_interval_s given at registration.")
     cost_source: CostSource = Field(
         default="fallback",
         description=("Where predicted_cost came from: declared (the caller), request (an "

@@ -416,6 +416,7 @@ class LiveScheduler:
             cost_interval=interval,
             last_activity_mono=now,
             first_eta_s=view.eta_s,
+            first_eta_interval_s=view.eta_interval_s,
             on_change=self._on_agent_change,
         )
         entry.metadata_json = metadata_json  # the bytes counted above, not encoded twice
@@ -522,6 +523,7 @@ class LiveScheduler:
             submitted_at=entry.submitted_at,
             finished_at=entry.finished_at,
             first_eta_s=entry.first_eta_s,
+            first_eta_interval_s=entry.first_eta_interval_s,
             session=entry.session,
             error=entry.error,
             cost_source=entry.cost_source,
@@ -540,6 +542,7 @@ class LiveScheduler:
             "requests_done": v.requests_done,
             "fair_finish_s": v.fair_finish_s,
             "eta_s": v.eta_s,
+            "eta_interval_s": v.eta_interval_s,
             "delay_bound_s": v.delay_bound_s,
             "delay_bound_terms": asdict(v.bound),
             "deadline_s": v.deadline_s,
@@ -617,6 +620,11 @@ class LiveScheduler:
         had ended), the dispatcher forgets it (unless `forget` is False: the caller did),
         it leaves the live agents, and the listeners hear of it."""
         transition(entry, state, wall=self._wall(), now=self.now())
+        if state == "finished" and entry.session is None and entry.first_eta_s is not None \
+                and entry.finished_at is not None:
+            # What the ETA intervals are calibrated on (a session's end comes after its idle
+            # timeout, which no ETA forecasts).
+            self.dispatcher.observe_jct(entry.first_eta_s, entry.finished_at - entry.submitted_at)
         if forget:
             entry.final_view = self._view(entry)
             self.dispatcher.finish_agent(entry.id, self.now())

@@ -47,3 +47,26 @@ def test_held_out_seeds_land_about_eighty_percent_inside_their_first_interval() 
     coverage = [r.eta_coverage for r in rows]
     assert all(c is not None for c in coverage)
     assert 0.7 <= sum(coverage) / len(coverage) <= 0.95, coverage
+
+
+def test_records_carry_the_interval_and_finished_agents_calibrate_it(fake_client, fake_server) -> None:
+    def register(i: int) -> dict:
+        r = fake_client.post("/v1/agents", json={"type": "interval_probe", "prompt": f"probe {i}"})
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    first = register(0)
+    low, high = first["eta_interval_s"]
+    assert low <= first["eta_s"] <= high
+    assert first["first_eta_interval_s"] == pytest.approx([low, high], abs=0.05)  # a few ms apart
+    calibration = fake_server.app.state.scheduler.dispatcher.eta_calibration
+    seen = calibration.seen
+    for i in range(3):
+        agent = register(i + 1)
+        r = fake_client.post("/v1/completions", headers={"X-Justitia-Agent": agent["id"]},
+                             json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert fake_client.post(f"/v1/agents/{agent['id']}/finish").status_code == 200
+    assert calibration.seen == seen + 3  # each finished agent's JCT / first ETA
+    ended = fake_client.get(f"/v1/agents/{agent['id']}").json()
+    assert ended["first_eta_interval_s"] is not None and ended["jct_s"] is not None

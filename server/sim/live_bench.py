@@ -258,7 +258,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     results = [
         AgentResult(id=a.id, type=a.type, arrival_s=o["arrival"], finish_s=o["finish"],
                     gps_finish_s=g, delay_bound_s=float(o["final"]["delay_bound_s"]),
-                    first_eta_s=float(o["first"]["eta_s"]), first_deadline_s=float(o["first"]["deadline_s"]))
+                    first_eta_s=float(o["first"]["eta_s"]), first_deadline_s=float(o["first"]["deadline_s"]),
+                    first_eta_interval_s=_interval(o["first"].get("eta_interval_s")))
         for a, o, g in zip(agents, outs, gps, strict=True)
     ]
     counted_before = taught if not restart else None  # a restarted server counts from zero
@@ -292,3 +293,10 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
                         accounting_zero=(snap["pending_requests"] == 0 and snap["running_requests"] == 0
                                          and snap["reserved_kv"] == 0),
                         sim_wall_s=time.perf_counter() - wall0, extra=extra)
+
+
+def _interval(raw: object) -> tuple[float, float] | None:
+    """A record's `eta_interval_s` ([p10, p90]) as a pair; None when the server gave none."""
+    if not isinstance(raw, (list, tuple)) or len(raw) != 2:
+        return None
+    return float(raw[0]), float(raw[1])
