@@ -31,6 +31,7 @@ from server.openai_schemas import (
     now_s,
     streamed_or,
 )
+from server.request_limits import RequestLimits, check_messages, check_schema, check_stop
 from server.service import InferenceService, PreparedRequest, off_loop_if, render_chat
 from server.sessions import session_of
 
@@ -160,6 +161,7 @@ async def _start(request: Request, body: SamplingFields, prompt: str | list[int]
     """Validate, tokenize and find the request's agent: everything before it may wait."""
     service = _service(request)
     _check_model(service, body)
+    await check_request_limits(request, body)
     limits = request.app.state.request_size_limits
     prepared = await service.prepare_async(new_id(id_prefix), prompt, _sampling(body),
                                            fill_context=body.output_limit() is None,
@@ -170,6 +172,21 @@ async def _start(request: Request, body: SamplingFields, prompt: str | list[int]
     session = session_of(request.headers) if agent_id is None else None
     agent = service.agent_for(agent_id, tenant, prepared, text, session)
     return service, prepared, agent
+
+
+#: A schema longer than this is checked in a worker thread, off the event loop.
+OFF_LOOP_SCHEMA_BYTES = 16 * 1024
+
+
+async def check_request_limits(request: Request, body: SamplingFields) -> None:
+    """The limits of server/request_limits.py, before any work: stop sequences, then the
+    JSON schema's size and structure, then its grammar, compiled under the time budget."""
+    limits: RequestLimits = request.app.state.limits
+    check_stop(body.stop_tuple(), limits)
+    schema = body.json_schema_text()
+    if schema is not None:
+        await off_loop_if(len(schema) > OFF_LOOP_SCHEMA_BYTES, check_schema, schema, limits)
+        await request.app.state.grammars.check(schema)
 
 
 def _agent_id(header: str | None, body: SamplingFields) -> str | None:
@@ -262,6 +279,7 @@ async def chat_completions(
     x_justitia_agent: str | None = Header(default=None),
     tenant: str = Depends(rate_limited_tenant),
 ) -> Response:
+    check_messages(len(body.messages), request.app.state.limits)
     prompt = await off_loop_if(len(body.messages) > 1000, render_chat,
                                [m.model_dump() for m in body.messages], _service(request).engine)
     service, prepared, agent = await _start(request, body, prompt, prompt, x_justitia_agent,
@@ -363,11 +381,12 @@ async def _tenant(request: Request) -> str:
 
 def _direct(model: type[BaseModel], endpoint: Callable[..., Awaitable[Response]]):
     async def handle(request: Request) -> Response:
+        # The key and the rate limit first: a caller over its rate costs no body read.
+        tenant = await _tenant(request)
         raw = await request.body()
         # Parsing a large body (a 10^6-token id list, 200k chat messages) takes seconds:
         # not on the loop that answers everyone else.
         body = await off_loop_if(len(raw) > OFF_LOOP_BYTES, _parse, model, raw)
-        tenant = await _tenant(request)
         return await endpoint(body, request, request.headers.get(AGENT_HEADER), tenant)
 
     return handle
