@@ -68,7 +68,7 @@ class SharedFeed:
     def subscribe(self) -> _Subscriber:
         sub = _Subscriber()
         self._subscribers.add(sub)
-        if self._task is None:
+        if self._task is None or self._task.done():  # done: a frame failed; start again
             self._task = asyncio.create_task(self._run(), name=f"justitia-dashboard-{self.tenant}")
         # else: its first frame, the whole state, comes with the next tick (within interval_s)
         return sub
