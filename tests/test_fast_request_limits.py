@@ -290,3 +290,46 @@ def test_the_rate_limit_comes_before_the_body_is_read(tmp_path) -> None:
         # another tenant is not affected
         with _as(s, "bob") as bob:
             assert bob.post("/v1/agents", json={"type": "t", "prompt": "x"}).status_code == 201
+
+
+def test_serve_takes_the_request_limit_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from justitia_cli import build_parser
+    from server import cli
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--max-stop", "4", "--max-stop-chars", "64",
+                              "--max-messages", "100", "--max-schema-bytes", "16K",
+                              "--grammar-timeout", "0.5", "--max-dashboard-streams", "2"])
+    seen = {}
+    monkeypatch.setattr(cli, "serve", lambda config: seen.setdefault("config", config) and 0)
+    cli.run_serve(args)
+    config = seen["config"]
+    assert (config.max_stop, config.max_stop_chars, config.max_messages, config.max_schema_bytes,
+            config.grammar_timeout_s, config.max_dashboard_streams) == (4, 64, 100, 16 << 10, 0.5, 2)
+    defaults = parser.parse_args(["serve"])
+    assert (defaults.max_stop, defaults.max_stop_chars, defaults.max_messages,
+            defaults.max_schema_bytes, defaults.grammar_timeout,
+            defaults.max_dashboard_streams) == (16, 256, 2048, 64 << 10, 2.0, 8)
+    for bad in (["--max-stop", "0"], ["--max-schema-bytes", "10"], ["--max-messages", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])
+
+
+def test_a_long_prompt_whose_head_cannot_fit_is_refused_before_the_rest_is_tokenized(srv) -> None:
+    """262k characters of CJK text are ~262k tokens: only the head is tokenized."""
+    engine = srv.engine
+    calls: list[int] = []
+    tokenize = engine.tokenize
+
+    def counting(text: str) -> list[int]:
+        calls.append(len(text))
+        return tokenize(text)
+
+    engine.tokenize = counting  # type: ignore[method-assign]
+    try:
+        with _as(srv, "alice") as alice:
+            r = alice.post("/v1/completions", json={"prompt": "漢" * 120_000, "max_tokens": 2})
+        _refused(r, "cannot fit")
+        assert calls and max(calls) < 120_000
+    finally:
+        del engine.tokenize
