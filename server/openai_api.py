@@ -374,6 +374,31 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)])
 
 
+def _precheck(raw: bytes, limits: RequestLimits) -> None:
+    """The count limits on a large body's plain JSON, before the model validates it."""
+    if (raw.count(b'"role"') <= limits.max_messages and b'"stop"' not in raw
+            and b'"json_schema"' not in raw):
+        return
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return  # the model's parser says what is wrong with it
+    if not isinstance(data, dict):
+        return
+    messages, stop = data.get("messages"), data.get("stop")
+    if isinstance(messages, list):
+        check_messages(len(messages), limits)
+    if isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        check_stop(stop, limits)
+    fmt = data.get("response_format")
+    spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if isinstance(schema, dict):
+        size = len(json.dumps(schema).encode())
+        if size > limits.max_schema_bytes:
+            check_schema(json.dumps(schema), limits)  # refuses it, naming the limit
+
+
 async def _tenant(request: Request) -> str:
     # the same bearer scheme object and checks as the FastAPI dependency, called directly
     return await rate_limited_tenant(request, await tenant_of(request, await bearer_scheme(request)))
@@ -384,6 +409,10 @@ def _direct(model: type[BaseModel], endpoint: Callable[..., Awaitable[Response]]
         # The key and the rate limit first: a caller over its rate costs no body read.
         tenant = await _tenant(request)
         raw = await request.body()
+        if len(raw) > OFF_LOOP_BYTES:
+            # Over a count limit: refused before validation (pydantic holds the GIL while
+            # it validates, seconds for 110,000 messages, even in a worker thread).
+            await off_loop_if(True, _precheck, raw, request.app.state.limits)
         # Parsing a large body (a 10^6-token id list, 200k chat messages) takes seconds:
         # not on the loop that answers everyone else.
         body = await off_loop_if(len(raw) > OFF_LOOP_BYTES, _parse, model, raw)
