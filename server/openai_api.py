@@ -394,9 +394,9 @@ def _precheck(raw: bytes, limits: RequestLimits) -> None:
     spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if isinstance(schema, dict):
-        size = len(json.dumps(schema).encode())
-        if size > limits.max_schema_bytes:
-            check_schema(json.dumps(schema), limits)  # refuses it, naming the limit
+        text = json.dumps(schema)
+        if len(text.encode()) > limits.max_schema_bytes:
+            check_schema(text, limits)  # refuses it, naming the limit
 
 
 async def _tenant(request: Request) -> str:
