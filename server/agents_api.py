@@ -88,6 +88,9 @@ class AgentFinish(RequestBody):
 
 # An `ids` filter longer than this is better served by the unfiltered stream.
 MAX_WATCH_IDS = 1000
+# Live agents whose records the stream without `ids` sends first; the rest are announced
+# by `event: more` (their count and a cursor of GET /v1/agents) and sent when they change.
+SNAPSHOT_AGENTS = 1000
 
 
 _EVENTS: dict[int | str, dict[str, Any]] = {
@@ -144,8 +147,10 @@ async def agents_events(request: Request, tenant: str = Depends(tenant_of),
                             description="Comma-separated agent ids (at most 1,000); "
                                         "default: every agent of the caller")) -> StreamingResponse:
     """One stream for many agents: `event: agent` with a record each time an agent of the
-    caller changes (first the live ones; changes are coalesced to at most 4 updates a second
-    per agent). A client watching a whole batch holds one connection, not one per agent."""
+    caller changes (first the live ones, at most 1,000 of them: with more, `event: more`
+    follows with `{"more": N, "shown": 1000, "cursor": C}`, C continuing `GET /v1/agents`;
+    changes are coalesced to at most 4 updates a second per agent). A client watching a
+    whole batch holds one connection, not one per agent."""
     wanted = None
     if ids is not None:
         wanted = frozenset(i for i in ids.split(",") if i)
@@ -153,12 +158,23 @@ async def agents_events(request: Request, tenant: str = Depends(tenant_of),
             raise HTTPException(400, f"ids must name 1 to {MAX_WATCH_IDS} agents")
 
     async def stream() -> AsyncIterator[str]:
-        async for records in _scheduler(request).watch(tenant, wanted):
+        s = _scheduler(request)
+        initial, more = None, None
+        if wanted is None:
+            # At most SNAPSHOT_AGENTS records first, then `event: more` if there are more
+            # live agents (no await between this and watch(): no change is missed).
+            initial, rest, last = s.live_page(tenant, SNAPSHOT_AGENTS)
+            if rest:
+                more = {"more": rest, "shown": len(initial), "cursor": str(last)}
+        async for records in s.watch(tenant, wanted, initial=initial):
             if records is None:
                 yield ": keep-alive\n\n"
-            else:
-                yield "".join(f"event: agent\ndata: {json.dumps(r.model_dump())}\n\n"
-                              for r in records)
+                continue
+            yield "".join(f"event: agent\ndata: {json.dumps(r.model_dump())}\n\n"
+                          for r in records)
+            if more is not None:
+                yield f"event: more\ndata: {json.dumps(more)}\n\n"
+                more = None
 
     return StreamingResponse(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
@@ -208,11 +224,15 @@ async def cancel_agent(agent_id: str, request: Request, tenant: str = Depends(te
 
 @router.get("/v1/scheduler", tags=["operations"], responses=errors.responses(401))
 async def scheduler_snapshot(request: Request, tenant: str = Depends(tenant_of)) -> dict:
-    snap = _scheduler(request).snapshot()
+    """The scheduler's state: summary counts (`agents`, `queued_agents`, requests), the
+    engine, the time model, and the head of the queue (at most 50 agents, in the policy's
+    order). Its cost is bounded whatever the number of agents."""
+    s = _scheduler(request)
+    snap = s.snapshot()
     # Other tenants' agents appear in the queue by position only, not by id.
-    own = {e.id for e in _scheduler(request).list(tenant)}
     for item in snap["queue"]:
-        if item["agent_id"] not in own:
+        entry = s.agents.get(item["agent_id"])
+        if entry is None or entry.tenant != tenant:
             item["agent_id"] = None
     return snap
 

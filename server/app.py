@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -18,17 +19,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import errors
 from server.agents_api import router as agents_router
+from server.auth import RateLimitFirst
 from server.config import ServerConfig
 from server.dashboard import DashboardHub
 from server.dashboard.api import router as dashboard_router
+from server.dashboard.shared import DashboardStreams
 from server.data_dir import check_writable
 from server.engine.base import NOT_RUNNING, Capabilities, Engine, Supervised
+from server.grammar import GrammarChecker
 from server.history import History
 from server.limits import PerTenant, Quotas, RateLimiter
 from server.live import LiveConfig, LiveScheduler
 from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import install_fast_paths
 from server.openai_api import router as openai_router
+from server.request_limits import RequestLimits
 from server.service import InferenceService
 from server.tool_calls import ToolCallParser
 
@@ -217,6 +222,15 @@ def _predictors(config: ServerConfig):
     return PredictorRegistry(config.predictors_dir, online=online)
 
 
+def request_limits(config: ServerConfig) -> RequestLimits:
+    return RequestLimits(
+        max_stop=config.max_stop, max_stop_chars=config.max_stop_chars,
+        max_messages=config.max_messages, max_schema_bytes=config.max_schema_bytes,
+        max_schema_enum=config.max_schema_enum, max_schema_properties=config.max_schema_properties,
+        max_schema_depth=config.max_schema_depth, max_pattern_repeat=config.max_pattern_repeat,
+        grammar_timeout_s=config.grammar_timeout_s)
+
+
 def create_app(config: ServerConfig, engine: Engine | None = None, model_name: str = "") -> FastAPI:
     """The server. With no `engine`, the lifespan builds and starts the one `config` names."""
 
@@ -269,11 +283,15 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         await scheduler.start()
         await dashboard.start()
         app.state.dashboard = dashboard
+        app.state.dashboard_streams = DashboardStreams(dashboard, config.max_dashboard_streams)
         app.state.history = history
         app.state.metrics = metrics
         app.state.scheduler = scheduler
         app.state.service = InferenceService(engine, model_name, scheduler)
         app.state.tool_parser = await _tool_parser(config, engine)
+        grammars: GrammarChecker = app.state.grammars
+        warming = asyncio.create_task(grammars.start() if config.grammar_warm_up
+                                      else asyncio.sleep(0), name="justitia-grammar-warm-up")
         app.state.ready = True
         log.info("engine ready: %s; capabilities %s; policy %s", engine.info,
                  ", ".join(sorted(capabilities.names)) or "none", config.policy)
@@ -281,6 +299,9 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
             yield
         finally:
             app.state.ready = False
+            warming.cancel()
+            await grammars.close()
+            await app.state.dashboard_streams.close()
             await dashboard.close()
             await scheduler.close()
             await engine.close()
@@ -300,9 +321,14 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     app.state.rate_limiter = RateLimiter(PerTenant(config.rate_limit, config.tenant_rate_limits))
     app.state.request_size_limits = PerTenant(config.max_request_tokens,
                                               config.tenant_max_request_tokens)
+    app.state.limits = request_limits(config)
+    app.state.grammars = GrammarChecker(config.grammar_timeout_s)
     errors.install(app)
     errors.document_errors_as_sent(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    # Outside the size limit: the rate is counted (and a caller over it refused) before
+    # anything of the body is read, a refused oversized body included.
+    app.add_middleware(RateLimitFirst)
     app.include_router(openai_router)
     install_fast_paths(app)
     app.include_router(agents_router)

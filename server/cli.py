@@ -107,6 +107,21 @@ def register(commands: Commands) -> None:
                             "registration gets 413 naming this limit. Same syntax as "
                             "--max-agent-bytes (default 64K; TENANT=off lifts it for one tenant, "
                             "leaving the body size limit)")
+    # What one request may ask of the server (docs/reliability.md, Request limits)
+    serve.add_argument("--max-stop", type=_positive_int, default=16, metavar="N",
+                       help="most stop sequences in one request; more: 400 (default: 16)")
+    serve.add_argument("--max-stop-chars", type=_positive_int, default=256, metavar="N",
+                       help="most characters in one stop sequence; longer: 400 (default: 256)")
+    serve.add_argument("--max-messages", type=_positive_int, default=2048, metavar="N",
+                       help="most messages in one chat request; more: 400 (default: 2048)")
+    serve.add_argument("--max-schema-bytes", type=_schema_bytes, default=64 * 1024, metavar="SIZE",
+                       help="largest JSON schema (response_format), as JSON; larger: 400. SIZE: "
+                            "bytes, or with K/M (default: 64K)")
+    serve.add_argument("--grammar-timeout", type=float, default=2.0, metavar="SECONDS",
+                       help="time budget to compile a JSON schema's grammar, in a worker process "
+                            "before the engine sees it; over it: 400 (default: 2)")
+    serve.add_argument("--max-dashboard-streams", type=_positive_int, default=8, metavar="N",
+                       help="open dashboard streams per tenant; more: 429 (default: 8)")
     serve.add_argument("--engine-url", action="append", default=[], metavar="URL",
                        help="use a remote vLLM OpenAI server as the engine (repeatable: "
                             "replicas; M is the sum of their KV capacities) instead of the "
@@ -242,6 +257,28 @@ def _parse_tenant_weights(items: list[str], known: set[str]) -> dict[str, float]
     return weights
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _schema_bytes(text: str) -> int:
+    from server.limits import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n < 64:
+        raise argparse.ArgumentTypeError(f"must be at least 64 bytes, got {n}")
+    return n
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -334,6 +371,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {args.las_head_wait_weight}")
     if args.history_max_rows < 0:
         raise CommandError("--history-max-rows takes a count of agents >= 0 (0: no bound)")
+    if not 0 < args.grammar_timeout < float("inf"):
+        raise CommandError(f"--grammar-timeout must be a positive number of seconds, not {args.grammar_timeout}")
     if args.retrain_every < 0:
         raise CommandError("--retrain-every takes a count of agents >= 0 (0 turns online learning off)")
     _check_files(args)
@@ -365,6 +404,12 @@ def run_serve(args: argparse.Namespace) -> int:
         history_max_bytes=_history_bytes(args.history_max_bytes),
         log_level=args.log_level,
         profile=args.profile,
+        max_stop=args.max_stop,
+        max_stop_chars=args.max_stop_chars,
+        max_messages=args.max_messages,
+        max_schema_bytes=args.max_schema_bytes,
+        grammar_timeout_s=args.grammar_timeout,
+        max_dashboard_streams=args.max_dashboard_streams,
         **limits,
     )
     return serve(config)

@@ -96,3 +96,20 @@ class ServerConfig(BaseModel):
     max_metadata_bytes: int | None = Field(default=64 * 1024, ge=1,
                                            description="Bytes of one agent's metadata (compact JSON).")
     tenant_max_metadata_bytes: dict[str, int | None] = Field(default_factory=dict)
+    # What one request may ask of the server (server/request_limits.py, docs/reliability.md).
+    max_stop: int = Field(default=16, ge=1, description="Stop sequences per request.")
+    max_stop_chars: int = Field(default=256, ge=1, description="Characters per stop sequence.")
+    max_messages: int = Field(default=2048, ge=1, description="Messages per chat request.")
+    max_schema_bytes: int = Field(default=64 * 1024, ge=64, description="Bytes of a JSON schema.")
+    max_schema_enum: int = Field(default=1024, ge=1, description="Enum/const values in a schema.")
+    max_schema_properties: int = Field(default=1024, ge=1, description="Properties in a schema.")
+    max_schema_depth: int = Field(default=12, ge=1, description="Nesting of sub-schemas.")
+    max_pattern_repeat: int = Field(default=256, ge=1,
+                                    description="Largest counted repetition {n} in a pattern.")
+    grammar_timeout_s: float = Field(
+        default=2.0, gt=0, description="Time budget to compile a JSON schema's grammar.")
+    grammar_warm_up: bool = Field(
+        default=True, description="Start the grammar worker (and load its compiler) at start-up "
+                                  "rather than at the first JSON schema.")
+    max_dashboard_streams: int = Field(
+        default=8, ge=1, description="Open dashboard streams (GET /v1/scheduler/events) per tenant.")

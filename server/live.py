@@ -505,6 +505,21 @@ class LiveScheduler:
             out.append(entry)
         return out, None
 
+    def live_page(self, tenant: str, limit: int,
+                  ) -> tuple[builtins.list[AgentEntry], int, int | None]:
+        """The tenant's first `limit` live agents in registration order, how many more live
+        agents it has, and the `seq` of the last one given (a GET /v1/agents cursor)."""
+        out: list[AgentEntry] = []
+        rest = 0
+        for entry in self._by_tenant.get(tenant, {}).values():
+            if entry.terminal:
+                continue
+            if len(out) < limit:
+                out.append(entry)
+            else:
+                rest += 1
+        return out, rest, out[-1].seq if out else None
+
     def record(self, entry: AgentEntry) -> AgentRecord:
         if entry.final_view is not None:
             view = entry.final_view
@@ -827,6 +842,7 @@ class LiveScheduler:
         *,
         interval_s: float = 0.25,
         heartbeat_s: float = 15.0,
+        initial: builtins.list[AgentEntry] | None = None,
     ) -> AsyncIterator[builtins.list[AgentRecord] | None]:
         """The records of a tenant's agents (all, or those in `ids`) as they change: first
         the live ones, then at most one batch per `interval_s` of those that changed (None:
@@ -836,7 +852,9 @@ class LiveScheduler:
         feed = _Feed(tenant, ids)
         self._feeds.setdefault(tenant, set()).add(feed)
         try:
-            if ids is None:
+            if initial is not None:  # the caller's choice (a bounded snapshot)
+                pass
+            elif ids is None:
                 initial = [e for e in self.list(tenant) if not e.terminal]
             else:
                 initial = [e for i in ids if (e := self.agents.get(i)) and e.tenant == tenant]

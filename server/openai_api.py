@@ -31,6 +31,7 @@ from server.openai_schemas import (
     now_s,
     streamed_or,
 )
+from server.request_limits import RequestLimits, check_messages, check_schema, check_stop
 from server.service import InferenceService, PreparedRequest, off_loop_if, render_chat
 from server.sessions import session_of
 from server.tool_calls import ToolCallParser, ToolPlan, plan_tools
@@ -163,6 +164,7 @@ async def _start(request: Request, body: SamplingFields, prompt: str | list[int]
     """Validate, tokenize and find the request's agent: everything before it may wait."""
     service = _service(request)
     _check_model(service, body)
+    await check_request_limits(request, body, json_schema)
     limits = request.app.state.request_size_limits
     prepared = await service.prepare_async(new_id(id_prefix), prompt, _sampling(body, json_schema),
                                            fill_context=body.output_limit() is None,
@@ -173,6 +175,24 @@ async def _start(request: Request, body: SamplingFields, prompt: str | list[int]
     session = session_of(request.headers) if agent_id is None else None
     agent = service.agent_for(agent_id, tenant, prepared, text, session)
     return service, prepared, agent
+
+
+#: A schema longer than this is checked in a worker thread, off the event loop.
+OFF_LOOP_SCHEMA_BYTES = 16 * 1024
+
+
+async def check_request_limits(request: Request, body: SamplingFields, tool_schema: str | None = None) -> None:
+    """The limits of server/request_limits.py, before any work: stop sequences, then the
+    JSON schema's size and structure, then its grammar, compiled under the time budget. A
+    forced tool call's schema (`tool_schema`, built from the tools' parameters) is checked as
+    a response format's is: a caller's function parameters are a schema of the caller's."""
+    limits: RequestLimits = request.app.state.limits
+    check_stop(body.stop_tuple(), limits)
+    schema = tool_schema if tool_schema is not None else body.json_schema_text()
+    param = "tools" if tool_schema is not None else "response_format"
+    if schema is not None:
+        await off_loop_if(len(schema) > OFF_LOOP_SCHEMA_BYTES, check_schema, schema, limits, param)
+        await request.app.state.grammars.check(schema)
 
 
 def _agent_id(header: str | None, body: SamplingFields) -> str | None:
@@ -265,6 +285,7 @@ async def chat_completions(
     x_justitia_agent: str | None = Header(default=None),
     tenant: str = Depends(rate_limited_tenant),
 ) -> Response:
+    check_messages(len(body.messages), request.app.state.limits)
     parser: ToolCallParser | None = request.app.state.tool_parser
     plan = plan_tools(body.functions(), body.tool_choice_value(), body.parallel_tool_calls,
                       parser.name if parser is not None else None)
@@ -407,6 +428,31 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)])
 
 
+def _precheck(raw: bytes, limits: RequestLimits) -> None:
+    """The count limits on a large body's plain JSON, before the model validates it."""
+    if (raw.count(b'"role"') <= limits.max_messages and b'"stop"' not in raw
+            and b'"json_schema"' not in raw):
+        return
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return  # the model's parser says what is wrong with it
+    if not isinstance(data, dict):
+        return
+    messages, stop = data.get("messages"), data.get("stop")
+    if isinstance(messages, list):
+        check_messages(len(messages), limits)
+    if isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        check_stop(stop, limits)
+    fmt = data.get("response_format")
+    spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if isinstance(schema, dict):
+        text = json.dumps(schema)
+        if len(text.encode()) > limits.max_schema_bytes:
+            check_schema(text, limits)  # refuses it, naming the limit
+
+
 async def _tenant(request: Request) -> str:
     # the same bearer scheme object and checks as the FastAPI dependency, called directly
     return await rate_limited_tenant(request, await tenant_of(request, await bearer_scheme(request)))
@@ -414,11 +460,16 @@ async def _tenant(request: Request) -> str:
 
 def _direct(model: type[BaseModel], endpoint: Callable[..., Awaitable[Response]]):
     async def handle(request: Request) -> Response:
+        # The key and the rate limit first: a caller over its rate costs no body read.
+        tenant = await _tenant(request)
         raw = await request.body()
+        if len(raw) > OFF_LOOP_BYTES:
+            # Over a count limit: refused before validation (pydantic holds the GIL while
+            # it validates, seconds for 110,000 messages, even in a worker thread).
+            await off_loop_if(True, _precheck, raw, request.app.state.limits)
         # Parsing a large body (a 10^6-token id list, 200k chat messages) takes seconds:
         # not on the loop that answers everyone else.
         body = await off_loop_if(len(raw) > OFF_LOOP_BYTES, _parse, model, raw)
-        tenant = await _tenant(request)
         return await endpoint(body, request, request.headers.get(AGENT_HEADER), tenant)
 
     return handle

@@ -38,6 +38,10 @@ T = TypeVar("T")
 #: No tokenizer here makes a token of more characters: a longer prompt cannot fit the context,
 #: and is refused before it is tokenized (a 4 MB prompt took 8 s of the event loop).
 MAX_CHARS_PER_TOKEN = 128
+#: A prompt of over twice this many characters per token of context has its head of this
+#: many characters per token tokenized first, and is refused if that alone cannot fit.
+PROBE_CHARS_PER_TOKEN = 8
+PROBE_SLACK_TOKENS = 64
 #: Prompts longer than this are tokenized in a worker thread, off the event loop.
 OFF_LOOP_CHARS = 32 * 1024
 
@@ -153,6 +157,7 @@ class InferenceService:
                 f"{context} tokens")
         if isinstance(prompt, str):
             try:
+                self._refuse_if_head_overflows(prompt, context)
                 return self.engine.tokenize(prompt)
             except (TypeError, ValueError) as exc:  # text the tokenizer cannot take
                 raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
@@ -160,6 +165,20 @@ class InferenceService:
         # request reaches it, and the refusal used to surface as a 500.
         check_vocabulary(prompt, self.engine.info.vocab_size)
         return list(prompt)
+
+    def _refuse_if_head_overflows(self, prompt: str, context: int) -> None:
+        """A long prompt's head is tokenized first: when it alone cannot fit, the rest is
+        not tokenized (262k characters of CJK text are ~262k tokens, seconds of work, for a
+        context of 2,048)."""
+        head_chars = context * PROBE_CHARS_PER_TOKEN
+        if len(prompt) <= 2 * head_chars:
+            return
+        head = len(self.engine.tokenize(prompt[:head_chars]))
+        # a token split at the cut can only add a few tokens to the head's count
+        if head > context + PROBE_SLACK_TOKENS:
+            raise InvalidRequestError(
+                f"the prompt cannot fit the model's context of {context} tokens: its first "
+                f"{head_chars} of {len(prompt)} characters alone are {head} tokens")
 
     def agent_for(
         self, agent_id: str | None, tenant: str, prepared: PreparedRequest, prompt_text: str,

@@ -423,6 +423,8 @@ class FakeServer:
 
         self.header_timeout_s = header_timeout_s
         self.engine = engine or FakeEngine()
+        # The grammar worker starts at the first JSON schema, not with every test's server.
+        config.setdefault("grammar_warm_up", False)
         self.config = ServerConfig(data_dir=str(data_dir), **config)
         self.url = ""
         self._uvicorn: Any = None

@@ -139,3 +139,13 @@ def test_plan_refuses_a_choice_without_tools() -> None:
     with pytest.raises(InvalidRequestError):
         plan_tools(None, "required", None, None)
     assert plan_tools(None, None, None, None).mode == "none"
+
+
+def test_a_tools_schema_is_held_to_the_schema_limits(fake_client: httpx.Client) -> None:
+    """Function parameters are a caller's schema: a forced call compiles them, so the same
+    limits as a response format's apply (a counted pattern would stall the grammar compiler)."""
+    hostile = {"type": "object", "properties": {"x": {"type": "string", "pattern": "^(ab|cd){5000}$"}}}
+    r = chat(fake_client, messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+             tools=[{"type": "function", "function": {"name": "f", "parameters": hostile}}])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tools"

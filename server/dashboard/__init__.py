@@ -7,8 +7,9 @@ the last five minutes, and the last finished agents with their first ETA and dea
 learns of agents as a listener of the scheduler (server/agent_listeners.py), so it costs
 nothing on the request path.
 
-`DashboardFeed` is one client's stream: every `interval_s` it builds a frame for its tenant
-and sends only what changed since its last frame (server/dashboard/frames.py).
+`DashboardFeed` builds the frames of one view (a tenant's, or the admin's): what changed
+since its last frame (server/dashboard/frames.py). One of them per view serves all of that
+view's streams, once per tick (server/dashboard/shared.py).
 """
 
 from __future__ import annotations

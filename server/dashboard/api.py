@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from server import errors
 from server.auth import ADMIN_TENANT, tenant_of
-from server.dashboard import DashboardHub
-from server.dashboard.frames import INTERVAL_S, DashboardFeed
+from server.dashboard.shared import DashboardStreams, StreamLimitExceeded
 
 router = APIRouter()
 
@@ -54,16 +55,36 @@ async def dashboard_asset(name: str) -> FileResponse:
 
 
 @router.get("/v1/scheduler/events", tags=["operations"], response_class=StreamingResponse,
-            responses={**_EVENTS, **errors.responses(401, 503)})
+            responses={**_EVENTS, **errors.responses(401, 429, 503)})
 async def scheduler_events(request: Request, tenant: str = Depends(tenant_of)) -> StreamingResponse:
     """The scheduler as it changes, for the dashboard: the queue's top 200 agents in the
     policy's order, KV cache and throughput samples, finished agents. The admin key (or a
     server without keys) sees every agent and its tenant; a tenant's key sees its own
-    agents only, with their position in the whole queue."""
-    hub: DashboardHub | None = getattr(request.app.state, "dashboard", None)
-    if hub is None:
+    agents only, with their position in the whole queue. Each tenant may hold
+    `--max-dashboard-streams` streams (default 8); one more gets a 429. The frames of a
+    tenant are built once per tick and shared by all its streams."""
+    streams: DashboardStreams | None = getattr(request.app.state, "dashboard_streams", None)
+    if streams is None:
         raise HTTPException(503, "the server is starting")
     admin = not request.app.state.config.api_keys or tenant == ADMIN_TENANT
-    feed = DashboardFeed(hub, tenant, admin)
-    return StreamingResponse(feed.stream(INTERVAL_S), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        release = streams.reserve(tenant)
+    except StreamLimitExceeded as exc:
+        raise HTTPException(429, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
+    return _CountedStream(streams.stream(tenant, admin), release, media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _CountedStream(StreamingResponse):
+    """A stream that gives back its place among the tenant's streams when it ends, however
+    it ends (even a client gone before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()

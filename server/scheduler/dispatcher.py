@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 from bisect import bisect_left
@@ -1060,7 +1061,9 @@ class Dispatcher:
         """Plain-data state: policy, V, M, tau, backlog, queue (head first) with tags.
         A read: the clock does not move."""
         gps = self.clock.peek(now)
-        queued = sorted((a for a in self.agents.values() if a.pending), key=self._queue_key)
+        waiting = [a for a in self.agents.values() if a.pending]
+        # the head of the queue only: O(n log max_queue), whatever the number of agents
+        queued = heapq.nsmallest(max_queue, waiting, key=self._queue_key)
         return {
             "policy": self.policy.name,
             "now": now,
@@ -1086,6 +1089,7 @@ class Dispatcher:
             "etas_refreshed_at": self._eta.now if self._eta is not None else None,
             "backlog": gps.backlog,
             "agents": len(self.agents),
+            "queued_agents": len(waiting),
             "pending_requests": self.pending_count,
             "running_requests": self.running_count,
             "reserved_kv": self.reserved_kv,
@@ -1101,7 +1105,7 @@ class Dispatcher:
                     "pending": a.pending,
                     "running": a.running,
                 }
-                for a in queued[:max_queue]
+                for a in queued
             ],
         }
 
