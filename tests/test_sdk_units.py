@@ -50,7 +50,7 @@ def test_promises_and_summary() -> None:
     assert batch.mean_jct_s() == (2.5 + 4.0) / 2  # failed and cancelled runs left out
     assert batch.results(return_exceptions=True)[2].args == ("x",)
     text = to_html(batch_table(batch))
-    for word in ("units", "JCT", "1st ETA", "fair", "bound", "kept", "pending", "failed"):
+    for word in ("units", "JCT", "1st ETA", "1st deadline", "kept", "pending", "failed"):
         assert word in text
 
 
