@@ -163,8 +163,9 @@ class AgentHandle:
         retries and re-registrations) to the end of the run that finished: on the server's
         clock (finished_at - the first submitted_at), else measured here. None for inputs
         that failed or were cancelled."""
-        if self.status != "finished":
-            return None
+        return self._jct() if self.status == "finished" else None
+
+    def _jct(self) -> float | None:
         last, first = self.record, self.first_record or self.record
         if (last is not None and first is not None and last.finished_at is not None
                 and first.submitted_at is not None):
@@ -388,10 +389,12 @@ class Batch(Sequence[AgentHandle]):
         once) as they open, each taking the mean JCT of the finished inputs (before any
         finished: the mean ETA of the running ones). 0 once done; None before anything is
         known."""
-        if self.done:
-            return 0.0
+        return self._eta_s(self.mean_jct_s())
+
+    def _eta_s(self, mean_jct: float | None) -> float | None:
         now = time.time()
         running: list[float | None] = []
+        etas: list[float] = []
         pending = 0
         for h in self.handles:
             if h.done:
@@ -401,11 +404,11 @@ class Batch(Sequence[AgentHandle]):
             elif h.record.eta_s is None:
                 running.append(None)
             else:
+                etas.append(h.record.eta_s)
                 running.append(max(0.0, h.registered_at + h.record.eta_s - now))
-        jcts = [j for h in self.handles if (j := h.jct_s) is not None]
-        etas = [h.record.eta_s for h in self.handles if not h.done and h.record is not None
-                and h.record.eta_s is not None]
-        each = (statistics.fmean(jcts) if jcts else statistics.fmean(etas) if etas else None)
+        if not pending and not running:
+            return 0.0
+        each = mean_jct if mean_jct is not None else statistics.fmean(etas) if etas else None
         if each is None and (pending or None in running):
             return None
         each = each or 0.0
@@ -417,31 +420,46 @@ class Batch(Sequence[AgentHandle]):
         return max(slots) if slots else 0.0
 
     def stats(self) -> BatchStats:
-        """Counts, promises kept and ETA errors so far, and the batch's ETA."""
+        """Counts, promises kept and ETA errors so far, and the batch's ETA (one pass over
+        the handles: the live view calls it on every refresh)."""
         count = dict.fromkeys(("finished", "failed", "timed_out", "cancelled", "running",
                                "pending"), 0)
+        jcts: list[float] = []
+        errors: list[float] = []
+        judged = kept = retried = 0
         for h in self.handles:
+            retried += h.retried
             if not h.done:
                 count["pending" if h.record is None or h.error is not None else "running"] += 1
-            elif h.status == "finished":
-                count["finished"] += 1
-            elif h.status == "cancelled":
+                continue
+            status = h.status
+            if status == "cancelled":
                 count["cancelled"] += 1
-            else:
+            elif status != "finished":
                 count["failed"] += 1
-                count["timed_out"] += h.status == "timed out"
-        judged = [k for h in self.handles if (k := h.kept_promise) is not None]
-        errors = [e for h in self.handles if (e := h.eta_error) is not None]
+                count["timed_out"] += status == "timed out"
+            else:
+                count["finished"] += 1
+                jct = h._jct()
+                if jct is None:
+                    continue
+                jcts.append(jct)
+                eta, deadline = h.first_eta_s, h.first_deadline_s
+                if eta is not None and jct > 0:
+                    errors.append(abs(eta - jct) / jct)
+                if deadline is not None:
+                    judged += 1
+                    kept += jct <= deadline + 1e-6
         elapsed = None
         if self.started_at is not None:
             elapsed = (self.ended_at or time.time()) - self.started_at
+        mean = statistics.fmean(jcts) if jcts else None
         return BatchStats(
-            size=len(self.handles), **count,
-            retried=sum(h.retried for h in self.handles),
-            judged=len(judged), kept=sum(judged),
+            size=len(self.handles), **count, retried=retried, judged=judged, kept=kept,
             eta_error_median=statistics.median(errors) if errors else None,
             eta_error_p90=_p90(errors) if errors else None,
-            mean_jct_s=self.mean_jct_s(), elapsed_s=elapsed, eta_s=self.eta_s())
+            mean_jct_s=mean, elapsed_s=elapsed,
+            eta_s=0.0 if count["running"] + count["pending"] == 0 else self._eta_s(mean))
 
     def summary(self) -> str:
         """One line: the counts, the promises kept, the ETA error, the mean JCT, and the
@@ -461,9 +479,10 @@ class Batch(Sequence[AgentHandle]):
                          f"p90 {st.eta_error_p90:.0%}")
         if st.mean_jct_s is not None:
             parts.append(f"mean JCT {st.mean_jct_s:.2f} s")
-        if not self.done and st.eta_s is not None:
+        done = st.running + st.pending == 0
+        if not done and st.eta_s is not None:
             parts.append(f"batch done in ~{st.eta_s:.0f} s")
-        elif self.done and st.elapsed_s is not None:
+        elif done and st.elapsed_s is not None:
             parts.append(f"took {st.elapsed_s:.1f} s")
         if self.server_error is not None:
             parts.append("the server is gone")
