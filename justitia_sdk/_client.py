@@ -278,22 +278,20 @@ class AsyncClient:
                         f"cannot reach the Justitia server at {self.base_url}: {exc!r}"
                         f"{self._tried(attempt, started)}"
                     ) from exc
-                await anyio.sleep(self._backoff(attempt))
+                await anyio.sleep(self._until_gone(self._backoff(attempt)))
                 attempt += 1
                 continue
-            if response.status_code == 503:
-                self._liveness.failed()
-                if self._liveness.gone:
-                    raise self._gone(f"503: {_detail(response)}")
-            else:
-                self._liveness.ok()
+            self._note_answer(response)
             if response.status_code in RETRY_STATUSES:
                 if self._give_up(attempt, started):
                     raise ServerUnavailableError(
                         f"{method} {path}: the server stayed busy ({response.status_code}: "
                         f"{_detail(response)}){self._tried(attempt, started)}"
                     )
-                await anyio.sleep(_retry_after(response) or self._backoff(attempt))
+                pause = _retry_after(response) or self._backoff(attempt)
+                if response.status_code == 503:
+                    pause = self._until_gone(pause)
+                await anyio.sleep(pause)
                 attempt += 1
                 continue
             if response.content and not _is_json(response):
@@ -309,6 +307,22 @@ class AsyncClient:
             f"the Justitia server at {self.base_url} is gone: no request has got through "
             f"for {self._liveness.down_for():.0f} s (server_gone_s={self.server_gone_s:g}); "
             f"last failure: {last}")
+
+    def _note_answer(self, response: httpx.Response) -> None:
+        """The liveness clock after an answer: a 503 is a failure (raises `ServerGoneError`
+        once the window has passed), anything else gets through."""
+        if response.status_code != 503:
+            self._liveness.ok()
+            return
+        self._liveness.failed()
+        if self._liveness.gone:
+            raise self._gone(f"503: {_detail(response)}")
+
+    def _until_gone(self, pause: float) -> float:
+        """`pause`, cut short to try again as the liveness window ends: a gone server is
+        found out when the window ends, not a backoff later."""
+        left = self._liveness.gone_s - self._liveness.down_for()
+        return min(pause, max(0.05, left))
 
     def _give_up(self, attempt: int, started: float) -> bool:
         if self.max_retries is not None and attempt >= self.max_retries:
