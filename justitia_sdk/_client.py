@@ -580,8 +580,11 @@ class AsyncClient:
         name of one), or a sequence of them, one per input (a mixed batch).
         `concurrency` caps the agents running at once (default 64). `timeout` (seconds)
         cancels a run that takes longer; `retries` runs a failed or timed-out input again,
-        up to that many times. One agent's failure is recorded on its handle and does not
-        stop the others; the handles are in input order. If the batch is interrupted
+        up to that many times, when a retry can change the outcome (`is_retryable`: never
+        after a 4xx about the input). One agent's failure is recorded on its handle and does
+        not stop the others; the handles are in input order. If the client takes the server
+        for gone (`server_gone_s`), every input not ended fails at once with one
+        `ServerGoneError` (`batch.server_error`). If the batch is interrupted
         (Ctrl-C, cancellation) its live agents are cancelled on the server and the batch,
         with the results that finished, stays in `client.last_batch`.
         """
