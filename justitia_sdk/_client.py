@@ -78,15 +78,23 @@ class _Liveness:
         self.gone_s = gone_s
         self.down_since: float | None = None
         self.last_failure: float | None = None
+        self.last_ok: float | None = None
 
     def ok(self) -> None:
         self.down_since = self.last_failure = None
+        self.last_ok = time.monotonic()
 
-    def failed(self) -> None:
+    def failed(self, since: float) -> None:
+        """A request failed that was sent at `since` (monotonic; for a connection that
+        broke, when it broke): nothing has got through since then, or since the last
+        request that did, whichever is later."""
         now = time.monotonic()
+        since = max(min(since, now), self.last_ok or since)
         if (self.down_since is None or self.last_failure is None
                 or now - self.last_failure > _OUTAGE_GAP_S):
-            self.down_since = now
+            self.down_since = since
+        else:
+            self.down_since = min(self.down_since, since)
         self.last_failure = now
 
     def down_for(self) -> float:
@@ -174,7 +182,7 @@ class AsyncClient:
     first. 429 and 503 answers and refused connections are retried with backoff for
     `retry_window_s` seconds (120 by default: longer than a server restart takes), or at most
     `max_retries` times when that is set; a completion whose connection broke (the server
-    died under it) is sent again within the same window.
+    died under it) is sent again, within a window of its own from the break.
     `server_gone_s` (120 by default) is the client's liveness window: once none of its
     requests has got through to the server (refused or broken connections, 503s) for that
     long, the server is taken for gone and every request fails at once with
@@ -262,6 +270,7 @@ class AsyncClient:
         # registration would register twice).
         resend_on_break = method == "POST" and path in _INFERENCE_PATHS
         while True:
+            sent = time.monotonic()
             try:
                 response = await self._http.request(
                     method, path, json=json_body, headers=headers,
@@ -269,10 +278,12 @@ class AsyncClient:
                 )
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                     httpx.ReadError) as exc:
-                self._liveness.failed()
+                broke = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                self._liveness.failed(time.monotonic() if broke else sent)
                 if self._liveness.gone:
                     raise self._gone(f"{exc!r}") from exc
-                broke = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                if broke and resend_on_break:
+                    started = time.monotonic()  # the server died under it: a new window
                 if (broke and not resend_on_break) or self._give_up(attempt, started):
                     raise ServerUnavailableError(
                         f"cannot reach the Justitia server at {self.base_url}: {exc!r}"
@@ -281,7 +292,7 @@ class AsyncClient:
                 await anyio.sleep(self._until_gone(self._backoff(attempt)))
                 attempt += 1
                 continue
-            self._note_answer(response)
+            self._note_answer(response, sent)
             if response.status_code in RETRY_STATUSES:
                 if self._give_up(attempt, started):
                     raise ServerUnavailableError(
@@ -308,13 +319,13 @@ class AsyncClient:
             f"for {self._liveness.down_for():.0f} s (server_gone_s={self.server_gone_s:g}); "
             f"last failure: {last}")
 
-    def _note_answer(self, response: httpx.Response) -> None:
+    def _note_answer(self, response: httpx.Response, sent: float) -> None:
         """The liveness clock after an answer: a 503 is a failure (raises `ServerGoneError`
         once the window has passed), anything else gets through."""
         if response.status_code != 503:
             self._liveness.ok()
             return
-        self._liveness.failed()
+        self._liveness.failed(sent)
         if self._liveness.gone:
             raise self._gone(f"503: {_detail(response)}")
 
