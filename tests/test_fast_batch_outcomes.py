@@ -214,3 +214,62 @@ async def test_batch_stats_summary_and_the_batch_metadata(fake_server) -> None:
     assert [c.header for c in table.columns][3:] == ["JCT", "1st ETA", "1st deadline", "kept"]
     assert "promises kept" in str(table.caption)
     assert "promises kept" in batch._repr_html_() and "promises kept" in repr(batch)
+
+
+@agent("outcome_survivor")
+async def survivor() -> str:
+    first = await llm("one", max_tokens=3)
+    return first + await llm("two", max_tokens=300, ignore_eos=True)
+
+
+async def test_an_input_registered_again_after_a_restart_keeps_its_first_promise(
+        tmp_path) -> None:
+    """The server restarts mid-run and forgets the agent: the SDK registers it again. The
+    handle follows it to the new id, and keeps the first registration's start and promise:
+    its JCT spans the outage, not just the time since the second registration."""
+    import sys
+
+    import anyio
+
+    from server.launcher import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def serve(data_dir) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", _SERVE_FAKE, str(data_dir), str(port)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        return proc
+
+    procs = [serve(tmp_path / "a")]
+
+    def kill_and_restart() -> None:
+        wait_until(lambda: any(a["requests_total"] == 2 for a in httpx.get(
+            url + "/v1/agents").json()["agents"]), 20)
+        procs[0].kill()
+        procs[0].wait(10)
+        procs.append(serve(tmp_path / "b"))
+
+    try:
+        async with AsyncClient(url) as client:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, kill_and_restart)
+                batch = await client.submit_many(survivor, [()], progress=False)
+            [h] = batch
+            assert h.ok and len(procs) == 2
+            assert h.attempts == 1 and h.registrations == 2 and h.retried
+            first_id, last_id = h.ids
+            assert h.first_record is not None and h.first_record.id == first_id
+            assert h.id == last_id and h.record is not None and h.record.state == "finished"
+            last = await client.get_agent(last_id)  # the restarted server's record
+        assert last.jct_s is not None and h.first_record.submitted_at is not None
+        assert h.jct_s == pytest.approx(last.finished_at - h.first_record.submitted_at)
+        assert h.jct_s > last.jct_s  # the time before the restart counts
+        assert h.first_deadline_s == _deadline(h.first_record)
+        assert h.kept_promise == (h.jct_s <= h.first_deadline_s + 1e-6)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
