@@ -30,7 +30,7 @@ if TYPE_CHECKING:
         llm,
         registered_agents,
     )
-    from justitia_sdk._batch import AgentHandle, Batch
+    from justitia_sdk._batch import AgentHandle, Batch, BatchStats
     from justitia_sdk._client import AsyncClient, Client, default_url
     from justitia_sdk._context import AgentRun, current_agent, current_agent_id
     from justitia_sdk._errors import (
@@ -40,7 +40,9 @@ if TYPE_CHECKING:
         AuthenticationError,
         JustitiaError,
         NotJustitiaError,
+        ServerGoneError,
         ServerUnavailableError,
+        is_retryable,
     )
     from justitia_sdk._models import AgentRecord, Completion, Usage
     from justitia_sdk._names import AGENT_TYPE_MAX_LENGTH, AGENT_TYPE_PATTERN, check_agent_type
@@ -55,12 +57,12 @@ _EXPORTS = {
     "current_record": "_agent", "default_prompt": "_agent", "llm": "_agent",
     "get_agent": "_agent", "registered_agents": "_agent",
     "profile_agent": "_profile", "samples_of": "_profile",
-    "AgentHandle": "_batch", "Batch": "_batch",
+    "AgentHandle": "_batch", "Batch": "_batch", "BatchStats": "_batch",
     "AsyncClient": "_client", "Client": "_client", "default_url": "_client",
     "AgentRun": "_context", "current_agent": "_context", "current_agent_id": "_context",
     "AgentClosedError": "_errors", "AgentNotFoundError": "_errors", "APIError": "_errors",
     "AuthenticationError": "_errors", "JustitiaError": "_errors", "NotJustitiaError": "_errors",
-    "ServerUnavailableError": "_errors",
+    "ServerGoneError": "_errors", "ServerUnavailableError": "_errors", "is_retryable": "_errors",
     "AgentRecord": "_models", "Completion": "_models", "Usage": "_models",
     "openai_client": "_openai", "tagged_http_client": "_openai",
     "parallel_map": "_parallel", "run_sync": "_parallel",
@@ -95,10 +97,12 @@ __all__ = [
     "AsyncClient",
     "AuthenticationError",
     "Batch",
+    "BatchStats",
     "Client",
     "Completion",
     "JustitiaError",
     "NotJustitiaError",
+    "ServerGoneError",
     "ServerUnavailableError",
     "Usage",
     "agent",
@@ -111,6 +115,7 @@ __all__ = [
     "default_prompt",
     "default_url",
     "get_agent",
+    "is_retryable",
     "llm",
     "openai_client",
     "parallel_map",

@@ -8,20 +8,41 @@ What a batch promises:
 - Cancelling the batch (Ctrl-C, a cancelled task, `Batch.cancel`) cancels its live agents on
   the server at once (their engine requests are aborted); handles that finished keep their
   results, the others end with `AgentCancelledError`. `client.last_batch` keeps the batch.
+- `retries=` runs an input again only after an error that can go differently
+  (`is_retryable`): never after a 4xx about the input.
+- When the client takes the server for gone (`server_gone_s` without a request getting
+  through), the batch decides it once: every input not ended fails with that one
+  `ServerGoneError`, at once, instead of each retrying on its own.
+- A handle tells the whole story of its input across retries and re-registrations: its JCT
+  runs from the first submission, its promise is the first deadline it was given, and
+  `attempts`/`registrations` count the runs and the registrations.
+- Every registration carries `metadata["batch"] = {"id", "size", "index", "concurrency"}`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
+import math
+import statistics
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 
 from justitia_sdk._context import AgentRun
-from justitia_sdk._errors import AgentCancelledError, AgentTimeoutError, APIError, JustitiaError
+from justitia_sdk._errors import (
+    AgentCancelledError,
+    AgentTimeoutError,
+    APIError,
+    JustitiaError,
+    ServerGoneError,
+    is_retryable,
+)
 from justitia_sdk._models import AgentRecord
 
 if TYPE_CHECKING:
@@ -69,16 +90,32 @@ class AgentHandle:
         self.done = False
         #: Runs started for this input (1 + retries used).
         self.attempts = 0
-        self.started_at: float | None = None  # time.time() when registered
+        #: Registrations of this input with the server: one per run, plus one each time a
+        #: server that restarted had forgotten the running agent.
+        self.registrations = 0
+        #: Every id this input was registered under, first first.
+        self.ids: list[str] = []
+        self.started_at: float | None = None  # time.time() of the first registration
+        self.registered_at: float | None = None  # time.time() of the latest registration
         self.ended_at: float | None = None
 
     def __repr__(self) -> str:
         return f"<AgentHandle #{self.index} {self.agent.name} {self.status}>"
 
     def _on_start(self, run: AgentRun) -> None:
+        # A retry is a new run of the same input: the first record and start stay.
         self.run = run
-        self.first_record = self.record = run.record
-        self.started_at = time.time()
+        self._on_register(run.record)
+
+    def _on_register(self, record: AgentRecord) -> None:
+        now = time.time()
+        if self.first_record is None:
+            self.first_record = record
+            self.started_at = now
+        self.record = record
+        self.registered_at = now
+        self.registrations += 1
+        self.ids.append(record.id)
 
     def _update(self, record: AgentRecord) -> None:
         # The event stream may deliver a record older than the finish call's answer.
@@ -122,21 +159,46 @@ class AgentHandle:
 
     @property
     def jct_s(self) -> float | None:
-        """Job completion time of a finished run: the server's (finished_at - submitted_at),
-        else measured here. None for runs that failed or were cancelled."""
-        if self.status != "finished":
-            return None
-        if self.record is not None and self.record.jct_s is not None:
-            return self.record.jct_s
+        """Job completion time of a finished input, from its *first* submission (across
+        retries and re-registrations) to the end of the run that finished: on the server's
+        clock (finished_at - the first submitted_at), else measured here. None for inputs
+        that failed or were cancelled."""
+        return self._jct() if self.status == "finished" else None
+
+    def _jct(self) -> float | None:
+        last, first = self.record, self.first_record or self.record
+        if (last is not None and first is not None and last.finished_at is not None
+                and first.submitted_at is not None):
+            return last.finished_at - first.submitted_at
+        if last is not None and last.jct_s is not None and (first is None or first.id == last.id):
+            return last.jct_s
         return self.elapsed_s if self.done else None
 
     @property
     def first_eta_s(self) -> float | None:
-        """The ETA the server gave at submission."""
-        for r in (self.record, self.first_record):
-            if r is not None and r.first_eta_s is not None:
-                return r.first_eta_s
-        return self.first_record.eta_s if self.first_record else None
+        """The ETA the server gave at the input's first submission (not a retry's)."""
+        first = self.first_record or self.record
+        if first is None:
+            return None
+        if first.first_eta_s is not None:
+            return first.first_eta_s
+        if self.record is not None and self.record.id == first.id and \
+                self.record.first_eta_s is not None:
+            return self.record.first_eta_s
+        return first.eta_s
+
+    @property
+    def eta_error(self) -> float | None:
+        """|first ETA - JCT| / JCT of a finished input: how far off the first ETA was."""
+        jct, eta = self.jct_s, self.first_eta_s
+        if jct is None or eta is None or jct <= 0:
+            return None
+        return abs(eta - jct) / jct
+
+    @property
+    def retried(self) -> bool:
+        """True if the input ran more than once or registered more than once."""
+        return self.attempts > 1 or self.registrations > 1
 
     @property
     def eta_s(self) -> float | None:
@@ -162,8 +224,9 @@ class AgentHandle:
 
     @property
     def kept_promise(self) -> bool | None:
-        """Whether the agent finished by the deadline given at submission (fair finish +
-        delay bound then): a deadline moved later since is not the promise made."""
+        """Whether the input finished (JCT from its first submission) by the deadline given
+        at its first submission: a deadline moved later since, or given to a retry, is not
+        the promise made."""
         jct, deadline = self.jct_s, self.first_deadline_s
         if jct is None or deadline is None or not self.done or self.status != "finished":
             return None
@@ -178,6 +241,39 @@ class AgentHandle:
         return self.result
 
 
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Where a batch stands (`Batch.stats()`). Counts are of inputs; `running` ones are
+    registered with the server and not ended, `pending` ones wait in the client for a slot
+    (or for a retry). Promises and ETA errors are of finished inputs, judged against the
+    first deadline and the first ETA each input was given (JCT from its first submission)."""
+
+    size: int
+    finished: int
+    failed: int  # its code raised, or the server failed it (timeouts and a gone server included)
+    timed_out: int
+    cancelled: int
+    running: int
+    pending: int
+    retried: int  # inputs that ran, or registered, more than once
+    judged: int  # finished inputs whose first deadline is known
+    kept: int  # of those, finished by it
+    eta_error_median: float | None  # |first ETA - JCT| / JCT
+    eta_error_p90: float | None
+    mean_jct_s: float | None
+    elapsed_s: float | None  # since the batch started
+    eta_s: float | None  # seconds until every input has ended (estimate); 0 when done
+
+    @property
+    def ended(self) -> int:
+        return self.finished + self.failed + self.cancelled
+
+
 class Batch(Sequence[AgentHandle]):
     """The handles of a `submit_many` call, in input order; `as_completed()` in the order
     they end."""
@@ -185,6 +281,15 @@ class Batch(Sequence[AgentHandle]):
     def __init__(self, handles: list[AgentHandle], title: str = "agents") -> None:
         self.handles = handles
         self.title = title
+        #: Sent with every registration (`metadata["batch"]["id"]`).
+        self.id = uuid.uuid4().hex[:12]
+        #: Agents running at once (set when the batch runs).
+        self.concurrency: int | None = None
+        self.started_at: float | None = None  # time.time()
+        self.ended_at: float | None = None
+        #: Set once the client took the server for gone: every input not ended failed with it.
+        self.server_error: ServerGoneError | None = None
+        self._runs_scope: anyio.CancelScope | None = None
         self._by_id: dict[str, AgentHandle] = {}
         self._completed: list[AgentHandle] = []
         # Made on first use, inside the event loop (a Batch may be built outside one).
@@ -212,6 +317,19 @@ class Batch(Sequence[AgentHandle]):
     def _started(self, handle: AgentHandle, run: AgentRun) -> None:
         handle._on_start(run)
         self._by_id[run.id] = handle
+        run.on_reregister = lambda r: self._reregistered(handle, r)
+
+    def _reregistered(self, handle: AgentHandle, run: AgentRun) -> None:
+        handle._on_register(run.record)
+        self._by_id[run.id] = handle
+
+    def _server_gone(self, error: ServerGoneError) -> None:
+        """Decide once: the server is gone; every input not ended fails with `error`."""
+        if self.server_error is not None:
+            return
+        self.server_error = error
+        if self._runs_scope is not None:
+            self._runs_scope.cancel()
 
     def _ended(self, handle: AgentHandle) -> None:
         handle.done = True
@@ -265,15 +383,110 @@ class Batch(Sequence[AgentHandle]):
         jcts = [h.jct_s for h in self.handles if h.status == "finished" and h.jct_s is not None]
         return sum(jcts) / len(jcts) if jcts else None
 
-    def summary(self) -> str:
-        counts: dict[str, int] = {}
+    def eta_s(self) -> float | None:
+        """Seconds until every input of the batch has ended, estimated: the running agents
+        end at their latest ETAs; the pending inputs take the free slots (`concurrency` at
+        once) as they open, each taking the mean JCT of the finished inputs (before any
+        finished: the mean ETA of the running ones). 0 once done; None before anything is
+        known."""
+        return self._eta_s(self.mean_jct_s())
+
+    def _eta_s(self, mean_jct: float | None) -> float | None:
+        now = time.time()
+        running: list[float | None] = []
+        etas: list[float] = []
+        pending = 0
         for h in self.handles:
-            counts[h.status] = counts.get(h.status, 0) + 1
-        parts = [f"{n} {s}" for s, n in sorted(counts.items())]
-        mean = self.mean_jct_s()
-        if mean is not None:
-            parts.append(f"mean JCT {mean:.2f} s")
-        return ", ".join(parts)
+            if h.done:
+                continue
+            if h.record is None or h.registered_at is None or h.error is not None:
+                pending += 1
+            elif h.record.eta_s is None:
+                running.append(None)
+            else:
+                etas.append(h.record.eta_s)
+                running.append(max(0.0, h.registered_at + h.record.eta_s - now))
+        if not pending and not running:
+            return 0.0
+        each = mean_jct if mean_jct is not None else statistics.fmean(etas) if etas else None
+        if each is None and (pending or None in running):
+            return None
+        each = each or 0.0
+        slots = [each if r is None else r for r in running]
+        slots += [0.0] * max(0, (self.concurrency or DEFAULT_CONCURRENCY) - len(slots))
+        heapq.heapify(slots)
+        for _ in range(pending):
+            heapq.heapreplace(slots, slots[0] + each)
+        return max(slots) if slots else 0.0
+
+    def stats(self) -> BatchStats:
+        """Counts, promises kept and ETA errors so far, and the batch's ETA (one pass over
+        the handles: the live view calls it on every refresh)."""
+        count = dict.fromkeys(("finished", "failed", "timed_out", "cancelled", "running",
+                               "pending"), 0)
+        jcts: list[float] = []
+        errors: list[float] = []
+        judged = kept = retried = 0
+        for h in self.handles:
+            retried += h.retried
+            if not h.done:
+                count["pending" if h.record is None or h.error is not None else "running"] += 1
+                continue
+            status = h.status
+            if status == "cancelled":
+                count["cancelled"] += 1
+            elif status != "finished":
+                count["failed"] += 1
+                count["timed_out"] += status == "timed out"
+            else:
+                count["finished"] += 1
+                jct = h._jct()
+                if jct is None:
+                    continue
+                jcts.append(jct)
+                eta, deadline = h.first_eta_s, h.first_deadline_s
+                if eta is not None and jct > 0:
+                    errors.append(abs(eta - jct) / jct)
+                if deadline is not None:
+                    judged += 1
+                    kept += jct <= deadline + 1e-6
+        elapsed = None
+        if self.started_at is not None:
+            elapsed = (self.ended_at or time.time()) - self.started_at
+        mean = statistics.fmean(jcts) if jcts else None
+        return BatchStats(
+            size=len(self.handles), **count, retried=retried, judged=judged, kept=kept,
+            eta_error_median=statistics.median(errors) if errors else None,
+            eta_error_p90=_p90(errors) if errors else None,
+            mean_jct_s=mean, elapsed_s=elapsed,
+            eta_s=0.0 if count["running"] + count["pending"] == 0 else self._eta_s(mean))
+
+    def summary(self) -> str:
+        """One line: the counts, the promises kept, the ETA error, the mean JCT, and the
+        batch's ETA while it runs."""
+        st = self.stats()
+        parts = [f"{n} {name.replace('_', ' ')}" for name, n in (
+            ("finished", st.finished), ("failed", st.failed), ("cancelled", st.cancelled),
+            ("running", st.running), ("pending", st.pending)) if n]
+        if st.timed_out:
+            parts[parts.index(f"{st.failed} failed")] += f" ({st.timed_out} timed out)"
+        if st.retried:
+            parts.append(f"{st.retried} retried")
+        if st.judged:
+            parts.append(f"promises kept {st.kept}/{st.judged}")
+        if st.eta_error_median is not None and st.eta_error_p90 is not None:
+            parts.append(f"ETA error median {st.eta_error_median:.0%} "
+                         f"p90 {st.eta_error_p90:.0%}")
+        if st.mean_jct_s is not None:
+            parts.append(f"mean JCT {st.mean_jct_s:.2f} s")
+        done = st.running + st.pending == 0
+        if not done and st.eta_s is not None:
+            parts.append(f"batch done in ~{st.eta_s:.0f} s")
+        elif done and st.elapsed_s is not None:
+            parts.append(f"took {st.elapsed_s:.1f} s")
+        if self.server_error is not None:
+            parts.append("the server is gone")
+        return ", ".join(parts) or "empty"
 
     def table(self, *, live: bool = False, max_rows: int | None = None) -> Table:
         """A rich table of the runs (live columns while running, outcome columns after)."""
@@ -326,18 +539,32 @@ async def _poll(client: AsyncClient, batch: Batch) -> None:
                     handle._update(record)
 
 
+def _gone_error(client: AsyncClient, batch: Batch, cause: BaseException) -> ServerGoneError:
+    left = sum(not h.done for h in batch.handles)
+    gone = cause if isinstance(cause, ServerGoneError) else client._gone(repr(cause))
+    error = ServerGoneError(f"{gone}; the batch failed its {left} inputs not ended at once")
+    error.__cause__ = cause
+    return error
+
+
 async def _run_one(client: AsyncClient, batch: Batch, handle: AgentHandle,
                    limiter: anyio.CapacityLimiter, metadata: Mapping[str, Any] | None,
                    timeout: float | None, retries: int) -> None:
+    meta = {**(metadata or {}), "batch": {"id": batch.id, "size": len(batch),
+                                          "index": handle.index,
+                                          "concurrency": batch.concurrency}}
     try:
         async with limiter:
             for attempt in range(retries + 1):
+                if batch.server_error is not None:
+                    handle.error = batch.server_error
+                    return
                 handle.attempts = attempt + 1
                 handle.error = None
                 try:
                     with anyio.fail_after(timeout) if timeout else contextlib.nullcontext():
                         handle.result = await handle.agent.invoke(
-                            handle.args, handle.kwargs, client=client, metadata=metadata,
+                            handle.args, handle.kwargs, client=client, metadata=meta,
                             on_start=lambda run: batch._started(handle, run))
                     return
                 except TimeoutError:
@@ -347,11 +574,21 @@ async def _run_one(client: AsyncClient, batch: Batch, handle: AgentHandle,
                         f"{timeout:g} s (attempt {attempt + 1} of {retries + 1})")
                 except Exception as exc:  # one agent's failure must not lose the others
                     handle.error = exc
+                if isinstance(handle.error, ServerGoneError) or client.server_gone:
+                    batch._server_gone(_gone_error(client, batch, handle.error))
+                    handle.error = batch.server_error
+                    return
+                if not is_retryable(handle.error):
+                    return
     except BaseException:
-        # The batch was cancelled (Ctrl-C, a cancelled task, Batch.cancel): this run's agent,
-        # if it had started, was cancelled on the server by the SDK on its way out.
-        handle.error = AgentCancelledError(
-            f"agent #{handle.index} ({handle.agent.name}) was cancelled with its batch")
+        if batch.server_error is not None and not batch._cancel_requested:
+            # The batch decided the server is gone and ended the runs still going.
+            handle.error = batch.server_error
+        else:
+            # The batch was cancelled (Ctrl-C, a cancelled task, Batch.cancel): this run's
+            # agent, if it had started, was cancelled on the server by the SDK on its way out.
+            handle.error = AgentCancelledError(
+                f"agent #{handle.index} ({handle.agent.name}) was cancelled with its batch")
         raise
     finally:
         handle.ended_at = time.time()
@@ -429,6 +666,8 @@ async def run_batch(
         raise ValueError("concurrency must be >= 1")
     limiter = anyio.CapacityLimiter(limit)
     client.last_batch = batch
+    batch.concurrency = limit
+    batch.started_at = time.time()
     watch = progress if watch is None else watch
 
     batch._scope = anyio.CancelScope()
@@ -443,9 +682,14 @@ async def run_batch(
             async with anyio.create_task_group() as outer:
                 if watch:
                     outer.start_soon(_watch, client, batch)
-                async with anyio.create_task_group() as runs:
-                    for h in batch.handles:
-                        runs.start_soon(_run_one, client, batch, h, limiter, metadata,
-                                        timeout, retries)
+                try:
+                    async with anyio.create_task_group() as runs:
+                        batch._runs_scope = runs.cancel_scope
+                        for h in batch.handles:
+                            runs.start_soon(_run_one, client, batch, h, limiter, metadata,
+                                            timeout, retries)
+                finally:
+                    batch.ended_at = time.time()
+                    batch._runs_scope = None
                 outer.cancel_scope.cancel()  # every run ended: stop watching
     return batch

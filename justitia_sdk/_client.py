@@ -3,7 +3,8 @@
 Every call goes through `AsyncClient._request`, which adds the bearer key, retries what is
 safe to retry (connection refused, 429 and 503, with exponential backoff and jitter, honoring
 `Retry-After`) and turns error statuses into `APIError` subclasses carrying the server's
-`detail`.
+`detail`. One liveness clock per client (`_Liveness`) decides when the server is gone, for
+all the client's requests at once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from justitia_sdk._context import current_agent_id, current_client, current_run
 from justitia_sdk._errors import (
     AgentNotFoundError,
     NotJustitiaError,
+    ServerGoneError,
     ServerUnavailableError,
     error_for,
 )
@@ -54,6 +56,53 @@ _INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 #: pool cannot fill with streams and starve the completions (the 100-agent deadlock). It
 #: stays well under the usual limit of 1,024 open files of a notebook process.
 MAX_CONNECTIONS = 512
+#: Seconds without a request getting through before a client takes its server for gone:
+#: longer than a restart of the bundled server takes (55-90 s on 2 CPU cores).
+SERVER_GONE_S = 120.0
+#: Failures further apart than this (no request tried in between) are not one outage: the
+#: clock starts again from the later one.
+_OUTAGE_GAP_S = 30.0
+
+
+class _Liveness:
+    """When the client's requests last got through to the server, shared by all of them.
+
+    A request gets through when the server answers it with anything but 503 (a 429 is a
+    live server asking to slow down). Refused and broken connections and 503s are failures.
+    The server is *gone* once failures have lasted `gone_s` seconds with no request getting
+    through in between: from then on a request fails at its first failure, without retries,
+    until one gets through again.
+    """
+
+    def __init__(self, gone_s: float) -> None:
+        self.gone_s = gone_s
+        self.down_since: float | None = None
+        self.last_failure: float | None = None
+        self.last_ok: float | None = None
+
+    def ok(self) -> None:
+        self.down_since = self.last_failure = None
+        self.last_ok = time.monotonic()
+
+    def failed(self, since: float) -> None:
+        """A request failed that was sent at `since` (monotonic; for a connection that
+        broke, when it broke): nothing has got through since then, or since the last
+        request that did, whichever is later."""
+        now = time.monotonic()
+        since = max(min(since, now), self.last_ok or since)
+        if (self.down_since is None or self.last_failure is None
+                or now - self.last_failure > _OUTAGE_GAP_S):
+            self.down_since = since
+        else:
+            self.down_since = min(self.down_since, since)
+        self.last_failure = now
+
+    def down_for(self) -> float:
+        return 0.0 if self.down_since is None else time.monotonic() - self.down_since
+
+    @property
+    def gone(self) -> bool:
+        return self.down_since is not None and self.down_for() >= self.gone_s
 
 
 def default_url() -> str:
@@ -133,7 +182,11 @@ class AsyncClient:
     first. 429 and 503 answers and refused connections are retried with backoff for
     `retry_window_s` seconds (120 by default: longer than a server restart takes), or at most
     `max_retries` times when that is set; a completion whose connection broke (the server
-    died under it) is sent again within the same window.
+    died under it) is sent again, within a window of its own from the break.
+    `server_gone_s` (120 by default) is the client's liveness window: once none of its
+    requests has got through to the server (refused or broken connections, 503s) for that
+    long, the server is taken for gone and every request fails at once with
+    `ServerGoneError` until one gets through again; a batch then fails all its pending inputs.
     `max_connections` bounds the connections it opens (requests past it wait their turn).
     """
 
@@ -146,15 +199,19 @@ class AsyncClient:
         request_timeout: float | None = 900.0,
         max_retries: int | None = None,
         retry_window_s: float = 120.0,
+        server_gone_s: float = SERVER_GONE_S,
         max_connections: int = MAX_CONNECTIONS,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        if server_gone_s <= 0:
+            raise ValueError("server_gone_s must be > 0 seconds")
         self.base_url = (base_url or default_url()).rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("JUSTITIA_API_KEY")
         self.timeout = timeout
         self.request_timeout = request_timeout
         self.max_retries = max_retries
         self.retry_window_s = retry_window_s
+        self._liveness = _Liveness(server_gone_s)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # Agents fan out: one connection per in-flight request. A bounded pool, large enough
         # that what a batch sends reaches the scheduler rather than queuing here.
@@ -168,6 +225,23 @@ class AsyncClient:
         )
         #: The latest batch started on this client: still here after an interrupt.
         self.last_batch: Batch | None = None
+
+    @property
+    def server_gone_s(self) -> float:
+        """Seconds without a request getting through before the server is taken for gone."""
+        return self._liveness.gone_s
+
+    @server_gone_s.setter
+    def server_gone_s(self, value: float) -> None:
+        if value <= 0:
+            raise ValueError("server_gone_s must be > 0 seconds")
+        self._liveness.gone_s = value
+
+    @property
+    def server_gone(self) -> bool:
+        """True once no request has got through to the server for `server_gone_s` seconds
+        (until one does again)."""
+        return self._liveness.gone
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -196,6 +270,7 @@ class AsyncClient:
         # registration would register twice).
         resend_on_break = method == "POST" and path in _INFERENCE_PATHS
         while True:
+            sent = time.monotonic()
             try:
                 response = await self._http.request(
                     method, path, json=json_body, headers=headers,
@@ -204,21 +279,30 @@ class AsyncClient:
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                     httpx.ReadError) as exc:
                 broke = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                self._liveness.failed(time.monotonic() if broke else sent)
+                if self._liveness.gone:
+                    raise self._gone(f"{exc!r}") from exc
+                if broke and resend_on_break:
+                    started = time.monotonic()  # the server died under it: a new window
                 if (broke and not resend_on_break) or self._give_up(attempt, started):
                     raise ServerUnavailableError(
                         f"cannot reach the Justitia server at {self.base_url}: {exc!r}"
                         f"{self._tried(attempt, started)}"
                     ) from exc
-                await anyio.sleep(self._backoff(attempt))
+                await anyio.sleep(self._until_gone(self._backoff(attempt)))
                 attempt += 1
                 continue
+            self._note_answer(response, sent)
             if response.status_code in RETRY_STATUSES:
                 if self._give_up(attempt, started):
                     raise ServerUnavailableError(
                         f"{method} {path}: the server stayed busy ({response.status_code}: "
                         f"{_detail(response)}){self._tried(attempt, started)}"
                     )
-                await anyio.sleep(_retry_after(response) or self._backoff(attempt))
+                pause = _retry_after(response) or self._backoff(attempt)
+                if response.status_code == 503:
+                    pause = self._until_gone(pause)
+                await anyio.sleep(pause)
                 attempt += 1
                 continue
             if response.content and not _is_json(response):
@@ -228,6 +312,28 @@ class AsyncClient:
             if not response.content:
                 return None
             return response.json()
+
+    def _gone(self, last: str) -> ServerGoneError:
+        return ServerGoneError(
+            f"the Justitia server at {self.base_url} is gone: no request has got through "
+            f"for {self._liveness.down_for():.0f} s (server_gone_s={self.server_gone_s:g}); "
+            f"last failure: {last}")
+
+    def _note_answer(self, response: httpx.Response, sent: float) -> None:
+        """The liveness clock after an answer: a 503 is a failure (raises `ServerGoneError`
+        once the window has passed), anything else gets through."""
+        if response.status_code != 503:
+            self._liveness.ok()
+            return
+        self._liveness.failed(sent)
+        if self._liveness.gone:
+            raise self._gone(f"503: {_detail(response)}")
+
+    def _until_gone(self, pause: float) -> float:
+        """`pause`, cut short to try again as the liveness window ends: a gone server is
+        found out when the window ends, not a backoff later."""
+        left = self._liveness.gone_s - self._liveness.down_for()
+        return min(pause, max(0.05, left))
 
     def _give_up(self, attempt: int, started: float) -> bool:
         if self.max_retries is not None and attempt >= self.max_retries:
@@ -363,6 +469,8 @@ class AsyncClient:
                 record = await self.register_agent(run.type, run.prompt or run.type, run.metadata)
                 run.id, run.record = record.id, record
                 run.reregistrations += 1
+                if run.on_reregister is not None:
+                    run.on_reregister(run)
         return run.id
 
     def _tag(self, agent_id: str | None) -> tuple[dict[str, str], str | None]:
@@ -483,8 +591,11 @@ class AsyncClient:
         name of one), or a sequence of them, one per input (a mixed batch).
         `concurrency` caps the agents running at once (default 64). `timeout` (seconds)
         cancels a run that takes longer; `retries` runs a failed or timed-out input again,
-        up to that many times. One agent's failure is recorded on its handle and does not
-        stop the others; the handles are in input order. If the batch is interrupted
+        up to that many times, when a retry can change the outcome (`is_retryable`: never
+        after a 4xx about the input). One agent's failure is recorded on its handle and does
+        not stop the others; the handles are in input order. If the client takes the server
+        for gone (`server_gone_s`), every input not ended fails at once with one
+        `ServerGoneError` (`batch.server_error`). If the batch is interrupted
         (Ctrl-C, cancellation) its live agents are cancelled on the server and the batch,
         with the results that finished, stays in `client.last_batch`.
         """

@@ -9,6 +9,7 @@ agents never see each other's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,9 @@ class AgentRun:
     extra: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] | None = None
     reregistrations: int = 0  # times the server forgot the agent (a restart) and it re-registered
+    #: Called with the run each time it registers again under a new id (a batch's handle
+    #: follows its agent to the new id).
+    on_reregister: Callable[[AgentRun], None] | None = field(default=None, repr=False)
     _reregister_lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
 
     def add_usage(self, usage: Usage) -> None:

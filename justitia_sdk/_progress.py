@@ -40,23 +40,29 @@ def _state(h: AgentHandle) -> Text:
 
 
 def batch_table(batch: Batch, *, live: bool = False, max_rows: int | None = None) -> Table:
-    """Live: state, requests, elapsed, ETA, fair finish, bound. After: JCT against the
-    first ETA, the fair finish time and the deadline (fair finish + bound). Times are
-    seconds since the agent's submission."""
-    table = Table(title=f"{batch.title} - seconds since each agent's submission",
-                  caption=batch.summary(), title_justify="left", caption_justify="left",
+    """Live: state, requests, elapsed, ETA, fair finish, bound. After: the JCT, the first
+    ETA and the first deadline (fair finish + bound as first given), and whether the JCT
+    kept that deadline; with a `runs/regs` column when an input ran or registered more than
+    once. Times are seconds since each input's first submission; the caption is the
+    batch's summary (counts, promises kept, ETA error, the batch's ETA)."""
+    summary = batch.summary()
+    table = Table(title=f"{batch.title} - seconds since each input's first submission",
+                  caption=summary, title_justify="left", caption_justify="left",
                   box=box.SIMPLE_HEAD)
     table.add_column("#", justify="right", style="dim")
     table.add_column("agent", no_wrap=True, overflow="ellipsis", max_width=22)
     table.add_column("state", no_wrap=True)
+    tries = not live and any(h.retried for h in batch)
     numeric = (
         ["reqs", "elapsed", "ETA", "fair", "bound"] if live else
-        ["JCT", "1st ETA", "fair", "bound"]
+        ["JCT", "1st ETA", "1st deadline"]
     )
     for name in numeric:
         table.add_column(name, justify="right", no_wrap=True)
     if not live:
         table.add_column("kept", justify="center", no_wrap=True)
+    if tries:
+        table.add_column("runs/regs", justify="right", no_wrap=True)
 
     handles = list(batch)
     hidden = 0
@@ -71,16 +77,18 @@ def batch_table(batch: Batch, *, live: bool = False, max_rows: int | None = None
         if live:
             cells = [reqs, _s(h.elapsed_s), _s(h.eta_s), _s(h.fair_finish_s), _s(h.delay_bound_s)]
         else:
-            # The deadline is fair + bound; "kept" says whether the JCT is within it.
-            cells = [_s(h.jct_s), _s(h.first_eta_s), _s(h.fair_finish_s), _s(h.delay_bound_s)]
+            # "kept" says whether the JCT is within the first deadline, both beside it.
+            cells = [_s(h.jct_s), _s(h.first_eta_s), _s(h.first_deadline_s)]
         row: list[Any] = [str(h.index), h.agent.name, _state(h), *cells]
         if not live:
             kept = h.kept_promise
             row.append(Text("yes", "green") if kept else Text("no", "red") if kept is False
                        else Text("-", "dim"))
+        if tries:
+            row.append(f"{h.attempts}/{h.registrations}" if h.retried else "")
         table.add_row(*row)
     if hidden:
-        table.caption = f"{batch.summary()} ({hidden} more not shown)"
+        table.caption = f"{summary} ({hidden} more not shown)"
     return table
 
 

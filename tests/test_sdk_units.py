@@ -50,7 +50,7 @@ def test_promises_and_summary() -> None:
     assert batch.mean_jct_s() == (2.5 + 4.0) / 2  # failed and cancelled runs left out
     assert batch.results(return_exceptions=True)[2].args == ("x",)
     text = to_html(batch_table(batch))
-    for word in ("units", "JCT", "1st ETA", "fair", "bound", "kept", "pending", "failed"):
+    for word in ("units", "JCT", "1st ETA", "1st deadline", "kept", "pending", "failed"):
         assert word in text
 
 
@@ -118,3 +118,67 @@ def test_a_promise_is_the_deadline_given_at_submission() -> None:
     h.first_record = record("queued", deadline_s=3.0)
     assert h.jct_s == 5.0 and h.deadline_s == 9.0 and h.first_deadline_s == 3.0
     assert h.kept_promise is False
+
+
+def test_what_a_retry_can_change() -> None:
+    """`is_retryable`: connection trouble, 408/429/5xx and the agent's own exceptions may
+    go differently on a retry; a 4xx about the input, a gone server, a cancellation not."""
+    import asyncio
+
+    import httpx
+
+    from justitia_sdk import APIError, ServerGoneError, ServerUnavailableError, is_retryable
+    from justitia_sdk._errors import AgentCancelledError, AgentTimeoutError, error_for
+
+    for status in (400, 401, 404, 409, 413, 422):
+        assert not is_retryable(error_for(status, "about the input")), status
+    for status in (408, 429, 500, 502, 503, 504):
+        assert is_retryable(APIError(status, "busy")), status
+    assert is_retryable(ValueError("the agent's own bug"))
+    assert is_retryable(ServerUnavailableError("refused"))
+    assert is_retryable(httpx.ConnectError("refused"))
+    assert is_retryable(AgentTimeoutError("slow"))
+    assert not is_retryable(ServerGoneError("gone"))
+    assert not is_retryable(AgentCancelledError("cancelled"))
+    assert not is_retryable(KeyboardInterrupt())
+    assert not is_retryable(asyncio.CancelledError())
+
+    class OpenAIStyle(Exception):  # another client's error that carries a status code
+        status_code = 400
+
+    assert not is_retryable(OpenAIStyle("prompt too long"))
+    assert not is_retryable(ExceptionGroup("g", [ValueError(), OpenAIStyle()]))
+
+
+def test_the_batch_eta_fills_free_slots_with_the_mean_jct() -> None:
+    """Two inputs finished in 4 s each, two run with 3 s and 5 s to go, three wait, two
+    slots: the waiting ones start at 3, 5 and 7 s and take 4 s each, so the batch ends at
+    11 s."""
+    import time
+
+    finished = [handle(i, record("finished", finished_at=104.0), done=True) for i in range(2)]
+    running = []
+    for i, eta in ((2, 3.0), (3, 5.0)):
+        h = handle(i, record("running", eta_s=eta))
+        h.registered_at = time.time()
+        running.append(h)
+    waiting = [handle(i, None) for i in range(4, 7)]
+    batch = Batch([*finished, *running, *waiting], "eta")
+    batch.concurrency = 2
+    eta = batch.eta_s()
+    assert eta is not None and 10.5 < eta <= 11.0
+    stats = batch.stats()
+    assert (stats.finished, stats.running, stats.pending) == (2, 2, 3)
+    assert stats.eta_s is not None and 10.5 < stats.eta_s <= 11.0
+    assert "batch done in ~11 s" in batch.summary() or "batch done in ~10 s" in batch.summary()
+    # nothing known yet: no estimate
+    assert Batch([handle(0, None)], "unknown").eta_s() is None
+
+
+def test_eta_error_and_promises_in_the_stats() -> None:
+    on_time = handle(0, record("finished", finished_at=102.5), done=True)  # JCT 2.5, ETA 2.2
+    late = handle(1, record("finished", finished_at=104.0), done=True)  # JCT 4, ETA 2.2
+    stats = Batch([on_time, late], "errors").stats()
+    assert (stats.judged, stats.kept) == (2, 1)
+    errors = sorted([abs(2.2 - 2.5) / 2.5, abs(2.2 - 4.0) / 4.0])
+    assert stats.eta_error_median == sum(errors) / 2 and stats.eta_error_p90 == errors[1]
