@@ -71,13 +71,13 @@ def test_heavy_tail_sizes_have_a_longer_tail_than_poisson():
 
 def test_tenants_and_sessions_carry_their_fields():
     tenants = make_shaped(ShapeSpec("tenants", 100, 0.9, seed=0), CPU, M)
-    counts = {t: sum(a.extra["tenant"] == t for a in tenants) for t in ("t0", "t1", "t2")}
+    counts = {t: sum(a.tenant == t for a in tenants) for t in ("t0", "t1", "t2")}
     assert counts["t0"] > counts["t1"] > counts["t2"] > 0
     sessions = make_shaped(ShapeSpec("sessions", 40, 0.9, seed=0), CPU, M)
     for a in sessions:
         assert all(len(st) == 1 for st in a.stages)
-        assert len(a.extra["pauses_s"]) == len(a.stages) and a.extra["pauses_s"][0] == 0.0
-    assert statistics.median(p for a in sessions for p in a.extra["pauses_s"][1:]) == pytest.approx(0.8, rel=0.5)
+        assert len(a.pauses) == len(a.stages) and a.pauses[0] == 0.0
+    assert statistics.median(p for a in sessions for p in a.pauses[1:]) == pytest.approx(0.8, rel=0.5)
 
 
 def test_a_shape_that_does_not_exist_is_refused():
@@ -91,8 +91,8 @@ def test_make_workload_writes_a_shape_that_loads_back(tmp_path, capsys):
                  "--profile", "cpu-tiny", "--kv-tokens", str(M), "--load", "0.8", "--out", str(out)]) == 0
     loaded = load_workload(out)
     built = make_shaped(ShapeSpec("sessions", 20, 0.8, seed=7), CPU, M)
-    assert [(a.id, a.type, a.arrival, a.stages) for a in loaded] == [(a.id, a.type, a.arrival, a.stages)
-                                                                     for a in built]
+    assert [(a.id, a.type, a.arrival, a.stages, a.pauses) for a in loaded] == [
+        (a.id, a.type, a.arrival, a.stages, a.pauses) for a in built]
     first = json.loads(out.read_text().splitlines()[0])
     assert first["pauses_s"][0] == 0.0 and first["shape"] == "sessions"
     assert main(["bench", "make-workload", "--shape", "sawtooth", "--out", str(out)]) == 2
@@ -127,3 +127,19 @@ def test_bench_family_writes_its_json_and_refuses_bad_input(tmp_path, capsys):
     assert main(["bench", "family", "--shapes", "sawtooth"]) == 2
     assert main(["bench", "family", "--seeds", "5-1"]) == 2
     assert main(["bench", "family", "--policies", "nope"]) == 2
+
+
+def test_the_simulator_waits_out_an_agents_tool_pauses(tmp_path) -> None:
+    from server.sim.simulator import simulate
+    from server.sim.workload import AgentSpec, WorkloadError, parse_agent
+
+    stages = [[(40, 8)], [(60, 8)], [(80, 8)]]
+    plain = AgentSpec("a", "chat", 0.0, stages)
+    paused = AgentSpec("b", "chat", 0.0, stages, pauses=[0.5, 1.0, 2.0])
+    jct = {a.id: simulate([a], "justitia", CPU, M).agents[0].jct_s for a in (plain, paused)}
+    assert jct["b"] == pytest.approx(jct["a"] + 3.5, abs=0.05)  # every pause, the first one too
+    # the contract's field round-trips, one entry per stage, and bad values are refused
+    assert parse_agent(paused.to_json()).pauses == [0.5, 1.0, 2.0]
+    for bad in ([1.0], [0, -1, 0], [0, "x", 0]):
+        with pytest.raises(WorkloadError, match="pauses_s"):
+            parse_agent({**plain.to_json(), "pauses_s": bad})

@@ -107,7 +107,7 @@ def _tenants(agents: list[AgentSpec], rng: random.Random) -> None:
     names = [t for t, _ in TENANT_SHARES]
     weights = [w for _, w in TENANT_SHARES]
     for a in agents:
-        a.extra["tenant"] = rng.choices(names, weights)[0]
+        a.tenant = rng.choices(names, weights)[0]
 
 
 def _sessions(agents: list[AgentSpec], rng: random.Random) -> None:
@@ -116,8 +116,7 @@ def _sessions(agents: list[AgentSpec], rng: random.Random) -> None:
     for a in agents:
         turns = [[r] for st in a.stages for r in st][:8]
         a.stages = turns
-        a.extra["pauses_s"] = [0.0] + [round(rng.lognormvariate(math.log(PAUSE_MEDIAN_S), 1.0), 3)
-                                       for _ in turns[1:]]
+        a.pauses = [0.0] + [round(rng.lognormvariate(math.log(PAUSE_MEDIAN_S), 1.0), 3) for _ in turns[1:]]
 
 
 RESHAPE: dict[str, Callable[[list[AgentSpec], random.Random], None]] = {

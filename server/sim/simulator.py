@@ -8,6 +8,7 @@ engine model. The dispatcher is the same class the server uses.
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import statistics
@@ -237,7 +238,7 @@ def isolated_jct_s(agents: Sequence[AgentSpec], profile: EngineProfile, kv_token
     agent's stage whole; `justitia` (footprint admission: no preemption) is the one run."""
     out = []
     for a in agents:
-        alone = AgentSpec(a.id, a.type, 0.0, a.stages)
+        alone = AgentSpec(a.id, a.type, 0.0, a.stages, pauses=a.pauses)
         res = simulate([alone], "justitia", profile, kv_tokens, make_predictions([alone]), isolated=[0.0])
         out.append(res.agents[0].jct_s)
     return out
@@ -353,6 +354,9 @@ class _Run:
         self.first_interval: list[tuple[float, float] | None] = [None] * n
         self.nxt = 0  # the next agent to arrive
         self.done = 0
+        # Paused agents (a tool call before their next stage): (resume time, agent index).
+        # They stay registered, keeping their place in virtual time, with nothing queued.
+        self.paused: list[tuple[float, int]] = []
 
     def loop(self) -> None:
         agents, disp, engine = self.agents, self.disp, self.engine
@@ -367,17 +371,20 @@ class _Run:
                 disp.set_iteration_time(self.tau_estimator.tau_s, t, **self.tau_estimator.promise_times())
                 next_tau = t + TAU_UPDATE_S
             self.arrive(t)
+            self.resume_paused(t)
             engine.resume()
             if not engine.waiting:
                 self.admit(t)
+            next_event = min(agents[self.nxt].arrival if self.nxt < len(agents) else math.inf,
+                             self.paused[0][0] if self.paused else math.inf)
             if engine.idle():
-                if self.nxt < len(agents):
-                    t = max(t, agents[self.nxt].arrival)
+                if next_event < math.inf:
+                    t = max(t, next_event)
                     continue
                 if self.done < len(agents):
                     raise RuntimeError("simulator stalled: requests pending but nothing admitted")
                 break
-            until = agents[self.nxt].arrival if self.nxt < len(agents) else math.inf
+            until = next_event
             if self.tau_estimator is None:
                 t, finished = engine.step(t, until)
             else:
@@ -414,10 +421,23 @@ class _Run:
             self.first_eta[i], self.first_deadline[i] = view.eta_s, view.deadline_s
             self.first_interval[i] = view.eta_interval_s
             if a.stages:
-                self.submit_stage(i, t)
+                self.start_stage(i, t)
             else:
                 self.agent_done(i, t)
             self.nxt += 1
+
+    def start_stage(self, i: int, now: float) -> None:
+        """The agent's next stage: submitted now, or after the pause before it."""
+        pause = self.agents[i].pause_before(self.stage_of[i])
+        if pause > 0:
+            heapq.heappush(self.paused, (now + pause, i))
+        else:
+            self.submit_stage(i, now)
+
+    def resume_paused(self, t: float) -> None:
+        while self.paused and self.paused[0][0] <= t:
+            _, i = heapq.heappop(self.paused)
+            self.submit_stage(i, t)
 
     def admit(self, t: float) -> None:
         for spec in self.disp.admit(t, self.engine.free_kv, self.engine.free_slots):
@@ -446,7 +466,7 @@ class _Run:
             return
         self.stage_of[i] += 1
         if self.stage_of[i] < len(self.agents[i].stages):
-            self.submit_stage(i, t)
+            self.start_stage(i, t)
         else:
             self.agent_done(i, t)
 

@@ -38,6 +38,12 @@ class AgentSpec:
     extra: dict = field(default_factory=dict)
     prefixes: dict[tuple[int, int], Chain] = field(default_factory=dict)  # (stage, index) -> chain
     tenant: str | None = None  # whose fair share it draws on (hierarchical fair share)
+    # Seconds outside the engine before each stage starts (a tool call, a user's think
+    # time): DESIGN section 8, round 3 `pauses_s`. Empty: no pauses.
+    pauses: list[float] = field(default_factory=list)
+
+    def pause_before(self, stage: int) -> float:
+        return self.pauses[stage] if stage < len(self.pauses) else 0.0
 
     def prefix(self, stage: int, index: int) -> Chain:
         """The prefix chain of request `index` of `stage` (empty: nothing shared)."""
@@ -98,6 +104,8 @@ class AgentSpec:
                          for s, st in enumerate(self.stages)]
         if self.tenant is not None:
             out["tenant"] = self.tenant
+        if self.pauses:
+            out["pauses_s"] = list(self.pauses)
         out.update(self.extra)
         return out
 
@@ -151,6 +159,17 @@ def _parse_stages(obj: dict, where: str) -> tuple[list[list[tuple[int, int]]], d
     return stages, prefixes
 
 
+def _parse_pauses(raw: object, stages: int, where: str) -> list[float]:
+    """`pauses_s`: one number of seconds >= 0 per stage (DESIGN section 8, round 3)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) != stages or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf") for x in raw):
+        raise WorkloadError(f"{where}: pauses_s must be a list of {stages} numbers of seconds >= 0, "
+                            "one per stage")
+    return [float(x) for x in raw]
+
+
 def parse_agent(obj: dict, where: str = "") -> AgentSpec:
     try:
         stages, prefixes = _parse_stages(obj, where)
@@ -162,6 +181,7 @@ def parse_agent(obj: dict, where: str = "") -> AgentSpec:
             prompt=str(obj.get("prompt") or ""),
             prefixes=prefixes,
             tenant=None if obj.get("tenant") is None else str(obj["tenant"]),
+            pauses=_parse_pauses(obj.get("pauses_s"), len(stages), where),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, WorkloadError):
