@@ -143,3 +143,24 @@ def test_the_simulator_waits_out_an_agents_tool_pauses(tmp_path) -> None:
     for bad in ([1.0], [0, -1, 0], [0, "x", 0]):
         with pytest.raises(WorkloadError, match="pauses_s"):
             parse_agent({**plain.to_json(), "pauses_s": bad})
+
+
+def test_a_paused_agents_eta_and_deadline_expect_its_types_tool_time() -> None:
+    from server.scheduler import Dispatcher, RequestSpec
+    from server.scheduler.bounds import AgentShape
+
+    disp = Dispatcher("justitia", 4096, 0.01)
+    # a first agent of type "chat" pauses 2 s between its two stages
+    disp.register_agent("a", 1000.0, 0.0, agent_type="chat", shape=AgentShape(2, 16, 0))
+    disp.submit(RequestSpec("a/0", "a", 10, 8, 8), 0.0)
+    for spec in disp.admit(0.0, 4096, 8):
+        disp.on_request_finished(spec.request_id, 10, 8, 0.5)
+    disp.submit(RequestSpec("a/1", "a", 10, 8, 8), 2.5)
+    assert disp.pauses.mean_s("chat") == pytest.approx(2.0)
+    # the next agent of the type is told about that pause in its ETA and deadline
+    plain = Dispatcher("justitia", 4096, 0.01)
+    shape = AgentShape(2, 16, 0)
+    told = disp.register_agent("b", 1000.0, 3.0, agent_type="chat", shape=shape)
+    alone = plain.register_agent("b", 1000.0, 3.0, agent_type="chat", shape=shape)
+    assert told.eta_s == pytest.approx(alone.eta_s + 2.0, abs=0.3)
+    assert told.deadline_s >= alone.deadline_s + 2.0

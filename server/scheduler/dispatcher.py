@@ -67,6 +67,7 @@ from .bounds import AgentShape, BoundLimits, delay_bound
 from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprint
 from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S, EtaPass, TimeModel, WorkArrivals, eta_of, step_function
 from .eta_interval import EtaCalibration
+from .pauses import PauseStats, stages_left
 from .policies import FOOTPRINT, Justitia, Policy, get_policy
 from .prefix import PrefixHolds, PrefixLedger, private_kv_cost, segments, shared_tokens, uncached_prompt
 from .queues import RequestQueue, TenantQueue
@@ -131,6 +132,8 @@ class Dispatcher:
         self.arrivals = WorkArrivals(window_s=arrival_window_s)
         # How far first ETAs have been off: the ETA interval's factors (eta_interval.py).
         self.eta_calibration = EtaCalibration()
+        # Pauses between an agent's stages (tool calls), per type (pauses.py).
+        self.pauses = PauseStats()
         self._eta: EtaPass | None = None
         # Agents registered since the last pass (refresh_etas), for the ETAs of agents
         # registered after them before the next pass (`_unpassed_work_before`).
@@ -381,7 +384,9 @@ class Dispatcher:
                            f"arrives at {MAX_ARRIVAL_SHARE:.0%} of the engine's rate")
             share = MAX_ARRIVAL_SHARE
             horizon = fluid / (1.0 - share) * slow
-        deadline = now + horizon + agent.bound.total_s
+        # Tool time: the type's p90 pause before each stage it has not started (pauses.py).
+        pauses = self.pauses.p90_s(agent.agent_type) * stages_left(agent.shape.stages, agent.stages_started)
+        deadline = now + horizon + agent.bound.total_s + pauses
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later
         agent.deadline_at = deadline
@@ -462,6 +467,12 @@ class Dispatcher:
         agent = self._agent(spec.agent_id)
         if spec.request_id in self.requests:
             raise ValueError(f"request {spec.request_id!r} already submitted")
+        if agent.idle_since is not None:  # back from a pause: its next stage starts
+            self.pauses.observe(agent.agent_type, now - agent.idle_since)
+            agent.idle_since = None
+            agent.stages_started += 1
+        elif agent.stages_started == 0:
+            agent.stages_started = 1
         if not agent.in_reference:
             self._enter(agent, now)
         p, d, n = int(spec.prompt_tokens), spec.expected_tokens, spec.n
@@ -578,6 +589,8 @@ class Dispatcher:
         agent.committed_kv += real_kv - req.est_kv_cost
         self._observed.commit(agent)
         agent.requests_done += 1
+        if agent.pending == 0 and agent.running == 0:
+            agent.idle_since = now  # paused until it submits again (or finishes)
         self._commit(agent, real - req.est_cost, now)
         self.queue.requeue(agent)
         self._flush_if_dry(now)
@@ -987,7 +1000,7 @@ class Dispatcher:
         last pass did not see is placed in its order by binary search, O(log N))."""
         agent = self._agent(agent_id)
         if agent.eta_at is not None:
-            return max(now, agent.eta_at)
+            return max(now, agent.eta_at) + self._pause_ahead(agent, now)
         key = self._eta_key(agent, now)
         rates = self._replay_rates()
         before = self._eta.work_before(key) if self._eta is not None else 0.0
@@ -996,7 +1009,19 @@ class Dispatcher:
         v = self.clock.tenant_v(agent.tenant, now) if self.clock.hierarchical else reading.V
         ahead = self.arrivals.ahead(self.policy.arrival_gap(agent, v, self._gap_closing(reading.backlog)))
         return eta_of(now, before, self._replay_work(agent, rates), rates[0], ahead * rates[1],
-                      self._critical_path_s(agent, self._iteration_s()), self.arrivals.span_s)
+                      self._critical_path_s(agent, self._iteration_s()), self.arrivals.span_s) \
+            + self._pause_ahead(agent, now)
+
+    def _pause_ahead(self, agent: AgentState, now: float) -> float:
+        """The tool time its ETA expects: its type's mean pause before each stage it has not
+        started, less what it has already paused before the next one."""
+        shape = agent.eta_shape or agent.shape
+        left = stages_left(shape.stages, agent.stages_started)
+        if left == 0:
+            return 0.0
+        mean = self.pauses.mean_s(agent.agent_type)
+        paused = now - agent.idle_since if agent.idle_since is not None else 0.0
+        return max(0.0, mean * left - min(paused, mean))
 
     def _replay_work(self, agent: AgentState, rates: tuple[float, float, float]) -> float:
         """The agent's remaining work in the replay's units (`_replay_rates`)."""

@@ -151,6 +151,10 @@ class AgentState:
     request_ids: set[str] = field(default_factory=set)  # submitted, unfinished requests
     pending: int = 0  # requests submitted and not yet admitted
     running: int = 0  # requests admitted and not yet finished
+    # Paused (pauses.py): since when it has had nothing in flight (None: it has some, or has
+    # not started), and how many stages it has started.
+    idle_since: float | None = None
+    stages_started: int = 0
     requests_total: int = 0
     requests_done: int = 0
     # Owned by AgentHeapQueue (queues.py): the agent's pending requests in `order`, and the
