@@ -202,6 +202,18 @@ class CompletionRequest(SamplingFields):
         description="Return the log probability of each token and of this many alternatives.")
     best_of: int | None = Field(default=None, ge=1, description="Only unset or equal to n.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data: Any) -> Any:
+        # Tool calling is a chat feature (OpenAI's too): a completion has no messages to
+        # carry the calls and their answers.
+        if isinstance(data, dict):
+            for name in ("tools", "tool_choice", "parallel_tool_calls"):
+                if name in data and not _is_off(data[name], (*_OFF, "none")):
+                    raise field_error(name, "tool calling is served on /v1/chat/completions, not on "
+                                            "/v1/completions", data[name])
+        return data
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _non_empty(cls, v: object) -> object:
