@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from justitia_sdk import AsyncClient, ServerGoneError, agent, llm, parallel_map  # noqa: E402
 from server.launcher import free_port  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 _SERVE_FAKE = """
 import sys, time
@@ -104,7 +105,7 @@ def main() -> None:
               "killed": anyio.run(killed, args.inputs, args.server_gone_s)}
     print(json.dumps(result, indent=2))
     out = ROOT / "benchmarks" / "results" / "batch_server_gone.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, indent=2)
 
 
 if __name__ == "__main__":

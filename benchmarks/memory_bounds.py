@@ -34,6 +34,9 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from server.sim.provenance import write_result  # noqa: E402
 
 _SERVER = textwrap.dedent("""
     import sys, time
@@ -136,8 +139,7 @@ def main() -> int:
     if args.json is not None:
         runs = json.loads(args.json.read_text()) if args.json.exists() else {"runs": []}
         runs["runs"] = [r for r in runs["runs"] if r.get("label") != args.label] + [result]
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(runs, indent=2) + "\n")
+        write_result(args.json, runs, indent=2)
     return 0
 
 

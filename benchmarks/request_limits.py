@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.hostile_tenant import Prober  # noqa: E402
 from server.launcher import EmbeddedServer  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 KEYS = {"mallory": "key-mallory", "alice": "key-alice", "eve": "key-eve"}
 ATTACKS = ("stop250k", "stoplong", "chat110k", "enum50k", "pattern", "props", "dashboard",
@@ -224,9 +225,8 @@ def main() -> int:
             results[name] = {**result, **prober.summary(), **alice.summary(),
                              "wall_s": round(wall, 1)}
             print(name, json.dumps(results[name]), flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"config": {"attacks": args.attacks, "server": server_args},
-                                     "results": results}, indent=2) + "\n")
+    write_result(args.json, {"config": {"attacks": args.attacks, "server": server_args},
+                             "results": results}, indent=2)
     return 0
 
 
