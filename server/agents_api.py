@@ -18,6 +18,7 @@ from server.auth import rate_limited_tenant, require_admin, tenant_of
 from server.engine.base import EngineError, ReplicaAdmin
 from server.live import LiveScheduler
 from server.openai_schemas import SSE_EVENT
+from server.shutdown import FAREWELL, shutdown_of
 from server.validation import RequestBody
 
 router = APIRouter(tags=["agents"])
@@ -165,8 +166,8 @@ async def agents_events(request: Request, tenant: str = Depends(tenant_of),
                 yield "".join(f"event: agent\ndata: {json.dumps(r.model_dump())}\n\n"
                               for r in records)
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(shutdown_of(request.app).until_closing(stream(), FAREWELL),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/v1/agents/{agent_id}", response_model=AgentRecord,
@@ -189,8 +190,8 @@ async def agent_events(agent_id: str, request: Request,
             else:
                 yield f"event: agent\ndata: {json.dumps(record.model_dump())}\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(shutdown_of(request.app).until_closing(stream(), FAREWELL),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord,

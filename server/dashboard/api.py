@@ -12,6 +12,7 @@ from server import errors
 from server.auth import ADMIN_TENANT, tenant_of
 from server.dashboard import DashboardHub
 from server.dashboard.frames import INTERVAL_S, DashboardFeed
+from server.shutdown import FAREWELL, shutdown_of
 
 router = APIRouter()
 
@@ -65,5 +66,6 @@ async def scheduler_events(request: Request, tenant: str = Depends(tenant_of)) -
         raise HTTPException(503, "the server is starting")
     admin = not request.app.state.config.api_keys or tenant == ADMIN_TENANT
     feed = DashboardFeed(hub, tenant, admin)
-    return StreamingResponse(feed.stream(INTERVAL_S), media_type="text/event-stream",
+    stream = shutdown_of(request.app).until_closing(feed.stream(INTERVAL_S), FAREWELL)
+    return StreamingResponse(stream, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
