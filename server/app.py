@@ -263,8 +263,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         finally:
             app.state.ready = False
             await dashboard.close()
-            await scheduler.close()
-            await engine.close()
+            await shutdown.bounded(scheduler.close(), "saving the scheduler's state")
+            await shutdown.bounded(engine.close(), "stopping the engine", reserve_s=0.5)
             history.close()
             predictors.close()
             if health is not None:

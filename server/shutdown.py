@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 log = logging.getLogger("justitia.server")
@@ -99,6 +99,12 @@ class Shutdown:
     def requested(self) -> bool:
         return self.started_at is not None
 
+    def remaining_s(self) -> float | None:
+        """Seconds left of the grace period (None: no shutdown has begun)."""
+        if self.started_at is None:
+            return None
+        return self.grace_s - (time.monotonic() - self.started_at)
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop the server runs on (None before it starts)."""
@@ -154,6 +160,8 @@ class Shutdown:
         return True
 
     def _begin_on_loop(self) -> None:
+        log.warning("shutting down (%s): event streams end now, requests in flight have %.1f s, "
+                    "the process ends within %.1f s", self.reason, self.drain_s, self.grace_s)
         self.closing.set()
         assert self._loop is not None
         self._loop.call_later(self.drain_s, self._end_drain)
@@ -162,6 +170,8 @@ class Shutdown:
         if self.drain_over:
             return
         self.drain_over = True
+        log.warning("shutting down: the drain time is over; requests still waiting or streaming "
+                    "fail with 503 '%s'", SHUTTING_DOWN)
         for callback in self._on_drain_over:
             try:
                 callback()
@@ -180,6 +190,21 @@ class Shutdown:
         killed = kill_children()
         print(f"justitia: second signal; exiting now ({killed} child processes killed)", flush=True)
         os._exit(EXIT_FORCED)
+
+    async def bounded(self, step: Awaitable[None], what: str, reserve_s: float = 1.0) -> None:
+        """Await `step` (a part of the server's close); during a shutdown, for at most what
+        is left of the grace period less `reserve_s`, after which the server's child
+        processes are killed (what a stuck close would wait for) and the close goes on."""
+        left = self.remaining_s()
+        if left is None:
+            await step
+            return
+        try:
+            await asyncio.wait_for(step, max(0.1, left - reserve_s))
+        except TimeoutError:
+            killed = kill_children()
+            log.warning("shutting down: %s did not end within the grace period; %d child "
+                        "processes killed", what, killed)
 
     async def until_closing(self, source: AsyncIterator[T], farewell: T | None = None) -> AsyncIterator[T]:
         """The items of `source` until it ends or the shutdown begins (then `farewell`, if

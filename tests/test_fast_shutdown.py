@@ -131,33 +131,49 @@ def test_one_sigint_ends_the_event_streams_and_the_server_within_its_grace_perio
     assert "did not end within its grace period" not in server.tail()
 
 
-def test_a_streamed_answer_longer_than_the_drain_ends_with_a_clear_error(spawn) -> None:
-    """A request still generating when the drain time is over is told why it stops (503 in
-    the stream, then [DONE]), not cut off; the server still exits 0 within its grace."""
-    server = spawn("--step-s", "0.05", grace_s=2.0)  # 1,000 tokens: 50 s; the drain: 1 s
-    events: list[dict] = []
-    started = threading.Event()
+def test_answers_longer_than_the_drain_end_with_a_clear_error(spawn) -> None:
+    """Requests in flight when the drain time is over are told why they stop (503 in the
+    stream, then [DONE]; 503 for a plain request), not cut off: those generating and those
+    still queued for admission (4 requests of 1,900 tokens, room for 2 in the KV cache).
+    The server still exits 0 within its grace period."""
+    server = spawn("--step-s", "0.05", grace_s=2.0)  # 1,900 tokens: 95 s; the drain: 1 s
+    streams: list[list[dict]] = [[] for _ in range(4)]
+    plain: list[httpx.Response] = []
+    body = {"prompt": "a long answer", "max_tokens": 1900, "ignore_eos": True}
 
-    def stream() -> None:
-        body = {"prompt": "a long answer", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+    def stream(events: list[dict]) -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
                           timeout=httpx.Timeout(10.0, read=None)) as response:
+            events.append({"status": response.status_code})
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
-                    started.set()
                 elif line == "data: [DONE]":
                     events.append({"done": True})
 
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    assert started.wait(30.0), server.tail()
+    def request() -> None:
+        plain.append(httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=None)))
+
+    readers = [threading.Thread(target=stream, args=(events,), daemon=True) for events in streams]
+    readers.append(threading.Thread(target=request, daemon=True))
+    for reader in readers:
+        reader.start()
+    def all_in(snapshot: dict) -> bool:  # all five in: some running, the others queued
+        return snapshot["pending_requests"] >= 1 and snapshot["pending_requests"] + snapshot["running_requests"] == 5
+
+    with httpx.Client(base_url=server.url) as client:
+        wait_until(lambda: all_in(client.get("/v1/scheduler").json()), 30.0,
+                   show=lambda: client.get("/v1/scheduler").json())
     server.proc.send_signal(signal.SIGTERM)
     status = server.wait_exit()
-    reader.join(EXIT_SLACK_S)
-    assert events[-1] == {"done": True}
-    error = events[-2].get("error")
-    assert error is not None and "shutting down" in error["message"], events[-2:]
+    for reader in readers:
+        reader.join(EXIT_SLACK_S)
+    for events in streams:
+        assert events[-1] == {"done": True}, events[-3:]
+        error = events[-2].get("error")
+        assert error is not None and "shutting down" in error["message"], events[-2:]
+    assert len(plain) == 1 and plain[0].status_code == 503, plain
+    assert "shutting down" in plain[0].text
     assert status == 0, server.tail()
 
 

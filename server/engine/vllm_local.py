@@ -630,9 +630,11 @@ class LocalVLLMEngine(TokenizerEngine):
                 await self._supervisor
             except asyncio.CancelledError:
                 pass
-        if self._llm is not None:
-            self._llm.shutdown()
-            self._llm = None
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            # In a thread: the event loop goes on (a shutdown bounds this wait, and the
+            # health port's heartbeat beats), and vLLM waits for its processes to end.
+            await asyncio.to_thread(llm.shutdown)
         if self._cores_before is not None:
             pin_threads(os.getpid(), self._cores_before)
             self._cores_before = None
