@@ -46,7 +46,10 @@ class FakeServeProcess:
                 [sys.executable, "-m", "tests.fake_serve", "--port", str(self.port), "--data-dir",
                  str(tmp / "data"), "--shutdown-grace-s", str(grace_s), *args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, process_group=0)
-        wait_until(self._ready, 60.0, 0.1, show=self.tail)
+
+    def wait_ready(self) -> FakeServeProcess:
+        wait_until(self._ready, 240.0, 0.1, show=self.tail)
+        return self
 
     def _ready(self) -> bool:
         assert self.proc.poll() is None, f"the server exited: {self.tail()}"
@@ -78,8 +81,8 @@ def spawn(tmp_path: Path) -> Iterator:
 
     def start(*args: str, grace_s: float = 3.0) -> FakeServeProcess:
         server = FakeServeProcess(tmp_path, *args, grace_s=grace_s)
-        started.append(server)
-        return server
+        started.append(server)  # before it is ready: a server that never gets ready is killed too
+        return server.wait_ready()
 
     yield start
     for server in started:
