@@ -69,7 +69,7 @@ def readiness(app: Any) -> tuple[int, dict[str, Any]]:
     state and why."""
     state, detail = engine_status(app)
     shutdown = getattr(app.state, "shutdown", None)
-    if shutdown is not None and shutdown.requested:
+    if shutdown is not None and shutdown.requested and state != "failed":
         return 503, {"status": "stopping", "detail": f"the server is shutting down ({shutdown.reason})"}
     history = getattr(app.state, "history", None)
     if state == "running" and history is not None and history.unwritten:
