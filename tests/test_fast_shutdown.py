@@ -26,6 +26,10 @@ from tests.fake_engine import FakeEngine, FakeServer
 from tests.streams import BackgroundStream
 from tests.waiting import wait_until
 
+# Each test starts a server process (or a worker process): on a busy 2-core host, importing
+# the server alone took up to a minute, more than the fast tier's 60 s per test.
+pytestmark = pytest.mark.timeout(300)
+
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds the test allows a process beyond its grace period to be gone (the interpreter's
 # exit; a busy 2-core machine).
