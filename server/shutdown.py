@@ -93,6 +93,9 @@ class Shutdown:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_begin: list[Callable[[], None]] = []
         self._on_drain_over: list[Callable[[], None]] = []
+        # Requests in flight (not streamed) to stop when the drain time is over
+        # (server/disconnect.py): each one's stop() fails it with 503.
+        self.stoppers: set[Callable[[], None]] = set()
         self._lock = threading.Lock()
 
     @property
@@ -172,7 +175,7 @@ class Shutdown:
         self.drain_over = True
         log.warning("shutting down: the drain time is over; requests still waiting or streaming "
                     "fail with 503 '%s'", SHUTTING_DOWN)
-        for callback in self._on_drain_over:
+        for callback in [*self._on_drain_over, *self.stoppers]:
             try:
                 callback()
             except Exception:

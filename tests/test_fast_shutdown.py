@@ -141,7 +141,8 @@ def test_one_sigint_ends_the_event_streams_and_the_server_within_its_grace_perio
 def test_answers_longer_than_the_drain_end_with_a_clear_error(spawn) -> None:
     """Requests in flight when the drain time is over are told why they stop (503 in the
     stream, then [DONE]; 503 for a plain request), not cut off: those generating and those
-    still queued for admission (4 requests of 1,900 tokens, room for 2 in the KV cache).
+    still queued for admission (5 requests of 1,900 tokens, room for 2 in the KV cache; the
+    plain one generating).
     The server still exits 0 within its grace period."""
     server = spawn("--step-s", "0.05", grace_s=2.0)  # 1,900 tokens: 95 s; the drain: 1 s
     streams: list[list[dict]] = [[] for _ in range(4)]
@@ -161,9 +162,12 @@ def test_answers_longer_than_the_drain_end_with_a_clear_error(spawn) -> None:
     def request() -> None:
         plain.append(httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=None)))
 
-    readers = [threading.Thread(target=stream, args=(events,), daemon=True) for events in streams]
-    readers.append(threading.Thread(target=request, daemon=True))
-    for reader in readers:
+    readers = [threading.Thread(target=request, daemon=True)]
+    readers[0].start()  # first: it runs (a plain request generating when the drain ends)
+    with httpx.Client(base_url=server.url) as client:
+        wait_until(lambda: client.get("/v1/scheduler").json()["running_requests"] == 1, 30.0)
+    readers += [threading.Thread(target=stream, args=(events,), daemon=True) for events in streams]
+    for reader in readers[1:]:
         reader.start()
     def all_in(snapshot: dict) -> bool:  # all five in: some running, the others queued
         return snapshot["pending_requests"] >= 1 and snapshot["pending_requests"] + snapshot["running_requests"] == 5
