@@ -10,8 +10,8 @@ The first SIGINT or SIGTERM starts a shutdown that ends within `grace_s` seconds
    `: the server is shutting down` comment: a watching client holds no connection open;
 2. for the first `drain_s` seconds (the grace period less what closing the engine is given,
    at most 5 s) requests in flight run on; after it, requests still waiting for admission
-   fail with `503 the server is shutting down`, and streamed answers still running end with
-   that error in the stream; uvicorn then cancels what is left;
+   or generating fail with `503 the server is shutting down` (a streamed answer: that error
+   in the stream); uvicorn then cancels what is left;
 3. the lifespan's shutdown: the scheduler fails what still waits, saves what it measured of
    the engine, the engine and the retraining worker stop;
 4. if all this has not ended when the grace period is over, a watchdog kills the server's
