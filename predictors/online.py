@@ -85,11 +85,48 @@ class TypeState:
                 "median_relative_error": float(np.median(errors))}
 
 
-def _init_worker() -> None:
-    """Runs first in the worker process: import what training needs (NumPy, scikit-learn),
-    then drop to the CPU priority of the CPU engine's process (nice 10), below the server.
-    The imports come first: a niced process importing on a machine that other work keeps
-    busy can take many seconds, which the first job would wait for."""
+#: How often the worker looks whether the server that started it is still there.
+PARENT_POLL_S = 0.5
+
+
+def _exit_with_parent(parent: int, kernel: bool, poll_s: float = PARENT_POLL_S) -> None:
+    """End this process soon after process `parent` ends, however it ends (kill -9
+    included). A pool worker waits on a pipe whose other end it holds itself, so it never
+    sees its server die: each kill of the server used to leave one behind for ever.
+
+    A thread polls the parent's pid. With `kernel` (the worker was started by the parent's
+    main thread: the kernel ties the signal to the thread that forked, not the process), on
+    Linux the kernel is also asked to SIGKILL it the moment the parent dies
+    (PR_SET_PDEATHSIG)."""
+    import sys
+    import threading
+
+    if kernel and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="justitia-parent-watch", daemon=True).start()
+
+
+def _init_worker(parent: int | None = None, kernel: bool = False) -> None:
+    """Runs first in the worker process: tie its life to the server's (`parent`), import
+    what training needs (NumPy, scikit-learn), then drop to the CPU priority of the CPU
+    engine's process (nice 10), below the server. The imports come first: a niced process
+    importing on a machine that other work keeps busy can take many seconds, which the
+    first job would wait for."""
+    if parent is not None:
+        _exit_with_parent(parent, kernel)
     from . import training  # noqa: F401
 
     try:
@@ -158,7 +195,8 @@ class OnlineTrainer:
         if self._executor is None:
             # spawn, not fork: the server's process holds threads (the engine's, SQLite's).
             self._executor = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                initargs=(os.getpid(), threading.current_thread() is threading.main_thread()))
         return self._executor
 
     def close(self) -> None:

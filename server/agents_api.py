@@ -19,6 +19,7 @@ from server.auth import rate_limited_tenant, require_admin, tenant_of
 from server.engine.base import EngineError, ReplicaAdmin
 from server.live import LiveScheduler
 from server.openai_schemas import SSE_EVENT
+from server.shutdown import FAREWELL, shutdown_of
 from server.validation import RequestBody
 
 router = APIRouter(tags=["agents"])
@@ -176,8 +177,8 @@ async def agents_events(request: Request, tenant: str = Depends(tenant_of),
                 yield f"event: more\ndata: {json.dumps(more)}\n\n"
                 more = None
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(shutdown_of(request.app).until_closing(stream(), FAREWELL),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/v1/agents/{agent_id}", response_model=AgentRecord,
@@ -200,8 +201,8 @@ async def agent_events(agent_id: str, request: Request,
             else:
                 yield f"event: agent\ndata: {json.dumps(record.model_dump())}\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(shutdown_of(request.app).until_closing(stream(), FAREWELL),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord,

@@ -25,8 +25,9 @@ from server.dashboard import DashboardHub
 from server.dashboard.api import router as dashboard_router
 from server.dashboard.shared import DashboardStreams
 from server.data_dir import check_writable
-from server.engine.base import NOT_RUNNING, Capabilities, Engine, Supervised
+from server.engine.base import Capabilities, Engine, EngineError, Supervised
 from server.grammar import GrammarChecker
+from server.health import liveness, readiness
 from server.history import History
 from server.limits import PerTenant, Quotas, RateLimiter
 from server.live import LiveConfig, LiveScheduler
@@ -35,6 +36,7 @@ from server.openai_api import install_fast_paths
 from server.openai_api import router as openai_router
 from server.request_limits import RequestLimits
 from server.service import InferenceService
+from server.shutdown import SHUTTING_DOWN, Shutdown
 from server.tool_calls import ToolCallParser
 
 log = logging.getLogger("justitia.server")
@@ -154,6 +156,7 @@ def _exit_when_engine_fails(app: FastAPI, engine: Supervised | None) -> None:
         log.critical("the engine cannot be restarted (%s): the server exits with status %d",
                      detail, EXIT_ENGINE_FAILED)
         app.state.exit_code = EXIT_ENGINE_FAILED
+        app.state.shutdown.begin("the engine cannot be restarted")  # event streams end
         uvicorn_server = getattr(app.state, "uvicorn_server", None)
         if uvicorn_server is not None:
             # A graceful stop; `justitia serve` then returns the exit code.
@@ -166,23 +169,6 @@ def _exit_when_engine_fails(app: FastAPI, engine: Supervised | None) -> None:
 
     if engine is not None:  # an engine nobody restarts has no state to follow
         engine.add_state_listener(on_state)
-
-
-def _engine_status(request: Request) -> tuple[str, str]:
-    """(state, detail) of the engine: running, starting, down (it died a moment ago; the
-    supervisor has not acted yet), restarting, failed or stopped."""
-    service = getattr(request.app.state, "service", None)
-    if service is None:
-        return "starting", "the engine is starting"
-    if service.engine.healthy:
-        return "running", ""
-    supervised = service.scheduler.capabilities.supervision
-    if supervised is None:  # nobody restarts it
-        return "failed", NOT_RUNNING
-    state, detail = supervised.state, supervised.state_detail or NOT_RUNNING
-    if state == "running":
-        return "down", "the engine died"
-    return state, detail
 
 
 def _data_dir(config: ServerConfig) -> Path:
@@ -244,8 +230,20 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                           retention_s=config.history_retention_s or None,
                           max_rows=config.history_max_rows or None,
                           max_bytes=config.history_max_bytes or None)
+        shutdown: Shutdown = app.state.shutdown
+        shutdown.bind(asyncio.get_running_loop())
+        health = None
+        if config.health_port is not None:
+            from server.health import HealthListener
+
+            # Before the engine starts: an orchestrator sees "starting" from the first second.
+            health = HealthListener(app, config.host, config.health_port).start()
         if engine is None:
             engine, model_name = build_engine(config)
+        expect_shutdown = getattr(engine, "expect_shutdown", None)
+        if expect_shutdown is not None:
+            # An engine that dies during the shutdown stopped with the server: no restart.
+            shutdown.on_begin(expect_shutdown)
         capabilities = Capabilities.of(engine)  # what the engine offers, found once
         _exit_when_engine_fails(app, capabilities.supervision)
         await engine.start()
@@ -292,6 +290,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         grammars: GrammarChecker = app.state.grammars
         warming = asyncio.create_task(grammars.start() if config.grammar_warm_up
                                       else asyncio.sleep(0), name="justitia-grammar-warm-up")
+        # Once the shutdown's drain time is over, what still waits for admission fails.
+        shutdown.on_drain_over(lambda: scheduler.admission.fail_waiting(EngineError(SHUTTING_DOWN)))
         app.state.ready = True
         log.info("engine ready: %s; capabilities %s; policy %s", engine.info,
                  ", ".join(sorted(capabilities.names)) or "none", config.policy)
@@ -303,10 +303,12 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
             await grammars.close()
             await app.state.dashboard_streams.close()
             await dashboard.close()
-            await scheduler.close()
-            await engine.close()
+            await shutdown.bounded(scheduler.close(), "saving the scheduler's state")
+            await shutdown.bounded(engine.close(), "stopping the engine", reserve_s=0.5)
             history.close()
             predictors.close()
+            if health is not None:
+                health.close()
 
     app = FastAPI(
         title="Justitia",
@@ -318,6 +320,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     app.state.tool_parser = None
     app.state.ready = False
     app.state.exit_code = 0
+    app.state.shutdown = Shutdown(config.shutdown_grace_s)
     app.state.rate_limiter = RateLimiter(PerTenant(config.rate_limit, config.tenant_rate_limits))
     app.state.request_size_limits = PerTenant(config.max_request_tokens,
                                               config.tenant_max_request_tokens)
@@ -347,28 +350,14 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     async def healthz(request: Request) -> JSONResponse:
         """Liveness: 200 while the engine runs or is being restarted (the server heals
         itself; restarting the process would not help), 503 once it will not run again."""
-        state, detail = _engine_status(request)
-        if state == "running":
-            return JSONResponse({"status": "ok"})
-        if state in ("down", "restarting"):
-            return JSONResponse({"status": state, "detail": detail})
-        return JSONResponse({"status": "unhealthy", "detail": detail}, 503)
+        code, body = liveness(request.app)
+        return JSONResponse(body, code)
 
     @app.get("/readyz", tags=["operations"], responses=unavailable)
     async def readyz(request: Request) -> JSONResponse:
-        """Readiness: 200 only while the engine runs; otherwise 503 with its state and why."""
-        state, detail = _engine_status(request)
-        history = getattr(request.app.state, "history", None)
-        if state == "running" and history is not None and history.unwritten:
-            # Finished agents are not being recorded (disk full?): drain this server.
-            return JSONResponse({"status": "degraded", "detail": (
-                f"history cannot be written: {history.unwritten} ended agents could not be "
-                f"written to the history ({history.last_error}); retrying, and finish and "
-                "cancel calls are refused (503) until they are written")}, 503)
-        if request.app.state.ready and state == "running":
-            return JSONResponse({"status": "ready", "model": request.app.state.service.model_name})
-        if state == "running":
-            state, detail = "starting", "the engine is starting"
-        return JSONResponse({"status": state, "detail": detail}, 503)
+        """Readiness: 200 only while the engine runs and the server takes work; otherwise
+        503 with its state and why (`stopping` once a shutdown has begun)."""
+        code, body = readiness(request.app)
+        return JSONResponse(body, code)
 
     return app

@@ -66,6 +66,15 @@ def register(commands: Commands) -> None:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (without --api-key only loopback is allowed)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--health-port", type=int, default=None, metavar="P",
+                       help="also answer GET /healthz and GET /readyz on this port (same host), "
+                            "on a listener of its own that clients of the main port cannot "
+                            "crowd out: point an orchestrator's probes here (default: none)")
+    serve.add_argument("--shutdown-grace-s", type=float, default=10.0, metavar="SECONDS",
+                       help="the first SIGINT/SIGTERM stops the server within this many seconds: "
+                            "event streams end at once, requests in flight run on for all but "
+                            "the last 5 s of it (half of it, if shorter) and then fail with 503 "
+                            "'the server is shutting down'; a second signal exits at once")
     serve.add_argument("--api-key", action="append", default=[], metavar="TENANT=KEY",
                        help="accept this bearer key for this tenant (repeatable)")
     serve.add_argument("--rate-limit", action="append", default=[], metavar="[TENANT=]RPS[:BURST]",
@@ -367,6 +376,10 @@ def run_serve(args: argparse.Namespace) -> int:
     for option, value in (("--las-half-life-s", args.las_half_life_s), ("--session-idle-s", args.session_idle_s)):
         if not 0 < value < float("inf"):
             raise CommandError(f"{option} must be a positive number of seconds, not {value}")
+    if not 0 < args.shutdown_grace_s < float("inf"):
+        raise CommandError(f"--shutdown-grace-s must be a positive number of seconds, not {args.shutdown_grace_s}")
+    if args.health_port is not None and (not 0 < args.health_port < 65536 or args.health_port == args.port):
+        raise CommandError(f"--health-port must be a port (1-65535) other than --port, not {args.health_port}")
     if not 0 <= args.las_head_wait_weight < float("inf"):
         raise CommandError(f"--las-head-wait-weight must be a number >= 0, not {args.las_head_wait_weight}")
     if args.history_max_rows < 0:
@@ -391,6 +404,8 @@ def run_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         host=args.host,
         port=args.port,
+        health_port=args.health_port,
+        shutdown_grace_s=args.shutdown_grace_s,
         api_keys=keys,
         engine_urls=args.engine_url,
         tokenizer=args.tokenizer,
@@ -434,24 +449,32 @@ def _history_bytes(text: str) -> int:
         raise CommandError(f"--history-max-bytes: {exc}") from None
 
 
-def serve(config: Any) -> int:
-    """Run the server until it stops; its exit status (non-zero: the engine failed)."""
-    import uvicorn
+def serve(config: Any, engine: Any = None) -> int:
+    """Run the server until it stops; its exit status (non-zero: the engine failed).
+    `engine`: an Engine to serve instead of the one `config` names (the test suite's fake)."""
+    import math
 
     from server.app import create_app
-    from server.http import raise_open_files_limit, uvicorn_config
+    from server.http import concurrency_limit, graceful_server, raise_open_files_limit, uvicorn_config
 
     _check_data_dir(config.data_dir)
 
-    if config.model is None and not config.engine_urls:
+    if engine is None and config.model is None and not config.engine_urls:
         from server.tiny_model import ensure_default_model
 
         path = ensure_default_model()
         print(TINY_NOTICE.format(path=path), file=sys.stderr, flush=True)
-    app = create_app(config)
-    raise_open_files_limit()
-    server = uvicorn.Server(uvicorn_config(app, config.host, config.port,
-                                           log_level=config.log_level))
+    app = create_app(config, engine=engine, model_name=engine.info.model if engine is not None else "")
+    open_files = raise_open_files_limit()
+    shutdown = app.state.shutdown
+    shutdown.hard_exit = True  # this process is the server's own: the watchdog may end it
+    shutdown.exit_code = lambda: int(app.state.exit_code)
+    server = graceful_server(uvicorn_config(
+        app, config.host, config.port, log_level=config.log_level,
+        limit_concurrency=concurrency_limit(open_files),
+        # uvicorn cancels what still runs a moment after the drain time, when the requests
+        # in flight have been told (server/shutdown.py)
+        timeout_graceful_shutdown=math.ceil(shutdown.drain_s + 0.5)), shutdown)
     # The app stops this server itself when its engine cannot be restarted (server/app.py).
     app.state.uvicorn_server = server
     server.run()

@@ -34,6 +34,11 @@ class ServerConfig(BaseModel):
                                   '(tool_choice "auto"); None refuses "auto".')
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    health_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="Also serve GET /healthz and /readyz on this port, outside the event loop.")
+    shutdown_grace_s: float = Field(
+        default=10.0, gt=0, description="Seconds from the first SIGINT/SIGTERM to the exit.")
     api_keys: dict[str, str] = Field(default_factory=dict, description="key -> tenant")
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     data_dir: str | None = Field(

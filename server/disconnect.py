@@ -19,6 +19,9 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from server.engine.base import EngineError
+from server.shutdown import SHUTTING_DOWN
+
 T = TypeVar("T")
 
 
@@ -34,9 +37,21 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def run_unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """`work()`; ClientDisconnected if the client goes away first, and EngineError (503
+    `the server is shutting down`) if the server's shutdown drain time ends first."""
     task = asyncio.current_task()
     assert task is not None
-    gone = done = False
+    gone = done = stopped = False
+
+    def stop() -> None:  # the shutdown's drain time is over (server/shutdown.py)
+        nonlocal stopped
+        if not done:
+            stopped = True
+            task.cancel()
+
+    shutdown = getattr(request.app.state, "shutdown", None)
+    if shutdown is not None:
+        shutdown.stoppers.add(stop)
 
     async def watch() -> None:
         nonlocal gone
@@ -51,9 +66,14 @@ async def run_unless_disconnected(request: Request, work: Callable[[], Awaitable
         done = True
         return result
     except asyncio.CancelledError:
+        if stopped and not gone:
+            task.uncancel()  # told why, instead of a connection closed without an answer
+            raise EngineError(SHUTTING_DOWN) from None
         if not gone:
             raise  # cancelled from outside (server shutdown): not ours to swallow
         task.uncancel()  # our own cancel, turned into ClientDisconnected
         raise ClientDisconnected() from None
     finally:
         watcher.cancel()
+        if shutdown is not None:
+            shutdown.stoppers.discard(stop)

@@ -71,11 +71,49 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+def concurrency_limit(open_files: int) -> int | None:
+    """uvicorn's `limit_concurrency` for a process that may hold `open_files` files: what is
+    left after the engine's, the history's and the health port's files. Over it, a new
+    connection is answered 503 at once instead of the process failing to accept (EMFILE)
+    and every client, health checks included, waiting. None: no limit (an unlimited or
+    very high open-files limit)."""
+    if open_files <= 0 or open_files >= 1 << 30:
+        return None
+    return max(64, open_files - min(FILES_RESERVED, open_files // 4))
+
+
+#: Open files kept for what is not a client connection (the engine's sockets and pipes, the
+#: history database, the health port, log files); at most a quarter of the limit.
+FILES_RESERVED = 512
+#: The largest request head (request line and headers) h11 buffers; larger ones are refused.
+MAX_HEAD_BYTES = 64 * 1024
+
+
 def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "info",
                    header_timeout_s: float = HEADER_TIMEOUT_S, **kwargs: Any) -> Any:
     """The uvicorn configuration every Justitia server runs with."""
     import uvicorn
 
+    kwargs.setdefault("h11_max_incomplete_event_size", MAX_HEAD_BYTES)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           timeout_keep_alive=KEEP_ALIVE_S, http=http_protocol(header_timeout_s),
                           **kwargs)
+
+
+def graceful_server(config: Any, shutdown: Any) -> Any:
+    """A uvicorn server whose signals go through the app's `Shutdown` (server/shutdown.py):
+    the first SIGINT/SIGTERM begins it, a second one ends the process at once."""
+    import uvicorn
+
+    from server.shutdown import signal_name
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Not uvicorn's own: it re-raises the signal once the server stops (a traceback
+            # from `justitia serve`), and its second Ctrl-C still waits for the engine.
+            if shutdown.begin(f"{signal_name(sig)} received"):
+                self.should_exit = True
+            else:
+                shutdown.force()
+
+    return GracefulServer(config)

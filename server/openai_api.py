@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -18,7 +19,7 @@ from server import errors
 from server.agents import AgentEntry
 from server.auth import bearer_scheme, rate_limited_tenant, tenant_of
 from server.disconnect import ClientDisconnected, run_unless_disconnected
-from server.engine.base import EngineOutput, SamplingOptions, SequenceOutput, TokenLogprob
+from server.engine.base import EngineError, EngineOutput, SamplingOptions, SequenceOutput, TokenLogprob
 from server.limits import check_request_size
 from server.openai_schemas import (
     ChatCompletionRequest,
@@ -34,6 +35,7 @@ from server.openai_schemas import (
 from server.request_limits import RequestLimits, check_messages, check_schema, check_stop
 from server.service import InferenceService, PreparedRequest, off_loop_if, render_chat
 from server.sessions import session_of
+from server.shutdown import SHUTTING_DOWN, Shutdown, shutdown_of
 from server.tool_calls import ToolCallParser, ToolPlan, plan_tools
 
 router = APIRouter()
@@ -144,11 +146,14 @@ def _chat_logprobs(tokens: Sequence[TokenLogprob]) -> dict:
                         for t in tokens]}
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncGenerator[dict, None], shutdown: Shutdown) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+            async with contextlib.aclosing(chunks) as each:
+                async for chunk in each:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    if shutdown.drain_over:  # the grace period for requests in flight is over
+                        raise EngineError(SHUTTING_DOWN)
         except Exception as exc:  # headers are sent: report the error in the stream
             error = errors.openai_error(errors.status_of(exc), str(exc),
                                         getattr(exc, "param", None))
@@ -248,7 +253,7 @@ async def completions(
 
     if body.stream:
 
-        async def chunks() -> AsyncIterator[dict]:
+        async def chunks() -> AsyncGenerator[dict, None]:
             news, offsets = _News(), defaultdict[int, int](int)
             async for out in service.stream(prepared, agent):
                 choices = []
@@ -262,7 +267,7 @@ async def completions(
                 if choices or out.finished:
                     yield chunk(choices, out if out.finished else None)
 
-        return _sse(chunks())
+        return _sse(chunks(), shutdown_of(request.app))
 
     try:
         final = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))
@@ -307,7 +312,7 @@ async def chat_completions(
 
     if body.stream:
 
-        async def chunks() -> AsyncIterator[dict]:
+        async def chunks() -> AsyncGenerator[dict, None]:
             news = _News()
             deltas = _ToolDeltas(plan, parser)
             async for out in service.stream(prepared, agent):
@@ -323,7 +328,7 @@ async def chat_completions(
                 if choices or out.finished:
                     yield chunk(choices, out if out.finished else None)
 
-        return _sse(chunks())
+        return _sse(chunks(), shutdown_of(request.app))
 
     try:
         final = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))

@@ -13,6 +13,7 @@ from starlette.types import Receive, Scope, Send
 from server import errors
 from server.auth import ADMIN_TENANT, tenant_of
 from server.dashboard.shared import DashboardStreams, StreamLimitExceeded
+from server.shutdown import FAREWELL, shutdown_of
 
 router = APIRouter()
 
@@ -71,7 +72,8 @@ async def scheduler_events(request: Request, tenant: str = Depends(tenant_of)) -
         release = streams.reserve(tenant)
     except StreamLimitExceeded as exc:
         raise HTTPException(429, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
-    return _CountedStream(streams.stream(tenant, admin), release, media_type="text/event-stream",
+    stream = shutdown_of(request.app).until_closing(streams.stream(tenant, admin), FAREWELL)
+    return _CountedStream(stream, release, media_type="text/event-stream",
                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

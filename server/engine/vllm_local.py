@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -354,6 +355,21 @@ def _cached_tokens(out: Any) -> int | None:
     return int(cached) if isinstance(cached, int) and cached >= 0 else None
 
 
+def without_sigint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` with SIGINT blocked in this thread, so that the processes it
+    starts (vLLM's EngineCore and workers) inherit the block: a Ctrl-C in the terminal goes
+    to the whole foreground process group, and an engine that took it would die under the
+    server, which must stop it in order instead (server/shutdown.py). SIGTERM is left as
+    it is: vLLM stops its processes with it."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX
+        return fn(*args, **kwargs)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 class LocalVLLMEngine(TokenizerEngine):
     """vLLM's AsyncLLM in this process (its engine core runs in a child process).
 
@@ -377,6 +393,8 @@ class LocalVLLMEngine(TokenizerEngine):
         self._changed = asyncio.Event()
         self._state_listeners: list[StateListener] = []
         self._supervisor: asyncio.Task[None] | None = None
+        # The server is shutting down (server/shutdown.py): a death now is not a crash.
+        self._stopping = False
         # This process's cores before it kept off the worker's (`keep_off_worker_cores`),
         # given back on close: an in-process engine's caller (a test, a notebook, `bench
         # calibrate`) must not stay on fewer cores, nor hand them to the servers it starts.
@@ -390,6 +408,11 @@ class LocalVLLMEngine(TokenizerEngine):
     def recovering(self) -> bool:
         """Down now, but being brought back: hold requests rather than fail them."""
         return self.state in ("starting", "restarting")
+
+    def expect_shutdown(self) -> None:
+        """The server is shutting down: if the engine dies from now on, it stopped with the
+        server; it is not restarted. Only sets a flag (it may run in a signal handler)."""
+        self._stopping = True
 
     def add_state_listener(self, listener: StateListener) -> None:
         """Call `listener(state, detail)` on every change of `state`."""
@@ -462,7 +485,8 @@ class LocalVLLMEngine(TokenizerEngine):
         args = self._engine_args(on_cpu)
         try:
             self._llm = await asyncio.to_thread(
-                AsyncLLM.from_engine_args, args, stat_loggers=[_stat_logger_factory(self._stats)]
+                without_sigint, AsyncLLM.from_engine_args, args,
+                stat_loggers=[_stat_logger_factory(self._stats)]
             )
         except Exception as exc:  # vLLM raises many kinds; the user needs one sentence
             raise EngineError(f"vLLM failed to start with model {cfg.model!r}: {exc}") from exc
@@ -503,6 +527,11 @@ class LocalVLLMEngine(TokenizerEngine):
                 await asyncio.sleep(DEATH_POLL_S)
             if self.state != "running":  # closed under us
                 return
+            if self._stopping:  # it stopped with the server: not a crash, no restart
+                log.info("the engine stopped during the server's shutdown")
+                self._stats.engine_gone()
+                self._set_state("stopped", "the server is shutting down")
+                return
             await self._recover()
             if self.state != "running":
                 return
@@ -517,7 +546,7 @@ class LocalVLLMEngine(TokenizerEngine):
                   "its running requests fail", ran_s)
         self._stats.engine_gone()
         await self._discard_engine()
-        while self._restarts_in_a_row < cfg.restarts:
+        while self._restarts_in_a_row < cfg.restarts and not self._stopping:
             self._restarts_in_a_row += 1
             n, delay = self._restarts_in_a_row, self._backoff_s(self._restarts_in_a_row)
             self._set_state("restarting", f"the engine died; restart {n} of {cfg.restarts} "
@@ -539,6 +568,9 @@ class LocalVLLMEngine(TokenizerEngine):
             log.warning("the engine is back after a %.1f s start (restart %d of %d)",
                         self._running_since - started, n, cfg.restarts)
             self._set_state("running", "")
+            return
+        if self._stopping:
+            self._set_state("stopped", "the server is shutting down")
             return
         detail = (f"the engine died and {cfg.restarts} restarts in a row did not bring it back"
                   if cfg.restarts else "the engine died and restarts are off (--engine-restarts 0)")
@@ -598,9 +630,11 @@ class LocalVLLMEngine(TokenizerEngine):
                 await self._supervisor
             except asyncio.CancelledError:
                 pass
-        if self._llm is not None:
-            self._llm.shutdown()
-            self._llm = None
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            # In a thread: the event loop goes on (a shutdown bounds this wait, and the
+            # health port's heartbeat beats), and vLLM waits for its processes to end.
+            await asyncio.to_thread(llm.shutdown)
         if self._cores_before is not None:
             pin_threads(os.getpid(), self._cores_before)
             self._cores_before = None
@@ -658,6 +692,8 @@ class LocalVLLMEngine(TokenizerEngine):
         except (ValueError, VLLMClientError) as exc:
             raise InvalidRequestError(str(exc), getattr(exc, "parameter", None)) from exc
         except Exception as exc:
+            if llm.errored and self._stopping:
+                raise EngineError("the server is shutting down") from exc
             if llm.errored:
                 # Not resent: the request may be what killed the engine.
                 raise EngineError(
