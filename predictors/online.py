@@ -89,7 +89,7 @@ class TypeState:
 PARENT_POLL_S = 0.5
 
 
-def _exit_with_parent(parent: int, kernel: bool, poll_s: float = PARENT_POLL_S) -> None:
+def exit_with_parent(parent: int, kernel: bool, poll_s: float = PARENT_POLL_S) -> None:
     """End this process soon after process `parent` ends, however it ends (kill -9
     included). A pool worker waits on a pipe whose other end it holds itself, so it never
     sees its server die: each kill of the server used to leave one behind for ever.
@@ -126,7 +126,7 @@ def _init_worker(parent: int | None = None, kernel: bool = False) -> None:
     importing on a machine that other work keeps busy can take many seconds, which the
     first job would wait for."""
     if parent is not None:
-        _exit_with_parent(parent, kernel)
+        exit_with_parent(parent, kernel)
     from . import training  # noqa: F401
 
     try:

@@ -195,7 +195,9 @@ class AgentRecord(BaseModel):
     submitted_at: float
     fair_finish_s: float = Field(description="GPS finish projected from now, no further arrivals.")
     eta_s: float = Field(description="Projected finish under the running policy.")
-    eta_interval_s: tuple[float, float] | None = Field(default=None, description=(
+    # A list, not a tuple: a tuple's JSON schema (prefixItems) is not valid OpenAPI 3.0-style
+    # `items`, which schema-driven clients and fuzzers read.
+    eta_interval_s: list[float] | None = Field(default=None, min_length=2, max_length=2, description=(
         "[p10, p90] around eta_s, seconds from submitted_at: the remaining time scaled by how "
         "far first ETAs of finished agents have been off (about 80% of agents finish inside "
         "their first interval); never past deadline_s when that is later than eta_s."))
@@ -213,8 +215,8 @@ class AgentRecord(BaseModel):
         "policy keeps no delay bound."))
     promise_reason: str = Field(default="", description="Why the promise is widened (or none).")
     first_eta_s: float | None = Field(default=None, description="ETA given at registration.")
-    first_eta_interval_s: tuple[float, float] | None = Field(
-        default=None, description="eta_interval_s given at registration.")
+    first_eta_interval_s: list[float] | None = Field(
+        default=None, min_length=2, max_length=2, description="eta_interval_s given at registration.")
     cost_source: CostSource = Field(
         default="fallback",
         description=("Where predicted_cost came from: declared (the caller), request (an "

@@ -39,7 +39,14 @@ CACHE_SIZE = 4096
 _compiler: Any = None
 
 
-def _init_worker() -> None:
+def _init_worker(parent: int) -> None:
+    # Dies with the server, kill -9 included: a spawned pool worker waits on a pipe it
+    # holds itself and would outlive it (and keep multiprocessing's resource tracker alive).
+    # The pool may spawn it from any thread, so the parent's pid is polled rather than tied
+    # to the forking thread by the kernel.
+    from predictors.online import exit_with_parent
+
+    exit_with_parent(parent, kernel=False)
     try:  # the engine and the event loop come first
         os.nice(10)
     except OSError:
@@ -92,7 +99,7 @@ class GrammarChecker:
         # spawn: forking a process that runs threads (uvicorn, the engine's) is unsafe
         return concurrent.futures.ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker)
+            initializer=_init_worker, initargs=(os.getpid(),))
 
     async def start(self) -> None:
         """Start the worker and load the compiler, so that the first schema's budget is

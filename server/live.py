@@ -538,7 +538,7 @@ class LiveScheduler:
             submitted_at=entry.submitted_at,
             finished_at=entry.finished_at,
             first_eta_s=entry.first_eta_s,
-            first_eta_interval_s=entry.first_eta_interval_s,
+            first_eta_interval_s=list(entry.first_eta_interval_s) if entry.first_eta_interval_s else None,
             session=entry.session,
             error=entry.error,
             cost_source=entry.cost_source,
