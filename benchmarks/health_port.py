@@ -14,7 +14,6 @@ within `--probe-timeout-s`, or not 200).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import resource
 import socket
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from server.launcher import EmbeddedServer, free_port  # noqa: E402
+from server.sim.provenance import write_result  # noqa: E402
 
 
 def _raise_files_limit() -> int:
@@ -180,9 +180,7 @@ def main() -> int:
             r = results[phase][port]
             print(f"{phase:5} {port:11}: {r['probes']:4} probes, {r['failures']:4} failed, "
                   f"p50 {r['p50_ms']:7.1f} ms, p99 {r['p99_ms']:7.1f} ms, max {r['max_ms']:7.1f} ms")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"config": vars(args) | {"json": str(args.json)},
-                                     "results": results}, indent=2) + "\n")
+    write_result(args.json, {"config": vars(args) | {"json": str(args.json)}, "results": results}, indent=2)
     print(f"written to {args.json}")
     return 0
 

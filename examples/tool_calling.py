@@ -56,7 +56,7 @@ def framework_agent(url: str) -> None:
     model = openai.OpenAI(base_url=url + "/v1", api_key="x").models.list().data[0].id
     agent = Agent(name="forecaster", instructions="Answer with the weather tool.", tools=[get_weather],
                   model=OpenAIChatCompletionsModel(model=model, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=1000),
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=1000),
                   tool_use_behavior="stop_on_first_tool")
     result = Runner.run_sync(agent, "What is the weather in Paris?")
     print(f"the Agents SDK's agent answered: {result.final_output!r}")

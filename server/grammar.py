@@ -29,6 +29,7 @@ import multiprocessing
 import os
 from typing import Any
 
+from server.engine.vllm_local import without_sigint
 from server.request_limits import RequestLimitExceeded
 
 log = logging.getLogger("justitia.grammar")
@@ -117,7 +118,10 @@ class GrammarChecker:
         if self._pool is None:
             self._pool = self._new_pool()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._pool, compile_schema, '{"type": "string"}')
+        # SIGINT blocked while the pool may spawn its worker (the worker inherits the block):
+        # a terminal's Ctrl-C is the server's to handle (server/shutdown.py), and a worker
+        # that took it mid-import broke the server's shutdown.
+        await without_sigint(loop.run_in_executor, self._pool, compile_schema, '{"type": "string"}')
 
     def _kill(self) -> None:
         pool, self._pool = self._pool, None
@@ -175,7 +179,7 @@ class GrammarChecker:
             assert self._pool is not None
             loop = asyncio.get_running_loop()
             self.compiles += 1
-            job = loop.run_in_executor(self._pool, compile_schema, schema_text)
+            job = without_sigint(loop.run_in_executor, self._pool, compile_schema, schema_text)
             try:
                 problem = await asyncio.wait_for(job, self.timeout_s)
             except TimeoutError:

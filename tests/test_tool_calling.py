@@ -97,7 +97,7 @@ def test_an_agent_framework_runs_its_tool_loop_against_the_server(server, model:
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=180)
     agent = Agent(name="forecaster", instructions="Answer with the weather tool.", tools=[get_weather],
                   model=OpenAIChatCompletionsModel(model=model, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=1000),
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=1000),
                   tool_use_behavior="stop_on_first_tool")
     result = Runner.run_sync(agent, "What is the weather in Paris?")
     assert len(calls) == 1 and calls[0] in ("Paris", "Rome"), result.final_output
