@@ -323,6 +323,11 @@ class History:
         Blocking."""
         if flush:
             self.flush()
+        rows = self._rows_after(agent_type, tenant, after, n)
+        return [(row[7], history_sample(row)) for row in rows]
+
+    def _rows_after(self, agent_type: str | None, tenant: str | None, after: int, n: int) -> list[Any]:
+        """Up to `n` history rows written after row `after`, of a type and tenant if given."""
         sql = HISTORY_QUERY
         args: list[Any] = [after]
         if agent_type is not None:
@@ -334,8 +339,7 @@ class History:
         sql += " ORDER BY rowid LIMIT ?"
         args.append(n)
         with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
-        return [(row[7], history_sample(row)) for row in rows]
+            return self._db.execute(sql, args).fetchall()
 
     def samples(self, agent_type: str | None = None, tenant: str | None = None,
                 limit: int = 100_000) -> list[dict[str, Any]]:
@@ -348,18 +352,7 @@ class History:
         and the row to continue after (None on the last page). Blocking: call it from a
         worker thread, not the event loop."""
         self.flush()
-        sql = HISTORY_QUERY
-        args: list[Any] = [after]
-        if agent_type is not None:
-            sql += " AND type = ?"
-            args.append(agent_type)
-        if tenant is not None:
-            sql += " AND tenant = ?"
-            args.append(tenant)
-        sql += " ORDER BY rowid LIMIT ?"
-        args.append(limit + 1)
-        with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
+        rows = self._rows_after(agent_type, tenant, after, limit + 1)
         more = len(rows) > limit
         rows = rows[:limit]
         return [history_sample(row) for row in rows], (rows[-1][7] if more else None)

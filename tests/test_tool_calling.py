@@ -82,7 +82,7 @@ def test_a_tool_answer_sent_back_gets_an_answer(oai: openai.OpenAI, model: str) 
 
 
 def test_an_agent_framework_runs_its_tool_loop_against_the_server(server, model: str) -> None:
-    agents = pytest.importorskip("agents")
+    import agents  # openai-agents, installed with the openai extra
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool
 
     agents.set_tracing_disabled(True)
