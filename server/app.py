@@ -35,6 +35,7 @@ from server.metrics import CONTENT_TYPE, Metrics
 from server.openai_api import install_fast_paths
 from server.openai_api import router as openai_router
 from server.request_limits import RequestLimits
+from server.scheduler.policies import ENGINE, get_policy
 from server.service import InferenceService
 from server.shutdown import SHUTTING_DOWN, Shutdown
 from server.tool_calls import ToolCallParser
@@ -98,6 +99,21 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
     """The in-process vLLM engine for this configuration, and the model's served name."""
     from server.engine.vllm_local import LocalEngineConfig, LocalVLLMEngine
     from server.tiny_model import TINY_MODEL_NAME, embedded_engine_config
+
+    if config.ray_address:
+        from server.engine.ray_serve import RayServeEngine
+
+        settings: dict[str, Any] = {"model": config.model, "max_model_len": config.max_model_len,
+                                    "max_num_seqs": config.max_num_seqs,
+                                    "engine_core_nice": config.engine_nice}
+        if config.kv_tokens is not None:  # M, split evenly over the replicas
+            settings["kv_tokens"] = config.kv_tokens // config.replicas
+        ray_engine = RayServeEngine(config.ray_address, config.replicas, settings,
+                                    pinned=get_policy(config.policy).admission != ENGINE,
+                                    tokenizer=config.tokenizer, min_replicas=config.min_replicas,
+                                    max_replicas=config.max_replicas)
+        name = config.served_model_name or (Path(config.model).name if config.model else TINY_MODEL_NAME)
+        return ray_engine, name
 
     if config.engine_urls:
         from server.engine.remote import RemoteVLLMEngine

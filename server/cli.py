@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from justitia_cli import CommandError, Commands, formatter
-from server.scheduler import POLICY_NAMES
+from server.scheduler import LIVE_ONLY, POLICY_NAMES
 
 TINY_NOTICE = (
     "Serving the embedded tiny model ({path}). Its weights are random, so the text it "
@@ -54,8 +54,9 @@ def register(commands: Commands) -> None:
                             "wait), then exit with status 69 so that a supervisor restarts the "
                             "server; the count starts over after 10 minutes of service (0: "
                             "exit at the first death; see docs/reliability.md)")
-    serve.add_argument("--policy", default="justitia", choices=POLICY_NAMES,
-                       help="scheduling policy")
+    serve.add_argument("--policy", default="justitia", choices=POLICY_NAMES + LIVE_ONLY,
+                       help="scheduling policy (ray: with --ray only, no Justitia scheduling: "
+                            "every request goes to Ray Serve's own routing at once)")
     serve.add_argument("--las-half-life-s", type=float, default=60.0, metavar="SECONDS",
                        help="--policy las: half-life of an agent's attained service (default 60 s, "
                             "as llm-d's program-aware fairness plugin)")
@@ -136,7 +137,19 @@ def register(commands: Commands) -> None:
                             "replicas; M is the sum of their KV capacities) instead of the "
                             "in-process one; start replicas with --scheduling-policy priority")
     serve.add_argument("--tokenizer", default=None, metavar="PATH_OR_ID",
-                       help="tokenizer for --engine-url (default: the replicas' model)")
+                       help="tokenizer for --engine-url or --ray (default: the replicas' model)")
+    serve.add_argument("--ray", default=None, metavar="ADDRESS|local",
+                       help="run the engine replicas as Ray Serve deployments on the Ray cluster at "
+                            "ADDRESS (the head's HOST:PORT that `ray start --head` prints, "
+                            "ray://HOST:10001, or auto), or on a cluster this server starts on "
+                            "this machine (local); --kv-tokens is then M, split evenly over the "
+                            "replicas (see docs/deployment.md)")
+    serve.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
+                       help="--ray: engine replicas to start (default 1)")
+    serve.add_argument("--min-replicas", type=_positive_int, default=None, metavar="A",
+                       help="--ray: fewest replicas Ray Serve's autoscaling may keep (with --max-replicas)")
+    serve.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B",
+                       help="--ray: most replicas Ray Serve's autoscaling may start (with --min-replicas)")
     serve.add_argument("--predictors", default=None, metavar="DIR",
                        help="trained cost predictors, one folder per agent type (from "
                             "`justitia train-predictor`), or one such folder; other types use "
@@ -368,6 +381,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.engine_url and (args.model or args.kv_tokens):
         raise CommandError("--engine-url serves the replicas' model and KV capacity: "
                            "drop --model and --kv-tokens (set them on the replicas)")
+    _check_ray(args)
     if not keys and not _is_loopback(args.host):
         raise CommandError(
             f"refusing to bind {args.host} without API keys: anyone could use the engine. "
@@ -409,6 +423,10 @@ def run_serve(args: argparse.Namespace) -> int:
         api_keys=keys,
         engine_urls=args.engine_url,
         tokenizer=args.tokenizer,
+        ray_address=args.ray,
+        replicas=args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
         predictors_dir=args.predictors,
         retrain_every=args.retrain_every,
         data_dir=args.data_dir,
@@ -428,6 +446,38 @@ def run_serve(args: argparse.Namespace) -> int:
         **limits,
     )
     return serve(config)
+
+
+def _check_ray(args: argparse.Namespace) -> None:
+    """--ray and its options agree, and the cluster answers (a clear error, not a hang)."""
+    if args.ray is None:
+        if args.policy in LIVE_ONLY:
+            raise CommandError(f"--policy {args.policy} is Ray Serve's own routing: it needs --ray")
+        ray_only = [o for o, v in (("--replicas", args.replicas != 1), ("--min-replicas", args.min_replicas),
+                                   ("--max-replicas", args.max_replicas)) if v]
+        if ray_only:
+            raise CommandError(f"{', '.join(ray_only)} set the engine replicas on Ray: add --ray ADDRESS|local")
+        return
+    if args.engine_url:
+        raise CommandError("--ray deploys its own engine replicas: drop --engine-url")
+    if (args.min_replicas is None) != (args.max_replicas is None):
+        raise CommandError("--min-replicas and --max-replicas go together (the autoscaling range)")
+    if args.min_replicas is not None and not args.min_replicas <= args.replicas <= args.max_replicas:
+        raise CommandError(f"--replicas {args.replicas} must lie in --min-replicas {args.min_replicas} .. "
+                           f"--max-replicas {args.max_replicas}")
+    if args.kv_tokens is not None and args.kv_tokens // args.replicas < args.max_model_len:
+        raise CommandError(f"--kv-tokens {args.kv_tokens} over {args.replicas} replicas leaves each "
+                           f"{args.kv_tokens // args.replicas} tokens, below --max-model-len {args.max_model_len}: "
+                           "every replica needs room for one full-length request")
+    from server.engine.ray_serve import RayUnreachable, connect
+
+    try:
+        # Connected here, before the server starts: an unreachable cluster is this one
+        # error and exit status 2, not a failed application start-up.
+        if args.ray != "local":
+            connect(args.ray)
+    except RayUnreachable as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _check_tool_call_parser(name: str) -> None:
@@ -459,7 +509,7 @@ def serve(config: Any, engine: Any = None) -> int:
 
     _check_data_dir(config.data_dir)
 
-    if engine is None and config.model is None and not config.engine_urls:
+    if engine is None and config.model is None and not config.engine_urls and not config.ray_address:
         from server.tiny_model import ensure_default_model
 
         path = ensure_default_model()

@@ -55,6 +55,12 @@ class ServerConfig(BaseModel):
         default_factory=list, description="Remote vLLM OpenAI servers; empty: in-process engine."
     )
     tokenizer: str | None = None
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster of the engine replicas (HOST:PORT, ray://..., auto, "
+                                  "or local); None: no Ray.")
+    replicas: int = Field(default=1, ge=1, description="Engine replicas on Ray.")
+    min_replicas: int | None = Field(default=None, ge=1, description="Ray Serve autoscaling: fewest replicas.")
+    max_replicas: int | None = Field(default=None, ge=1, description="Ray Serve autoscaling: most replicas.")
     agent_lease_s: float = Field(default=600.0, gt=0)
     agent_retention_s: float = Field(
         default=3600.0, ge=0, description="How long ended agents stay readable (in memory)."

@@ -21,7 +21,7 @@ from .bounds import AgentShape, BoundLimits, DelayBound, delay_bound
 from .cost import COMPUTE, KV, compute_cost, cost_function, decode_for_kv_cost, kv_cost, kv_footprint
 from .dispatcher import Dispatcher
 from .gps_reference import gps_finish_times, hierarchical_gps_finish_times
-from .policies import POLICIES, POLICY_NAMES, Policy, get_policy
+from .policies import LIVE_ONLY, POLICIES, POLICY_NAMES, Policy, get_policy
 from .queues import AgentHeapQueue, RequestQueue
 from .rate import TauEstimator
 from .state import AgentState, AgentView, RequestSpec, RequestState, RequestStatus, SchedulerContext
@@ -40,6 +40,7 @@ __all__ = [
     "KV",
     "POLICIES",
     "POLICY_NAMES",
+    "LIVE_ONLY",
     "Policy",
     "RequestQueue",
     "RequestSpec",

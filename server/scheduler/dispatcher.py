@@ -59,6 +59,7 @@ import functools
 import heapq
 import itertools
 import math
+import sys
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -68,7 +69,7 @@ from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprin
 from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S, EtaPass, TimeModel, WorkArrivals, eta_of, step_function
 from .eta_interval import EtaCalibration
 from .pauses import PauseStats, stages_left
-from .policies import FOOTPRINT, Justitia, Policy, get_policy
+from .policies import ENGINE, FOOTPRINT, Justitia, Policy, get_policy
 from .prefix import PrefixHolds, PrefixLedger, private_kv_cost, segments, shared_tokens, uncached_prompt
 from .queues import RequestQueue, TenantQueue
 from .state import (
@@ -687,6 +688,8 @@ class Dispatcher:
     def _budget(self, footprint: bool, engine_free_kv_tokens: int | None) -> int:
         """Memory the next admissions may take: footprints against M (and what the engine
         reports free), or prompts against the engine's free memory."""
+        if self.policy.admission == ENGINE:
+            return sys.maxsize  # the engine queues what it has no room for
         if footprint:
             free = self.kv_capacity - self.reserved_kv
         else:

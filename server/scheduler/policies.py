@@ -21,6 +21,7 @@ minima is the global minimum.
 | ewsjf      | density-weighted score of per-group queues   | prompt fits, engine preempts |
 | equinox    | per-agent user + resource fairness counters  | prompt fits, engine preempts |
 | las        | decayed attained service p + 2d per agent    | prompt fits, engine preempts |
+| ray        | request arrival; Ray Serve routes, vLLM queues | none: all sent at once (live, `--ray` only) |
 
 "Footprint" admission reserves p + expected d (bounded by max_tokens) against M and admits
 in strict key order, so the engine never has to preempt when the estimate is right. "Prompt
@@ -77,6 +78,10 @@ from .state import (
 
 FOOTPRINT = "footprint"
 PROMPT = "prompt"
+# Everything is handed to the engine at once and queues there (the engine's own order):
+# what serving without a scheduler in front does. Only the live server has such an engine
+# queue; the simulator does not run this admission.
+ENGINE = "engine"
 
 
 @dataclass(frozen=True)
@@ -503,9 +508,13 @@ POLICIES: dict[str, Policy] = {
         EWSJF("ewsjf", PROMPT, KV),
         Equinox("equinox", PROMPT, KV),
         LAS("las", PROMPT, KV),
+        FCFS("ray", ENGINE, KV),
     )
 }
-POLICY_NAMES = tuple(POLICIES)
+# Policies whose admission only the live server runs (they leave the order to the engine):
+# not among the names that the simulator and every comparison take.
+LIVE_ONLY = tuple(name for name, p in POLICIES.items() if p.admission == ENGINE)
+POLICY_NAMES = tuple(name for name in POLICIES if name not in LIVE_ONLY)
 
 
 def get_policy(name: str, *, las_half_life_s: float | None = None,
@@ -516,7 +525,7 @@ def get_policy(name: str, *, las_half_life_s: float | None = None,
     try:
         policy = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}") from None
+        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}") from None
     if isinstance(policy, LAS):
         if las_half_life_s is not None:
             policy = replace(policy, half_life_s=float(las_half_life_s))

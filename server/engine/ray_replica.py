@@ -1,0 +1,149 @@
+"""What runs inside Ray: the engine replica deployment and the router that pins requests.
+
+`EngineReplica` is a Ray Serve deployment around the project's own in-process engine
+(`LocalVLLMEngine`): each replica is one vLLM AsyncLLM with priority scheduling, its exact
+KV capacity, its per-step statistics and its prefix-cache hits, the same engine the
+embedded server runs. The scheduler (server/engine/ray_serve.py) talks to it through a
+`DeploymentHandle`:
+
+- `generate(request, replica=ID)`: stream the request's `EngineOutput`s; `replica` names the
+  replica the scheduler placed it on, and `PinnedRouter` (this deployment's request router)
+  sends it there. Without `replica`, Ray Serve's own power-of-two-choices routing decides
+  (policy `ray`: what a Ray user has without Justitia);
+- `report()` (broadcast to every replica): its id, its engine's limits, its statistics and
+  the busy steps since the last report.
+
+Cancelling a streamed call (the scheduler's `abort`, or its consumer going away) cancels
+the replica's task, which aborts the request in vLLM and frees its KV cache.
+
+This module imports Ray and vLLM at the top: only Ray's processes and the Ray adapter
+import it, never the fast tier or the server without `--ray`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncGenerator
+from dataclasses import asdict
+from typing import Any
+
+from ray import serve
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from server.engine.base import EngineOutput, EngineRequest
+
+# A report keeps at most this many busy steps (the scheduler polls twice a second; a
+# replica steps at most a few hundred times a second).
+STEP_BUFFER = 4096
+
+
+class PinnedRouter(RequestRouter):
+    """Sends a request to the replica named by its `replica` keyword (the scheduler's
+    placement); a request without one, or whose replica is gone, goes to any replica with
+    the fewest requests in flight (the scheduler re-places a request it resends)."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        wanted = pending_request.kwargs.get("replica") if pending_request is not None else None
+        if wanted is not None:
+            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == wanted]
+            return [pinned]  # empty while it is not (yet, or any more) a candidate: wait
+        return [candidate_replicas]
+
+
+class EngineReplica:
+    """One vLLM engine as a Ray Serve replica (see the module docstring).
+
+    `settings` are `LocalEngineConfig`'s fields; `model` None: the embedded tiny model.
+    On the CPU build each replica's model worker gets its own core, by its rank on the node
+    (vLLM pins its worker to core 0 unless told otherwise, and two replicas there share it).
+    """
+
+    async def __init__(self, settings: dict[str, Any]) -> None:  # type: ignore[misc]
+        # Ray actors may construct asynchronously: the replica is RUNNING (and takes
+        # requests) once its engine has started.
+        from server.engine.vllm_local import LocalEngineConfig, LocalVLLMEngine
+        from server.tiny_model import embedded_engine_config
+
+        context = serve.get_replica_context()
+        self._id = context.replica_id.unique_id
+        self._node = context.rank.node_rank
+        self._steps: list[tuple[float, float]] = []
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[context.rank.local_rank % len(cores)])
+        settings = dict(settings)
+        model = settings.pop("model", None)
+        # Ray replaces a dead replica itself: the engine inside does not restart on its own.
+        settings.setdefault("restarts", 0)
+        config = (embedded_engine_config(**settings) if model is None
+                  else LocalEngineConfig(model=model, **settings))
+        self._engine = LocalVLLMEngine(config)
+        await self._engine.start()
+        self._engine.add_step_listener(self._on_step)
+
+    def _on_step(self, duration_s: float, kv_in_use: float) -> None:
+        self._steps.append((duration_s, kv_in_use))
+        if len(self._steps) > STEP_BUFFER:
+            del self._steps[: len(self._steps) - STEP_BUFFER]
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a dead engine makes Ray replace the replica."""
+        if not self._engine.healthy:
+            raise RuntimeError(f"the vLLM engine of replica {self._id} is not running: "
+                               f"{self._engine.state_detail}")
+
+    async def report(self) -> dict[str, Any]:
+        engine = self._engine
+        steps, self._steps = self._steps, []
+        return {"replica": self._id, "info": asdict(engine.info),
+                "stats": asdict(engine.stats()), "steps": steps, "healthy": engine.healthy,
+                "pid": os.getpid(), "node": self._node}
+
+    async def generate(self, request: EngineRequest, replica: str | None = None
+                       ) -> AsyncGenerator[EngineOutput, None]:
+        stream = self._engine.generate(request)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            # Cancelled (the scheduler aborted it, or its consumer went away): closing the
+            # engine's stream aborts the request in vLLM, which frees its KV cache.
+            await stream.aclose()
+
+    async def abort(self, request_id: str, replica: str | None = None) -> None:
+        await self._engine.abort(request_id)
+
+    async def __del__(self) -> None:
+        """Ray Serve stops the replica: stop its engine (and vLLM's processes) with it."""
+        await self._engine.close()
+
+
+def engine_deployment(*, replicas: int, pinned: bool, settings: dict[str, Any],
+                      min_replicas: int | None = None, max_replicas: int | None = None,
+                      ray_actor_options: dict[str, Any] | None = None) -> Any:
+    """The engine deployment, bound and ready for `serve.run`.
+
+    `pinned`: Justitia's scheduler places every request (`PinnedRouter`); else Ray Serve's
+    default router does. Each replica takes as many requests as the scheduler sends: the
+    scheduler, not Ray's queue limit, bounds what is in flight (`max_ongoing_requests`
+    high, as Ray Serve LLM sets it)."""
+    options: dict[str, Any] = {
+        "name": "JustitiaEngine",
+        "max_ongoing_requests": 1_000_000,
+        "ray_actor_options": ray_actor_options or {"num_cpus": 0},
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": 5.0,
+    }
+    if min_replicas is not None and max_replicas is not None and min_replicas != max_replicas:
+        options["autoscaling_config"] = {"min_replicas": min_replicas, "max_replicas": max_replicas,
+                                         "initial_replicas": replicas}
+    else:
+        options["num_replicas"] = replicas
+    if pinned:
+        from ray.serve.config import RequestRouterConfig
+
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class="server.engine.ray_replica:PinnedRouter")
+    return serve.deployment(EngineReplica).options(**options).bind(settings)

@@ -1,0 +1,515 @@
+"""Engine replicas on Ray Serve, behind the engine interface (server/engine/base.py).
+
+`RayServeEngine` is the one place that speaks Ray. It deploys the engine replicas
+(server/engine/ray_replica.py: one vLLM engine each, the project's own in-process backend)
+as a Ray Serve application, and presents them to the scheduler as one engine:
+
+- capacity: M is the sum of the replicas' KV capacities; a replica that dies (or that Ray
+  replaces) leaves M until a replica reports again, and capacity listeners hear each change;
+- placement: the scheduler admits a request only once `place` reserved its footprint on
+  one replica (the agent's previous one first: its prompt prefix is in that replica's
+  prefix cache), in the scheduler's own order; the request is then sent to that replica
+  through the deployment's handle (`PinnedRouter` routes on the replica named in the call);
+- health: the replicas report twice a second (a broadcast of `report`): their statistics,
+  their busy steps (the scheduler's service rate) and that they are alive;
+- failure: a request whose replica died before it produced anything is resent to another
+  replica; one that had produced output fails with an error naming the replica's death.
+  While no replica serves (Ray is replacing them), requests wait instead of failing.
+
+Unpinned (`pinned=False`, policy `ray`), requests go wherever Ray Serve's own router sends
+them and nothing is reserved: what a Ray user has without Justitia's scheduler.
+
+The scheduler does not rely on Ray's own view of replica load for admission: Ray caches
+queue lengths for up to 10 s and polls routing statistics every 10 s, too stale to keep a
+KV cache from overflowing, so the KV ledger stays here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.engine.base import (
+    NOT_RUNNING,
+    CapacityListener,
+    EngineError,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    InvalidRequestError,
+    StateListener,
+    StepListener,
+)
+from server.engine.tokens import TokenizerEngine, fast_encoder
+
+log = logging.getLogger("justitia.engine.ray")
+
+APP_NAME = "justitia-engines"
+AFFINITY_ENTRIES = 10_000  # agents remembered for prefix affinity (least recently used go)
+REPORT_TIMEOUT_S = 10.0  # a replica silent this long in a poll is treated as gone
+CONNECT_TIMEOUT_S = 5.0  # TCP check of a Ray address before ray.init (which would retry)
+OBJECT_STORE_BYTES = 200 * 1024 * 1024  # a local cluster's object store: the engine ships no tensors
+
+
+class RayUnreachable(EngineError):
+    """The Ray cluster named by --ray cannot be reached."""
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A TCP connection to a Ray address (`HOST:PORT` or `ray://HOST:PORT`) succeeds within
+    `timeout_s`; RayUnreachable with what to do otherwise. `local` and `auto` are not
+    network addresses and pass (ray.init says itself when no local cluster runs)."""
+    if address in ("local", "auto"):
+        return
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RayUnreachable(f"--ray {address!r} is not an address: give HOST:PORT (the head node's "
+                             "GCS address that `ray start --head` prints, e.g. 10.0.0.5:6379), "
+                             "ray://HOST:10001, auto, or local")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise RayUnreachable(
+            f"cannot reach the Ray cluster at {address} ({exc}): start one there with "
+            "`ray start --head`, or pass --ray local to start one on this machine") from None
+
+
+def project_root() -> str:
+    """The folder holding the `server` package: Ray's workers import the replica from it."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def runtime_env() -> dict[str, Any]:
+    """What Ray's worker processes need to import this project's code."""
+    path = os.pathsep.join(p for p in (project_root(), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for name in ("JUSTITIA_HOME", "VLLM_CPU_KVCACHE_SPACE", "RAY_AUTH_MODE"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return {"env_vars": env}
+
+
+def connect(address: str) -> bool:
+    """Connect this process to Ray (`local`: start a cluster of this process's own, on
+    loopback); True when this process started the cluster (it stops it on close)."""
+    check_reachable(address)  # before importing Ray: a refused address fails at once
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address == "local":
+        # A cluster of our own on this machine: loopback only, no token to hand around.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+                 _node_ip_address="127.0.0.1", runtime_env=runtime_env(),
+                 log_to_driver=False, logging_level=logging.WARNING)
+        return True
+    try:
+        ray.init(address=address, runtime_env=runtime_env(), log_to_driver=False,
+                 logging_level=logging.WARNING)
+    except Exception as exc:  # ConnectionError, RuntimeError, a version mismatch ...
+        raise RayUnreachable(
+            f"cannot connect to the Ray cluster at {address} ({exc}): is `ray start --head` "
+            "running there, with the same Ray version as here? (--ray local starts one on "
+            "this machine)") from None
+    return False
+
+
+@dataclass
+class RayReplica:
+    """The scheduler's view of one engine replica."""
+
+    id: str
+    kv_capacity_tokens: int = 0
+    reserved: int = 0  # footprints of our requests placed here
+    in_flight: int = 0
+    serving: bool = True
+    stats: EngineStats = dataclasses.field(default_factory=EngineStats)
+    pid: int | None = None
+    last_report: float = 0.0
+
+    @property
+    def room(self) -> int:
+        return self.kv_capacity_tokens - self.reserved
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": f"ray:{self.id}", "replica": self.id, "kv_capacity_tokens": self.kv_capacity_tokens,
+                "reserved_tokens": self.reserved, "requests_in_flight": self.in_flight,
+                "healthy": self.serving, "draining": False, "kv_usage": self.stats.kv_usage,
+                "pid": self.pid}
+
+
+class _ReplicaFailed(Exception):
+    """The replica itself failed (its actor died, Ray could not reach it)."""
+
+
+class RayServeEngine(TokenizerEngine):
+    """Engine replicas deployed on Ray Serve as one engine (see the module docstring).
+
+    Capabilities (server/engine/base.py): `StepStatistics`, `Placement`, `CapacityChanges`
+    and `Supervised`.
+    """
+
+    def __init__(self, address: str, replicas: int, settings: dict[str, Any], *,
+                 pinned: bool = True, tokenizer: str | None = None,
+                 min_replicas: int | None = None, max_replicas: int | None = None,
+                 app_name: str = APP_NAME, poll_interval_s: float = 0.5,
+                 start_timeout_s: float = 600.0) -> None:
+        self.address = address
+        self.replica_count = replicas
+        self.settings = dict(settings)
+        self.pinned = pinned
+        self.tokenizer_name = tokenizer
+        self.min_replicas, self.max_replicas = min_replicas, max_replicas
+        self.app_name = app_name
+        self.poll_interval_s = poll_interval_s
+        self.start_timeout_s = start_timeout_s
+        self.replicas: dict[str, RayReplica] = {}
+        self.state = "stopped"
+        self.state_detail = "the engine has not started"
+        self._state_listeners: list[StateListener] = []
+        self._step_listeners: list[StepListener] = []
+        self._capacity_listeners: list[CapacityListener] = []
+        self._announced: int | None = None
+        self._placed: dict[str, tuple[RayReplica, int]] = {}
+        self._affinity: collections.OrderedDict[str, RayReplica] = collections.OrderedDict()
+        self._streams: dict[str, Any] = {}
+        self._aborted: set[str] = set()
+        self._handle: Any = None
+        self._poller: asyncio.Task[None] | None = None
+        self._owns_cluster = False
+        self._changed = asyncio.Event()
+
+    # -- lifecycle --------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._handle is not None and any(r.serving for r in self.replicas.values())
+
+    @property
+    def recovering(self) -> bool:
+        """No replica serves now, but Ray is bringing them back: requests wait."""
+        return self.state in ("starting", "restarting")
+
+    def add_state_listener(self, listener: StateListener) -> None:
+        self._state_listeners.append(listener)
+
+    def _set_state(self, state: str, detail: str) -> None:
+        if (state, detail) == (self.state, self.state_detail):
+            return
+        self.state, self.state_detail = state, detail
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        for listener in self._state_listeners:
+            try:
+                listener(state, detail)
+            except Exception:
+                log.exception("engine state listener failed")
+
+    async def start(self) -> None:
+        self._set_state("starting", "the engine replicas are starting on Ray")
+        self._owns_cluster = await asyncio.to_thread(connect, self.address)
+        from ray import serve
+
+        from server.engine.ray_replica import engine_deployment
+
+        app = engine_deployment(replicas=self.replica_count, pinned=self.pinned, settings=self.settings,
+                                min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+                                ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()})
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(serve.start, proxy_location="Disabled")
+            self._handle = await asyncio.wait_for(
+                asyncio.to_thread(serve.run, app, name=self.app_name, route_prefix=None),
+                self.start_timeout_s)
+        except Exception as exc:
+            await self._teardown()
+            raise EngineError(f"the engine replicas did not start on Ray ({self.address}): {exc}") from exc
+        self._stream_handle = self._handle.options(stream=True, method_name="generate")
+        reports = await self._reports()
+        if not reports:
+            await self._teardown()
+            raise EngineError("the engine replicas started on Ray but none reports")
+        first = reports[0]["info"]
+        self._tokenizer = self._load_tokenizer(first["model"])
+        self._encode = fast_encoder(self._tokenizer)
+        self._absorb(reports)
+        self._info = EngineInfo(**{**first, "kv_capacity_tokens": self.capacity})
+        self._announced = self.capacity
+        log.info("%d engine replicas on Ray in %.0f s, M = %d KV tokens", len(reports),
+                 time.monotonic() - started, self.capacity)
+        self._set_state("running", "")
+        self._poller = asyncio.create_task(self._poll_forever(), name="justitia-ray-reports")
+
+    def _load_tokenizer(self, model: str) -> Any:
+        from transformers import AutoTokenizer
+
+        name = self.tokenizer_name or model
+        try:
+            return AutoTokenizer.from_pretrained(name)
+        except Exception as exc:
+            raise EngineError(
+                f"cannot load the tokenizer {name!r} in the scheduler's process (it counts tokens "
+                f"before admitting a request): {exc}; pass --tokenizer PATH") from exc
+
+    async def close(self) -> None:
+        self._set_state("stopped", "the engine was stopped")
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        from ray import serve
+
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(serve.delete, self.app_name)
+        if self._owns_cluster:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(serve.shutdown)
+        await asyncio.to_thread(ray.shutdown)
+        self._handle = None
+
+    # -- reports: health, statistics, capacity -------------------------------------------
+    async def _reports(self) -> list[dict[str, Any]]:
+        results = await self._handle.broadcast("report").results_async(
+            return_exceptions=True, timeout_s=REPORT_TIMEOUT_S)
+        return [r for r in results if isinstance(r, dict)]
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                reports = await self._reports()
+            except Exception as exc:  # the broadcast itself failed: nothing is known
+                log.warning("the engine replicas did not report: %s", exc)
+                continue
+            self._absorb(reports)
+
+    def _absorb(self, reports: list[dict[str, Any]]) -> None:
+        now = time.monotonic()
+        seen = set()
+        for rep in reports:
+            rid = rep["replica"]
+            seen.add(rid)
+            r = self.replicas.get(rid)
+            if r is None:
+                r = self.replicas[rid] = RayReplica(rid, int(rep["info"]["kv_capacity_tokens"]))
+                log.info("engine replica %s joined (%d KV tokens)", rid, r.kv_capacity_tokens)
+            r.serving = bool(rep["healthy"])
+            r.stats = EngineStats(**rep["stats"])
+            r.pid, r.last_report = rep.get("pid"), now
+        for rid in [rid for rid in self.replicas if rid not in seen]:
+            self._replica_gone(self.replicas[rid], "it stopped reporting")
+        self._capacity_changed()
+        m = self.capacity
+        for rep in reports:
+            r = self.replicas[rep["replica"]]
+            # As if every replica were as full as this one: the estimator's tau is per full
+            # cache, and the replicas share the load.
+            scale = m / r.kv_capacity_tokens if r.kv_capacity_tokens else 1.0
+            for duration_s, kv_in_use in rep["steps"]:
+                for listener in self._step_listeners:
+                    listener(duration_s, kv_in_use * scale)
+
+    def _replica_gone(self, r: RayReplica, why: str) -> None:
+        if r.serving:
+            log.warning("engine replica %s is gone (%s); its capacity leaves M", r.id, why)
+        r.serving = False
+        if r.in_flight == 0 and r.reserved == 0:
+            self.replicas.pop(r.id, None)
+
+    def _capacity_changed(self) -> None:
+        m = self.capacity
+        if m <= 0:
+            if self.state == "running":
+                self._set_state("restarting", "no engine replica serves; Ray is replacing them")
+            return  # M keeps its last value: nothing is admitted anyway
+        if self.state == "restarting":
+            self._set_state("running", "")
+        if self._info is not None and m != self._info.kv_capacity_tokens:
+            self._info = dataclasses.replace(self._info, kv_capacity_tokens=m)
+        if self._announced is None or m == self._announced:
+            return
+        self._announced = m
+        log.info("KV capacity is now %d tokens over %d replicas", m,
+                 sum(r.serving for r in self.replicas.values()))
+        for listener in self._capacity_listeners:
+            listener(m)
+
+    # -- capabilities -------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """M: the KV tokens of the replicas serving now."""
+        return sum(r.kv_capacity_tokens for r in self.replicas.values() if r.serving)
+
+    def add_capacity_listener(self, listener: CapacityListener) -> None:
+        self._capacity_listeners.append(listener)
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        self._step_listeners.append(listener)
+
+    def describe_replicas(self) -> list[dict[str, Any]]:
+        return [r.describe() for r in self.replicas.values()]
+
+    def stats(self) -> EngineStats:
+        rs = list(self.replicas.values())
+        total = sum(r.kv_capacity_tokens for r in rs) or 1
+        return EngineStats(
+            kv_usage=sum(r.stats.kv_usage * r.kv_capacity_tokens for r in rs) / total,
+            running=sum(r.stats.running for r in rs),
+            waiting=sum(r.stats.waiting for r in rs),
+            preemptions_total=sum(r.stats.preemptions_total for r in rs),
+            iteration_time_s=max((r.stats.iteration_time_s for r in rs if r.stats.iteration_time_s),
+                                 default=None),
+            steps_total=sum(r.stats.steps_total for r in rs),
+        )
+
+    def place(self, request_id: str, agent_id: str, footprint: int) -> bool:
+        """Reserve room for an admitted request on one replica, or say there is none: the
+        agent's previous replica first (its prefix is cached there), else the one with the
+        most room. Unpinned, Ray places it: nothing is reserved here."""
+        if not self.pinned:
+            return True
+        prev = self._affinity.get(agent_id)
+        if prev is not None and prev.serving and prev.room >= footprint:
+            choice = prev
+        else:
+            fitting = [r for r in self.replicas.values() if r.serving and r.room >= footprint]
+            if not fitting:
+                return False
+            choice = max(fitting, key=lambda r: r.room)
+        choice.reserved += footprint
+        self._placed[request_id] = (choice, footprint)
+        self._affinity[agent_id] = choice
+        self._affinity.move_to_end(agent_id)
+        if len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return True
+
+    def release(self, request_id: str) -> None:
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            placed[0].reserved -= placed[1]
+
+    def _claim(self, request_id: str, footprint: int, exclude: list[RayReplica]) -> tuple[RayReplica | None, int]:
+        """The replica a request runs on (its placement on the first try; the serving one
+        with the most room outside `exclude` on a resend), and the tokens held there."""
+        if not self.pinned:
+            return None, 0
+        placed = self._placed.pop(request_id, None)
+        if placed is not None and placed[0].serving:
+            replica, held = placed
+        else:
+            if placed is not None:
+                placed[0].reserved -= placed[1]
+            live = [r for r in self.replicas.values() if r.serving and r not in exclude]
+            if not live:
+                raise _ReplicaFailed("no engine replica is serving")
+            replica, held = max(live, key=lambda r: r.room), footprint
+            replica.reserved += held
+        replica.in_flight += 1
+        return replica, held
+
+    def _unclaim(self, replica: RayReplica | None, held: int) -> None:
+        if replica is None:
+            return
+        replica.reserved -= held
+        replica.in_flight -= 1
+        if not replica.serving:
+            self._replica_gone(replica, "it died")
+
+    # -- requests -----------------------------------------------------------------------
+    async def abort(self, request_id: str) -> None:
+        response = self._streams.pop(request_id, None)
+        if response is not None:
+            self._aborted.add(request_id)
+            response.cancel()  # Ray cancels the replica's task: vLLM aborts, KV is freed
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        if self._handle is None:
+            raise EngineError(NOT_RUNNING)
+        s = request.sampling
+        footprint = s.n * (len(request.prompt_token_ids) + s.max_tokens)
+        failed: list[RayReplica] = []
+        while True:
+            while not self.healthy:  # Ray is replacing the replicas: wait for one
+                if self.state in ("stopped", "failed"):
+                    raise EngineError(f"{NOT_RUNNING}: {self.state_detail}")
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), self.poll_interval_s)
+            try:
+                replica, held = self._claim(request.request_id, footprint, failed)
+            except _ReplicaFailed as exc:
+                raise EngineError(f"{exc}; the request was not run") from exc
+            emitted = False
+            try:
+                async for out in self._stream(replica, request):
+                    emitted = True
+                    yield out
+                return
+            except _ReplicaFailed as exc:
+                if replica is not None:
+                    failed.append(replica)
+                    self._replica_gone(replica, str(exc))
+                if emitted:
+                    raise EngineError(f"{exc} while running this request, after it had produced "
+                                      "output: it was not resent; send it again") from exc
+                log.warning("%s before its first token; resending %s", exc, request.request_id)
+            finally:
+                self._unclaim(replica, held)
+
+    async def _stream(self, replica: RayReplica | None, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        import ray.exceptions
+        from ray.serve.exceptions import RequestCancelledError
+
+        rid = request.request_id
+        kwargs = {"replica": replica.id} if replica is not None else {}
+        response = self._stream_handle.remote(request, **kwargs)
+        self._streams[rid] = response
+        last: EngineOutput | None = None
+        try:
+            try:
+                async for out in response:
+                    last = out
+                    yield out
+            except (RequestCancelledError, asyncio.CancelledError):
+                if rid not in self._aborted:
+                    raise
+            except (InvalidRequestError, EngineError) as exc:
+                # The replica's engine refused or failed the request itself: its own error,
+                # without Ray's wrapping (the replica's traceback).
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, (InvalidRequestError, EngineError)):
+                    raise cause from None
+                raise
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                    ray.exceptions.ActorDiedError) as exc:
+                where = f"engine replica {replica.id}" if replica is not None else "an engine replica"
+                raise _ReplicaFailed(f"{where} died ({type(exc).__name__})") from exc
+            if rid in self._aborted:
+                p = len(request.prompt_token_ids)
+                yield dataclasses.replace(last, finished=True, finish_reason="abort") if last else \
+                    EngineOutput(rid, "", p, 0, finished=True, finish_reason="abort")
+        finally:
+            self._aborted.discard(rid)
+            if self._streams.pop(rid, None) is not None and (last is None or not last.finished):
+                response.cancel()  # our consumer left early: the replica aborts the request
