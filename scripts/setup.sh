@@ -15,7 +15,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
     ENGINE=cpu
 fi
-EXTRAS="server,$ENGINE,bench,openai,docs,dev"
+EXTRAS="server,$ENGINE,bench,ray,openai,docs,dev"
 STAMP="$VENV/.justitia-setup"
 WANT="$(sha256sum pyproject.toml | cut -d' ' -f1) $EXTRAS"
 

@@ -7,6 +7,7 @@ children, so nothing else on the machine is touched), one `justitia serve --ray 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -44,12 +45,18 @@ def ray_address() -> Iterator[str]:
         assert address, "the local Ray cluster did not start"
         yield address
     finally:
+        import psutil
+
+        cluster = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
-            pass
-        os.killpg(proc.pid, signal.SIGKILL)  # what ray.shutdown left: the whole cluster goes
+            proc.kill()
+        # what ray.shutdown left (some of Ray's processes outlive their parents) goes too
+        for p in cluster:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 @pytest.fixture(scope="module")

@@ -145,5 +145,27 @@ def engine_deployment(*, replicas: int, pinned: bool, settings: dict[str, Any],
         from ray.serve.config import RequestRouterConfig
 
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class="server.engine.ray_replica:PinnedRouter")
-    return serve.deployment(EngineReplica).options(**options).bind(settings)
+            request_router_class="server.engine.ray_replica:PinnedRouter")  # type: ignore[arg-type]
+    deployment: Any = serve.deployment(EngineReplica)
+    return deployment.options(**options).bind(settings)
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """The engine application for Ray Serve's config files and Python users:
+    `import_path: server.engine.ray_replica:build_app` with `args` such as
+    `{"replicas": 2, "kv_tokens": 4096, "max_model_len": 1024}`, or
+    `serve.run(build_app({...}), name="justitia-engines")`.
+
+    `replicas`, `min_replicas`/`max_replicas` (autoscaling) and `pinned` (default true: the
+    Justitia scheduler places requests) shape the deployment; every other key is a setting of
+    each replica's engine (`LocalEngineConfig`: `model` (default the embedded tiny model),
+    `kv_tokens`, `max_model_len`, `max_num_seqs`, ...). `justitia serve --ray ADDRESS` finds
+    an application of this name running and schedules onto it instead of deploying its own.
+    """
+    settings = dict(args or {})
+    replicas = int(settings.pop("replicas", 1))
+    pinned = bool(settings.pop("pinned", True))
+    low, high = settings.pop("min_replicas", None), settings.pop("max_replicas", None)
+    actor_options = settings.pop("ray_actor_options", None)
+    return engine_deployment(replicas=replicas, pinned=pinned, settings=settings,
+                             min_replicas=low, max_replicas=high, ray_actor_options=actor_options)

@@ -128,6 +128,28 @@ def connect(address: str) -> bool:
     return False
 
 
+def _descendants() -> list[Any]:
+    """The processes of the Ray cluster this process started (its GCS, raylet, agents,
+    and under the raylet the workers: the engine replicas and their engines)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if any("site-packages/ray/" in part for part in proc.cmdline()[:3]):
+                found += [proc, *proc.children(recursive=True)]
+    return found
+
+
+def _kill_survivors(procs: list[Any], grace_s: float = 3.0) -> None:
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
 @dataclass
 class RayReplica:
     """The scheduler's view of one engine replica."""
@@ -191,6 +213,7 @@ class RayServeEngine(TokenizerEngine):
         self._handle: Any = None
         self._poller: asyncio.Task[None] | None = None
         self._owns_cluster = False
+        self._attached = False
         self._changed = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------
@@ -230,10 +253,15 @@ class RayServeEngine(TokenizerEngine):
                                 ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()})
         started = time.monotonic()
         try:
-            await asyncio.to_thread(serve.start, proxy_location="Disabled")
-            self._handle = await asyncio.wait_for(
-                asyncio.to_thread(serve.run, app, name=self.app_name, route_prefix=None),
-                self.start_timeout_s)
+            self._attached = await asyncio.to_thread(self._running_app)
+            if self._attached:  # deployed beforehand (`serve deploy`, a RayService): use it
+                log.info("scheduling onto the running Ray Serve application %r", self.app_name)
+                self._handle = serve.get_app_handle(self.app_name)
+            else:
+                await asyncio.to_thread(serve.start, proxy_location="Disabled")
+                self._handle = await asyncio.wait_for(
+                    asyncio.to_thread(serve.run, app, name=self.app_name, route_prefix=None),
+                    self.start_timeout_s)
         except Exception as exc:
             await self._teardown()
             raise EngineError(f"the engine replicas did not start on Ray ({self.address}): {exc}") from exc
@@ -252,6 +280,16 @@ class RayServeEngine(TokenizerEngine):
                  time.monotonic() - started, self.capacity)
         self._set_state("running", "")
         self._poller = asyncio.create_task(self._poll_forever(), name="justitia-ray-reports")
+
+    def _running_app(self) -> bool:
+        """An application of our name already runs on the cluster (not one we deployed)."""
+        from ray import serve
+
+        try:
+            status = serve.status().applications.get(self.app_name)
+        except Exception:  # Serve not started on this cluster yet
+            return False
+        return status is not None and str(status.status).endswith("RUNNING")
 
     def _load_tokenizer(self, model: str) -> Any:
         from transformers import AutoTokenizer
@@ -273,19 +311,28 @@ class RayServeEngine(TokenizerEngine):
         await self._teardown()
 
     async def _teardown(self) -> None:
+        """Our application leaves the cluster; a cluster this process started goes with it
+        (every Ray process under this one, the engine replicas and their engines too)."""
         import ray
 
         if not ray.is_initialized():
             return
         from ray import serve
 
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(serve.delete, self.app_name)
-        if self._owns_cluster:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(serve.shutdown)
-        await asyncio.to_thread(ray.shutdown)
         self._handle = None
+        if not self._owns_cluster:
+            if not self._attached:  # an application someone else deployed stays
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(serve.delete, self.app_name)
+            await asyncio.to_thread(ray.shutdown)
+            return
+        # Our own cluster: no need to stop the application replica by replica (the server's
+        # shutdown has seconds, not minutes); note every process of it before Ray stops it,
+        # as some of them outlive their parents (Ray's agents, vLLM's engine processes).
+        doomed = _descendants()
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(ray.shutdown)
+        await asyncio.to_thread(_kill_survivors, doomed)
 
     # -- reports: health, statistics, capacity -------------------------------------------
     async def _reports(self) -> list[dict[str, Any]]:
