@@ -7,11 +7,6 @@ children, so nothing else on the machine is touched), one `justitia serve --ray 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,51 +14,28 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-pytestmark = pytest.mark.engine
+# Starting Ray and two engines takes minutes on a busy 2-core machine: a budget above the
+# engine tier's default for the module's tests (the first one starts them).
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 
 REPLICAS = 2
 KV_TOKENS = 8192  # M: 4,096 per replica
 MAX_MODEL_LEN = 1024
-# Ray's processes here: loopback only, no token, a small object store (the engine ships none).
-CLUSTER = """
-import os, signal, sys, ray
-ray.init(include_dashboard=False, object_store_memory=200 * 1024 * 1024, num_cpus=2,
-         _node_ip_address="127.0.0.1", log_to_driver=False)
-print(ray.get_runtime_context().gcs_address, flush=True)
-signal.sigwait({signal.SIGTERM, signal.SIGINT})
-"""
+@pytest.fixture(scope="module")
+def cluster() -> Iterator:
+    """A local Ray cluster on loopback (no token, a small object store), stopped at the end
+    with every process of it (server/engine/ray_cluster.py)."""
+    from server.engine.ray_cluster import LocalCluster
+
+    with LocalCluster() as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen([sys.executable, "-c", CLUSTER], stdout=subprocess.PIPE, env=env,
-                            process_group=0, text=True)
-    try:
-        assert proc.stdout is not None
-        address = proc.stdout.readline().strip()
-        assert address, "the local Ray cluster did not start"
-        yield address
-    finally:
-        import psutil
-
-        cluster = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        # what ray.shutdown left (some of Ray's processes outlive their parents) goes too
-        for p in cluster:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-
-
-@pytest.fixture(scope="module")
-def ray_server(ray_address: str, justitia_home: str) -> Iterator:
+def ray_server(cluster, justitia_home: str) -> Iterator:
     from server.launcher import EmbeddedServer
 
-    args = ["--ray", ray_address, "--replicas", str(REPLICAS), "--kv-tokens", str(KV_TOKENS),
+    args = ["--ray", cluster.address, "--replicas", str(REPLICAS), "--kv-tokens", str(KV_TOKENS),
             "--max-model-len", str(MAX_MODEL_LEN), "--data-dir", tempfile.mkdtemp(prefix="justitia-ray-")]
     with EmbeddedServer(args, env={"JUSTITIA_HOME": justitia_home, "RAY_AUTH_MODE": "disabled"},
                         startup_timeout=900) as srv:
@@ -125,16 +97,13 @@ def test_an_abandoned_request_is_aborted_on_its_replica(ray_server) -> None:
              20, "the abandoned request was not aborted on its replica")
 
 
-def test_a_killed_replica_leaves_m_and_comes_back_and_no_request_hangs(ray_server, ray_address) -> None:
+def test_a_killed_replica_leaves_m_and_comes_back_and_no_request_hangs(ray_server, cluster) -> None:
     import concurrent.futures
 
-    import psutil
+    from server.engine.ray_cluster import engine_replicas
 
     url = ray_server.url
-    cluster = next(p for p in psutil.process_iter(["cmdline"])
-                   if p.info["cmdline"] and "ray.init(include_dashboard=False" in " ".join(p.info["cmdline"]))
-    replicas = [p for p in cluster.children(recursive=True)
-                if "ServeReplica:justitia-engines" in " ".join(p.cmdline()[:2])]
+    replicas = engine_replicas(cluster.process.pid)
     assert len(replicas) == REPLICAS
 
     def one(i: int) -> tuple[int, str]:

@@ -113,10 +113,19 @@ def connect(address: str) -> bool:
     if address == "local":
         # A cluster of our own on this machine: loopback only, no token to hand around.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-                 _node_ip_address="127.0.0.1", runtime_env=runtime_env(),
-                 log_to_driver=False, logging_level=logging.WARNING)
-        return True
+        for attempt in range(3):
+            try:
+                ray.init(include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+                         _node_ip_address="127.0.0.1", runtime_env=runtime_env(),
+                         log_to_driver=False, logging_level=logging.WARNING)
+                return True
+            except Exception as exc:
+                # Ray gives its raylet 30 s to register, which a busy machine exceeds now
+                # and then: try again.
+                if "timed out during startup" not in str(exc) or attempt == 2:
+                    raise EngineError(f"the local Ray cluster did not start: {exc}") from exc
+                log.warning("the local Ray cluster did not start in time; trying again")
+                ray.shutdown()
     try:
         ray.init(address=address, runtime_env=runtime_env(), log_to_driver=False,
                  logging_level=logging.WARNING)

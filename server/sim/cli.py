@@ -7,6 +7,7 @@ scheduler's policy names), the simulator is imported when a command runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from justitia_cli import CommandError, Commands, formatter
@@ -465,7 +466,16 @@ def _live(args: argparse.Namespace) -> int:
                        ray=args.ray, replicas=args.replicas if args.ray else 1,
                        kill_replica_after_s=args.kill_replica_after, hang_timeout_s=args.hang_timeout)
     t0 = time.perf_counter()
-    rounds = _live_rounds(agents, policies, opts, args.repeat, args.quiet)
+    with contextlib.ExitStack() as stack:
+        if args.ray:  # one Ray cluster of this command's own for every policy's server
+            from dataclasses import replace
+
+            from server.engine.ray_cluster import LocalCluster
+
+            cluster = stack.enter_context(LocalCluster())
+            assert cluster.process is not None
+            opts = replace(opts, ray_address=cluster.address, ray_pid=cluster.process.pid)
+        rounds = _live_rounds(agents, policies, opts, args.repeat, args.quiet)
     wall = time.perf_counter() - t0
     for rnd in rounds:
         _add_slowdowns(rnd, agents, profile, args.kv_tokens)

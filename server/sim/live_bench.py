@@ -56,7 +56,8 @@ from .simulator import AgentResult, PolicyResult
 from .workload import AgentSpec
 
 VOCAB_LOW, VOCAB_HIGH = 10, 700  # token ids of the tiny model's vocabulary, specials excluded
-TEACH_SEED = 7919  # the teaching replay's token ids: the measured seed's plus this
+TEACH_SEED = 7919
+RAY_STARTUP_TIMEOUT_S = 1500.0  # the teaching replay's token ids: the measured seed's plus this
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,12 @@ class LiveOptions:
     restart: bool = False
     # A `bench calibrate` file: each server's time model starts from it (`serve --profile`).
     profile: str | None = None
-    # Engine replicas on Ray Serve (`serve --ray local --replicas N`; kv_tokens is their sum).
+    # Engine replicas on Ray Serve (`serve --ray ADDRESS --replicas N`; kv_tokens is their
+    # sum), on `ray_address`, a cluster the caller started (server/engine/ray_cluster.py),
+    # whose processes are under `ray_pid`.
     ray: bool = False
+    ray_address: str = ""
+    ray_pid: int | None = None
     replicas: int = 1
     # With `ray`: kill one engine replica's process (and its engine) this many seconds
     # into the replay; Ray replaces it.
@@ -184,7 +189,7 @@ async def _agent_steps(session: aiohttp.ClientSession, agent: AgentSpec, t0: flo
 
 
 async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: str,
-                  progress: Callable[[int], None] | None, server_pid: int | None = None
+                  progress: Callable[[int], None] | None, cluster_pid: int | None = None
                   ) -> tuple[list[dict], dict]:
     # Idle connections are dropped here before the server would close them (its keep-alive
     # is 30 s), so a request never goes out on a connection the server is closing.
@@ -208,8 +213,8 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
 
         tasks = [asyncio.ensure_future(one(a)) for a in agents]
         killer = None
-        if opts.kill_replica_after_s is not None and server_pid is not None:
-            killer = asyncio.ensure_future(_kill_replica_later(server_pid, t0, opts.kill_replica_after_s))
+        if opts.kill_replica_after_s is not None and cluster_pid is not None:
+            killer = asyncio.ensure_future(_kill_replica_later(cluster_pid, t0, opts.kill_replica_after_s))
         last_arrival = max((a.arrival for a in agents), default=0.0)
         await asyncio.wait(tasks, timeout=max(0.0, t0 + last_arrival + opts.hang_timeout_s - time.monotonic()))
         outs = []
@@ -227,27 +232,15 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
     return outs, snapshot
 
 
-def engine_replicas(server_pid: int) -> list[Any]:
-    """The processes of the Ray Serve engine replicas under a server's process (its own
-    local Ray cluster: the replicas are descendants of its raylet)."""
-    import psutil
-
-    found = []
-    for child in psutil.Process(server_pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if "ServeReplica:justitia-engines" in " ".join(child.cmdline()[:2]) or \
-                    "ServeReplica:justitia-engines" in child.name():
-                found.append(child)
-    return found
-
-
-async def _kill_replica_later(server_pid: int, t0: float, after_s: float) -> dict | None:
+async def _kill_replica_later(cluster_pid: int, t0: float, after_s: float) -> dict | None:
     """`after_s` seconds after `t0`, SIGKILL one engine replica and its engine's processes (as a
     crashed node would lose them); what was killed, or None when no replica was found."""
     import psutil
 
+    from server.engine.ray_cluster import engine_replicas
+
     await asyncio.sleep(max(0.0, t0 + after_s - time.monotonic()))
-    replicas = engine_replicas(server_pid)
+    replicas = engine_replicas(cluster_pid)
     if not replicas:
         return None
     victim = replicas[0]
@@ -305,7 +298,10 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     if opts.las_head_wait_weight is not None:
         args += ["--las-head-wait-weight", str(opts.las_head_wait_weight)]
     if opts.ray:
-        args += ["--ray", "local", "--replicas", str(opts.replicas)]
+        args += ["--ray", opts.ray_address or "local", "--replicas", str(opts.replicas)]
+    if opts.ray:
+        # a Ray cluster and N engines: minutes on a busy machine
+        opts = replace(opts, startup_timeout_s=max(opts.startup_timeout_s, RAY_STARTUP_TIMEOUT_S))
     wall0 = time.perf_counter()
     restart = bool(opts.teach) and opts.restart
     with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
@@ -316,14 +312,12 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
             _, taught = asyncio.run(_replay(srv.url, opts.teach, replace(opts, seed=opts.seed + TEACH_SEED),
                                             policy, None))
         if not restart:
-            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress,
-                                             srv.process.pid if srv.process else None))
+            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress, opts.ray_pid))
     if restart:  # the same data dir: the history the taught server wrote
         log = log.with_name(log.stem + "-restarted.log") if log is not None else None
         with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
                 _off_worker_cores(srv.process.pid if srv.process else None):
-            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress,
-                                             srv.process.pid if srv.process else None))
+            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress, opts.ray_pid))
     rate = float(snap["rate"])
     # GPS reference at the rate the server measured, with the costs the agents really had.
     arrivals = [o["arrival"] if o.get("arrival") is not None else a.arrival for a, o in zip(agents, outs, strict=True)]

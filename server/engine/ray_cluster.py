@@ -1,0 +1,104 @@
+"""A Ray cluster on this machine, in a process of its own, for benchmarks and tests.
+
+`justitia serve --ray local` starts a cluster inside the server's process; a benchmark that
+starts one server per policy, or a test module with several servers, wants one cluster for
+all of them instead, and one it can stop without touching anyone else's Ray processes on the
+machine (`ray stop` stops every cluster of the machine). `LocalCluster` runs `ray.init` in a
+child process (loopback only, no token, a capped object store), hands out its address for
+`--ray ADDRESS`, and stops it by ending that process and every process under it.
+
+Ray's own start-up gives its raylet 30 s to register, which a busy 2-core machine exceeds
+now and then: a failed start is tried again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+CLUSTER = """
+import signal, ray
+ray.init(include_dashboard=False, object_store_memory=200 * 1024 * 1024,
+         _node_ip_address="127.0.0.1", log_to_driver=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+signal.sigwait({signal.SIGTERM, signal.SIGINT})
+ray.shutdown()
+"""
+
+
+class LocalCluster:
+    """`with LocalCluster() as cluster: ... --ray cluster.address ...`"""
+
+    def __init__(self, attempts: int = 3) -> None:
+        self.attempts = attempts
+        self.address = ""
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self) -> LocalCluster:
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        for attempt in range(self.attempts):
+            self.process = subprocess.Popen([sys.executable, "-c", CLUSTER], stdout=subprocess.PIPE,
+                                            env=env, process_group=0, text=True)
+            assert self.process.stdout is not None
+            self.address = self.process.stdout.readline().strip()
+            if self.address:
+                return self
+            self.stop()
+            if attempt == self.attempts - 1:
+                raise RuntimeError("the local Ray cluster did not start (see Ray's logs in /tmp/ray)")
+        raise AssertionError("unreachable")
+
+    def processes(self) -> list[Any]:
+        """Every process of the cluster (Ray's and the workers': engine replicas too)."""
+        import psutil
+
+        if self.process is None:
+            return []
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def stop(self) -> None:
+        import psutil
+
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        doomed = []
+        with contextlib.suppress(psutil.Error):
+            doomed = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        # what ray.shutdown left (some of Ray's processes outlive their parents) goes too
+        _, alive = psutil.wait_procs(doomed, timeout=5)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def engine_replicas(root_pid: int) -> list[Any]:
+    """The processes of Justitia's engine replicas under process `root_pid` (a cluster's or
+    a `serve --ray local` server's)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(root_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "ServeReplica:justitia-engines" in child.name() + " ".join(child.cmdline()[:2]):
+                found.append(child)
+    return found
