@@ -763,7 +763,7 @@ class Dispatcher:
     def recall_registrations(self, events: Sequence[tuple[float, float]], now: float) -> int:
         """Replay past registrations, (time on this clock, predicted KV cost) at or before
         `now`, into the arrivals ETAs forecast from, as if this dispatcher had seen them: a
-        restarted server's history (server/relearn.py). Their agents are gone; nothing else
+        restarted server's history (server/runtime/relearn.py). Their agents are gone; nothing else
         changes. Call it before any agent registers. Returns how many were replayed."""
         unit = self.compute_per_kv if self.policy.cost_model == COMPUTE else 1.0
         kept = sorted((t, c) for t, c in events if t <= now and math.isfinite(t) and math.isfinite(c) and c >= 0)
