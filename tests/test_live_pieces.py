@@ -231,7 +231,7 @@ def test_a_guessed_cost_is_timed_as_the_one_request_it_stands_for() -> None:
     prompt = "word " * 400
 
     async def body(live: LiveScheduler) -> tuple[float, AgentEntry, AgentEntry]:
-        step = live.dispatcher._iteration_s()
+        step = live.dispatcher.etas.iteration_s()
         declared = live.register("new_type", prompt, "x", predicted_cost=2e5)
         guessed = live.register("new_type", prompt, "y")
         return step, declared, guessed
