@@ -13,66 +13,56 @@ Life of an agent, as the live server sees it (it does not know future stages):
     disp.on_request_finished("r1", prompt_tokens=812, output_tokens=120, now=t2)
     disp.finish_agent("a17", now=t3)   # or: ids = disp.cancel_agent("a17", now); engine.abort(ids)
 
-A request is PENDING in the policy's queue (queues.py), RUNNING once admitted (its footprint
-reserved), and leaves the table when it finishes or its agent goes (state.py). `admit` is one
-loop over the queue: compute the budget, then peek at the next request, check that it fits,
-pop it and mark it running.
+A request is PENDING in the policy's queue (queues.py), RUNNING once admitted, and leaves the
+table when it finishes or its agent goes (state.py). The dispatcher composes:
 
-Accounting: `reserved_kv` (footprints of admitted, unfinished requests), the pending queue and
-the agent table return to zero once every agent is finished or cancelled.
+- `RequestCosts` (charges.py): a request's footprint and estimated cost, its real cost;
+- `KvLedger` (kv_ledger.py): reservations of running requests, footprints of pending ones;
+- `TenantClock` (tenant_clock.py): the GPS reference, tenants first, then agents;
+- `Promises` (promises.py): deadlines and delay bounds;
+- `EtaEstimator` (eta_estimator.py): projected finishes under the running policy.
 
-Over-runs: an agent is charged its predicted cost when it arrives. Every request adds its
-estimated cost to the agent's *committed* cost when submitted, and is corrected to its real
-cost when it finishes. Whenever committed exceeds charged, the excess is charged too, with
-WFQ's rule for new work: F = max(F, V(now)) + excess. So an agent that under-predicts falls
-back in the queue as soon as the excess is visible; it never runs ahead for free. Under-runs
-are not refunded (an agent's GPS share is fixed once charged).
+Invariants:
+- the ledger, the pending queue and the agent table return to zero once every agent is
+  finished or cancelled (`is_idle`, which also asks the policy about its own bookkeeping);
+- over-runs: an agent is charged its predicted cost when it arrives; each request adds its
+  estimated cost to the agent's committed cost when submitted, corrected to its real cost
+  when it finishes, and whenever committed exceeds charged the excess is charged with WFQ's
+  rule for new work, F = max(F, V(now)) + excess (`_commit`): an agent that under-predicts
+  never runs ahead for free. Under-runs are not refunded;
+- an agent enters the GPS reference with its first request; when it ends, the charge it
+  did not use is settled out of it, and ended agents' leftover fluid work is flushed when
+  the real system runs dry;
+- events (register, submit, admit, finish, cancel) advance the virtual clock to `now`;
+  reads (`view`, `fair_finish_time`, `snapshot`) do not.
 
 Stateful policies (vtc, ewsjf, equinox) get their own instance (`Policy.bind(seed)`) and hear
-about every request through hooks: `on_submit`, `on_admit`, `on_finish` (with the true lengths
-and `now`), `on_drop`. The hooks receive the dispatcher as a `SchedulerContext` (tau,
-compute_per_kv, leader), nothing more. `is_idle()` also asks the policy whether its own
-bookkeeping (queued requests, provisional charges) is back to zero.
-
-Events (register, submit, admit, finish, cancel) advance the virtual clock to `now`; reads
-(`view`, `fair_finish_time`, `snapshot`) do not. docs/architecture.md shows the modules.
-
-Promises (docs/concepts.md, "Promises no one else can break"): an agent enters the GPS
-reference with its first request, not at registration; when it ends, the charge it did not
-use is settled out of the reference, and ended agents' leftover fluid work is flushed when
-the real system runs dry. The bound's C_max counts real (committed) work, plus the
-predictions of the agent's own tenant only. ETAs come from `refresh_etas(now)` (eta.py), a
-replay the caller runs off the request path; views read its cached result.
-
-Shared prompt prefixes (prefix.py, docs/concepts.md "Shared prefixes"): a request whose spec
-names a prefix chain reserves its private footprint plus the part of the chain no running
-request holds (`PrefixHolds`: the footprint of the running set is the union of its prefix
-blocks plus private tokens), and, under a KV-cost policy, is charged its private KV
-token-time plus what its hold adds to its agent's (`PrefixLedger`). justitia-nocache
-(`prefix_aware=False`) ignores chains: every prompt token private, as before.
+about every request through hooks (`on_submit`, `on_admit`, `on_finish`, `on_drop`), which
+receive the dispatcher as a `SchedulerContext`, nothing more. docs/architecture.md shows
+the modules.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .admit import admit_in_order
 from .bounds import AgentShape, BoundLimits
-from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprint
+from .charges import RequestCosts
+from .cost import COMPUTE
 from .eta import StepTimeSource, WorkArrivals
 from .eta_estimator import EtaEstimator
-from .eta_interval import EtaCalibration
 from .kv_ledger import KvLedger
 from .pauses import PauseStats
-from .policies import FOOTPRINT, Policy, get_policy
-from .prefix import PrefixHolds, PrefixLedger, private_kv_cost, segments, shared_tokens, uncached_prompt
+from .policies import Policy, get_policy
+from .prefix import uncached_prompt
 from .promises import Promises
 from .queues import RequestQueue, TenantQueue
-from .state import AgentState, AgentView, CostMix, RequestSpec, RequestState, RequestStatus
+from .state import AgentState, AgentView, RequestSpec, RequestState, RequestStatus
 from .tenant_clock import TenantClock
+from .views import agent_view, snapshot
 
 __all__ = ["AgentState", "AgentView", "Dispatcher", "RequestSpec", "RequestState", "RequestStatus"]
 
@@ -112,9 +102,8 @@ class Dispatcher:
             raise ValueError("kv_capacity_tokens and iteration_time_s must be positive")
         self.kv_capacity = int(kv_capacity_tokens)
         self.tau = float(iteration_time_s)
-        # The bound's iteration time and rate (a pessimistic percentile on the live server;
-        # tau itself in the simulator), and why promises are widened (None: firm). Set by
-        # `set_iteration_time`.
+        # The bounds' iteration time and rate (pessimistic percentiles on the live server, tau
+        # in the simulator) and why promises are widened (None: firm): `set_iteration_time`.
         self.bound_tau = self.tau
         self.bound_iteration_s = self.tau
         self.uncertainty: str | None = None
@@ -130,28 +119,21 @@ class Dispatcher:
         # A paged engine allocates whole blocks: a request holds ceil((p + d) / block) blocks,
         # so footprints are rounded up to blocks, or the engine runs out before M does.
         self.block_size = max(1, int(block_size))
-        # The unit in which the live server hashes prompts into prefix chains: whole blocks,
-        # at least PREFIX_UNIT_TOKENS of them, so that a chain has at most a few dozen
-        # segments (admission, release and charges walk it; measured in
-        # benchmarks/dispatch_overhead.py). A shared head is counted to the last whole unit.
+        # The unit of the live server's prefix chains (a shared head counts to its last one).
         self.prefix_block = self.block_size * max(1, PREFIX_UNIT_TOKENS // self.block_size)
         self.backfill_depth = backfill_depth
-        self._cost = cost_function(self.policy.cost_model)
-        # justitia-c keeps its clock in compute tokens; its rate is M/tau converted with the
-        # compute/KV ratio of the requests submitted so far (1/256 before any).
-        self._mix = CostMix()
+        # a request's cost in the policy's units (justitia-c's are compute tokens: its rate is
+        # M / tau converted with the compute/KV ratio of the requests submitted so far)
+        self.costs = RequestCosts(self.policy.cost_model, self.block_size, self.policy.prefix_aware)
         # Hierarchical GPS: tenants (weighted by `tenant_weights`, default 1) first, then their
         # agents; with one tenant, the flat GPS clock (tenant_clock.py).
-        self.clock = TenantClock(rate=self._rate(), now=now, weights=tenant_weights)
+        self.clock = TenantClock(rate=self.rate_at(self.tau), now=now, weights=tenant_weights)
         self.agents: dict[str, AgentState] = {}
         self.requests: dict[str, RequestState] = {}
         self._seq = itertools.count()
         self.queue: RequestQueue = self.policy.make_queue(self, backfill_depth if backfill else 0)
 
     # -- rate and capacity ------------------------------------------------------
-    def _rate(self) -> float:
-        return self.rate_at(self.tau)
-
     def rate_at(self, tau: float) -> float:
         """M / tau in policy cost units."""
         rate = self.kv_capacity / tau
@@ -161,9 +143,8 @@ class Dispatcher:
 
     @property
     def compute_per_kv(self) -> float:
-        """Compute tokens (p + 2d) per unit of KV token-time over the requests submitted so
-        far (1/256 before any): converts one cost model into the other."""
-        return self._mix.compute_per_kv
+        """Compute tokens per unit of KV token-time over the requests submitted so far."""
+        return self.costs.compute_per_kv
 
     @property
     def rate(self) -> float:
@@ -186,96 +167,21 @@ class Dispatcher:
         self.bound_iteration_s = float(bound_iteration_s) if bound_iteration_s else self.bound_tau
         self.etas.typical_iteration_s = typical_iteration_s
         self.uncertainty = uncertainty
-        self.clock.set_rate(self._rate(), now)
+        self.clock.set_rate(self.rate_at(self.tau), now)
 
     def set_time_model(self, time_model: StepTimeSource | None, *, sustains: bool = True) -> None:
-        """The engine's iteration time as a function of its batch (plain data: an
-        EngineProfile, or the server's fitted model), for ETAs' critical paths; and, with
-        `sustains`, for the rate ETAs divide by (`eta_rate`). A model that describes another
-        engine (a prior not measured on this one, a fit to few steps) times critical paths
-        but does not set that rate: it can put the rate several times above the engine's."""
+        """The engine's step time as a function of its batch (an EngineProfile, or the
+        server's fitted model), for ETAs' critical paths; with `sustains`, also for the rate
+        ETAs divide by (not for a model of another engine: a prior, a fit to few steps)."""
         self.etas.time_model = time_model
         self.etas.model_sustains = sustains
-
-    @property
-    def time_model(self) -> StepTimeSource | None:
-        """The engine's step time as a function of its batch (None: measured steps only)."""
-        return self.etas.time_model
-
-    @property
-    def eta_calibration(self) -> EtaCalibration:
-        """How far first ETAs have been off: the ETA interval's factors (eta_interval.py)."""
-        return self.etas.calibration
 
     def set_kv_capacity(self, kv_capacity_tokens: int, now: float) -> None:
         """Replicas added or removed: new M (and R) from `now` on."""
         if kv_capacity_tokens <= 0:
             raise ValueError("kv capacity must be positive")
         self.kv_capacity = int(kv_capacity_tokens)
-        self.clock.set_rate(self._rate(), now)
-
-    @property
-    def limits(self) -> BoundLimits:
-        """Declared workload limits, or the largest costs seen so far."""
-        return self.promises.limits_for(None)
-
-    def limits_for(self, tenant: str | None) -> BoundLimits:
-        """The limits an agent of `tenant` is promised against (`Promises.limits_for`)."""
-        return self.promises.limits_for(tenant)
-
-    @property
-    def context_tokens(self) -> int | None:
-        """The longest request the engine takes (None: not known)."""
-        return self.promises.context_tokens
-
-    @property
-    def bound_step_s(self) -> float:
-        """The step time of the bounds given now (`Promises.bound_step_s`)."""
-        return self.promises.bound_step_s
-
-    # -- the KV ledger, read through (kv_ledger.py) ----------------------------------------
-    @property
-    def reserved_kv(self) -> int:
-        """Footprints of admitted, unfinished requests (shared prefixes counted once)."""
-        return self.ledger.reserved_kv
-
-    @property
-    def reserved_prompt(self) -> int:
-        """Prompts of admitted, unfinished requests (shared prefixes counted once)."""
-        return self.ledger.reserved_prompt
-
-    @property
-    def holds(self) -> PrefixHolds:
-        """The shared prefixes of the running requests."""
-        return self.ledger.holds
-
-    @property
-    def pending_count(self) -> int:
-        return self.ledger.pending_count
-
-    @property
-    def running_count(self) -> int:
-        return self.ledger.running_count
-
-    @property
-    def kv_saved_total(self) -> int:
-        return self.ledger.kv_saved_total
-
-    @property
-    def prompt_tokens_total(self) -> int:
-        return self.ledger.prompt_tokens_total
-
-    @property
-    def cached_tokens_total(self) -> int:
-        return self.ledger.cached_tokens_total
-
-    @property
-    def prefix_hit_rate(self) -> float | None:
-        return self.ledger.prefix_hit_rate
-
-    @property
-    def kv_shared_now(self) -> int:
-        return self.ledger.kv_shared_now
+        self.clock.set_rate(self.rate_at(self.tau), now)
 
     # -- agents -----------------------------------------------------------------
     def register_agent(
@@ -301,11 +207,7 @@ class Dispatcher:
         if agent_id in self.agents:
             raise ValueError(f"agent {agent_id!r} is already registered")
         predicted_cost = max(0.0, float(predicted_cost))
-        charge = predicted_cost
-        if self.policy.cost_model == COMPUTE:
-            if predicted_compute_cost is None:
-                predicted_compute_cost = predicted_cost * self.compute_per_kv
-            charge = max(0.0, float(predicted_compute_cost))
+        charge = self.costs.agent_charge(predicted_cost, predicted_compute_cost)
         self.promises.observed.declare(tenant, predicted_cost)
         agent = AgentState(
             agent_id=agent_id,
@@ -342,16 +244,16 @@ class Dispatcher:
     def finish_agent(self, agent_id: str, now: float) -> AgentView:
         """The agent is done: forget it (pending requests, if any, are dropped)."""
         self._agent(agent_id)
-        self.clock.advance(now)  # an event, like every update: the clock moves to `now`
+        self.clock.advance(now)  # an event: the clock moves to `now`
         view = self.view(agent_id, now)
-        self._drop(agent_id, now, cancel=False)
+        self._drop(agent_id, now)
         return view
 
     def cancel_agent(self, agent_id: str, now: float) -> list[str]:
         """Cancel an agent: returns the ids of its running requests, to abort in the engine."""
-        return self._drop(agent_id, now, cancel=True)
+        return self._drop(agent_id, now)
 
-    def _drop(self, agent_id: str, now: float, cancel: bool) -> list[str]:
+    def _drop(self, agent_id: str, now: float) -> list[str]:
         """Forget the agent (finished, failed, cancelled or expired alike for the reference:
         the charge it did not use leaves the GPS backlog; what it used stays)."""
         agent = self._agent(agent_id)
@@ -400,33 +302,14 @@ class Dispatcher:
         agent = self._agent(spec.agent_id)
         if spec.request_id in self.requests:
             raise ValueError(f"request {spec.request_id!r} already submitted")
-        if agent.idle_since is not None:  # back from a pause: its next stage starts
-            self.pauses.observe(agent.agent_type, now - agent.idle_since)
-            agent.idle_since = None
-            agent.stages_started += 1
-        elif agent.stages_started == 0:
-            agent.stages_started = 1
+        self.pauses.stage_started(agent, now)
         if not agent.in_reference:
             self._enter(agent, now)
-        p, d, n = int(spec.prompt_tokens), spec.expected_tokens, spec.n
-        footprint = n * (-(-kv_footprint(p, d) // self.block_size) * self.block_size)
-        req = RequestState(
-            spec=spec,
-            seq=next(self._seq),
-            submitted_at=now,
-            footprint=footprint,
-            est_cost=n * self._cost(p, d),
-            est_kv_cost=n * kv_cost(p, d),
-            private_footprint=footprint,
-        )
-        # n > 1: vLLM gives every sequence its own copy of the prompt (measured), no sharing
-        if spec.prefix and n == 1 and self.policy.prefix_aware:
-            self._share(agent, req, p, d)
+        p, d = int(spec.prompt_tokens), spec.expected_tokens
+        req = self.costs.estimate(spec, agent, next(self._seq), now)
         req.order = self.policy.request_order(req)
-        self._mix.compute += n * compute_cost(p, d)
-        self._mix.kv += req.est_kv_cost
         if self.policy.cost_model == COMPUTE:
-            self.clock.set_rate(self._rate(), now)
+            self.clock.set_rate(self.rate_at(self.tau), now)
         observed = self.promises.observed
         observed.max_request_cost = max(observed.max_request_cost, req.est_kv_cost)
         observed.max_output_tokens = max(observed.max_output_tokens, spec.max_tokens)
@@ -448,32 +331,6 @@ class Dispatcher:
         self._commit(agent, req.est_cost, now)
         self.queue.requeue(agent)
 
-    def _share(self, agent: AgentState, req: RequestState, p: int, d: int) -> None:
-        """A request naming shared prefixes: its segments, private footprint and charge."""
-        segs = segments(req.spec.prefix, self.block_size)
-        if not segs:
-            return
-        shared = shared_tokens(segs)
-        req.segments = segs
-        req.private_footprint = req.footprint - shared
-        if self.policy.cost_model == KV:
-            if agent.prefixes is None:
-                agent.prefixes = PrefixLedger()
-            req.shared_charge = agent.prefixes.charge(segs, d)
-            req.est_cost = private_kv_cost(p, d, shared) + req.shared_charge
-
-    def _unshare(self, agent: AgentState, req: RequestState) -> None:
-        if req.segments and agent.prefixes is not None:
-            agent.prefixes.release(req.segments)
-
-    def _real_cost(self, req: RequestState, prompt_tokens: int, output_tokens: int,
-                   lengths: Sequence[int]) -> float:
-        """A finished request's cost in policy units: its private part at its true length,
-        plus the charge of its shared prefixes (fixed at submission)."""
-        if req.segments and self.policy.cost_model == KV:
-            return private_kv_cost(prompt_tokens, output_tokens, shared_tokens(req.segments)) + req.shared_charge
-        return sum(self._cost(prompt_tokens, d) for d in lengths)
-
     def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int,
                             now: float, each: Sequence[int] = (), cached_tokens: int | None = None) -> bool:
         """A request left the engine: release its reservation and account its real cost.
@@ -492,7 +349,7 @@ class Dispatcher:
             return False
         agent = self._agent(req.spec.agent_id)
         agent.request_ids.discard(request_id)
-        self._unshare(agent, req)
+        self.costs.unshare(agent, req)
         if cached_tokens is not None and req.status is RUNNING:
             cached = self.ledger.observe_cached(prompt_tokens, cached_tokens)
             self.etas.observe_uncached(uncached_prompt(prompt_tokens, cached))
@@ -509,8 +366,7 @@ class Dispatcher:
             agent.pending -= 1
             self.ledger.dequeue(req)
         lengths = each or (output_tokens,)
-        real = self._real_cost(req, prompt_tokens, output_tokens, lengths)
-        real_kv = sum(kv_cost(prompt_tokens, d) for d in lengths)
+        real, real_kv = self.costs.real(req, prompt_tokens, output_tokens, lengths)
         agent.consumed_cost += real
         agent.consumed_kv += real_kv
         agent.committed_kv += real_kv - req.est_kv_cost
@@ -542,48 +398,13 @@ class Dispatcher:
         engine_free_slots: int | None = None,
         place: Callable[[RequestSpec, int], bool] | None = None,
     ) -> list[RequestSpec]:
-        """The requests to hand to the engine now, in order.
-
-        Footprint policies reserve p + expected d against min(M - reserved, engine free) and
-        stop at the first request that does not fit (strict order; optional backfill).
-        With several engine replicas, room in the sum is not enough (a request cannot span
-        replicas): `place(spec, footprint)` must also find it a replica, and reserves there.
-        Prompt policies admit while the prompt fits in free memory (the engine's report, or M
-        minus admitted prompts) and leave preemption to the engine.
-        """
+        """The requests to hand to the engine now, in order (admit.py: budgets, backfill,
+        replicas; `place(spec, footprint)` finds a replica and reserves there)."""
         self.clock.advance(now)
-        footprint = self.policy.admission == FOOTPRINT
-        ledger = self.ledger
-        free = ledger.budget(self.kv_capacity, footprint, engine_free_kv_tokens)
-        slots = engine_free_slots
-        queue = self.queue
-        out: list[RequestSpec] = []
-        while slots is None or slots > 0:
-            req = queue.peek(now)
-            if req is None:
-                break
-            need = ledger.need(req, footprint)
-            fits = need <= free
-            if fits and footprint and place is not None:
-                # several replicas: one of them must hold the whole request (it reserves there)
-                fits = place(req.spec, req.footprint)
-            # An idle engine takes the head whatever its size: nothing would ever free room.
-            if not fits and (ledger.running_count or out):
-                if queue.defer():  # backfill: look past the blocked agent (restored below)
-                    continue
-                break
-            agent = self.agents[req.spec.agent_id]
-            queue.pop(agent, req)
-            self._mark_running(agent, req, now)
-            queue.requeue(agent)
-            free -= need
-            if slots is not None:
-                slots -= 1
-            out.append(req.spec)
-        queue.restore()
-        return out
+        return admit_in_order(self, now, engine_free_kv_tokens, engine_free_slots, place)
 
-    def _mark_running(self, agent: AgentState, req: RequestState, now: float) -> None:
+    def mark_running(self, agent: AgentState, req: RequestState, now: float) -> None:
+        """A pending request the queue has let go enters the engine."""
         agent.pending -= 1
         agent.running += 1
         self.ledger.admit(req)
@@ -629,7 +450,7 @@ class Dispatcher:
         `now`, into the arrivals ETAs forecast from, as if this dispatcher had seen them: a
         restarted server's history. Their agents are gone; nothing else changes. Call it
         before any agent registers. Returns how many were replayed."""
-        return self.etas.recall(events, now, self.kv_unit)
+        return self.etas.recall(events, now, self.costs.kv_unit)
 
     def refresh_etas(self, now: float) -> None:
         """Replay the policy's order once (O(N log N)) and cache every agent's ETA. Called
@@ -643,18 +464,11 @@ class Dispatcher:
         """The rate ETAs divide work by (`EtaEstimator.eta_rate`)."""
         return self.etas.eta_rate
 
-    @property
-    def kv_unit(self) -> float:
-        """Policy cost units per unit of KV token-time (1 unless the policy charges compute)."""
-        return self.compute_per_kv if self.policy.cost_model == COMPUTE else 1.0
-
     def repredict(self, agent_id: str, expected_total_kv: float, now: float) -> None:
         """A new estimate of the agent's total KV cost as it runs (reprediction.py). ETAs
         (its own and those of agents queued behind it) use it from the next refresh; its
         virtual finish tag and charge do not move: only the over-run rule changes those."""
-        agent = self._agent(agent_id)
-        agent.expected_kv = max(float(expected_total_kv), agent.consumed_kv)
-        agent.eta_at = None  # its remaining work changed: place it again until the next pass
+        self.etas.repredict(self._agent(agent_id), expected_total_kv)
 
     def eta_time(self, agent_id: str, now: float) -> float:
         """Projected finish under the running policy (cached by `refresh_etas`; an agent the
@@ -668,91 +482,12 @@ class Dispatcher:
 
     def view(self, agent_id: str, now: float) -> AgentView:
         """The agent's record: tag, costs and times (seconds from its submission)."""
-        agent = self._agent(agent_id)
-        fair = self.fair_finish_time(agent_id, now) - agent.submitted_at
-        bound = agent.bound.total_s
-        eta = self.eta_time(agent_id, now) - agent.submitted_at
-        deadline = (agent.deadline_at if agent.deadline_at is not None else now) - agent.submitted_at
-        return AgentView(
-            agent_id=agent_id,
-            agent_type=agent.agent_type,
-            submitted_at=agent.submitted_at,
-            predicted_cost=agent.predicted_cost,
-            charged_cost=agent.charged_cost,
-            consumed_cost=agent.consumed_cost,
-            virtual_finish=agent.virtual_finish,
-            fair_finish_s=fair,
-            eta_s=eta,
-            eta_interval_s=self.eta_calibration.interval(now - agent.submitted_at, eta, deadline),
-            delay_bound_s=bound,
-            deadline_s=deadline,
-            bound=agent.bound,
-            requests_total=agent.requests_total,
-            requests_done=agent.requests_done,
-            pending=agent.pending,
-            running=agent.running,
-            promise=agent.promise,
-            promise_reason=agent.promise_reason,
-            expected_cost=agent.expected_kv,
-        )
+        return agent_view(self, self._agent(agent_id), now)
 
     def snapshot(self, now: float, max_queue: int = 50) -> dict[str, Any]:
         """Plain-data state: policy, V, M, tau, backlog, queue (head first) with tags.
         A read: the clock does not move."""
-        gps = self.clock.peek(now)
-        waiting = [a for a in self.agents.values() if a.pending]
-        # the head of the queue only: O(n log max_queue), whatever the number of agents
-        queued = heapq.nsmallest(max_queue, waiting, key=self._queue_key)
-        return {
-            "policy": self.policy.name,
-            "now": now,
-            "V": gps.V,
-            "M": self.kv_capacity,
-            "block_size": self.block_size,
-            "prefix_block": self.prefix_block,
-            "tau": self.tau,
-            "bound_tau": self.bound_tau,
-            "bound_iteration_s": self.bound_iteration_s,
-            "bound_step_s": self.bound_step_s,
-            "promise": "widened" if self.uncertainty else "firm",
-            "promise_reason": self.uncertainty or "",
-            "rate": self.rate,
-            "eta_rate": self.eta_rate,
-            # what the ETA replay divides by and what one prompt token it adds takes
-            "replay_rate": self.etas.replay_rates()[0],
-            "prefill_token_s": self.etas.prefill_token_s(),
-            "arrival_rate": self.arrivals.rate,
-            "arrival_promise_rate": self.arrivals.promise_rate,
-            "arrival_history_s": self.arrivals.history_s(now),
-            "arrival_episodes": self.arrivals.episodes,
-            "etas_refreshed_at": self.etas.last_pass.now if self.etas.last_pass is not None else None,
-            "backlog": gps.backlog,
-            "agents": len(self.agents),
-            "queued_agents": len(waiting),
-            "pending_requests": self.ledger.pending_count,
-            "running_requests": self.ledger.running_count,
-            "reserved_kv": self.ledger.reserved_kv,
-            "kv_shared": self.ledger.kv_shared_now,
-            "kv_saved_total": self.ledger.kv_saved_total,
-            "prefix_hit_rate": self.ledger.prefix_hit_rate,
-            "limits": dataclasses.asdict(self.limits),
-            "queue": [
-                {
-                    "agent_id": a.agent_id,
-                    "virtual_finish": a.virtual_finish,
-                    "priority": self.policy.priority(a, self.queue.head(a)),
-                    "pending": a.pending,
-                    "running": a.running,
-                }
-                for a in queued
-            ],
-        }
-
-    def _queue_key(self, agent: AgentState) -> Any:
-        head = self.queue.head(agent)
-        if head is not None:
-            return self.policy.agent_key(agent, head)
-        return self.policy.static_key(agent)  # a queue of requests, not agents (ewsjf)
+        return snapshot(self, now, max_queue)
 
     def is_idle(self) -> bool:
         """True when no agent, request or reservation is left (accounting back to zero)."""

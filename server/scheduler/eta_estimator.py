@@ -73,6 +73,12 @@ class EtaEstimator:
         self.mean_context = 0.0
 
     # -- what is observed ------------------------------------------------------------
+    def repredict(self, agent: AgentState, expected_total_kv: float) -> None:
+        """A new estimate of the agent's total KV cost: its ETA is placed again (slow path)
+        until the next pass."""
+        agent.expected_kv = max(float(expected_total_kv), agent.consumed_kv)
+        agent.eta_at = None
+
     def registered(self, agent: AgentState) -> None:
         """A new agent: later registrations before the next pass count its work."""
         if len(self.unpassed) < MAX_UNPASSED:
@@ -195,7 +201,7 @@ class EtaEstimator:
         is one (`Dispatcher.repredict`), else the charge."""
         if agent.expected_kv is None:
             return max(0.0, agent.charged_cost - agent.consumed_cost), agent.charged_cost
-        unit = self._d.kv_unit
+        unit = self._d.costs.kv_unit
         # never less than the requests it has already submitted
         expected = max(agent.expected_kv, agent.committed_kv)
         return max(0.0, expected - agent.consumed_kv) * unit, expected * unit
@@ -309,7 +315,7 @@ class EtaEstimator:
         prefix = [0.0] * (len(agents) + 1)
         # eta_time's per-agent steps, inlined: this loop is the whole cost of the upkeep
         gap, costs, cprefix = policy.arrival_gap, d.arrivals._costs, d.arrivals._prefix
-        unit = d.kv_unit
+        unit = d.costs.kv_unit
         prefill_s = self.prefill_token_s()
         scale = d.arrivals.rate * per_unit / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
         cap = MAX_ARRIVAL_SHARE * rate
