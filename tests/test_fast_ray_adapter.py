@@ -127,6 +127,7 @@ def test_bench_takes_policy_ray_only_with_ray(tmp_path, capsys: pytest.CaptureFi
 
 
 def test_the_fast_tier_does_not_import_ray() -> None:
-    code = ("import sys, server.app, server.cli, server.engine.ray_serve, server.sim.cli, server.sim.live_bench;"
+    code = ("import sys, server.api.app, server.cli, server.engine.ray_serve, server.engine.ray_cluster, "
+            "server.sim.cli, server.sim.live_bench;"
             "sys.exit('ray' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -62,8 +62,8 @@ class EngineReplica:
     async def __init__(self, settings: dict[str, Any]) -> None:  # type: ignore[misc]
         # Ray actors may construct asynchronously: the replica is RUNNING (and takes
         # requests) once its engine has started.
+        from server.engine.tiny_model import embedded_engine_config
         from server.engine.vllm_local import LocalEngineConfig, LocalVLLMEngine
-        from server.tiny_model import embedded_engine_config
 
         context = serve.get_replica_context()
         self._id = context.replica_id.unique_id

@@ -198,7 +198,7 @@ class RayServeEngine(TokenizerEngine):
                  pinned: bool = True, tokenizer: str | None = None,
                  min_replicas: int | None = None, max_replicas: int | None = None,
                  app_name: str = APP_NAME, poll_interval_s: float = 0.5,
-                 start_timeout_s: float = 600.0) -> None:
+                 start_timeout_s: float = 1800.0) -> None:
         self.address = address
         self.replica_count = replicas
         self.settings = dict(settings)
@@ -271,6 +271,10 @@ class RayServeEngine(TokenizerEngine):
                 self._handle = await asyncio.wait_for(
                     asyncio.to_thread(serve.run, app, name=self.app_name, route_prefix=None),
                     self.start_timeout_s)
+        except TimeoutError as exc:
+            await self._teardown()
+            raise EngineError(f"the engine replicas did not start on Ray ({self.address}) within "
+                              f"{self.start_timeout_s:.0f} s (see Ray's logs under /tmp/ray)") from exc
         except Exception as exc:
             await self._teardown()
             raise EngineError(f"the engine replicas did not start on Ray ({self.address}): {exc}") from exc
