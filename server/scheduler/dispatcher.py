@@ -673,6 +673,28 @@ class Dispatcher:
         queue.restore()
         return out
 
+    def head_need(self, now: float) -> tuple[str, int] | None:
+        """The agent whose request is admitted next and the memory it needs (None: nothing
+        queued): what a kept context gives way to (retention.py)."""
+        req = self.queue.peek(now)
+        if req is None:
+            return None
+        return req.spec.agent_id, self._need(req, self.policy.admission == FOOTPRINT)
+
+    def fair_order(self, agent_id: str) -> float:
+        """The agent's place in the fair order: its virtual finish tag."""
+        return float(self._agent(agent_id).virtual_finish)
+
+    def charge_retained(self, agent_id: str, kv_token_s: float, now: float) -> None:
+        """Charge KV token-time held for the agent while it was paused (its kept context,
+        retention.py) as if it had been running: its tag moves by it."""
+        agent = self.agents.get(agent_id)
+        if agent is None or kv_token_s <= 0 or self.policy.cost_model != KV:
+            return
+        agent.consumed_cost += kv_token_s
+        self._commit(agent, kv_token_s, now)
+        self.queue.requeue(agent)
+
     def _need(self, req: RequestState, footprint: bool) -> int:
         """Memory a request takes when admitted now: its footprint (footprint policies) or its
         prompt and one token (prompt policies), shared prefixes that running requests hold
