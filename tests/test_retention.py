@@ -172,6 +172,7 @@ def _chats(n: int, seed: int) -> list[AgentSpec]:
     agents = []
     for i in range(n):
         stages, prefixes, ctxs, pauses, p = [], {}, {}, [0.0], rng.randint(300, 800)
+        prev = 0
         for k in range(5):
             d = rng.randint(20, 100)
             stages.append([(p, d)])

@@ -26,10 +26,11 @@ Conversations (`cache_sequences`, on when a workload resends contexts or pauses)
 request's whole sequence (prompt and output, whole blocks) stays cached as vLLM keeps it, under
 its `ctx` id (the next turn of that conversation extends it) or an id of its own; eviction then
 takes whole blocks from the tail of the least recently released entry (vLLM frees a request's
-blocks tail first), and the tail of an entry that a shorter holder does not reach stays cached. An entry may be *pinned* (a paused agent's context kept, retention.py): it
-is not evictable and not free; a pin gives way before any preemption. `reprefill_tokens`
-counts, per agent, prompt tokens prefilled that the same agent had computed or had cached
-before (its context lost while it paused); recompute after a preemption is not counted.
+blocks tail first), and the tail of an entry that a shorter holder does not reach stays
+cached. An entry may be *pinned* (a paused agent's context kept, retention.py): it is not
+evictable and not free; a pin gives way before any preemption. `reprefill_tokens` counts, per
+agent, prompt tokens prefilled that the same agent had computed or had cached before (its
+context lost while it paused); recompute after a preemption is not counted.
 
 Between events (a request finishing, memory running out, the next external arrival) nothing
 changes but the token counts, so `step` runs a whole stretch of decode iterations at once:

@@ -480,7 +480,8 @@ class _Run:
         st = a.stages[self.stage_of[i]]
         self.left_in_stage[i] = len(st)
         if self.keeper is not None:
-            self.keeper.resume(a.id, a.type, (key for k in range(len(st)) for key, _ in a.prefix(self.stage_of[i], k)), now)
+            resent = (key for k in range(len(st)) for key, _ in a.prefix(self.stage_of[i], k))
+            self.keeper.resume(a.id, a.type, resent, now)
         for k, (p, d) in enumerate(st):
             chain = a.prefix(self.stage_of[i], k)
             rid = f"{a.id}/{self.stage_of[i]}/{k}"
