@@ -37,6 +37,9 @@ RETAIN_MODES = ("auto", "always", "never")
 # A type's resend rate starts from this many resends out of as many pauses (optimistic: keep
 # until the type shows its contexts are not resent).
 REUSE_PRIOR = 1.0
+# The horizon is this times the break-even pause, scaled by the resend share. 1: the
+# break-even itself; tuned on the simulator's tuning seeds (benchmarks/retention_sim.py).
+HORIZON_SCALE = 1.0
 
 
 def check_mode(mode: str) -> str:
@@ -121,7 +124,7 @@ class Retention:
 
     def horizon_s(self, agent_type: str | None, kv_capacity_tokens: float, prefill_token_s: float) -> float:
         """The expected remaining pause below which the agent's context is worth keeping."""
-        return self.reuse.rate(agent_type) * break_even_pause_s(kv_capacity_tokens, prefill_token_s)
+        return HORIZON_SCALE * self.reuse.rate(agent_type) * break_even_pause_s(kv_capacity_tokens, prefill_token_s)
 
     def keep_until(self, agent_type: str | None, paused_since: float, kv_capacity_tokens: float,
                    prefill_token_s: float) -> float:
