@@ -121,7 +121,7 @@ class SimRetention:
         if head is None:
             return False
         agent_id, need = head
-        if self.disp.policy.admission == FOOTPRINT and self.disp.kv_capacity - self.disp.reserved_kv < need:
+        if self.disp.policy.admission == FOOTPRINT and self.disp.kv_capacity - self.disp.ledger.reserved_kv < need:
             return False  # its reservation does not fit anyway: memory held by pins is not why
         pins = [Pin(a, h.tokens, self.disp.fair_order(a)) for a, h in self.pins.items() if a != agent_id]
         out = pins_to_release(pins, self.disp.fair_order(agent_id), need, self.engine.free_kv)
