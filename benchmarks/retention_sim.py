@@ -102,9 +102,10 @@ def main() -> int:
         "horizon_scale": chosen,
         "multi_turn": {k: _median(held_multi, k) for k in held_multi[0]["ratios"]},
         "single_turn": {k: _median(held_single, k) for k in held_single[0]["ratios"]},
-        "promises_kept_all": all(v["promises_kept"] == r["results"]["agents"]
-                                 for r in held_multi + held_single
-                                 for k, v in r["results"].items() if isinstance(v, dict)),
+        # every agent's promise kept, per policy, on every held-out run
+        "promises_kept_all": {name: all(r["results"][name]["promises_kept"] == r["results"]["agents"]
+                                        for r in held_multi + held_single if name in r["results"])
+                              for name in ("justitia-auto", "justitia-always", "justitia-noretain", "vtc")},
     }
     print("held-out medians:", summary)
     write_result(args.out, {"config": {"profile": PROFILE, "agents": 300, "load": args.load,
