@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server.scheduler.retention as retention  # noqa: E402
-from server.sim.profiles import get_profile  # noqa: E402
+from server.shared.profiles import get_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import run_comparison  # noqa: E402
 from server.sim.talk import make_talk_mix  # noqa: E402

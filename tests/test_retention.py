@@ -20,8 +20,8 @@ from server.scheduler.retention import (
     keep_until_s,
     pins_to_release,
 )
+from server.shared.profiles import get_profile
 from server.sim.engine import EngineModel, SimRequest
-from server.sim.profiles import get_profile
 from server.sim.simulator import run_comparison, simulate
 from server.sim.talk import make_talk_mix
 from server.sim.workload import AgentSpec, WorkloadError, parse_agent

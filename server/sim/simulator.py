@@ -31,9 +31,9 @@ from server.scheduler.policies import FOOTPRINT, Justitia
 from server.scheduler.prefix import segments
 from server.scheduler.rate import TauEstimator
 from server.scheduler.retention import Retention, check_mode
+from server.shared.profiles import EngineProfile
 
 from .engine import EngineModel, SimRequest
-from .profiles import EngineProfile
 from .retain import SimRetention
 from .workload import AgentSpec
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import math
 import random
 
+from server.shared.profiles import EngineProfile
+
 from .mix import GROWING, make_mix
-from .profiles import EngineProfile
 from .shapes import PAUSE_MEDIAN_S
 from .workload import AgentSpec
 
