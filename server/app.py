@@ -18,8 +18,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import errors
+from server.agents_api import DIRECT as DIRECT_AGENT_ROUTES
 from server.agents_api import router as agents_router
 from server.auth import RateLimitFirst
+from server.bodies import serve_directly
 from server.config import ServerConfig
 from server.dashboard import DashboardHub
 from server.dashboard.api import router as dashboard_router
@@ -32,7 +34,7 @@ from server.history import History
 from server.limits import PerTenant, Quotas, RateLimiter
 from server.live import LiveConfig, LiveScheduler
 from server.metrics import CONTENT_TYPE, Metrics
-from server.openai_api import install_fast_paths
+from server.openai_api import DIRECT as DIRECT_OPENAI_ROUTES
 from server.openai_api import router as openai_router
 from server.request_limits import RequestLimits
 from server.service import InferenceService
@@ -333,8 +335,9 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     # anything of the body is read, a refused oversized body included.
     app.add_middleware(RateLimitFirst)
     app.include_router(openai_router)
-    install_fast_paths(app)
     app.include_router(agents_router)
+    # Served without FastAPI's body handling: large bodies are parsed off the event loop.
+    serve_directly(app, DIRECT_OPENAI_ROUTES | DIRECT_AGENT_ROUTES)
     app.include_router(dashboard_router)
 
     @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse,
