@@ -357,3 +357,56 @@ def test_serve_parses_agent_bytes_per_tenant() -> None:
     limits = _parse_limits(args, {"alice", "bob"})
     assert limits["max_agent_bytes"] == 64 << 20
     assert limits["tenant_max_agent_bytes"] == {"alice": 512 << 10, "bob": None}
+
+
+def _deadline_beside_a_flood(srv: FakeServer, split: bool, requests: int = 24) -> float:
+    """alice's deadline, promised at registration, while bob has `requests` queued: on one
+    agent, or untagged (a one-request agent each)."""
+    import asyncio
+    import threading
+
+    from tests.waiting import wait_until
+
+    admin = httpx.Client(base_url=srv.url, timeout=30, headers={"Authorization": "Bearer key-admin"})
+    bob_agent = None
+    with _as(srv, "bob") as bob:
+        if not split:
+            bob_agent = bob.post("/v1/agents", json={"type": "flood", "prompt": "x"}).json()["id"]
+    headers = {"Authorization": f"Bearer {KEYS['bob']}",
+               **({"X-Justitia-Agent": bob_agent} if bob_agent else {})}
+
+    async def flood() -> None:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120, headers=headers,
+                                     limits=httpx.Limits(max_connections=requests + 4)) as c:
+            await asyncio.gather(*(c.post("/v1/completions", json={
+                "prompt": "flood " * 60, "max_tokens": 60, "ignore_eos": True}) for _ in range(requests)))
+
+    assert admin.post("/v1/admin/pause").status_code == 200
+    sender = threading.Thread(target=lambda: asyncio.run(flood()), daemon=True)
+    try:
+        sender.start()
+        wait_until(lambda: admin.get("/v1/scheduler").json()["pending_requests"] >= requests, 120)
+        with _as(srv, "alice") as alice:
+            rec = alice.post("/v1/agents", json={"type": "honest", "prompt": "q", "predicted_cost": 50_000.0,
+                                                 "metadata": {"stages": 4}}).json()
+            alice.delete(f"/v1/agents/{rec['id']}")
+    finally:
+        admin.post("/v1/admin/resume")
+        sender.join(120)
+        admin.close()
+    if bob_agent is not None:
+        with _as(srv, "bob") as bob:
+            bob.post(f"/v1/agents/{bob_agent}/finish")
+    return rec["deadline_s"]
+
+
+@pytest.mark.timeout(300)
+def test_a_tenant_splitting_its_work_does_not_widen_anothers_deadline(tmp_path) -> None:
+    """Fair share is the tenant's before its agents': bob's 24 queued requests as 24
+    untagged requests (24 agents) widen alice's promised deadline at most 1.5x against the
+    same requests on one agent (with a share per agent it was 3-6x)."""
+    keys = {**KEYS, "admin": "key-admin"}
+    with keyed_server(tmp_path, kv_tokens=2048, keys=keys) as srv:
+        one = _deadline_beside_a_flood(srv, split=False)
+        split = _deadline_beside_a_flood(srv, split=True)
+    assert one > 0 and split <= 1.5 * one, (one, split)
