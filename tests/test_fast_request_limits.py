@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.limits import Rate
+from server.runtime.limits import Rate
 from tests.fake_engine import FakeEngine, FakeServer
 from tests.tenants import KEYS, as_tenant, keyed_server
 
@@ -158,7 +158,7 @@ def _grammar_worker_facts() -> tuple[int, str, int]:
 def test_the_grammar_worker_runs_at_the_lowest_priority_on_one_thread(compiling) -> None:
     """A compile must not take the engine's CPU: the worker runs at nice 19 (below the
     EngineCore's 10) and its libraries on one thread."""
-    from server.grammar import WORKER_NICE
+    from server.api.grammar import WORKER_NICE
 
     with httpx.Client(base_url=compiling.url, timeout=300) as c:
         r = c.post("/v1/chat/completions", json=_schema_request({"type": "number"}))
