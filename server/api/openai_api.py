@@ -78,11 +78,14 @@ def _check_model(service: InferenceService, body: SamplingFields) -> None:
 
 
 def _usage(out: EngineOutput) -> dict:
-    return Usage(
+    usage = Usage(
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.output_tokens,
         total_tokens=out.prompt_tokens + out.output_tokens,
-    ).model_dump()
+    ).model_dump(exclude_none=True)
+    if out.cached_tokens is not None:  # OpenAI's field: prompt tokens served from the prefix cache
+        usage["prompt_tokens_details"] = {"cached_tokens": out.cached_tokens}
+    return usage
 
 
 @dataclass
@@ -277,7 +280,8 @@ async def completions(
     return JSONResponse(chunk(
         [{"index": q.index, "text": q.text,
           "logprobs": _completion_logprobs(final.logprobs[q.index], 0) if with_logprobs else None,
-          "finish_reason": q.finish_reason} for q in out.each()],
+          "finish_reason": q.finish_reason} | ({"token_ids": list(q.token_ids)} if body.return_token_ids else {})
+         for q in out.each()],
         out))
 
 
