@@ -138,6 +138,8 @@ class AgentEntry:
     last_activity_mono: float = 0.0
     in_flight: int = 0
     requests: list[RequestLog] = field(default_factory=list)
+    # KV token-time its finished requests consumed: the scheduler's count (`AgentState.consumed_kv`),
+    # copied after each request, and kept once the scheduler has forgotten the agent
     consumed_kv_cost: float = 0.0
     # The predictor's (p50, p90) of its total cost, when it gives one; and the stages the
     # agent has completed (no request in flight): where re-prediction starts from.

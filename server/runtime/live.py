@@ -766,6 +766,8 @@ class LiveScheduler:
             self.dispatcher.on_request_finished(ticket.request_id, ticket.prompt_tokens, d, now,
                                                 each=each,
                                                 cached_tokens=last.cached_tokens if last is not None else None)
+            # the scheduler counts what its agents consume; the entry keeps its count
+            entry.consumed_kv_cost = self.dispatcher.agents[entry.id].consumed_kv
         entry.in_flight -= 1
         entry.last_activity_mono = now
         if ticket.admitted is not None:
@@ -780,7 +782,6 @@ class LiveScheduler:
                 preemptions=last.num_preemptions if last is not None else 0,
                 cached_tokens=last.cached_tokens if last is not None else None,
             ))
-            entry.consumed_kv_cost += sum(kv_cost(ticket.prompt_tokens, x) for x in each or (d,))
         if last is not None:
             self.listeners.on_request_finished(entry, last)
         entry.touch()
