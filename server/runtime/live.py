@@ -371,12 +371,16 @@ class LiveScheduler:
         auto: bool = False,
         lease_s: float | None = None,
         session: str | None = None,
+        metadata_json: bytes | None = None,
     ) -> AgentEntry:
+        """A new agent. `metadata_json`: `metadata` already encoded (`encode_metadata`),
+        by a caller that did it off the event loop."""
         self.config.quotas.check_agents(tenant, self._live_count[tenant])
         now = self.now()
         metadata = metadata or {}
         kept_prompt = prompt[:KEPT_PROMPT_CHARS]
-        metadata_json = encode_metadata(metadata) if metadata else b"{}"
+        if metadata_json is None:
+            metadata_json = encode_metadata(metadata) if metadata else b"{}"
         self.config.quotas.check_metadata(tenant, len(metadata_json))
         held = _held_bytes(kept_prompt, metadata_json)
         self.config.quotas.check_bytes(tenant, self._held_bytes[tenant], held)
