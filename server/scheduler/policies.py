@@ -105,7 +105,7 @@ class SJF(Policy):
         return (head.est_cost, head.seq)
 
     def static_key(self, agent: AgentState) -> Any:
-        return agent.predicted_cost
+        return (agent.predicted_cost, agent.seq)  # ties in arrival order, as in the pass
 
     def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return int(req.est_cost) if req is not None else int(agent.predicted_cost)
