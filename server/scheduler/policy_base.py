@@ -39,7 +39,8 @@ class Policy:
         raise NotImplementedError
 
     def static_key(self, agent: AgentState) -> Any:
-        """A key for ETA projections (agents with or without pending requests)."""
+        """A key for ETA projections (agents with or without pending requests): a total
+        order, ending in the agent's `seq`, so that the pass and the slow path place ties alike."""
         return agent.seq
 
     def priority(self, agent: AgentState, req: RequestState | None) -> int:
