@@ -329,3 +329,21 @@ def test_the_retraining_worker_dies_with_a_killed_server(tmp_path: Path, started
         if host.poll() is None:
             host.kill()
             host.wait(10)
+
+
+def test_a_supervised_engine_is_restarted_and_the_server_exits_when_restarts_run_out(spawn) -> None:
+    """As the in-process vLLM engine (tests/engine/test_faults.py), on the fake: while the
+    engine restarts, /healthz stays 200, /readyz is 503 "restarting" and a request waits for
+    it, then completes; killed with no restart left, the server exits with status 69."""
+    server = spawn("--max-restarts", "1", "--restart-delay-s", "1.5")
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        os.kill(server.proc.pid, signal.SIGUSR1)
+        wait_until(lambda: c.get("/readyz").status_code == 503, 20, show=server.tail)
+        ready = c.get("/readyz").json()
+        assert ready["status"] == "restarting", ready
+        assert c.get("/healthz").status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "during the restart", "max_tokens": 3})
+        assert r.status_code == 200, r.text  # it waited for the engine
+        assert c.get("/readyz").status_code == 200
+        os.kill(server.proc.pid, signal.SIGUSR1)
+    assert server.wait_exit() == 69, server.tail()
