@@ -12,6 +12,10 @@ from server.sim.profiles import get_profile
 from server.sim.workload import save_workload
 
 AGENT_KEYS = {"id", "arrival_s", "finish_s", "jct_s", "gps_finish_s", "delay_bound_s"}
+# Live mean JCT over the simulator's, for this small workload (8 agents); see the test for
+# the measured values and the margins.
+LIVE_OVER_SIM = (0.5, 3.0)
+LIVE_OVER_ONLINE_SIM = (0.7, 1.5)
 RESULT_KEYS = {"policy", "mean_jct_s", "p50_jct_s", "p90_jct_s", "p99_jct_s", "max_jct_s",
                "makespan_s", "agents"}
 
@@ -46,18 +50,20 @@ def test_bench_live_replays_a_workload_and_writes_the_contract(tmp_path, justiti
     assert result["preemptions"] == 0
     assert result["engine_dtype"] == "float32"  # what `bench calibrate` measures too
     assert result["accounting_zero"] is True
-    # The simulator's cpu-tiny profile predicts the live run's mean JCT (within 6% on a quiet
-    # machine, docs/benchmarks.md). Here only a gross error is a failure: a broken live path
-    # (a client that serialises requests, a stalled admission) is off by an order of
-    # magnitude, while a machine shared with other work can slow the live run 4x.
-    assert result["sim_mean_jct_s"] > 0
+    # The simulator predicts the live run's mean JCT. With the built-in cpu-tiny profile
+    # (fitted on a quiet machine) the prediction can only be as good as the machine is quiet:
+    # a shared 2-core machine slows the live run, so this ratio is bounded loosely (measured
+    # LIVE_OVER_SIM below). With the step-time model the server fitted to this engine during
+    # the run, the machine's speed that hour is in the prediction, so the bound is tight.
     ratio = result["mean_jct_s"] / result["sim_mean_jct_s"]
-    assert 0.2 < ratio < 8, result
+    online = result["mean_jct_s"] / result["sim_online_mean_jct_s"]
+    print(f"live / sim mean JCT: {ratio:.3f} (cpu-tiny profile), {online:.3f} (fitted online)")
+    assert LIVE_OVER_SIM[0] < ratio < LIVE_OVER_SIM[1], result
     # and the first ETAs the server would give, its rate measured from the simulated steps
     assert 0 <= result["sim_eta_error_p50"] <= result["sim_eta_error_p90"]
     # the same run simulated with the step-time model the server fitted to this engine
     assert result["time_model"]["engines"]["local"]["samples"] > 0
-    assert 0.2 < result["mean_jct_s"] / result["sim_online_mean_jct_s"] < 5, result
+    assert LIVE_OVER_ONLINE_SIM[0] < online < LIVE_OVER_ONLINE_SIM[1], result
 
 
 def test_bench_live_renders_shared_prefixes_that_the_engine_caches(tmp_path, justitia_home,
