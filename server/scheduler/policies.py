@@ -18,6 +18,7 @@ minima is the global minimum.
 | justitia   | virtual finish tag, KV token-time            | footprint, non-preemptive    |
 | justitia-c | virtual finish tag, compute tokens (p + 2d)  | footprint, non-preemptive    |
 | justitia-nocache | virtual finish tag, prefix-blind KV cost | prefix-blind footprint   |
+| justitia-noretain | justitia, paused agents' contexts never kept | footprint, non-preemptive |
 | ewsjf      | density-weighted score of per-group queues   | prompt fits, engine preempts |
 | equinox    | per-agent user + resource fairness counters  | prompt fits, engine preempts |
 | las        | decayed attained service p + 2d per agent    | prompt fits, engine preempts |
@@ -31,6 +32,8 @@ Shared prompt prefixes (prefix.py) are counted once by every policy's admission 
 that running requests hold takes no memory again: footprint policies reserve it once, prompt
 policies see what vLLM's prefix cache sees) and in the KV charges of justitia; the ablation
 justitia-nocache (`prefix_aware=False`) reserves and charges every prompt token as private.
+justitia-noretain is Justitia that never keeps a paused agent's context (retention.py): the
+ablation of retention. Policies other than Justitia's never keep contexts.
 
 Four policies keep state of their own (docs/concepts.md has their sources and assumptions):
 
@@ -425,9 +428,10 @@ POLICIES: dict[str, Policy] = {
         VTC("vtc", PROMPT, KV),
         Parrot("parrot", FOOTPRINT, KV),
         SRJF("srjf", FOOTPRINT, KV),
-        Justitia("justitia", FOOTPRINT, KV),
-        Justitia("justitia-c", FOOTPRINT, COMPUTE),
-        Justitia("justitia-nocache", FOOTPRINT, KV, prefix_aware=False),
+        Justitia("justitia", FOOTPRINT, KV, retains=True),
+        Justitia("justitia-c", FOOTPRINT, COMPUTE, retains=True),
+        Justitia("justitia-nocache", FOOTPRINT, KV, prefix_aware=False, retains=True),
+        Justitia("justitia-noretain", FOOTPRINT, KV),
         EWSJF("ewsjf", PROMPT, KV),
         Equinox("equinox", PROMPT, KV),
         LAS("las", PROMPT, KV),

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server.metrics import metric_value
+from server.runtime.metrics import metric_value
 from server.scheduler import kv_cost
 from tests.support.agents import (
     RECORD_FIELDS,

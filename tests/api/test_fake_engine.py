@@ -19,8 +19,8 @@ from server.engine.base import (
     InvalidRequestError,
     SamplingOptions,
 )
-from server.scheduler.time_model import StepSample
-from server.sim.profiles import EngineProfile, get_profile
+from server.shared.profiles import EngineProfile, get_profile
+from server.shared.step_time import StepSample
 from tests.support.fake_engine import BOS, FakeEngine, SupervisedFakeEngine, decode, encode
 
 

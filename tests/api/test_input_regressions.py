@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.limits import Rate
+from server.runtime.limits import Rate
 from tests.support.servers import ENGINES, either_server
 
 TIMEOUT_S = 30.0

@@ -28,8 +28,8 @@ def test_fast_path_and_fastapi_path_give_the_same_errors(path: str, body: dict) 
     # The refusals are the models' own checks, so both ways of serving a route give them
     # alike. (Type errors may be worded apart: the fast path validates JSON directly, where
     # pydantic says "array" for what FastAPI's Python-mode validation calls a "list".)
-    from server.app import create_app
-    from server.config import ServerConfig
+    from server.api.app import create_app
+    from server.api.config import ServerConfig
 
     fast = create_app(ServerConfig())
     plain = create_app(ServerConfig())

@@ -23,8 +23,8 @@ ADMIN = {"Authorization": f"Bearer {KEYS['admin']}"}
 
 def _all_labels() -> list[str]:
     """Every operation of the app, read from the app object (no server needed to collect)."""
-    from server.app import create_app
-    from server.config import ServerConfig
+    from server.api.app import create_app
+    from server.api.config import ServerConfig
 
     paths = create_app(ServerConfig()).openapi()["paths"]
     return sorted(f"{method.upper()} {path}" for path, item in paths.items() for method in item)

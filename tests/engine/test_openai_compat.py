@@ -144,7 +144,7 @@ def test_best_of_must_equal_n(oai: openai.OpenAI, model: str) -> None:
 
 
 # -- logprobs -------------------------------------------------------------------------------
-SPECIAL_TOKENS = {"<s>", "</s>", "<pad>"}  # the embedded tiny model's (server/tiny_model.py)
+SPECIAL_TOKENS = {"<s>", "</s>", "<pad>"}  # the embedded tiny model's (server/engine/tiny_model.py)
 
 
 def _visible(text: str) -> str:
@@ -308,7 +308,7 @@ def test_a_schema_the_grammar_compiler_refuses_is_a_400(oai: openai.OpenAI, mode
 
 
 def test_a_schema_the_compiler_refuses_is_a_400_before_the_stream_starts(vllm_client: httpx.Client) -> None:
-    """The grammar is compiled before the engine sees it (server/grammar.py): a schema it
+    """The grammar is compiled before the engine sees it (server/api/grammar.py): a schema it
     refuses is OpenAI's 400 naming it, not an error event after the headers went out."""
     bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
     with vllm_client.stream("POST", "/v1/chat/completions", json={
@@ -336,3 +336,18 @@ def test_completions_with_only_a_session_header_are_one_agent(oai: openai.OpenAI
     assert agent["requests_done"] == 3 and agent["session"] == session and agent["type"] == "session"
     assert agent["state"] == "running"  # until --session-idle-s (60 s) of idleness
     assert agent["delay_bound_s"] > 0 and agent["predicted_cost"] > 0
+
+
+def test_generated_token_ids_resent_hit_the_prefix_cache(vllm_client: httpx.Client) -> None:
+    """return_token_ids gives the ids the engine generated; a conversation resent with them
+    is served from vLLM's prefix cache (usage.prompt_tokens_details.cached_tokens)."""
+    prompt = [11 + (7 * k) % 600 for k in range(200)]
+    first = vllm_client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                                                       "return_token_ids": True}).json()
+    ids = first["choices"][0]["token_ids"]
+    assert len(ids) == 40 and all(isinstance(t, int) for t in ids)
+    again = vllm_client.post("/v1/completions", json={"prompt": prompt + ids + [5, 6, 7], "max_tokens": 1}).json()
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    block = vllm_client.get("/v1/scheduler").json()["block_size"]
+    assert cached >= (len(prompt) + len(ids) - 1) // block * block - block
+    assert "token_ids" not in again["choices"][0]

@@ -68,8 +68,8 @@ from server.engine.base import (
     check_request,
 )
 from server.scheduler.prefix import block_chain
-from server.scheduler.time_model import StepSample
-from server.sim.profiles import EngineProfile, get_profile
+from server.shared.profiles import EngineProfile, get_profile
+from server.shared.step_time import StepSample
 
 BOS, EOS = 1, 2
 BYTE_OFFSET = 3  # ids 3..258 are the 256 byte values
@@ -179,7 +179,7 @@ class FakeEngine:
         with one, as vLLM's tool-call parsers do; the fake's own token ids stay bytes."""
         from transformers import PreTrainedTokenizerFast
 
-        from server.tiny_model import _build_tokenizer
+        from server.engine.tiny_model import _build_tokenizer
 
         return PreTrainedTokenizerFast(tokenizer_object=_build_tokenizer())
 
@@ -548,7 +548,7 @@ class FakeServer:
 
     def __init__(self, data_dir: str | Path, engine: FakeEngine | None = None,
                  header_timeout_s: float = 10.0, **config: Any) -> None:
-        from server.config import ServerConfig
+        from server.api.config import ServerConfig
 
         self.header_timeout_s = header_timeout_s
         self.engine = engine or FakeEngine()
@@ -563,8 +563,8 @@ class FakeServer:
         """Serve on `port` (default: a free one) and return once /readyz answers 200."""
         import uvicorn
 
-        from server.app import create_app
-        from server.http import uvicorn_config
+        from server.api.app import create_app
+        from server.api.http import uvicorn_config
         from server.launcher import free_port
 
         app = self.app = create_app(self.config, engine=self.engine,

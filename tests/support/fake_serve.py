@@ -15,8 +15,8 @@ import argparse
 import signal
 import sys
 
+from server.api.config import ServerConfig
 from server.cli import serve
-from server.config import ServerConfig
 from tests.support.fake_engine import FakeEngine, SupervisedFakeEngine
 
 
