@@ -141,7 +141,8 @@ def test_a_profile_measured_on_the_engine_is_the_time_models_prior_and_sets_the_
     does not set that rate until the fit has seen TRUSTED_STEPS steps."""
     from dataclasses import replace
 
-    from server.shared.profiles import get_profile, save_profile
+    from server.shared.profiles import get_profile
+    from server.sim.calibrate import save_profile
 
     path = tmp_path / "measured.json"
     save_profile(replace(get_profile("cpu-tiny"), name="measured-here", per_kv_token_s=4e-7), path)

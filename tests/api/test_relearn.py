@@ -154,7 +154,8 @@ def test_a_restarted_server_starts_from_the_time_model_and_the_tau_its_last_run_
     assert elsewhere["tau"] == pytest.approx(0.01) and elsewhere["recalled"]["tau_s"] is None
     assert elsewhere["recalled"]["agents"] == 0 and elsewhere["recalled"]["registrations"] >= 2
     # a calibration given to the run wins over the saved fit
-    from server.shared.profiles import get_profile, save_profile
+    from server.shared.profiles import get_profile
+    from server.sim.calibrate import save_profile
     save_profile(dataclasses.replace(get_profile("cpu-tiny"), name="measured-here"), tmp_path / "p.json")
     with FakeServer(tmp_path, profile=str(tmp_path / "p.json")) as srv:
         calibrated = snapshot(srv)
