@@ -105,7 +105,7 @@ class SJF(Policy):
         return (head.est_cost, head.seq)
 
     def static_key(self, agent: AgentState) -> Any:
-        return agent.predicted_cost
+        return (agent.predicted_cost, agent.seq)  # ties in arrival order, as in the pass
 
     def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return int(req.est_cost) if req is not None else int(agent.predicted_cost)
@@ -180,8 +180,7 @@ def closing_gap(gap: float, closing: float) -> float:
     G = F_j - V by `closing` over the span (linearly: G - V't). Its mean is G - closing / 2
     while V stays below F_j, and G^2 / (2 closing) when V reaches F_j within the span (the
     later arrivals go behind). Not G / 2 whatever the span: a burst's arrivals come early in
-    a long wait, when the gap is nearly whole (contended48 simulated 200 s after another
-    burst, first-ETA error p50 0.38 with G / 2, 0.17 with G; docs/benchmarks.md)."""
+    a long wait, when the gap is nearly whole."""
     if gap <= 0.0:
         return 0.0
     if closing <= gap:

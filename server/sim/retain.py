@@ -9,7 +9,7 @@ it (`keep_until`), when an agent ahead of it in the fair order needs the memory
 (`pins_to_release`), or, in the engine, before any running request would be preempted. The
 tokens held times the seconds held are charged to the agent's KV token-time.
 
-The live server applies the same rule (server/retain_live.py) with admission as its pin.
+The rule is the scheduler core's; the pins are the engine model's.
 """
 
 from __future__ import annotations
