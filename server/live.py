@@ -74,6 +74,7 @@ from server.scheduler import (
     get_policy,
     kv_cost,
 )
+from server.scheduler.declared import BatchDeclaration
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.prefix import PrefixRef, block_chain
 from server.scheduler.rate import TauEstimator
@@ -397,7 +398,7 @@ class LiveScheduler:
             # (their whole cost at the engine's full rate).
             eta_shape=None if declared else (
                 self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE) or guessed),
-            cost_p90=interval[1] if interval else None,
+            cost_p90=interval[1] if interval else None, batch=_batch_declared(metadata, tenant),
         )
         entry = AgentEntry(
             id=agent_id,
@@ -901,6 +902,21 @@ def _one_request(prompt_tokens: int, cost: float) -> AgentShape:
     """The shape of one request of `prompt_tokens` whose KV cost is `cost` (the cold start
     reports its guess's cost, not the output length it assumed)."""
     return AgentShape(stages=1, critical_path_tokens=decode_for_kv_cost(prompt_tokens, cost))
+
+
+def _batch_declared(metadata: dict[str, Any], tenant: str | None) -> BatchDeclaration | None:
+    """The batch an agent's client declared it part of (`metadata["batch"]`: its `id`, its
+    `size` and the agent's `index` in it, as the SDK sends), for the ETAs to expect the
+    inputs the client still holds back; None where the declaration is missing or malformed."""
+    batch = metadata.get("batch")
+    if not isinstance(batch, dict):
+        return None
+    batch_id, size, index = batch.get("id"), batch.get("size"), batch.get("index")
+    if not isinstance(batch_id, str) or not batch_id or type(size) is not int or size < 1:
+        return None
+    # by tenant: one tenant's declaration never counts toward another's batch of the same id
+    return BatchDeclaration(f"{tenant}/{batch_id[:64]}", size,
+                            index if type(index) is int and index >= 0 else None)
 
 
 def _shape(metadata: dict[str, Any]) -> AgentShape | None:

@@ -65,6 +65,7 @@ from typing import Any
 
 from .bounds import AgentShape, BoundLimits, delay_bound
 from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprint
+from .declared import BatchDeclaration
 from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S, EtaPass, TimeModel, WorkArrivals, eta_of, step_function
 from .eta_interval import EtaCalibration
 from .pauses import PauseStats, stages_left
@@ -288,13 +289,15 @@ class Dispatcher:
         eta_shape: AgentShape | None = None,
         tenant: str | None = None,
         cost_p90: float | None = None,
+        batch: BatchDeclaration | None = None,
     ) -> AgentView:
         """Admit an agent with its predicted KV cost: its tag will be F = V + cost at its
         first request (V(now) + cost if that is now). `shape` is what its bound covers,
         `eta_shape` what its ETA expects where that differs (default: `shape`). `tenant`:
         whose predictions may widen its bound (None: one shared tenant). `cost_p90`: the
         p90 of its KV cost where the prediction is uncertain (a predictor's interval): its
-        promise allows for that much; its tag and ETA do not."""
+        promise allows for that much; its tag and ETA do not. `batch`: the batch its client
+        declared it part of, whose inputs still held back the ETAs expect (`DeclaredBatches`)."""
         self.clock.advance(now)  # an event: the promise below reads the clock at `now`
         if agent_id in self.agents:
             raise ValueError(f"agent {agent_id!r} is already registered")
@@ -326,7 +329,11 @@ class Dispatcher:
         if len(self._unpassed) < MAX_UNPASSED:
             self._unpassed.append(agent)
         self._promise(agent, now)
-        self.arrivals.add(now, charge)  # after its own promise: it is not ahead of itself
+        # after its own promise: it is not ahead of itself
+        if batch is None:
+            self.arrivals.add(now, charge)
+        else:
+            self.arrivals.add_declared(now, charge, batch, self.eta_rate)
         return self.view(agent_id, now)
 
     def _enter(self, agent: AgentState, now: float) -> None:
@@ -775,7 +782,7 @@ class Dispatcher:
     def refresh_etas(self, now: float) -> None:
         """Replay the policy's order once (O(N log N)) and cache every agent's ETA. Called
         off the request path: the live server's housekeeping, the simulator's timer."""
-        self.arrivals.freeze(now)
+        self.arrivals.freeze(now, self.eta_rate)
         for a in self._unpassed:
             a.eta_key_at = None
         self._unpassed.clear()
