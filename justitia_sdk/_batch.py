@@ -1,4 +1,5 @@
-"""Batch submission: many agent runs at once, each with a handle that tracks its live status.
+"""`Batch`: the handles of many agent runs submitted at once, where the batch stands
+(`stats`, `eta_s`, `summary`) and its table. `_runner.py` runs it.
 
 What a batch promises:
 - At most `concurrency` agents run at once (64 by default); the others wait here, unregistered.
@@ -16,9 +17,9 @@ What a batch promises:
 - A handle tells the whole story of its input across retries and re-registrations: its JCT
   runs from the first submission, its promise is the first deadline it was given, and
   `attempts`/`registrations` count the runs and the registrations.
-- Every registration carries `metadata["batch"] = {"id", "size", "index", "concurrency"}`.
+- Every registration carries `metadata["batch"] = {"id", "size", "index", "concurrency"}`:
+  the server's ETAs expect the inputs still held back.
 """
-
 
 from __future__ import annotations
 
