@@ -250,7 +250,7 @@ class LiveScheduler:
 
     def _on_engine_step(self, duration_s: float, kv_in_use: float) -> None:
         footprint = self.dispatcher.policy.admission == FOOTPRINT
-        reserved = self.dispatcher.reserved_kv if footprint else None
+        reserved = self.dispatcher.ledger.reserved_kv if footprint else None
         self.tau.observe_step(duration_s, kv_in_use, reserved)
 
     # -- time ---------------------------------------------------------------------
@@ -398,8 +398,12 @@ class LiveScheduler:
             # (their whole cost at the engine's full rate).
             eta_shape=None if declared else (
                 self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE) or guessed),
-            cost_p90=interval[1] if interval else None, batch=_batch_declared(metadata, tenant),
+            cost_p90=interval[1] if interval else None,
         )
+        batch = _batch_declared(metadata, tenant)
+        if batch is not None and self.dispatcher.arrivals.declare(
+                now, view.charged_cost, batch, self.dispatcher.eta_rate):
+            view = self.dispatcher.view(agent_id, now)  # its ETA expects the rest of its batch
         entry = AgentEntry(
             id=agent_id,
             type=agent_type,

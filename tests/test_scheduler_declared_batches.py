@@ -24,8 +24,12 @@ def first_etas(size: int | None) -> list[float]:
     d = Dispatcher("justitia", 50_000, 0.02)
     etas = []
     for i in range(CONCURRENCY):
-        batch = BatchDeclaration("b1", size, i) if size is not None else None
-        view = d.register_agent(f"a{i}", cost(i), 0.001 * i, batch=batch)
+        t = 0.001 * i
+        view = d.register_agent(f"a{i}", cost(i), t)
+        # what the live server does with a registration's metadata["batch"]
+        if size is not None and d.arrivals.declare(t, view.charged_cost,
+                                                   BatchDeclaration("b1", size, i), d.eta_rate):
+            view = d.view(f"a{i}", t)
         etas.append(view.eta_s)
     return etas
 

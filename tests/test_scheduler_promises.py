@@ -117,7 +117,7 @@ def test_a_bursts_newcomers_count_against_the_whole_gap_of_a_long_wait() -> None
     v = d.clock.peek(0.6).V
     gap = d.agents["big"].virtual_finish - v
     assert 60_000.0 > gap / 2  # the newcomers like s* cost more than half the gap
-    assert closing_gap(gap, d._gap_closing(d.clock.backlog)) > 60_000.0  # but less than the mean gap
+    assert closing_gap(gap, d.etas.gap_closing(d.clock.backlog)) > 60_000.0  # but less than the mean gap
     known = 4 * 60_000.0 + 100_000.0  # the s* agents are ahead, then big's own
     span, arriving = d.arrivals.span_s, d.arrivals.ahead(60_001.0)
     assert arriving > 0.9 * 10_000  # capped while it lasts, then counted whole

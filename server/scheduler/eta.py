@@ -62,12 +62,13 @@ class StepTimeModel(Protocol):
         ...
 
 
-# What the dispatcher accepts as its time model: either spelling of one engine step's time.
-TimeModel = IterationTimeModel | StepTimeModel
+# What the dispatcher accepts as its time model: either spelling of one engine step's time
+# (`time_model.TimeModel`, the fitted model, is one of them).
+StepTimeSource = IterationTimeModel | StepTimeModel
 StepFunction = Callable[[int, int, int], float]  # (batch, prefill tokens, KV tokens) -> seconds
 
 
-def step_function(model: TimeModel) -> StepFunction:
+def step_function(model: StepTimeSource) -> StepFunction:
     """The model's step-time function, whichever name it has (iteration_s wins when a model
     has both: they are the same form)."""
     iteration_s = getattr(model, "iteration_s", None)
@@ -141,19 +142,21 @@ class WorkArrivals:
         if begun:  # what the last refresh measured is of the last episode: measure this one now
             self.freeze(t)
 
-    def add_declared(self, t: float, cost: float, batch: BatchDeclaration,
-                     service_rate: float) -> None:
-        """`add` for an agent of a batch its client declared (`DeclaredBatches`). The batch's
-        1st, 2nd, 4th, 8th ... registration forecasts its rest at once (a refresh's `freeze`,
-        O(log N) of them a batch), so that its first agents' ETAs expect it with a sample of
-        its costs, not only those given after the next refresh."""
+    def declare(self, t: float, cost: float, batch: BatchDeclaration, service_rate: float) -> bool:
+        """The agent just added at `t` (its cost `cost`) belongs to a batch its client
+        declared (`DeclaredBatches`). The batch's 1st, 2nd, 4th, 8th ... registration
+        forecasts its rest at once (a refresh's `freeze`, O(log N) of them a batch), so that
+        its first agents' ETAs expect it with a sample of its costs, not only the ETAs given
+        after the next refresh. Returns whether it did (the agent's ETA is then to be read
+        again)."""
         if self.window_s <= 0:
-            return
-        self.add(t, cost)
+            return False
         n = self.declared.add(t, cost, batch.batch_id, batch.size, batch.index)
         self.service_rate = service_rate
-        if n & (n - 1) == 0 and self.declared.held_back(t) > 0.0:
-            self.freeze(t)
+        if n & (n - 1) or self.declared.held_back(t) <= 0.0:
+            return False
+        self.freeze(t)
+        return True
 
     def _lull_s(self) -> float:
         """A gap in arrivals that ends the current episode: the window, or LULL_RATIO times
