@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server.metrics import metric_value
+from server.runtime.metrics import metric_value
 from server.scheduler import kv_cost
 from tests.conftest import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN
 from tests.fake_engine import FAKE_MODEL, FakeEngine, FakeServer, encode
@@ -51,7 +51,9 @@ def test_completion_returns_exactly_max_tokens_with_ignore_eos(fake_client: http
     assert body["model"] == FAKE_MODEL
     assert body["usage"] == {"prompt_tokens": len(encode("Summarize: the river flows")),
                              "completion_tokens": n,
-                             "total_tokens": len(encode("Summarize: the river flows")) + n}
+                             "total_tokens": len(encode("Summarize: the river flows")) + n,
+                             # what the engine served from its prefix cache (a fresh prompt: none)
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["choices"][0]["finish_reason"] == "length"
     assert len(body["choices"][0]["text"]) == n  # one character per fake token
 
@@ -253,7 +255,8 @@ def test_a_profile_measured_on_the_engine_is_the_time_models_prior_and_sets_the_
     does not set that rate until the fit has seen TRUSTED_STEPS steps."""
     from dataclasses import replace
 
-    from server.sim.profiles import get_profile, save_profile
+    from server.shared.profiles import get_profile
+    from server.sim.calibrate import save_profile
 
     path = tmp_path / "measured.json"
     save_profile(replace(get_profile("cpu-tiny"), name="measured-here", per_kv_token_s=4e-7), path)
@@ -581,10 +584,10 @@ def test_a_tool_history_reaches_the_models_chat_template(tmp_path) -> None:
     server renders it: the call's JSON arguments as an object, the answer's tool_call_id."""
     from transformers import AutoTokenizer
 
+    from server.api.openai_schemas import ChatCompletionRequest
+    from server.engine.tiny_model import init_tiny
     from server.engine.tokens import TokenizerEngine
-    from server.openai_schemas import ChatCompletionRequest
-    from server.service import render_chat
-    from server.tiny_model import init_tiny
+    from server.runtime.service import render_chat
 
     model = init_tiny(tmp_path / "m")
     template = ("{% for m in messages %}<{{ m.role }}>"

@@ -12,7 +12,8 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from .profiles import EngineProfile
+from server.shared.profiles import EngineProfile
+
 from .shapes import ShapeSpec, make_shaped
 from .simulator import PolicyResult, run_comparison
 

@@ -58,9 +58,9 @@ def _family(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from server.scheduler import POLICY_NAMES
+    from server.shared.profiles import load_profile
 
     from .family import family_json, run_family, summarise
-    from .profiles import load_profile
     from .provenance import write_result
     from .shapes import SHAPES, ShapeSpec
 
