@@ -67,6 +67,7 @@ from .bounds import AgentShape, BoundLimits, delay_bound
 from .cost import COMPUTE, KV, compute_cost, cost_function, kv_cost, kv_footprint
 from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S, EtaPass, TimeModel, WorkArrivals, eta_of, step_function
 from .eta_interval import EtaCalibration
+from .tight_promise import assumption, promise_factor, tight_deadline
 from .pauses import PauseStats, stages_left
 from .policies import FOOTPRINT, Justitia, Policy, get_policy
 from .prefix import PrefixHolds, PrefixLedger, private_kv_cost, segments, shared_tokens, uncached_prompt
@@ -386,10 +387,23 @@ class Dispatcher:
             horizon = fluid / (1.0 - share) * slow
         # Tool time: the type's p90 pause before each stage it has not started (pauses.py).
         pauses = self.pauses.p90_s(agent.agent_type) * stages_left(agent.shape.stages, agent.stages_started)
-        deadline = now + horizon + agent.bound.total_s + pauses
+        worst = now + horizon + agent.bound.total_s + pauses
+        # The deadline given: the tighter of the worst case and the ETA scaled by how far
+        # ETAs have fallen short (tight_promise.py), which says what it rests on.
+        # Tool time is not calibrated: an agent that may pause (stage boundaries ahead, and
+        # pauses seen, or none seen yet) keeps the worst case.
+        factor = promise_factor(self.eta_calibration)
+        left = stages_left(agent.shape.stages, agent.stages_started)
+        tight = worst
+        if left == 0 or (self.pauses.any_seen and pauses <= 0.0):
+            tight = tight_deadline(now, self.eta_time(agent.agent_id, now), 0.0, 0.0, factor,
+                                   (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0)
+        deadline = min(worst, tight)
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later
         agent.deadline_at = deadline
+        agent.promise_assumes = assumption(factor, self.eta_calibration.seen, self.arrivals.promise_rate) \
+            if tight < worst else ""
         if not isinstance(self.policy, Justitia):
             agent.promise = "none"
             agent.promise_reason = f"policy {self.policy.name} does not keep the delay bound (Justitia's)"
@@ -1079,6 +1093,7 @@ class Dispatcher:
             running=agent.running,
             promise=agent.promise,
             promise_reason=agent.promise_reason,
+            promise_assumes=agent.promise_assumes,
             expected_cost=agent.expected_kv,
         )
 
