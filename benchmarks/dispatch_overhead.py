@@ -155,7 +155,7 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0, f
         step.append((t2 - t0) / 1000)
         if flush:
             flush[:] = junk  # reads one buffer and writes the other: twice `flush_kib` through the caches
-    assert d.pending_count == agents * per_agent
+    assert d.ledger.pending_count == agents * per_agent
     q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]  # noqa: E731
     extra = {}
     if policy == "ewsjf":
@@ -172,7 +172,7 @@ def bench(policy: str, agents: int, per_agent: int, steps: int, seed: int = 0, f
         **extra,
         "flush_kib": flush_kib,
         "token_source": tokens if prefixes == "justitia-blockhash" else None,
-        "queued_requests": d.pending_count,
+        "queued_requests": d.ledger.pending_count,
         "agents": agents,
         "decisions": steps,
         "median_decision_us": statistics.median(decide),
@@ -211,7 +211,7 @@ def bench_eta(agents: int, steps: int, refresh_every: int, refresh: bool, seed: 
         lengths[f"r{k}"] = (p, o)
         k += 1
         step.append((time.perf_counter_ns() - t0) / 1000)
-    assert d.pending_count == agents
+    assert d.ledger.pending_count == agents
     return {
         "agents": agents,
         "refresh_every": refresh_every if refresh else None,

@@ -106,8 +106,8 @@ class Admission:
         if self.paused or self._engine_recovering():
             return
         d = self.dispatcher
-        slots = self.max_num_seqs - d.running_count
-        if slots <= 0 or d.pending_count == 0:
+        slots = self.max_num_seqs - d.ledger.running_count
+        if slots <= 0 or d.ledger.pending_count == 0:
             return
         now = self._now()
         for spec in d.admit(now, engine_free_slots=slots, place=self._place_fn()):

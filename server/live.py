@@ -249,7 +249,7 @@ class LiveScheduler:
 
     def _on_engine_step(self, duration_s: float, kv_in_use: float) -> None:
         footprint = self.dispatcher.policy.admission == FOOTPRINT
-        reserved = self.dispatcher.reserved_kv if footprint else None
+        reserved = self.dispatcher.ledger.reserved_kv if footprint else None
         self.tau.observe_step(duration_s, kv_in_use, reserved)
 
     # -- time ---------------------------------------------------------------------

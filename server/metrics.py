@@ -36,9 +36,9 @@ class _SchedulerCollector:
         gps = disp.clock.peek(s.now())  # a scrape reads the clock; it must not advance it
         stats = s.engine.stats()
         values = {
-            "justitia_pending_requests": ("Requests waiting in the scheduler.", disp.pending_count),
-            "justitia_running_requests": ("Requests admitted to the engine.", disp.running_count),
-            "justitia_reserved_kv_tokens": ("KV tokens reserved by admitted requests.", disp.reserved_kv),
+            "justitia_pending_requests": ("Requests waiting in the scheduler.", disp.ledger.pending_count),
+            "justitia_running_requests": ("Requests admitted to the engine.", disp.ledger.running_count),
+            "justitia_reserved_kv_tokens": ("KV tokens reserved by admitted requests.", disp.ledger.reserved_kv),
             "justitia_kv_capacity_tokens": ("KV capacity M in tokens.", disp.kv_capacity),
             "justitia_virtual_time": ("The GPS virtual clock V.", gps.V),
             "justitia_gps_backlog": ("Agents backlogged in the GPS reference system.", gps.backlog),
@@ -47,19 +47,19 @@ class _SchedulerCollector:
             "justitia_engine_preemptions": ("Engine preemptions so far.", stats.preemptions_total),
             "justitia_prefix_cached_tokens": (
                 "Prompt tokens the engine served from its prefix cache (finished requests).",
-                disp.cached_tokens_total),
+                disp.ledger.cached_tokens_total),
             "justitia_prefix_prompt_tokens": (
                 "Prompt tokens of the finished requests the engine reported prefix-cache hits for.",
-                disp.prompt_tokens_total),
+                disp.ledger.prompt_tokens_total),
             "justitia_prefix_hit_rate": (
                 "Prefix-cache hit rate: cached over prompt tokens (0 before any report).",
-                disp.prefix_hit_rate or 0.0),
+                disp.ledger.prefix_hit_rate or 0.0),
             "justitia_kv_shared_tokens": (
                 "KV tokens running requests share: not reserved again thanks to shared prefixes.",
-                disp.kv_shared_now),
+                disp.ledger.kv_shared_now),
             "justitia_kv_saved_tokens": (
                 "KV tokens not reserved again thanks to shared prefixes, summed over admissions.",
-                disp.kv_saved_total),
+                disp.ledger.kv_saved_total),
         }
         history = getattr(s, "history", None)
         if history is not None:

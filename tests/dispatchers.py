@@ -22,5 +22,5 @@ def worst_case_promises(d: Dispatcher) -> Dispatcher:
     """A server whose first ETAs have all fallen a thousand times short: the calibrated
     deadline (tight_promise.py) is then never the tighter, and deadlines are the worst case."""
     for _ in range(20):
-        d.eta_calibration.observe(1.0, 1000.0)
+        d.etas.calibration.observe(1.0, 1000.0)
     return d

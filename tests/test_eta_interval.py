@@ -59,7 +59,7 @@ def test_records_carry_the_interval_and_finished_agents_calibrate_it(fake_client
     low, high = first["eta_interval_s"]
     assert low <= first["eta_s"] <= high
     assert first["first_eta_interval_s"] == pytest.approx([low, high], abs=0.05)  # a few ms apart
-    calibration = fake_server.app.state.scheduler.dispatcher.eta_calibration
+    calibration = fake_server.app.state.scheduler.dispatcher.etas.calibration
     seen = calibration.seen
     for i in range(3):
         agent = register(i + 1)

@@ -132,7 +132,7 @@ def test_paused_admission_holds_requests_and_resume_admits_them() -> None:
         live.pause()
         task = asyncio.create_task(one_request(live, e, "held"))
         await asyncio.sleep(0.05)
-        held = (e.state, live.dispatcher.pending_count)
+        held = (e.state, live.dispatcher.ledger.pending_count)
         live.resume()
         tokens = await task
         return held[0], held[1], tokens
@@ -196,10 +196,10 @@ def test_a_calibrated_prior_times_etas_until_the_fit_has_seen_enough_steps() -> 
         for _ in range(TRUSTED_STEPS - 1):
             live.time_models.observe("local", slow)
         live._update_tau()
-        few = live.dispatcher.time_model
+        few = live.dispatcher.etas.time_model
         live.time_models.observe("local", slow)
         live._update_tau()
-        return few, live.dispatcher.time_model
+        return few, live.dispatcher.etas.time_model
 
     few, enough = live_run(body, time_model_prior=calibration, prior_measured=True)
     assert few is calibration  # 1,023 steps of a slower engine: the calibration still times ETAs
@@ -211,10 +211,10 @@ def test_a_calibrated_prior_times_etas_until_the_fit_has_seen_enough_steps() -> 
         for _ in range(31):  # not yet a refit: the built-in prior is no fit, tau times paths
             live.time_models.observe("local", step)
         live._update_tau()
-        before = live.dispatcher.time_model
+        before = live.dispatcher.etas.time_model
         live.time_models.observe("local", step)  # the first refit
         live._update_tau()
-        return before, live.dispatcher.time_model is live.time_models.models()["local"]
+        return before, live.dispatcher.etas.time_model is live.time_models.models()["local"]
 
     before, fitted = live_run(unmeasured)
     assert before is None and fitted  # the built-in prior: the early fit times paths at once
@@ -231,7 +231,7 @@ def test_a_guessed_cost_is_timed_as_the_one_request_it_stands_for() -> None:
     prompt = "word " * 400
 
     async def body(live: LiveScheduler) -> tuple[float, AgentEntry, AgentEntry]:
-        step = live.dispatcher._iteration_s()
+        step = live.dispatcher.etas.iteration_s()
         declared = live.register("new_type", prompt, "x", predicted_cost=2e5)
         guessed = live.register("new_type", prompt, "y")
         return step, declared, guessed

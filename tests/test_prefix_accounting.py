@@ -113,9 +113,9 @@ def _three(policy: str, m: int) -> Dispatcher:
 
 def test_justitia_reserves_a_shared_prefix_once_and_nocache_for_every_request():
     aware, blind = _three("justitia", 2000), _three("justitia-nocache", 2000)
-    assert len(aware.admit(0.0)) == 3 and aware.reserved_kv == 3 * 300 + 800
-    assert aware.kv_shared_now == 2 * 800 and aware.kv_saved_total == 1600
-    assert len(blind.admit(0.0)) == 1 and blind.reserved_kv == 1100
+    assert len(aware.admit(0.0)) == 3 and aware.ledger.reserved_kv == 3 * 300 + 800
+    assert aware.ledger.kv_shared_now == 2 * 800 and aware.ledger.kv_saved_total == 1600
+    assert len(blind.admit(0.0)) == 1 and blind.ledger.reserved_kv == 1100
 
 
 def test_charges_count_the_prefix_once_and_accounting_returns_to_zero():
@@ -128,7 +128,7 @@ def test_charges_count_the_prefix_once_and_accounting_returns_to_zero():
         d.on_request_finished(f"r{i}", 1000, 100, 1.0, cached_tokens=0 if i == 0 else 800)
     assert d.agents["a"].consumed_cost == pytest.approx(private + 800 * 100)
     assert d.agents["a"].charged_cost == charged  # no over-run from sharing
-    assert d.prefix_hit_rate == pytest.approx(1600 / 3000)
+    assert d.ledger.prefix_hit_rate == pytest.approx(1600 / 3000)
     d.finish_agent("a", 2.0)
     assert d.is_idle()
     blind = _three("justitia-nocache", 10_000)
@@ -139,13 +139,13 @@ def test_cancelling_an_agent_releases_its_shared_prefixes():
     d = _three("justitia", 10_000)
     d.admit(0.0)
     assert sorted(d.cancel_agent("a", 0.5)) == ["r0", "r1", "r2"]
-    assert d.is_idle() and d.holds.reserved == 0
+    assert d.is_idle() and d.ledger.holds.reserved == 0
 
 
 def test_prompt_policies_admit_on_the_uncached_prompt():
     d = _three("vtc", 10_000)
     d.admit(0.0, engine_free_kv_tokens=10_000)
-    assert d.reserved_prompt == 3 * 200 + 800
+    assert d.ledger.reserved_prompt == 3 * 200 + 800
 
 
 def test_nocache_is_a_policy_name():

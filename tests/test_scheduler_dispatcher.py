@@ -26,7 +26,7 @@ def test_justitia_serves_in_virtual_finish_order():
     out = ids(d.admit(0.05))
     assert out[0] == "small0"
     assert out[1:] == ["big0", "big1", "big2", "big3"]
-    assert d.reserved_kv == 5 * 200
+    assert d.ledger.reserved_kv == 5 * 200
 
 
 def test_footprint_admission_is_strict_and_backfill_is_optional():
@@ -236,8 +236,8 @@ def test_accounting_returns_to_zero(policy, ops, m, backfill):
         real[f"r{k}"] = (p, out)
         for spec in d.admit(now):
             assert spec.request_id in real
-        if d.policy.admission == "footprint" and d.running_count > 1:
-            assert d.reserved_kv <= m
+        if d.policy.admission == "footprint" and d.ledger.running_count > 1:
+            assert d.ledger.reserved_kv <= m
     # drain: finish whatever runs, admit the rest, until nothing is left
     running = [r for r, s in d.requests.items() if s.status is RequestStatus.RUNNING]
     while running:
@@ -246,7 +246,7 @@ def test_accounting_returns_to_zero(policy, ops, m, backfill):
             d.on_request_finished(rid, *real[rid], now)
         d.admit(now)
         running = [r for r, s in d.requests.items() if s.status is RequestStatus.RUNNING]
-    assert d.pending_count == 0
+    assert d.ledger.pending_count == 0
     for aid in sorted(agents):
         d.finish_agent(aid, now)
     assert d.is_idle()
@@ -261,7 +261,7 @@ def test_n_sequences_reserve_and_pay_for_each_sequence():
     d.submit(RequestSpec("r", "a", prompt_tokens=100, max_tokens=50, n=3), 0.0)
     d.submit(RequestSpec("s", "a", prompt_tokens=100, max_tokens=50), 0.0)
     assert ids(d.admit(0.0)) == ["r"]  # 3 x 160 = 480: 160 more is over 600
-    assert d.reserved_kv == 3 * 160
+    assert d.ledger.reserved_kv == 3 * 160
     d.on_request_finished("r", 100, 5 + 6 + 7, 1.0, each=(5, 6, 7))
     assert d.agents["a"].consumed_kv == sum(kv_cost(100, x) for x in (5, 6, 7))
-    assert d.reserved_kv == 0
+    assert d.ledger.reserved_kv == 0

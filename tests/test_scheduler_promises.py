@@ -117,7 +117,7 @@ def test_a_bursts_newcomers_count_against_the_whole_gap_of_a_long_wait() -> None
     v = d.clock.peek(0.6).V
     gap = d.agents["big"].virtual_finish - v
     assert 60_000.0 > gap / 2  # the newcomers like s* cost more than half the gap
-    assert closing_gap(gap, d._gap_closing(d.clock.backlog)) > 60_000.0  # but less than the mean gap
+    assert closing_gap(gap, d.etas.gap_closing(d.clock.backlog)) > 60_000.0  # but less than the mean gap
     known = 4 * 60_000.0 + 100_000.0  # the s* agents are ahead, then big's own
     span, arriving = d.arrivals.span_s, d.arrivals.ahead(60_001.0)
     assert arriving > 0.9 * 10_000  # capped while it lasts, then counted whole
@@ -706,14 +706,14 @@ def test_a_deadline_is_the_eta_scaled_by_how_far_etas_have_fallen_short() -> Non
     # a server whose ETAs fell up to 6.2x short promises 6.2x the ETA
     d = server()
     for ratio in (1.0, 2.0, 6.2) * 5:
-        d.eta_calibration.observe(1.0, ratio)
+        d.etas.calibration.observe(1.0, ratio)
     late = d.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
     assert late.deadline_s == pytest.approx(6.2 * late.eta_s) and late.deadline_s < worst.deadline_s
     assert "largest JCT / first ETA of the last 15" in late.promise_assumes
     # ETAs that never fell short still leave the prior's margin (a calibration is no proof)
     d = server()
     for _ in range(30):
-        d.eta_calibration.observe(1.0, 0.5)
+        d.etas.calibration.observe(1.0, 0.5)
     assert d.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10)).deadline_s == \
         pytest.approx(fresh.deadline_s)
 

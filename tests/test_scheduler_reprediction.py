@@ -67,7 +67,7 @@ def test_submitted_work_counts_even_when_the_estimate_is_lower() -> None:
     d.repredict("b", 1.0, 0.1)  # b's estimate: almost nothing left
     d.submit(RequestSpec("b1", "b", 400, 300, 300), 0.1)  # but it submits a large request
     d.refresh_etas(0.1)
-    own, total = d._remaining(d.agents["b"])
+    own, total = d.etas.remaining(d.agents["b"])
     assert own >= kv_cost(400, 300) and total >= d.agents["b"].committed_kv
 
 

@@ -126,7 +126,7 @@ class DashboardHub(AgentListener):
         stats = s.engine.stats()
         point: dict[str, Any] = {
             "t": round(s.now(), 1),
-            "reserved": int(s.dispatcher.reserved_kv),
+            "reserved": int(s.dispatcher.ledger.reserved_kv),
             "used": int(stats.kv_usage * capacity),
             "capacity": int(capacity),
             "tokens_per_s": self._rate(now),

@@ -147,7 +147,7 @@ class DashboardFeed:
             "shown": len(top),
             "finished": sum(totals.values()) if self.admin else totals.get(self.tenant, 0),
             # the server's load, as GET /v1/scheduler shows it to every tenant
-            "pending_requests": d.pending_count, "running_requests": d.running_count,
+            "pending_requests": d.ledger.pending_count, "running_requests": d.ledger.running_count,
             "all_live": len(self.hub.live),
         }
         if counts != self._sent_counts:

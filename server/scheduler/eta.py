@@ -60,12 +60,13 @@ class StepTimeModel(Protocol):
         ...
 
 
-# What the dispatcher accepts as its time model: either spelling of one engine step's time.
-TimeModel = IterationTimeModel | StepTimeModel
+# What the dispatcher accepts as its time model: either spelling of one engine step's time
+# (`time_model.TimeModel`, the fitted model, is one of them).
+StepTimeSource = IterationTimeModel | StepTimeModel
 StepFunction = Callable[[int, int, int], float]  # (batch, prefill tokens, KV tokens) -> seconds
 
 
-def step_function(model: TimeModel) -> StepFunction:
+def step_function(model: StepTimeSource) -> StepFunction:
     """The model's step-time function, whichever name it has (iteration_s wins when a model
     has both: they are the same form)."""
     iteration_s = getattr(model, "iteration_s", None)

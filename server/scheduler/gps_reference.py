@@ -49,15 +49,25 @@ def gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], rate: fl
             for j in remaining:
                 remaining[j] -= served
             t = next_arrival
-        # admit every agent arriving at t
-        while k < len(order) and arrivals[order[k]] <= t:
-            i = order[k]
-            k += 1
-            if costs[i] <= 0:
-                finish[i] = max(t, arrivals[i])
-            else:
-                remaining[i] = float(costs[i])
+        k, _ = _admit(order, k, t, arrivals, costs, finish, remaining)
     return finish
+
+
+def _admit(order: Sequence[int], k: int, t: float, arrivals: Sequence[float], costs: Sequence[float],
+           finish: list[float], remaining: dict[int, float]) -> tuple[int, list[int]]:
+    """Admit every agent arriving by `t` (from position `k` of the arrival `order`): one of
+    no cost finishes on arrival, the others join `remaining`. Returns the next position and
+    the agents that joined."""
+    joined = []
+    while k < len(order) and arrivals[order[k]] <= t:
+        i = order[k]
+        k += 1
+        if costs[i] <= 0:
+            finish[i] = max(t, arrivals[i])
+        else:
+            remaining[i] = float(costs[i])
+            joined.append(i)
+    return k, joined
 
 
 def hierarchical_gps_finish_times(arrivals: Sequence[float], costs: Sequence[float], tenants: Sequence[object],  # noqa: C901
@@ -111,12 +121,7 @@ def hierarchical_gps_finish_times(arrivals: Sequence[float], costs: Sequence[flo
             for j in remaining:
                 remaining[j] -= speed[j] * dt
             t = next_arrival
-        while k < len(order) and arrivals[order[k]] <= t:
-            i = order[k]
-            k += 1
-            if costs[i] <= 0:
-                finish[i] = max(t, arrivals[i])
-            else:
-                remaining[i] = float(costs[i])
-                count[tenants[i]] = count.get(tenants[i], 0) + 1
+        k, joined = _admit(order, k, t, arrivals, costs, finish, remaining)
+        for i in joined:
+            count[tenants[i]] = count.get(tenants[i], 0) + 1
     return finish

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .state import AgentState
 
 # The most recent pauses kept per type (and over all types).
 WINDOW = 200
@@ -28,6 +32,16 @@ class PauseStats:
         self._window = window
         self._by_type: dict[str | None, deque[float]] = {}
         self._all: deque[float] = deque(maxlen=window)
+
+    def stage_started(self, agent: AgentState, now: float) -> None:
+        """The agent submits a request: back from a pause, its next stage starts (the pause
+        is observed); its first request starts its first stage."""
+        if agent.idle_since is not None:
+            self.observe(agent.agent_type, now - agent.idle_since)
+            agent.idle_since = None
+            agent.stages_started += 1
+        elif agent.stages_started == 0:
+            agent.stages_started = 1
 
     def observe(self, agent_type: str | None, pause_s: float) -> None:
         if not pause_s >= 0.0:

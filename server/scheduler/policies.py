@@ -64,6 +64,9 @@ from typing import Any
 from .cost import COMPUTE, KV
 from .ewsjf import EwsjfConfig, EwsjfState, ticket_of
 from .las import LasScoreQueue, log2_add
+from .policy_base import FOOTPRINT as FOOTPRINT  # re-exported: the admission modes and the base
+from .policy_base import PROMPT as PROMPT
+from .policy_base import Policy as Policy
 from .queues import AgentHeapQueue, RequestQueue, TenantQueue
 from .state import (
     AgentState,
@@ -74,81 +77,6 @@ from .state import (
     SchedulerContext,
     SortKey,
 )
-
-FOOTPRINT = "footprint"
-PROMPT = "prompt"
-
-
-@dataclass(frozen=True)
-class Policy:
-    """An ordering key and an admission rule."""
-
-    name: str
-    admission: str = FOOTPRINT
-    cost_model: str = KV  # cost units of the virtual clock and of consumed_cost
-    prefix_aware: bool = True  # shared prefixes counted once in admission and KV charges
-
-    def request_order(self, req: RequestState) -> SortKey:
-        """Order of an agent's own pending requests (default: arrival)."""
-        return (req.seq,)
-
-    def agent_key(self, agent: AgentState, head: RequestState) -> SortKey:
-        """Key of an agent whose first pending request is `head`; smallest runs first."""
-        raise NotImplementedError
-
-    def static_key(self, agent: AgentState) -> Any:
-        """A key for ETA projections (agents with or without pending requests)."""
-        return agent.seq
-
-    def priority(self, agent: AgentState, req: RequestState | None) -> int:
-        """An int rank for vLLM's priority scheduling (lower runs first)."""
-        return 0
-
-    def arrival_gap(self, agent: AgentState, v: float, closing: float = 0.0) -> float:
-        """ETA allowance: a new agent whose cost is below this is served before `agent`
-        (default, fair-share policies: one with less work than `agent` has left).
-        `closing`: how far the virtual time V advances while the arrivals counted go on
-        (policies whose gap is measured in V close it by as much)."""
-        return max(0.0, agent.charged_cost - agent.consumed_cost)
-
-    # -- state and feedback (stateful policies only) -------------------------------------
-    # A policy that learns or keeps counters needs to hear what happens to requests; these
-    # hooks are how the dispatcher tells it. All take `now` from the caller (no clock here).
-    hooked = False  # the dispatcher calls the hooks below only when this is True
-
-    def bind(self, seed: int = 0) -> Policy:
-        """The instance one dispatcher uses: stateless policies are shared; stateful ones
-        return a fresh copy, seeded, so that runs are reproducible and never share state."""
-        return self
-
-    def make_queue(self, ctx: SchedulerContext, backfill_depth: int) -> RequestQueue:
-        """The queue the dispatcher admits from (called once, on the bound instance):
-        agents ordered by `agent_key`, looking past at most `backfill_depth` blocked ones."""
-        return AgentHeapQueue(self.agent_key, backfill_depth)
-
-    def on_submit(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, now: float,
-                  first: bool) -> None:
-        """A request was queued (before its agent is re-keyed); `first`: its agent had
-        nothing pending before."""
-
-    def on_admit(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, now: float) -> None:
-        """The request was admitted into the engine (called before its agent is re-keyed)."""
-
-    def on_finish(self, ctx: SchedulerContext, agent: AgentState, req: RequestState, prompt_tokens: int,
-                  output_tokens: int, now: float) -> None:
-        """An admitted request finished with its true lengths (before its agent is re-keyed)."""
-
-    def on_drop(self, ctx: SchedulerContext, agent: AgentState, req: RequestState) -> None:
-        """The request is forgotten without finishing: cancelled, or rejected before admission
-        (its status is still RUNNING or PENDING)."""
-
-    def is_idle(self) -> bool:
-        """True when the policy's own bookkeeping is back to zero (nothing queued or charged)."""
-        return True
-
-    def describe(self) -> dict[str, Any]:
-        """Plain-data state worth reporting after a run (learned parameters, ...)."""
-        return {}
 
 
 class FCFS(Policy):

@@ -18,7 +18,7 @@ over `half_life_s` seconds of busy time: the rate the engine sustained, not a me
 samples (which long prefill steps with little KV in use would dominate).
 
     est = TauEstimator(kv_capacity_tokens=45_000, initial_tau_s=0.040)
-    est.observe_step(duration_s, kv_in_use=usage * M, kv_reserved=dispatcher.reserved_kv)
+    est.observe_step(duration_s, kv_in_use=usage * M, kv_reserved=dispatcher.ledger.reserved_kv)
     dispatcher.set_iteration_time(est.tau_s, now, **est.promise_times())   # e.g. once a second
 
 Deadlines must hold on the engine as it runs, not on average: `promise_times` gives the

@@ -38,91 +38,20 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
 
+from .tenant_levels import (
+    HierProjection,
+    Tenant,
+    TenantGps,
+    TopState,
+    second_tenant_finish,
+    sweep,
+    time_of,
+    top_walk,
+)
 from .virtual_clock import ClockReading, Projection, VirtualClock
 
-Tenant = Any  # a tenant's name (None: the one shared tenant)
-
-
-def _first(pair: tuple[float, Any]) -> float:
-    return pair[0]
-
-
-class _TenantClock(VirtualClock):
-    """A tenant's own GPS clock: the flat clock, keeping the sum of its live tags (its
-    remaining work is that sum less |B| v) and, when asked, the departures it processes."""
-
-    tag_sum: float = 0.0
-    fresh: list[tuple[object, float]] | None = None  # departures since the last collection
-
-    def _track(self, key: object, f: float) -> None:
-        super()._track(key, f)
-        self.tag_sum += f
-
-    def _untrack(self, key: object) -> None:
-        entry = self._entry.get(key)
-        if entry is not None:
-            self.tag_sum -= entry[0]
-        super()._untrack(key)
-        if not self._entry:
-            self.tag_sum = 0.0  # no drift survives an empty backlog
-
-    def remaining(self) -> float:
-        return max(0.0, self.tag_sum - len(self._tags) * self.V) if self._tags else 0.0
-
-    def advance(self, now: float) -> float:
-        if self.fresh is None:
-            return super().advance(now)
-        # the flat walk, recording each departure (key, time on this clock)
-        if now < self.now:
-            self._check_time(now)
-            return self.V
-        t = self.now
-        while self._heap:
-            f, _, key = self._heap[0]
-            if self._tags.get(key) != f:
-                heapq.heappop(self._heap)
-                continue
-            n = len(self._tags)
-            t_dep = t + (f - self.V) * n / self.rate
-            if t_dep > now:
-                break
-            heapq.heappop(self._heap)
-            del self._tags[key]
-            self._untrack(key)
-            if key in self._live:
-                self.departures[key] = t_dep
-            self.fresh.append((key, t_dep))
-            t, self.V = t_dep, f
-        if self._tags:
-            self.V += (now - t) * self.rate / len(self._tags)
-        self.now = now
-        return self.V
-
-
-@dataclass
-class HierProjection:
-    """H-GPS finish times at `now` with no further arrivals: of every backlogged agent
-    (`finish`), and of an agent that would join a tenant with some cost (`arrival`)."""
-
-    now: float
-    finish: dict[object, float]
-    clock: TenantClock
-
-    def arrival(self, cost: float, tenant: Tenant = None) -> float:
-        return self.clock.arrival_finish_time(cost, self.now, tenant)
-
-
-@dataclass
-class _TopState:
-    """The top level at some time: V, the backlogged tenants' weights and top tags."""
-
-    t: float
-    V: float
-    tags: dict[Tenant, float]  # backlogged tenant -> T_t
-
+__all__ = ["HierProjection", "TenantClock"]
 
 class TenantClock:
     """Hierarchical GPS over tenants (weighted) and their agents (equal shares)."""
@@ -138,10 +67,10 @@ class TenantClock:
         self.rate = rate
         self._now = now
         self._v = 0.0  # top level (multi-tenant only)
-        self._solo: _TenantClock | None = _TenantClock(rate=rate, now=now)
+        self._solo: TenantGps | None = TenantGps(rate=rate, now=now)
         self._solo_tenant: Tenant = None
         self._solo_named = False  # a tenant has arrived (the solo clock is that tenant's)
-        self._clocks: dict[Tenant, _TenantClock] = {}
+        self._clocks: dict[Tenant, TenantGps] = {}
         self._tenant_of: dict[object, Tenant] = {}
         # top level: backlogged tenants, their tags T_t and service anchors (W_a, V_a)
         self._tags: dict[Tenant, float] = {}
@@ -201,11 +130,11 @@ class TenantClock:
         self._seg = (now, 0.0)
         self._retag(self._solo_tenant)
 
-    def _clock(self, tenant: Tenant, now: float) -> _TenantClock:
+    def _clock(self, tenant: Tenant, now: float) -> TenantGps:
         """The tenant's clock, synced to `now` (the clock advanced to `now` first)."""
         clock = self._clocks.get(tenant)
         if clock is None:
-            clock = self._clocks[tenant] = _TenantClock(rate=1.0, now=0.0)
+            clock = self._clocks[tenant] = TenantGps(rate=1.0, now=0.0)
             clock.fresh = []
         self._sync(tenant)
         return clock
@@ -268,22 +197,6 @@ class TenantClock:
             self._weight_sum = 0.0
         self._seg = (self._now, self._v)
 
-    def _top_walk(self, state: _TopState, until: float) -> _TopState:
-        """The top level moved to `until` on copies (departures of whole tenants)."""
-        t, v, tags = state.t, state.V, dict(state.tags)
-        order = sorted(((tag, tenant) for tenant, tag in tags.items()), key=_first)
-        wsum = sum(self.weight(tn) for tn in tags)
-        for tag, tenant in order:
-            t_dep = t + (tag - v) * wsum / self.rate
-            if t_dep > until:
-                break
-            t, v = t_dep, tag
-            del tags[tenant]
-            wsum -= self.weight(tenant)
-        if tags and wsum > 0:
-            v += (until - t) * self.rate / wsum
-        return _TopState(until, v, tags)
-
     # -- updates --------------------------------------------------------------------
     def advance(self, now: float) -> float:
         """Move to `now`, processing tenants' departures from the top level. Returns V
@@ -340,7 +253,7 @@ class TenantClock:
         self._retag(tenant)
         return f
 
-    def _for(self, key: object, now: float) -> _TenantClock | None:
+    def _for(self, key: object, now: float) -> TenantGps | None:
         """The clock of `key`'s tenant, synced to `now` (None: the solo clock's mode)."""
         if self._solo is not None:
             return None
@@ -430,11 +343,11 @@ class TenantClock:
         clock = self._clocks.get(tenant)
         return clock.tag(key) if clock is not None else None
 
-    def _state(self, now: float) -> _TopState:
+    def _state(self, now: float) -> TopState:
         now = max(now, self._now)
-        return self._top_walk(_TopState(self._now, self._v, dict(self._tags)), now)
+        return top_walk(TopState(self._now, self._v, dict(self._tags)), now, self.weight, self.rate)
 
-    def _inner_reading(self, tenant: Tenant, state: _TopState) -> tuple[_TenantClock | None, float]:
+    def _inner_reading(self, tenant: Tenant, state: TopState) -> tuple[TenantGps | None, float]:
         """The tenant's clock and its service at the top state's time (a read)."""
         clock = self._clocks.get(tenant)
         if clock is None:
@@ -470,7 +383,7 @@ class TenantClock:
         clock, service = self._inner_reading(tenant, state)
         return clock.peek(service).V if clock is not None else 0.0
 
-    def _work_to(self, clock: _TenantClock, service: float, tag: float, joining: int = 0) -> float:
+    def _work_to(self, clock: TenantGps, service: float, tag: float, joining: int = 0) -> float:
         """Service the tenant must receive from `service` until its clock reaches `tag`."""
         reading = clock.peek(service)
         if joining:
@@ -478,25 +391,6 @@ class TenantClock:
         if tag <= reading.V:
             return 0.0
         return clock._project(reading, tag, service) - service
-
-    def _time_of(self, state: _TopState, target_v: float, extra: tuple[Tenant, float] | None = None) -> float:
-        """When the top level reaches `target_v` from `state` with no further arrivals
-        (`extra`: a tenant whose remaining work grows by that much now, as an arrival)."""
-        tags = dict(state.tags)
-        if extra is not None:
-            tenant, work = extra
-            tags[tenant] = max(tags.get(tenant, state.V), state.V) + work / self.weight(tenant)
-        t, v = state.t, state.V
-        wsum = sum(self.weight(tn) for tn in tags)
-        for tag, tenant in sorted(((tg, tn) for tn, tg in tags.items()), key=_first):
-            if tag >= target_v:
-                break
-            t += (tag - v) * wsum / self.rate
-            v = tag
-            wsum -= self.weight(tenant)
-        if target_v <= v:
-            return t
-        return t + (target_v - v) * (wsum if wsum > 0 else 1.0) / self.rate
 
     def position(self, key: object, tag: float, now: float) -> float:
         """The agent's H-GPS finish on the top level's scale V (no further arrivals): the
@@ -529,7 +423,7 @@ class TenantClock:
         if work <= 0.0:
             dep = self._deps.get(key)
             return min(now, dep[0]) if dep is not None else now
-        return self._time_of(state, state.V + work / self.weight(tenant))
+        return time_of(state, state.V + work / self.weight(tenant), self.weight, self.rate)
 
     def projected_time(self, tag: float, now: float, tenant: Tenant = None) -> float:
         """When `tenant`'s clock will reach `tag` if nothing else arrives."""
@@ -542,13 +436,14 @@ class TenantClock:
         work = self._work_to(clock, service, tag)
         if work <= 0.0:
             return now
-        return self._time_of(state, state.V + work / self.weight(tenant))
+        return time_of(state, state.V + work / self.weight(tenant), self.weight, self.rate)
 
     def arrival_finish_time(self, cost: float, now: float, tenant: Tenant = None) -> float:
         """H-GPS finish time of an agent of `tenant` that would arrive at `now` with `cost`."""
         if self._solo is not None:
             if self._solo_named and tenant != self._solo_tenant:
-                return self._split_arrival(cost, now, tenant)
+                return second_tenant_finish(self._solo, cost, now, self.weight(tenant),
+                                            self.weight(self._solo_tenant), self.rate)
             return self._solo.arrival_finish_time(cost, now)
         if cost <= 0:
             return now
@@ -559,25 +454,7 @@ class TenantClock:
         else:
             reading = clock.peek(service)
             work = clock._project(reading, reading.V + cost, service, joining=1) - service
-        return self._time_of(state, state.V + work / self.weight(tenant), (tenant, cost))
-
-    def _split_arrival(self, cost: float, now: float, tenant: Tenant) -> float:
-        """Solo mode, an agent of a second tenant: it would get its weight's share of R
-        against the one tenant there is while both are backlogged."""
-        if cost <= 0:
-            return now
-        solo = self._solo
-        assert solo is not None
-        v = solo.peek(now).V
-        other = float(sum(f - v for f, _, _ in solo._sorted if f > v))  # the solo tenant's work left
-        w, w_o = self.weight(tenant), self.weight(self._solo_tenant)
-        # both served together until the smaller (per weight) runs out
-        v_new, v_old = cost / w, other / w_o
-        both = min(v_new, v_old)
-        t = both * (w + w_o) / self.rate
-        if v_new > both:
-            t += (v_new - both) * w / self.rate
-        return now + t
+        return time_of(state, state.V + work / self.weight(tenant), self.weight, self.rate, (tenant, cost))
 
     def projection(self, now: float) -> Projection | HierProjection:
         """Every backlogged agent's finish time at `now` (no further arrivals)."""
@@ -597,16 +474,5 @@ class TenantClock:
                     dep = self._deps.get(key)
                     finish[key] = min(now, dep[0]) if dep is not None else now
         points.sort(key=lambda p: p[0])
-        # one sweep of the top level's breakpoints
-        tags = sorted(((tg, tn) for tn, tg in state.tags.items()), key=_first)
-        t, v = state.t, state.V
-        wsum = sum(self.weight(tn) for tn in state.tags)
-        i = 0
-        for target, key in points:
-            while i < len(tags) and tags[i][0] < target:
-                t += (tags[i][0] - v) * wsum / self.rate
-                v = tags[i][0]
-                wsum -= self.weight(tags[i][1])
-                i += 1
-            finish[key] = t + (target - v) * (wsum if wsum > 0 else 1.0) / self.rate if target > v else t
+        sweep(state, points, self.weight, self.rate, finish)
         return HierProjection(now, finish, self)

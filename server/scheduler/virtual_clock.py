@@ -208,13 +208,17 @@ class VirtualClock:
             heapq.heappop(self._heap)
             del self._tags[key]
             self._untrack(key)
-            if key in self._live:
-                self.departures[key] = t_dep
+            self._departed(key, t_dep)
             t, self.V = t_dep, f
         if self._tags:
             self.V += (now - t) * self.rate / len(self._tags)
         self.now = now
         return self.V
+
+    def _departed(self, key: object, t_dep: float) -> None:
+        """`advance` processed the GPS departure of `key` at `t_dep`."""
+        if key in self._live:
+            self.departures[key] = t_dep
 
     def arrive(self, key: object, cost: float, now: float) -> float:
         """Agent `key` arrives with `cost`: returns its tag F = V(now) + cost."""

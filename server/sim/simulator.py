@@ -327,7 +327,7 @@ def _extra(disp: Dispatcher, engine: EngineModel) -> dict:
         extra["prefix_recomputed_tokens"] = engine.cache.recomputed_tokens
         extra["prefix_recomputed_share"] = (engine.cache.recomputed_tokens / engine.cache.prompt_tokens
                                             if engine.cache.prompt_tokens else 0.0)
-        extra["kv_saved_total"] = disp.kv_saved_total
+        extra["kv_saved_total"] = disp.ledger.kv_saved_total
     return extra
 
 
@@ -400,7 +400,7 @@ class _Run:
         assert estimator is not None
         iterations, batch = engine.iterations, len(engine.running)
         in_use = engine.kv_used - engine.cache.evictable
-        reserved = self.disp.reserved_kv if self.footprint else None
+        reserved = self.disp.ledger.reserved_kv if self.footprint else None
         end, finished = engine.step(t, until)
         n = engine.iterations - iterations
         if n > 0 and end > t:  # memory grows by one token per sequence and step: its mean

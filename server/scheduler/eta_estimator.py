@@ -1,0 +1,376 @@
+"""The ETA estimator: every agent's projected finish under the running policy.
+
+The formula (eta.py's docstring) is applied two ways that must agree:
+
+- the fast pass, `refresh`: one replay of the policy's order over every agent (one sort,
+  O(N log N)), caching each agent's ETA and keeping the sorted keys and prefix sums of the
+  work ahead of each position (`EtaPass`). The caller runs it off the request path.
+- the slow path, `eta_time` for an agent the last pass did not place (registered since, or
+  re-predicted): a binary search in the last pass plus the agents registered since
+  (`unpassed_work_before`), then `eta_of` for that one agent, O(log N).
+
+What the replay measures work in (`replay_rates`): with a time model of the engine, the rate
+R0 of the engine on the current mix were prompts free, and each agent's declared prefill added
+as the work of that time at R0; without one, `eta_rate` and no prefill. The estimator keeps
+the recency-weighted shape of a request (prompt computed, output, whole context), from
+which the time model gives one step's time.
+
+It reads the dispatcher's tables (agents, clock, policy, ledger, arrivals, pauses) and owns
+only what forecasting needs. It never reads a clock.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .eta import MAX_ARRIVAL_SHARE, EtaPass, StepTimeSource, eta_of, step_function
+from .eta_interval import EtaCalibration
+from .pauses import stages_left
+from .policies import Justitia
+from .state import AgentState
+from .tenant_clock import HierProjection
+
+if TYPE_CHECKING:
+    from .dispatcher import Dispatcher
+
+# The weight of each new request in the running means of a request's prompt, output and
+# context: about the last 20 requests count (a mix changes over tens of requests, not one).
+MEAN_WEIGHT = 0.05
+# Registrations between two passes whose work later registrations' ETAs count: a bound on
+# the scan in `unpassed_work_before` under a flood (past it, the next pass counts them).
+MAX_UNPASSED = 256
+# The prompt tokens over which one more prompt token's step time is measured on the time
+# model: long enough to average out the model's per-step constant.
+PREFILL_PROBE_TOKENS = 1024
+
+# (rate, per_unit, prefill_work): what the replay measures work in (`replay_rates`)
+ReplayRates = tuple[float, float, float]
+
+
+class EtaEstimator:
+    """Projected finishes of a dispatcher's agents: the fast pass and the slow path."""
+
+    def __init__(self, dispatcher: Dispatcher, time_model: StepTimeSource | None) -> None:
+        self._d = dispatcher
+        self.time_model = time_model
+        self.model_sustains = True  # the time model may set ETAs' rate (`set_time_model`)
+        self.typical_iteration_s: float | None = None  # one engine step, measured
+        # How far first ETAs have been off: the ETA interval's factors (eta_interval.py).
+        self.calibration = EtaCalibration()
+        self.last_pass: EtaPass | None = None
+        # Agents registered since the last pass, for the ETAs of agents registered after
+        # them before the next pass (`unpassed_work_before`).
+        self.unpassed: list[AgentState] = []
+        # Recency-weighted prompt (computed) and output of a request: the batch an ETA
+        # expects and the prompt tokens it prefills per step (each prompt once over its d
+        # decode steps); and the whole prompt, cached or not: what attention reads.
+        self.mean_prompt = 0.0
+        self.mean_decode = 0.0
+        self.mean_context = 0.0
+
+    # -- what is observed ------------------------------------------------------------
+    def repredict(self, agent: AgentState, expected_total_kv: float) -> None:
+        """A new estimate of the agent's total KV cost: its ETA is placed again (slow path)
+        until the next pass."""
+        agent.expected_kv = max(float(expected_total_kv), agent.consumed_kv)
+        agent.eta_at = None
+
+    def registered(self, agent: AgentState) -> None:
+        """A new agent: later registrations before the next pass count its work."""
+        if len(self.unpassed) < MAX_UNPASSED:
+            self.unpassed.append(agent)
+
+    def observe_request(self, computed: int, decode: int, prompt: int) -> None:
+        """A submitted request: the prompt tokens the engine will compute, its expected output
+        and its whole prompt."""
+        if self.mean_prompt + self.mean_decode <= 0:
+            self.mean_prompt, self.mean_decode, self.mean_context = float(computed), float(decode), float(prompt)
+        else:
+            self.mean_prompt += MEAN_WEIGHT * (computed - self.mean_prompt)
+            self.mean_decode += MEAN_WEIGHT * (decode - self.mean_decode)
+            self.mean_context += MEAN_WEIGHT * (prompt - self.mean_context)
+
+    def observe_uncached(self, uncached_prompt: int) -> None:
+        """The prompt tokens the engine computed for a finished request, by its own report:
+        the engine's word beats the guess made at submission."""
+        self.mean_prompt += MEAN_WEIGHT * (uncached_prompt - self.mean_prompt)
+
+    @property
+    def _has_mix(self) -> bool:
+        return self.mean_prompt + self.mean_decode > 0
+
+    # -- rates and step times -----------------------------------------------------------
+    @property
+    def eta_rate(self) -> float:
+        """The rate ETAs divide work by: what the time model's engine sustains on the current
+        mix with its cache full of reservations, else R. Not the measured R: that is the rate
+        of the last stretch of steps, which at a burst's start (every agent prefilling its
+        first prompt at once) reads a fraction of the engine's long-run rate."""
+        tau = self.sustained_tau()
+        d = self._d
+        return d.rate if tau is None else max(d.rate, d.rate_at(tau))
+
+    def replay_rates(self) -> ReplayRates:
+        """What the replay measures work in: (rate, per_unit, prefill_work).
+
+        KV token-time does not see prefill: an agent of long prompts and short answers costs
+        little of it and takes the engine long. With a time model the replay divides by R0,
+        the rate of its engine on the current mix were prompts free, and adds each agent's
+        own prefill (`AgentShape.prefill_tokens`, the share not yet done) as the work of that
+        time at R0 (`prefill_work` a token); an agent whose prefill is unknown is assumed to
+        prefill like the mix, its charge scaled by R0 / eta_rate (`per_unit`), which makes
+        its time the one eta_rate gives. Without a time model, (eta_rate, 1, 0)."""
+        rate = self.eta_rate
+        tau = self.sustained_tau(prefill=False)
+        if tau is None or (free := self._d.rate_at(tau)) <= rate:
+            return rate, 1.0, 0.0
+        return free, free / rate, self.prefill_token_s() * free
+
+    def sustained_tau(self, prefill: bool = True) -> float | None:
+        """tau as the time model's engine sustains it on the mix of requests seen (the
+        simulator's `EngineProfile.effective_tau_s`, from the running means): a request
+        reserves p + d, holds p + d/2 on average, and prefills p over its d steps (not with
+        `prefill=False`). None without a time model or a request seen."""
+        if self.time_model is None or not self.model_sustains or not self._has_mix:
+            return None
+        capacity = self._d.kv_capacity
+        p, d = self.mean_prompt, max(1.0, self.mean_decode)
+        it = self.step_holding(capacity, prefill)
+        served = capacity * (p + d / 2) / (p + d)  # KV in use with the cache reserved full
+        return capacity * it / served if it > 0 and served > 0 else None
+
+    def gap_closing(self, backlog: int) -> float:
+        """How far V advances while the arrivals the ETAs count go on (`arrivals.span_s`):
+        GPS serves R a second among the backlogged agents, about half of the expected
+        newcomers among them on average over the span."""
+        arrivals = self._d.arrivals
+        if arrivals.rate <= 0.0:
+            return 0.0
+        return arrivals.span_s * self._d.rate / max(1.0, backlog + 0.5 * arrivals.expected_agents())
+
+    def iteration_s(self) -> float:
+        """One engine step with the work known now admitted: the time model's at the batch
+        and KV the running and pending requests make (up to M), else the measured typical
+        step, else tau."""
+        d = self._d
+        if self.time_model is None:
+            return self.typical_iteration_s or d.tau
+        # the memory the work known now fills, or what the measured arrivals keep filled
+        utilisation = min(1.0, d.arrivals.rate / d.rate)
+        kv = min(d.kv_capacity, max(d.ledger.reserved_kv + d.ledger.pending_kv, utilisation * d.kv_capacity))
+        if kv <= 0 or not self._has_mix:
+            return step_function(self.time_model)(1, 0, 0)
+        return self.step_holding(kv)
+
+    def step_holding(self, kv: float, prefill: bool = True) -> float:
+        """The time model's step with `kv` tokens reserved by requests of the current mix:
+        a request reserves p + d (p the prompt it computes), prefills p once per d steps and
+        attends over its whole prompt and d/2 outputs on average over its life (its shared
+        prefixes too: attention reads them per request)."""
+        assert self.time_model is not None
+        p, d = self.mean_prompt, max(1.0, self.mean_decode)
+        batch = max(1.0, kv / (p + d))
+        context = max(p, self.mean_context)
+        prefilled = round(batch * p / d) if prefill else 0
+        return step_function(self.time_model)(round(batch), prefilled, int(batch * (context + d / 2)))
+
+    def saturated_iteration_s(self) -> float:
+        """One engine step with the whole cache in use by the current mix of requests (the
+        time model's; 0 without one): the steps of a critical path under contention, which
+        the recent steps' percentiles, measured under a lighter load, can understate."""
+        if self.time_model is None or not self._has_mix:
+            return 0.0
+        return self.step_holding(self._d.kv_capacity)
+
+    def prefill_token_s(self) -> float:
+        """The time model's cost of one more prompt token computed in a step (0 without one):
+        the prefill on an agent's critical path (a stage's requests decode once their prompts
+        are in; an agent of long prompts and short answers is mostly prefill)."""
+        if self.time_model is None:
+            return 0.0
+        step = step_function(self.time_model)
+        return max(0.0, (step(1, PREFILL_PROBE_TOKENS, 0) - step(1, 0, 0)) / PREFILL_PROBE_TOKENS)
+
+    # -- one agent's work ---------------------------------------------------------------
+    def remaining(self, agent: AgentState) -> tuple[float, float]:
+        """(work not yet done, its total) in policy units: the re-predicted total once there
+        is one (`Dispatcher.repredict`), else the charge."""
+        if agent.expected_kv is None:
+            return max(0.0, agent.charged_cost - agent.consumed_cost), agent.charged_cost
+        unit = self._d.costs.kv_unit
+        # never less than the requests it has already submitted
+        expected = max(agent.expected_kv, agent.committed_kv)
+        return max(0.0, expected - agent.consumed_kv) * unit, expected * unit
+
+    def critical_path_s(self, agent: AgentState, it: float) -> float:
+        """The agent's remaining critical path: its expected shape scaled by the share of its
+        (re-predicted) cost not yet consumed, else the longest decode of its known requests."""
+        own, total = self.remaining(agent)
+        left = own / total if total > 0 else 1.0
+        left = min(1.0, max(0.0, left))
+        shape = agent.eta_shape or agent.shape
+        if shape.critical_path_tokens is not None:
+            return ((shape.critical_path_tokens + max(1, shape.stages)) * it
+                    + (shape.prefill_tokens or 0) * self.prefill_token_s()) * left
+        if agent.pending or agent.running:
+            return (agent.longest_decode + 1) * it
+        return 0.0
+
+    def replay_work(self, agent: AgentState, rates: ReplayRates) -> float:
+        """The agent's remaining work in the replay's units (`replay_rates`)."""
+        own, total = self.remaining(agent)
+        _, per_unit, prefill_work = rates
+        prefill = (agent.eta_shape or agent.shape).prefill_tokens
+        if prefill is None or not prefill_work or total <= 0.0:
+            return own * per_unit
+        return own + own / total * prefill * prefill_work
+
+    def pause_ahead(self, agent: AgentState, now: float) -> float:
+        """The tool time its ETA expects: its type's mean pause before each stage it has not
+        started, less what it has already paused before the next one."""
+        shape = agent.eta_shape or agent.shape
+        left = stages_left(shape.stages, agent.stages_started)
+        if left == 0:
+            return 0.0
+        mean = self._d.pauses.mean_s(agent.agent_type)
+        paused = now - agent.idle_since if agent.idle_since is not None else 0.0
+        return max(0.0, mean * left - min(paused, mean))
+
+    def eta_key(self, agent: AgentState, now: float, fair: Any = None) -> Any:
+        """The agent's place in the replay: the policy's static key, or, with several
+        tenants under a tag-ordered policy, its H-GPS finish (tags of different tenants are
+        on different scales)."""
+        d = self._d
+        if not d.clock.hierarchical or not isinstance(d.policy, Justitia):
+            return d.policy.static_key(agent)
+        if fair is not None:
+            t = (fair.finish.get(agent.agent_id) if agent.in_reference
+                 else fair.arrival(agent.charged_cost, agent.tenant))
+            if t is not None:
+                return (t, agent.seq)
+        if agent.eta_key_at is None:  # once per agent between passes (a burst's registrations)
+            agent.eta_key_at = d.fair_finish_time(agent.agent_id, now)
+        return (agent.eta_key_at, agent.seq)
+
+    # -- the slow path -----------------------------------------------------------------
+    def unpassed_work_before(self, agent: AgentState, key: Any, rates: ReplayRates, now: float = 0.0) -> float:
+        """Remaining work of the agents registered since the last pass that the policy orders
+        before `agent`: a burst registers faster than passes run, and each of its agents
+        waits behind the ones registered before it."""
+        d = self._d
+        work = 0.0
+        static_key: Callable[[AgentState], Any] = d.policy.static_key
+        if d.clock.hierarchical and isinstance(d.policy, Justitia):
+            static_key = functools.partial(self.eta_key, now=now)
+        for a in self.unpassed:
+            if a is not agent and d.agents.get(a.agent_id) is a and static_key(a) < key:
+                work += self.replay_work(a, rates)
+        return work
+
+    def eta_time(self, agent: AgentState, now: float) -> float:
+        """Projected finish under the running policy: the last pass's, else the agent placed
+        in its order by binary search (O(log N)), plus the pauses it is expected to take."""
+        if agent.eta_at is not None:
+            return max(now, agent.eta_at) + self.pause_ahead(agent, now)
+        d = self._d
+        key = self.eta_key(agent, now)
+        rates = self.replay_rates()
+        before = self.last_pass.work_before(key) if self.last_pass is not None else 0.0
+        before += self.unpassed_work_before(agent, key, rates, now)
+        reading = d.clock.peek(now)
+        v = d.clock.tenant_v(agent.tenant, now) if d.clock.hierarchical else reading.V
+        ahead = d.arrivals.ahead(d.policy.arrival_gap(agent, v, self.gap_closing(reading.backlog)))
+        return eta_of(now, before, self.replay_work(agent, rates), rates[0], ahead * rates[1],
+                      self.critical_path_s(agent, self.iteration_s()), d.arrivals.span_s) \
+            + self.pause_ahead(agent, now)
+
+    # -- the fast pass -----------------------------------------------------------------
+    def refresh(self, now: float) -> None:
+        """Replay the policy's order once (O(N log N)) and cache every agent's ETA and GPS
+        finish."""
+        d = self._d
+        d.arrivals.freeze(now)
+        for a in self.unpassed:
+            a.eta_key_at = None
+        self.unpassed.clear()
+        reading = d.clock.peek(now)
+        v = reading.V
+        closing = self.gap_closing(reading.backlog)
+        fair = d.clock.projection(now)  # every backlogged agent's GPS finish, one walk
+        policy, it = d.policy, self.iteration_s()
+        rate, per_unit, prefill_work = self.replay_rates()
+        agents = list(d.agents.values())
+        hier = d.clock.hierarchical
+        if hier:  # tenants first: replay in the order of the agents' H-GPS finish
+            keys = [self.eta_key(a, now, fair) for a in agents]
+            tenant_v = {t: d.clock.tenant_v(t, now) for t in {a.tenant for a in agents}}
+        else:
+            keys = list(map(policy.static_key, agents))
+        order = sorted(range(len(agents)), key=keys.__getitem__)
+        keys = [keys[i] for i in order]
+        prefix = [0.0] * (len(agents) + 1)
+        # eta_time's per-agent steps, inlined: this loop is the whole cost of the upkeep
+        gap, costs, cprefix = policy.arrival_gap, d.arrivals._costs, d.arrivals._prefix
+        unit = d.costs.kv_unit
+        prefill_s = self.prefill_token_s()
+        scale = d.arrivals.rate * per_unit / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
+        cap = MAX_ARRIVAL_SHARE * rate
+        span = d.arrivals.span_s
+        total = 0.0
+        for k, i in enumerate(order):
+            a = agents[i]
+            charged = a.charged_cost
+            expected = a.expected_kv
+            if expected is None:
+                own = charged - a.consumed_cost
+            else:  # re-predicted: its expected total (at least what it submitted) not yet consumed
+                if expected < a.committed_kv:
+                    expected = a.committed_kv
+                own = (expected - a.consumed_kv) * unit
+                charged = expected * unit
+            if own < 0.0:
+                own = 0.0
+            shape = a.eta_shape or a.shape
+            left = own / charged if charged > 0.0 else 1.0
+            # replay_work, inlined
+            if shape.prefill_tokens is None or not prefill_work or charged <= 0.0:
+                work = own * per_unit
+            else:
+                work = own + left * shape.prefill_tokens * prefill_work
+            g = (gap(a, tenant_v[a.tenant] if hier else v, closing)) if scale else 0.0
+            arriving = scale * cprefix[bisect_left(costs, g)] if g > 0.0 else 0.0
+            r = rate - (arriving if arriving < cap else cap)
+            if arriving > 0.0 and total + work > r * span:  # arrivals end after `span` (served_by)
+                r = (total + work) / max(span, (total + work + arriving * span) / rate)
+            if shape.critical_path_tokens is not None:
+                path = ((shape.critical_path_tokens + max(1, shape.stages)) * it
+                        + (shape.prefill_tokens or 0) * prefill_s) * left
+            elif a.pending or a.running:
+                path = (a.longest_decode + 1) * it
+            else:
+                path = 0.0
+            start = total / r
+            finish = (total + work) / r
+            a.eta_at = now + (finish if finish > start + path else start + path)
+            if not a.in_reference:
+                a.fair_at = fair.arrival(a.charged_cost, a.tenant) if isinstance(fair, HierProjection) \
+                    else fair.arrival(a.charged_cost)
+            else:
+                a.fair_at = fair.finish.get(a.agent_id)
+            total += work
+            prefix[k + 1] = total
+        self.last_pass = EtaPass(now, rate, keys, prefix)
+
+    def recall(self, events: Sequence[tuple[float, float]], now: float, unit: float) -> int:
+        """Replay past registrations (time, predicted KV cost) into the measured arrivals;
+        `unit` converts KV cost to policy units. Returns how many were replayed."""
+        arrivals = self._d.arrivals
+        kept = sorted((t, c) for t, c in events if t <= now and math.isfinite(t) and math.isfinite(c) and c >= 0)
+        for t, cost in kept:
+            arrivals.add(t, cost * unit)
+        arrivals.freeze(now)
+        return len(kept)

@@ -1,0 +1,161 @@
+"""Promises and bounds: the deadline each agent is given, and the limits it rests on.
+
+An agent's worst-case deadline is its GPS finish projected with the work expected to arrive
+ahead of it, served at the pessimistic rate (M / bound_tau), plus its delay bound (bounds.py)
+at the pessimistic step time, plus its type's p90 pause before each stage it has not
+started. The deadline given is the tighter of that and its ETA scaled by how far first ETAs
+have fallen short (tight_promise.py; the record's promise_assumes says what that rests on).
+
+Invariants:
+- a promise only ever moves later: it is made at registration and made again when the
+  agent starts late or over-runs its charge, and a new deadline earlier than the old one is
+  not taken;
+- a promise the scheduler expects to break is never called firm: where an assumption fails
+  (no request seen, a predicted cost, arrivals above the share a deadline allows, too
+  little history of arrivals, an uncertain rate), it is "widened" and says why; under a
+  policy that does not keep the delay bound it is "none";
+- the limits an agent is bounded against count real (committed) work of anyone, and
+  predictions of its own tenant only (another tenant cannot widen its bound by lying).
+
+Reads the dispatcher's clock, arrivals, rates and pauses; never reads a clock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .bounds import BoundLimits, delay_bound
+from .cost import kv_cost
+from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S
+from .pauses import stages_left
+from .policies import Justitia
+from .state import AgentState, ObservedLimits
+from .tight_promise import assumption, promise_factor, tight_deadline
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .dispatcher import Dispatcher
+
+
+class Promises:
+    """The deadlines and delay bounds of a dispatcher's agents."""
+
+    def __init__(self, dispatcher: Dispatcher, limits: BoundLimits | None,
+                 tenant_limits: Mapping[str | None, BoundLimits] | None, context_tokens: int | None) -> None:
+        self._d = dispatcher
+        self.declared = limits
+        self.tenant_limits = dict(tenant_limits or {})  # declared per tenant (over `limits`)
+        # The longest request the engine takes (prompt and output): what bounds requests
+        # before any is seen (None: nothing).
+        self.context_tokens = context_tokens
+        self.observed = ObservedLimits()
+
+    # -- limits and bounds -------------------------------------------------------------
+    def limits_for(self, tenant: str | None) -> BoundLimits:
+        """The limits an agent of `tenant` is promised against: the operator's, or what the
+        scheduler can trust (real work of anyone, predictions of `tenant` only)."""
+        declared = self.tenant_limits.get(tenant)
+        if declared is not None:
+            return declared
+        if self.declared is not None:
+            return self.declared
+        limits = self.observed.as_limits(tenant)
+        if self.no_request_seen:
+            # Nothing bounds the requests an agent will wait behind but the engine's context:
+            # with none seen, the longest output seen is 0, which would bound the first
+            # agents as if no request decoded.
+            top = int(self.context_tokens or 0)
+            limits = BoundLimits(max(limits.max_request_cost, kv_cost(0, top)), limits.max_agent_cost, top)
+        return limits
+
+    @property
+    def no_request_seen(self) -> bool:
+        """No request submitted yet, and the context length known: the limits are its."""
+        return self.declared is None and bool(self.context_tokens) and self.observed.max_output_tokens <= 0
+
+    @property
+    def bound_step_s(self) -> float:
+        """The step time of the bounds given now: the pessimistic iteration time, or the
+        time model's step with the cache full (a critical path's steps under contention)."""
+        return max(self._d.bound_iteration_s, self._d.etas.saturated_iteration_s())
+
+    def bound(self, agent: AgentState) -> None:
+        """Set the agent's delay bound from its shape and the limits it is promised against."""
+        d = self._d
+        agent.bound = delay_bound(self.limits_for(agent.tenant), agent.shape, d.kv_capacity,
+                                  d.bound_tau, self.bound_step_s)
+
+    # -- deadlines ------------------------------------------------------------------------
+    def promise(self, agent: AgentState, now: float) -> None:
+        """The deadline promised at `now` (the module docstring's rule); it only moves later."""
+        d = self._d
+        v = d.clock.tenant_v(agent.tenant, now)
+        # A predicted cost may be short of the real one, and an agent that over-runs is
+        # charged its excess as it shows, so its fair finish moves later with it: the promise
+        # allows for the prediction's p90.
+        extra = max(0.0, agent.promise_charge - agent.charged_cost)
+        fluid = self.fair_finish_with(agent, extra, now) - now
+        slow = d.bound_tau / d.tau
+        # The share of the rate the deadline assumes (M / bound_tau), not of R: the deadline
+        # serves its work at the pessimistic rate, and so must it serve the arrivals.
+        share = d.arrivals.fluid_ahead(max(0.0, agent.virtual_finish + extra - v)) / d.rate * slow
+        reasons = []
+        if d.uncertainty:
+            reasons.append(d.uncertainty)
+        if self.no_request_seen:
+            reasons.append(f"no request seen yet: the bound assumes requests as long as the engine's context "
+                           f"({self.context_tokens} tokens)")
+        if extra > 0.0:
+            reasons.append(f"its cost is a prediction: the deadline allows for {agent.promise_charge:.4g} units, "
+                           f"the prediction's p90 ({agent.promise_charge / agent.charged_cost:.2g}x its charge)")
+        if share > MAX_ARRIVAL_SHARE:
+            reasons.append(f"work arrives at {share:.0%} of the engine's (pessimistic) rate: the deadline assumes "
+                           f"{MAX_ARRIVAL_SHARE:.0%}")
+            share = MAX_ARRIVAL_SHARE
+        history = d.arrivals.history_s(now)
+        horizon = fluid / (1.0 - share) * slow
+        if share < MAX_ARRIVAL_SHARE and (history is None or history < max(PROMISE_MIN_SPAN_S, horizon)):
+            # Arrivals seen over less time than the deadline looks ahead say little of what
+            # arrives before it (the start of a burst looks like a light load), and none seen
+            # at all is no sign of a light load either: assume the most the deadline can
+            # allow for, and say so.
+            seen = "no arrivals measured yet" if history is None else f"arrivals measured over {history:.1f} s"
+            reasons.append(f"{seen}, less than the {horizon:.1f} s the deadline looks ahead: it assumes work "
+                           f"arrives at {MAX_ARRIVAL_SHARE:.0%} of the engine's rate")
+            share = MAX_ARRIVAL_SHARE
+            horizon = fluid / (1.0 - share) * slow
+        # Tool time: the type's p90 pause before each stage it has not started (pauses.py).
+        left = stages_left(agent.shape.stages, agent.stages_started)
+        pauses = d.pauses.p90_s(agent.agent_type) * left
+        worst = now + horizon + agent.bound.total_s + pauses
+        # The deadline given: the tighter of the worst case and the ETA scaled by how far
+        # ETAs have fallen short (tight_promise.py), which says what it rests on. Tool time is
+        # not calibrated so: an agent that may pause (stage boundaries ahead, and pauses
+        # seen, or none seen yet) keeps the worst case.
+        factor = promise_factor(d.etas.calibration)
+        tight = worst
+        if left == 0 or (d.pauses.any_seen and pauses <= 0.0):
+            cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
+            tight = tight_deadline(now, d.etas.eta_time(agent, now), 0.0, 0.0, factor, cost_ratio)
+        deadline = min(worst, tight)
+        if agent.deadline_at is not None and deadline <= agent.deadline_at:
+            return  # made again (late start, over-run): a promise only ever moves later
+        agent.deadline_at = deadline
+        agent.promise_assumes = assumption(factor, d.etas.calibration.seen, d.arrivals.promise_rate) \
+            if tight < worst else ""
+        if not isinstance(d.policy, Justitia):
+            agent.promise = "none"
+            agent.promise_reason = f"policy {d.policy.name} does not keep the delay bound (Justitia's)"
+        else:
+            agent.promise = "widened" if reasons else "firm"
+            agent.promise_reason = "; ".join(reasons)
+
+    def fair_finish_with(self, agent: AgentState, extra: float, now: float) -> float:
+        """GPS finish time of the agent projected from now were its charge `extra` larger."""
+        d = self._d
+        if extra <= 0.0:
+            return d.fair_finish_time(agent.agent_id, now)
+        if not agent.in_reference:
+            return d.clock.arrival_finish_time(agent.charged_cost + extra, now, agent.tenant)
+        return d.clock.projected_time(agent.virtual_finish + extra, now, agent.tenant)

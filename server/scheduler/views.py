@@ -1,0 +1,105 @@
+"""What the dispatcher tells: an agent's record (`AgentView`) and the scheduler's state as
+plain data (`snapshot`). Reads only: neither moves the clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+from typing import TYPE_CHECKING, Any
+
+from .state import AgentState, AgentView
+
+if TYPE_CHECKING:
+    from .dispatcher import Dispatcher
+
+
+def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
+    """The agent's record: tag, costs and times (seconds from its submission)."""
+    fair = d.fair_finish_time(agent.agent_id, now) - agent.submitted_at
+    bound = agent.bound.total_s
+    eta = d.etas.eta_time(agent, now) - agent.submitted_at
+    deadline = (agent.deadline_at if agent.deadline_at is not None else now) - agent.submitted_at
+    return AgentView(
+        agent_id=agent.agent_id,
+        agent_type=agent.agent_type,
+        submitted_at=agent.submitted_at,
+        predicted_cost=agent.predicted_cost,
+        charged_cost=agent.charged_cost,
+        consumed_cost=agent.consumed_cost,
+        virtual_finish=agent.virtual_finish,
+        fair_finish_s=fair,
+        eta_s=eta,
+        eta_interval_s=d.etas.calibration.interval(now - agent.submitted_at, eta, deadline),
+        delay_bound_s=bound,
+        deadline_s=deadline,
+        bound=agent.bound,
+        requests_total=agent.requests_total,
+        requests_done=agent.requests_done,
+        pending=agent.pending,
+        running=agent.running,
+        promise=agent.promise,
+        promise_reason=agent.promise_reason,
+        promise_assumes=agent.promise_assumes,
+        expected_cost=agent.expected_kv,
+    )
+
+
+def snapshot(d: Dispatcher, now: float, max_queue: int = 50) -> dict[str, Any]:
+    """Plain-data state: policy, V, M, tau, backlog, queue (head first) with tags.
+    A read: the clock does not move."""
+    gps = d.clock.peek(now)
+    waiting = [a for a in d.agents.values() if a.pending]
+    # the head of the queue only: O(n log max_queue), whatever the number of agents
+    queued = heapq.nsmallest(max_queue, waiting, key=functools.partial(_queue_key, d))
+    return {
+        "policy": d.policy.name,
+        "now": now,
+        "V": gps.V,
+        "M": d.kv_capacity,
+        "block_size": d.block_size,
+        "prefix_block": d.prefix_block,
+        "tau": d.tau,
+        "bound_tau": d.bound_tau,
+        "bound_iteration_s": d.bound_iteration_s,
+        "bound_step_s": d.promises.bound_step_s,
+        "promise": "widened" if d.uncertainty else "firm",
+        "promise_reason": d.uncertainty or "",
+        "rate": d.rate,
+        "eta_rate": d.eta_rate,
+        # what the ETA replay divides by and what one prompt token it adds takes
+        "replay_rate": d.etas.replay_rates()[0],
+        "prefill_token_s": d.etas.prefill_token_s(),
+        "arrival_rate": d.arrivals.rate,
+        "arrival_promise_rate": d.arrivals.promise_rate,
+        "arrival_history_s": d.arrivals.history_s(now),
+        "arrival_episodes": d.arrivals.episodes,
+        "etas_refreshed_at": d.etas.last_pass.now if d.etas.last_pass is not None else None,
+        "backlog": gps.backlog,
+        "agents": len(d.agents),
+        "queued_agents": len(waiting),
+        "pending_requests": d.ledger.pending_count,
+        "running_requests": d.ledger.running_count,
+        "reserved_kv": d.ledger.reserved_kv,
+        "kv_shared": d.ledger.kv_shared_now,
+        "kv_saved_total": d.ledger.kv_saved_total,
+        "prefix_hit_rate": d.ledger.prefix_hit_rate,
+        "limits": dataclasses.asdict(d.promises.limits_for(None)),
+        "queue": [
+            {
+                "agent_id": a.agent_id,
+                "virtual_finish": a.virtual_finish,
+                "priority": d.policy.priority(a, d.queue.head(a)),
+                "pending": a.pending,
+                "running": a.running,
+            }
+            for a in queued
+        ],
+    }
+
+
+def _queue_key(d: Dispatcher, agent: AgentState) -> Any:
+    head = d.queue.head(agent)
+    if head is not None:
+        return d.policy.agent_key(agent, head)
+    return d.policy.static_key(agent)  # a queue of requests, not agents (ewsjf)
