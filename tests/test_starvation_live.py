@@ -53,7 +53,9 @@ DRAIN_S = 60.0  # after the large agent, the small ones still queued get this lo
 @pytest.fixture(scope="module")
 def two_tenant_server(tmp_path_factory: pytest.TempPathFactory):
     home = str(tmp_path_factory.mktemp("starvation-home"))
-    yield from serve_with_keys(["--kv-tokens", "4096", "--max-model-len", "2048"], KEYS, home)
+    # a start-up of its own on a shared machine: allow it the engine tier's worst (15 min)
+    yield from serve_with_keys(["--kv-tokens", "4096", "--max-model-len", "2048"], KEYS, home,
+                               startup_timeout=900.0)
 
 
 def _prompt(rng: random.Random, p: int) -> list[int]:

@@ -101,7 +101,7 @@ def _family(args: argparse.Namespace) -> int:
                       fmt(r["deadline_over_jct_p50"], ".1f"), fmt(r["eta_coverage"], ".0%"))
     Console().print(table)
     if args.json:
-        config = {"shapes": shapes, "seeds": parse_seeds(args.seeds), "policies": policies, "modes": modes, "agents": args.agents,
-                  "load": args.load, "profile": profile.name, "kv_tokens": args.kv_tokens}
+        config = {"shapes": shapes, "seeds": parse_seeds(args.seeds), "policies": policies, "modes": modes,
+                  "agents": args.agents, "load": args.load, "profile": profile.name, "kv_tokens": args.kv_tokens}
         write_result(args.json, family_json(rows, config))
     return 0
