@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from server.shared.profiles import load_profile  # noqa: E402
 from server.sim.mix import make_mix  # noqa: E402
-from server.sim.profiles import load_profile  # noqa: E402
 from server.sim.workload import AgentSpec, save_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
+from server.shared.profiles import get_profile  # noqa: E402
 from server.sim.mix import Traces, make_mix  # noqa: E402
-from server.sim.profiles import get_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import run_comparison  # noqa: E402
 

@@ -50,7 +50,7 @@ from dataclasses import replace  # noqa: E402
 
 from server.scheduler import POLICY_NAMES, AgentShape, Dispatcher, RequestSpec, kv_cost  # noqa: E402
 from server.scheduler.prefix import block_chain  # noqa: E402
-from server.sim.profiles import get_profile  # noqa: E402
+from server.shared.profiles import get_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 
 PREFIX_ROWS = ("justitia-prefixes", "justitia-blockhash")

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from server.sim.profiles import load_profile  # noqa: E402
+from server.shared.profiles import load_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import TAU_SOURCES, AgentResult, _quantile, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from server.shared.profiles import get_profile  # noqa: E402
 from server.sim.mix import prefix_share, share_prefixes  # noqa: E402
-from server.sim.profiles import get_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import run_comparison  # noqa: E402
 from server.sim.workload import load_workload, save_workload  # noqa: E402

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from server.shared.profiles import get_profile  # noqa: E402
 from server.sim.mix import Traces, make_mix  # noqa: E402
-from server.sim.profiles import get_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 from server.sim.report import compare  # noqa: E402
 from server.sim.simulator import make_predictions, run_comparison  # noqa: E402

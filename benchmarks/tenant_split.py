@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server.scheduler import Dispatcher, RequestSpec, kv_cost  # noqa: E402
-from server.sim.profiles import get_profile  # noqa: E402
+from server.shared.profiles import get_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 from server.sim.simulator import make_predictions, simulate  # noqa: E402
 from server.sim.workload import AgentSpec  # noqa: E402

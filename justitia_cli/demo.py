@@ -151,7 +151,7 @@ def run_demo(args: argparse.Namespace) -> int:
         with console.status("starting the embedded server "
                             "(vLLM CPU engine, tiny model, about a minute on 2 CPU cores)..."):
             # a history of its own: a server restarts with what its history taught it
-            # (server/relearn.py), and the first wave is a fresh server's
+            # (server/runtime/relearn.py), and the first wave is a fresh server's
             history_dir = tempfile.mkdtemp(prefix="justitia-demo-")
             server = EmbeddedServer(["--kv-tokens", str(args.kv_tokens), "--policy", args.policy,
                                      "--data-dir", history_dir]).start()

@@ -43,7 +43,7 @@ DEFAULT_RETRAIN_EVERY = 20
 MIN_RECENT = 5
 RECENT_FRACTION = 0.2
 #: Samples kept per (tenant, type): the newest; older ones leave the training set. A prompt
-#: is kept up to 64 KB (server/live.py), so this bounds a type's memory to about 32 MB.
+#: is kept up to 64 KB (server/runtime/live.py), so this bounds a type's memory to about 32 MB.
 MAX_SAMPLES = 500
 #: (tenant, type) pairs followed at most: agent types are the callers' strings, and a caller
 #: inventing a new one per agent must not grow the server's memory without end.

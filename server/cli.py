@@ -212,9 +212,9 @@ def _parse_api_keys(items: list[str]) -> dict[str, str]:
 
 def _parse_limits(args: argparse.Namespace, tenants: set[str]) -> dict[str, Any]:
     """The limit options as ServerConfig fields; overrides must name a known tenant."""
-    from server.auth import DEFAULT_TENANT
-    from server.config import DEFAULT_MAX_QUEUED
-    from server.limits import Rate, parse_bytes, parse_count, parse_per_tenant, parse_tokens
+    from server.api.auth import DEFAULT_TENANT
+    from server.api.config import DEFAULT_MAX_QUEUED
+    from server.runtime.limits import Rate, parse_bytes, parse_count, parse_per_tenant, parse_tokens
 
     known = tenants or {DEFAULT_TENANT}
     parsed = {}
@@ -277,7 +277,7 @@ def _positive_int(text: str) -> int:
 
 
 def _schema_bytes(text: str) -> int:
-    from server.limits import parse_bytes
+    from server.runtime.limits import parse_bytes
 
     try:
         n = parse_bytes(text)
@@ -328,7 +328,7 @@ def _check_files(args: argparse.Namespace) -> None:
     """What serve names on disk or by name (model, predictors, profile, tool-call parser),
     checked before the engine starts: one line each, not an engine's traceback."""
     if args.model is not None:
-        from server.model_check import ModelNotFound, check_model
+        from server.engine.model_check import ModelNotFound, check_model
 
         try:
             check_model(args.model)
@@ -337,7 +337,7 @@ def _check_files(args: argparse.Namespace) -> None:
     if args.predictors is not None:
         _check_predictors(args.predictors)
     if args.profile is not None:
-        from server.sim.profiles import load_profile
+        from server.shared.profiles import load_profile
 
         try:
             load_profile(args.profile)
@@ -350,8 +350,8 @@ def _check_files(args: argparse.Namespace) -> None:
 def _check_data_dir(data_dir: str | None) -> None:
     """Before anything starts (the engine would start only to be stopped): the history's
     directory can be written, else one line and exit status 2."""
-    from server.data_dir import HistoryUnwritable, check_writable
-    from server.tiny_model import justitia_home
+    from server.engine.tiny_model import justitia_home
+    from server.runtime.data_dir import HistoryUnwritable, check_writable
 
     try:
         check_writable(Path(data_dir).expanduser() if data_dir else justitia_home() / "data")
@@ -361,7 +361,7 @@ def _check_data_dir(data_dir: str | None) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from server.config import ServerConfig
+    from server.api.config import ServerConfig
 
     keys = _parse_api_keys(args.api_key)
     limits = _parse_limits(args, set(keys.values()))
@@ -439,7 +439,7 @@ def _check_tool_call_parser(name: str) -> None:
 
 
 def _history_bytes(text: str) -> int:
-    from server.limits import parse_bytes
+    from server.runtime.limits import parse_bytes
 
     if text.strip() == "0":
         return 0
@@ -454,13 +454,13 @@ def serve(config: Any, engine: Any = None) -> int:
     `engine`: an Engine to serve instead of the one `config` names (the test suite's fake)."""
     import math
 
-    from server.app import create_app
-    from server.http import concurrency_limit, graceful_server, raise_open_files_limit, uvicorn_config
+    from server.api.app import create_app
+    from server.api.http import concurrency_limit, graceful_server, raise_open_files_limit, uvicorn_config
 
     _check_data_dir(config.data_dir)
 
     if engine is None and config.model is None and not config.engine_urls:
-        from server.tiny_model import ensure_default_model
+        from server.engine.tiny_model import ensure_default_model
 
         path = ensure_default_model()
         print(TINY_NOTICE.format(path=path), file=sys.stderr, flush=True)
@@ -473,9 +473,9 @@ def serve(config: Any, engine: Any = None) -> int:
         app, config.host, config.port, log_level=config.log_level,
         limit_concurrency=concurrency_limit(open_files),
         # uvicorn cancels what still runs a moment after the drain time, when the requests
-        # in flight have been told (server/shutdown.py)
+        # in flight have been told (server/runtime/shutdown.py)
         timeout_graceful_shutdown=math.ceil(shutdown.drain_s + 0.5)), shutdown)
-    # The app stops this server itself when its engine cannot be restarted (server/app.py).
+    # The app stops this server itself when its engine cannot be restarted (server/api/app.py).
     app.state.uvicorn_server = server
     server.run()
     if not server.started:
@@ -484,7 +484,7 @@ def serve(config: Any, engine: Any = None) -> int:
 
 
 def run_init_tiny(args: argparse.Namespace) -> int:
-    from server.tiny_model import init_tiny
+    from server.engine.tiny_model import init_tiny
 
     try:
         path = init_tiny(args.dir, overwrite=args.force)

@@ -130,7 +130,7 @@ class VLLMOpenAIServer:
     def __init__(self, *, kv_tokens: int = 4096, max_model_len: int = 1024,
                  served_name: str = "justitia-tiny-llama", startup_timeout: float = 300.0,
                  extra_args: Sequence[str] = ()) -> None:
-        from server.tiny_model import ensure_default_model
+        from server.engine.tiny_model import ensure_default_model
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

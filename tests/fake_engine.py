@@ -145,7 +145,7 @@ class FakeEngine:
         with one, as vLLM's tool-call parsers do; the fake's own token ids stay bytes."""
         from transformers import PreTrainedTokenizerFast
 
-        from server.tiny_model import _build_tokenizer
+        from server.engine.tiny_model import _build_tokenizer
 
         return PreTrainedTokenizerFast(tokenizer_object=_build_tokenizer())
 
@@ -419,7 +419,7 @@ class FakeServer:
 
     def __init__(self, data_dir: str | Path, engine: FakeEngine | None = None,
                  header_timeout_s: float = 10.0, **config: Any) -> None:
-        from server.config import ServerConfig
+        from server.api.config import ServerConfig
 
         self.header_timeout_s = header_timeout_s
         self.engine = engine or FakeEngine()
@@ -434,8 +434,8 @@ class FakeServer:
         """Serve on `port` (default: a free one) and return once /readyz answers 200."""
         import uvicorn
 
-        from server.app import create_app
-        from server.http import uvicorn_config
+        from server.api.app import create_app
+        from server.api.http import uvicorn_config
         from server.launcher import free_port
 
         app = self.app = create_app(self.config, engine=self.engine,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from server.api.config import ServerConfig
 from server.cli import serve
-from server.config import ServerConfig
 from tests.fake_engine import FakeEngine
 
 

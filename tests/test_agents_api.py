@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server.metrics import metric_value
+from server.runtime.metrics import metric_value
 from server.scheduler import kv_cost
 from tests.conftest import ENGINE_KV_TOKENS
 from tests.streams import BackgroundStream, sse_json

@@ -7,9 +7,9 @@ import json
 import re
 
 from justitia_cli import main
+from server.shared.profiles import get_profile
 from server.sim.html_report import gps_slowdown, kept, policy_rows, render
 from server.sim.mix import make_mix
-from server.sim.profiles import get_profile
 from server.sim.workload import save_workload
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from justitia_cli import main
+from server.shared.profiles import get_profile
 from server.sim.mix import make_mix
-from server.sim.profiles import get_profile
 from server.sim.workload import save_workload
 
 AGENT_KEYS = {"id", "arrival_s", "finish_s", "jct_s", "gps_finish_s", "delay_bound_s"}
@@ -144,7 +144,7 @@ def test_bench_live_teaches_the_server_before_the_measured_run(tmp_path, justiti
 
 def test_bench_live_restarts_the_taught_server_on_its_history(tmp_path, justitia_home, monkeypatch) -> None:
     """`--teach FILE --restart`: the measured run meets another server started on the taught
-    one's data dir, which learned again what its history kept (server/relearn.py)."""
+    one's data dir, which learned again what its history kept (server/runtime/relearn.py)."""
     monkeypatch.setenv("JUSTITIA_HOME", justitia_home)
     workload, teach = tmp_path / "w.jsonl", tmp_path / "teach.jsonl"
     for path, n in ((workload, 2), (teach, 3)):

@@ -139,7 +139,7 @@ def test_serve_a_model_path_typo_is_one_line_and_starts_no_engine(tmp_path: Path
 
 
 def test_serve_model_must_be_a_model_folder_or_a_cached_hub_id(tmp_path: Path) -> None:
-    from server.model_check import ModelNotFound, check_model
+    from server.engine.model_check import ModelNotFound, check_model
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFound, match="has no config.json"):

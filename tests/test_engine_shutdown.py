@@ -1,5 +1,5 @@
 """A Ctrl-C on `justitia serve` with the real engine, during a streaming batch: the server
-stops within its grace period and the engine is not taken for crashed (server/shutdown.py)."""
+stops within its grace period and the engine is not taken for crashed (server/runtime/shutdown.py)."""
 
 from __future__ import annotations
 

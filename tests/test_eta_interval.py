@@ -8,8 +8,8 @@ import random
 import pytest
 
 from server.scheduler.eta_interval import MIN_SEEN, PRIOR_HIGH, PRIOR_LOW, EtaCalibration
+from server.shared.profiles import get_profile
 from server.sim.family import run_family
-from server.sim.profiles import get_profile
 from server.sim.shapes import ShapeSpec
 
 

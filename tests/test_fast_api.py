@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server.metrics import metric_value
+from server.runtime.metrics import metric_value
 from server.scheduler import kv_cost
 from tests.conftest import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN
 from tests.fake_engine import FAKE_MODEL, FakeEngine, FakeServer, encode
@@ -253,7 +253,8 @@ def test_a_profile_measured_on_the_engine_is_the_time_models_prior_and_sets_the_
     does not set that rate until the fit has seen TRUSTED_STEPS steps."""
     from dataclasses import replace
 
-    from server.sim.profiles import get_profile, save_profile
+    from server.shared.profiles import get_profile
+    from server.sim.calibrate import save_profile
 
     path = tmp_path / "measured.json"
     save_profile(replace(get_profile("cpu-tiny"), name="measured-here", per_kv_token_s=4e-7), path)
@@ -581,10 +582,10 @@ def test_a_tool_history_reaches_the_models_chat_template(tmp_path) -> None:
     server renders it: the call's JSON arguments as an object, the answer's tool_call_id."""
     from transformers import AutoTokenizer
 
+    from server.api.openai_schemas import ChatCompletionRequest
+    from server.engine.tiny_model import init_tiny
     from server.engine.tokens import TokenizerEngine
-    from server.openai_schemas import ChatCompletionRequest
-    from server.service import render_chat
-    from server.tiny_model import init_tiny
+    from server.runtime.service import render_chat
 
     model = init_tiny(tmp_path / "m")
     template = ("{% for m in messages %}<{{ m.role }}>"

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.agents import AgentEntry, RequestLog
-from server.history import History
+from server.runtime.agents import AgentEntry, RequestLog
+from server.runtime.history import History
 from tests.fake_engine import FakeServer
 from tests.waiting import wait_until
 

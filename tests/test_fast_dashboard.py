@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.dashboard.frames import MAX_ROWS, TIMES_REFRESH_S
+from server.api.dashboard.frames import MAX_ROWS, TIMES_REFRESH_S
 from tests.fake_engine import FakeEngine, FakeServer
 
 KEYS = {"alice": "dash-alice-0123456789", "bob": "dash-bob-9876543210", "admin": "dash-admin-5555555555"}

@@ -285,7 +285,7 @@ def test_agent_bytes_quota_bounds_a_tenants_memory_and_frees_up(tmp_path) -> Non
 
 
 def test_sizes_parse_with_binary_suffixes() -> None:
-    from server.limits import parse_bytes
+    from server.runtime.limits import parse_bytes
 
     assert parse_bytes("65536") == 65536 and parse_bytes("512K") == 512 * 1024
     assert parse_bytes("64M") == 64 << 20 and parse_bytes("1g") == 1 << 30 and parse_bytes("2MiB") == 2 << 20

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.limits import Rate
+from server.runtime.limits import Rate
 from tests.fake_engine import FakeEngine, FakeServer
 from tests.test_fuzz_api import (  # noqa: F401  (collected by pytest from this module)
     ADMIN,

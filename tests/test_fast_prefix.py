@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from server.metrics import metric_value
+from server.runtime.metrics import metric_value
 from tests.fake_engine import FakeEngine, FakeServer
 
 HEAD = [10 + (i % 200) for i in range(256)]  # two hashing units of 128 every prompt starts with

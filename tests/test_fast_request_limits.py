@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.limits import Rate
+from server.runtime.limits import Rate
 from tests.fake_engine import FakeEngine, FakeServer
 
 KEYS = {"alice": "key-alice", "bob": "key-bob"}

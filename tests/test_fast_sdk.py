@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from justitia_sdk import AsyncClient, ServerUnavailableError, llm
-from server.limits import Rate
+from server.runtime.limits import Rate
 from tests.fake_engine import FAKE_MODEL, FakeEngine, FakeServer
 from tests.test_examples import (  # noqa: F401  (collected by pytest from this module)
     test_example_agent_runs_on_its_first_input,
@@ -121,8 +121,8 @@ async def test_a_refused_connection_is_retried_until_the_server_is_up(tmp_path) 
 async def in_process(tmp_path) -> AsyncIterator[tuple[AsyncClient, FakeEngine]]:
     """The app on this event loop, its lifespan run as a server would, and an SDK client
     over httpx.ASGITransport (no socket, no thread)."""
-    from server.app import create_app
-    from server.config import ServerConfig
+    from server.api.app import create_app
+    from server.api.config import ServerConfig
 
     engine = FakeEngine()
     app = create_app(ServerConfig(data_dir=str(tmp_path)), engine=engine,

@@ -1,4 +1,4 @@
-"""Stopping the server (server/shutdown.py), its health port (server/health.py) and the
+"""Stopping the server (server/runtime/shutdown.py), its health port (server/api/health.py) and the
 child processes that must not outlive it, on the fake engine.
 
 A whole `justitia serve` process runs here (`python -m tests.fake_serve`), because what is

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from server.errors import InvalidRequestError
-from server.tiny_model import _build_tokenizer
-from server.tool_calls import ToolCallParser, plan_tools, required_schema
+from server.api.errors import InvalidRequestError
+from server.api.tool_calls import ToolCallParser, plan_tools, required_schema
+from server.engine.tiny_model import _build_tokenizer
 from tests.fake_engine import FakeServer
 
 WEATHER = {"name": "get_weather", "description": "the weather in a city",

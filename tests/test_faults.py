@@ -68,7 +68,7 @@ def test_a_dead_engine_is_restarted_then_the_server_exits_when_restarts_run_out(
     (/healthz 200, the server heals itself), the queued request waits and completes once
     the engine is back, and new completions are served. Killed again with no restart left
     (`--engine-restarts 1`), the server exits with status 69 and leaves no engine process."""
-    from server.app import EXIT_ENGINE_FAILED
+    from server.api.app import EXIT_ENGINE_FAILED
     from server.launcher import EmbeddedServer
 
     # One request at a time, so that the second one waits in the scheduler's queue.

@@ -22,8 +22,8 @@ ADMIN = {"Authorization": f"Bearer {KEYS['admin']}"}
 
 def _all_labels() -> list[str]:
     """Every operation of the app, read from the app object (no server needed to collect)."""
-    from server.app import create_app
-    from server.config import ServerConfig
+    from server.api.app import create_app
+    from server.api.config import ServerConfig
 
     paths = create_app(ServerConfig()).openapi()["paths"]
     return sorted(f"{method.upper()} {path}" for path, item in paths.items() for method in item)
@@ -176,7 +176,7 @@ def test_agent_values_that_overflowed_are_refused(admin: httpx.Client) -> None:
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_the_inference_routes_refuse_malformed_bodies_with_a_message(admin: httpx.Client,
                                                                       path: str) -> None:
-    # These two routes parse their bodies directly (server/openai_api.py, the hot path),
+    # These two routes parse their bodies directly (server/api/openai_api.py, the hot path),
     # not through FastAPI: the answers must stay those of every other route.
     _assert_400(_raw(admin, path, ""), "not valid JSON")
     _assert_400(_raw(admin, path, '{"prompt": 5'), "not valid JSON")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from server.agents import AgentEntry, RequestLog
-from server.history import History
+from server.runtime.agents import AgentEntry, RequestLog
+from server.runtime.history import History
 from server.scheduler import kv_cost
 
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from justitia_cli import main
-from server.limits import (
+from server.runtime.limits import (
     PerTenant,
     Rate,
     RateLimiter,

@@ -88,8 +88,8 @@ def test_fast_path_and_fastapi_path_give_the_same_errors(path: str, body: dict) 
     # The refusals are the models' own checks, so both ways of serving a route give them
     # alike. (Type errors may be worded apart: the fast path validates JSON directly, where
     # pydantic says "array" for what FastAPI's Python-mode validation calls a "list".)
-    from server.app import create_app
-    from server.config import ServerConfig
+    from server.api.app import create_app
+    from server.api.config import ServerConfig
 
     fast = create_app(ServerConfig())
     plain = create_app(ServerConfig())
@@ -177,7 +177,7 @@ def test_best_of_must_equal_n(oai: openai.OpenAI, model: str) -> None:
 
 
 # -- logprobs -------------------------------------------------------------------------------
-SPECIAL_TOKENS = {"<s>", "</s>", "<pad>"}  # the embedded tiny model's (server/tiny_model.py)
+SPECIAL_TOKENS = {"<s>", "</s>", "<pad>"}  # the embedded tiny model's (server/engine/tiny_model.py)
 
 
 def _visible(text: str) -> str:
@@ -341,7 +341,7 @@ def test_a_schema_the_grammar_compiler_refuses_is_a_400(oai: openai.OpenAI, mode
 
 
 def test_a_schema_the_compiler_refuses_is_a_400_before_the_stream_starts(client: httpx.Client) -> None:
-    """The grammar is compiled before the engine sees it (server/grammar.py): a schema it
+    """The grammar is compiled before the engine sees it (server/api/grammar.py): a schema it
     refuses is OpenAI's 400 naming it, not an error event after the headers went out."""
     bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
     with client.stream("POST", "/v1/chat/completions", json={

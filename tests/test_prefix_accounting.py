@@ -8,8 +8,8 @@ import pytest
 from server.scheduler import Dispatcher, RequestSpec
 from server.scheduler.policies import POLICY_NAMES
 from server.scheduler.prefix import PrefixHolds, PrefixLedger, block_chain, segments, stage_kv_cost
+from server.shared.profiles import EngineProfile, get_profile
 from server.sim.engine import EngineModel, SimRequest
-from server.sim.profiles import EngineProfile, get_profile
 from server.sim.simulator import run_comparison
 from server.sim.workload import AgentSpec
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from server.shared.profiles import get_profile
 from server.sim.mix import make_mix, prefix_share
-from server.sim.profiles import get_profile
 from server.sim.workload import WorkloadError, load_workload, save_workload
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from justitia_cli import main
+from server.shared.profiles import get_profile
 from server.sim.mix import make_mix
-from server.sim.profiles import get_profile
 from server.sim.workload import save_workload
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""What a restarted server learns again from its history (server/relearn.py): its types'
+"""What a restarted server learns again from its history (server/runtime/relearn.py): its types'
 shapes and the episodes of arrivals its ETAs forecast from. Both lived in memory only; a
 restart made a taught server fresh again."""
 
@@ -10,11 +10,11 @@ import json
 import httpx
 import pytest
 
-from server.agents import AgentEntry, RequestLog
-from server.history import History
-from server.relearn import HistoryReading, recall
+from server.runtime.agents import AgentEntry, RequestLog
+from server.runtime.history import History
+from server.runtime.relearn import HistoryReading, recall
+from server.runtime.type_shapes import TypeShapes
 from server.scheduler import Dispatcher
-from server.type_shapes import TypeShapes
 from tests.fake_engine import FakeEngine, FakeServer
 from tests.test_agents_api import complete, register
 
@@ -111,7 +111,7 @@ def test_a_restarted_server_starts_from_the_time_model_and_the_tau_its_last_run_
     the engine: the next run on that engine starts from the model as from a calibration (it
     sets the ETAs' rate at once) and continues the tau, not its 10 ms guess; a calibration
     given to the run wins over the model; another engine takes neither."""
-    from server.live import TRUSTED_STEPS
+    from server.runtime.live import TRUSTED_STEPS
     from server.scheduler.time_model import StepSample
 
     def snapshot(srv: FakeServer) -> dict:
@@ -153,7 +153,8 @@ def test_a_restarted_server_starts_from_the_time_model_and_the_tau_its_last_run_
     assert elsewhere["tau"] == pytest.approx(0.01) and elsewhere["recalled"]["tau_s"] is None
     assert elsewhere["recalled"]["agents"] == 0 and elsewhere["recalled"]["registrations"] >= 2
     # a calibration given to the run wins over the saved fit
-    from server.sim.profiles import get_profile, save_profile
+    from server.shared.profiles import get_profile
+    from server.sim.calibrate import save_profile
     save_profile(dataclasses.replace(get_profile("cpu-tiny"), name="measured-here"), tmp_path / "p.json")
     with FakeServer(tmp_path, profile=str(tmp_path / "p.json")) as srv:
         calibrated = snapshot(srv)

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from server.metrics import metric_value
+from server.runtime.metrics import metric_value
 from server.scheduler import kv_cost
 from tests.streams import sse_json
 

@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from server.metrics import metric_value
+from server.runtime.metrics import metric_value
 from tests.streams import BackgroundStream
 from tests.waiting import wait_until
 

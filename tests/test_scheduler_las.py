@@ -162,7 +162,7 @@ def test_jain_index():
 
 
 def test_slowdown_is_jct_over_the_agents_time_alone():
-    from server.sim.profiles import get_profile
+    from server.shared.profiles import get_profile
 
     profile = get_profile("a100-llama7b")
     two_stage = AgentSpec("a", "t", 5.0, [[(500, 100), (500, 100)], [(200, 50)]])
@@ -178,8 +178,8 @@ def test_slowdown_is_jct_over_the_agents_time_alone():
 
 
 def test_bench_sim_reports_las_and_jains_index(tmp_path):
+    from server.shared.profiles import get_profile
     from server.sim.mix import make_mix
-    from server.sim.profiles import get_profile
     from server.sim.workload import save_workload
 
     workload = tmp_path / "w.jsonl"

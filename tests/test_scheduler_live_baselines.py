@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from server.engine.base import EngineInfo, EngineOutput, EngineStats, SamplingOptions
-from server.live import AgentConflict, LiveConfig, LiveScheduler
+from server.runtime.live import AgentConflict, LiveConfig, LiveScheduler
 
 
 class StandInEngine:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from server.engine.base import EngineStats
-from server.metrics import _SchedulerCollector
+from server.runtime.metrics import _SchedulerCollector
 from server.scheduler import (
     POLICY_NAMES,
     AgentHeapQueue,

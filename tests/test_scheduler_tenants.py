@@ -16,7 +16,7 @@ from server.scheduler import (
     hierarchical_gps_finish_times,
     kv_cost,
 )
-from server.sim.profiles import get_profile
+from server.shared.profiles import get_profile
 from server.sim.simulator import make_predictions, simulate
 from server.sim.workload import AgentSpec, parse_agent
 

@@ -67,7 +67,7 @@ def test_an_invalid_agent_name_is_refused_where_the_agent_is_defined() -> None:
     """The server refuses such a type (`400: type: String should match pattern ...`), but
     only when the agent first ran, perhaps deep inside a batch."""
     from justitia_sdk import AGENT_TYPE_PATTERN
-    from server.agents_api import AgentCreate
+    from server.api.agents_api import AgentCreate
 
     for bad in ("research assistant", "résumé", "a/b", "", "x" * 201):
         with pytest.raises(ValueError, match="invalid agent type name"):

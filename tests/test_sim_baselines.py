@@ -7,7 +7,7 @@ import statistics
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.sim.profiles import get_profile
+from server.shared.profiles import get_profile
 from server.sim.simulator import make_predictions, simulate
 from server.sim.starvation import run_starvation
 from server.sim.workload import AgentSpec

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.scheduler import gps_finish_times
-from server.sim.profiles import get_profile
+from server.shared.profiles import get_profile
 from server.sim.simulator import gps_tau_s, make_predictions, simulate
 from tests.sim_workloads import build, workloads
 
@@ -71,8 +71,8 @@ def test_a_simulated_server_measures_its_rate_as_the_live_one_does():
 def test_the_simulated_server_starts_from_the_live_servers_guess():
     """`tau="measured"` stands for the live server: the same initial tau, the same update
     period as its housekeeping, the same ETA refresh period."""
-    from server.config import ServerConfig
-    from server.live import LiveConfig
+    from server.api.config import ServerConfig
+    from server.runtime.live import LiveConfig
     from server.sim.simulator import ETA_REFRESH_S, MEASURED_TAU_PRIOR_S, TAU_UPDATE_S
 
     live = LiveConfig()

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from justitia_cli import main
+from server.shared.profiles import get_profile
 from server.sim.mix import make_mix
-from server.sim.profiles import get_profile
 from server.sim.workload import save_workload
 
 AGENT_KEYS = {"id", "arrival_s", "finish_s", "jct_s", "gps_finish_s", "delay_bound_s"}

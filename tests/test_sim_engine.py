@@ -2,8 +2,8 @@ import math
 
 import pytest
 
+from server.shared.profiles import EngineProfile, get_profile
 from server.sim.engine import EngineModel, SimRequest, _iterations_to_reach
-from server.sim.profiles import EngineProfile, get_profile
 
 FLAT = EngineProfile("flat", kv_tokens=1000, max_num_seqs=8, max_model_len=1000,
                      base_s=0.01, per_seq_s=0.0, per_prefill_token_s=0.0, per_kv_token_s=0.0)

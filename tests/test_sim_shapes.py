@@ -6,8 +6,8 @@ import statistics
 import pytest
 
 from justitia_cli import main
+from server.shared.profiles import get_profile
 from server.sim.family import TEACH_LULL_S, run_family, summarise, taught_workload, teacher_of
-from server.sim.profiles import get_profile
 from server.sim.shapes import BURST_GAP_S, SHAPES, ShapeSpec, make_shaped
 from server.sim.workload import load_workload
 

@@ -3,8 +3,8 @@ from collections import Counter
 
 import pytest
 
+from server.shared.profiles import get_profile
 from server.sim.mix import AGENT_TYPES, make_mix
-from server.sim.profiles import get_profile
 from server.sim.simulator import make_predictions
 from server.sim.workload import WorkloadError, load_workload, save_workload
 

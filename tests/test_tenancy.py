@@ -235,8 +235,8 @@ def test_metrics_hold_no_prompts_ids_tenants_or_keys(keyed_server) -> None:
 
 
 def test_metrics_keep_a_bounded_number_of_type_labels() -> None:
-    from server.agents import AgentEntry
-    from server.metrics import MAX_TYPE_LABELS, Metrics
+    from server.runtime.agents import AgentEntry
+    from server.runtime.metrics import MAX_TYPE_LABELS, Metrics
 
     m = Metrics()
     for i in range(MAX_TYPE_LABELS + 50):

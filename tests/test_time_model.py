@@ -15,8 +15,9 @@ from server.scheduler.time_model import (
     TimeModelFitter,
     fit_samples,
 )
+from server.shared.profiles import PROFILES, EngineProfile, load_profile
+from server.sim.calibrate import save_profile
 from server.sim.mix import make_mix
-from server.sim.profiles import PROFILES, EngineProfile, load_profile, save_profile
 from server.sim.workload import save_workload
 
 TRUE = TimeModel(0.004, 0.00008, 0.00003, 0.0000004)
@@ -164,8 +165,8 @@ def test_calibration_measures_the_engine_the_server_runs(tmp_path, monkeypatch) 
     # `bench calibrate` once left the dtype to vLLM, which runs a float32 model in bfloat16
     # on a CPU: on one without native bfloat16 it timed prefill 2x slower than the server's
     # float32 engine, and the simulator predicted the live run 40-50% too slow.
-    from server.app import build_engine
-    from server.config import ServerConfig
+    from server.api.app import build_engine
+    from server.api.config import ServerConfig
     from server.engine.vllm_local import LocalVLLMEngine
     from server.sim.calibrate import calibration_engine_config
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from justitia_cli import main
-from server.metrics import metric_value
-from server.sim.profiles import load_profile
+from server.runtime.metrics import metric_value
+from server.shared.profiles import load_profile
 
 
 def test_scheduler_shows_the_time_model_learned_from_engine_steps(client: httpx.Client) -> None:
@@ -79,9 +79,9 @@ def test_the_step_samples_count_a_shared_head_once_per_request_reading_it() -> N
     import asyncio
 
     from server.engine.base import EngineRequest, SamplingOptions
+    from server.engine.tiny_model import embedded_engine_config
     from server.engine.vllm_local import LocalVLLMEngine
     from server.scheduler.time_model import StepSample
-    from server.tiny_model import embedded_engine_config
 
     async def run() -> tuple[list[StepSample], int, int]:
         engine = LocalVLLMEngine(embedded_engine_config(kv_tokens=2048, max_model_len=1024, restarts=0))

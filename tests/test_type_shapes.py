@@ -1,4 +1,4 @@
-"""Types' typical shapes (server/type_shapes.py): agents that declare no shape are bounded by
+"""Types' typical shapes (server/runtime/type_shapes.py): agents that declare no shape are bounded by
 the stages their type's earlier agents really ran (issue 18: a multi-stage agent without a
 declared shape was bounded as one stage, and could break its promise by its own structure)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.agents import RequestLog
-from server.type_shapes import infer_shape
+from server.runtime.agents import RequestLog
+from server.runtime.type_shapes import infer_shape
 from tests.fake_engine import FakeServer
 from tests.test_agents_api import complete, register
 
@@ -67,8 +67,8 @@ def test_a_types_served_stages_shape_the_bound_of_its_next_agents(tmp_path) -> N
 
 
 def test_a_types_shape_bounds_at_its_p90_and_estimates_at_its_median() -> None:
-    from server.agents import AgentEntry
-    from server.type_shapes import ETA_QUANTILE, TypeShapes
+    from server.runtime.agents import AgentEntry
+    from server.runtime.type_shapes import ETA_QUANTILE, TypeShapes
 
     shapes = TypeShapes()
     for stages in (1, 2, 5):  # one-request stages of 10 tokens each, 10-token prompts

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from server.scheduler.time_model import StepSample
+    from server.shared.step_time import StepSample
 
 
 class EngineError(Exception):

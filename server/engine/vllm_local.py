@@ -31,7 +31,7 @@ from server.engine.base import (
     TokenLogprob,
 )
 from server.engine.tokens import TokenizerEngine, fast_encoder
-from server.scheduler.time_model import StepSample
+from server.shared.step_time import StepSample
 
 log = logging.getLogger("justitia.engine")
 
@@ -359,7 +359,7 @@ def without_sigint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` with SIGINT blocked in this thread, so that the processes it
     starts (vLLM's EngineCore and workers) inherit the block: a Ctrl-C in the terminal goes
     to the whole foreground process group, and an engine that took it would die under the
-    server, which must stop it in order instead (server/shutdown.py). SIGTERM is left as
+    server, which must stop it in order instead (server/runtime/shutdown.py). SIGTERM is left as
     it is: vLLM stops its processes with it."""
     if not hasattr(signal, "pthread_sigmask"):  # not POSIX
         return fn(*args, **kwargs)
@@ -393,7 +393,7 @@ class LocalVLLMEngine(TokenizerEngine):
         self._changed = asyncio.Event()
         self._state_listeners: list[StateListener] = []
         self._supervisor: asyncio.Task[None] | None = None
-        # The server is shutting down (server/shutdown.py): a death now is not a crash.
+        # The server is shutting down (server/runtime/shutdown.py): a death now is not a crash.
         self._stopping = False
         # This process's cores before it kept off the worker's (`keep_off_worker_cores`),
         # given back on close: an in-process engine's caller (a test, a notebook, `bench

@@ -46,7 +46,7 @@ class AgentShape:
     prefix cache does not serve), whose prefill lies on its path too: a stage's requests
     decode only once their prompts are in (None: unknown, ETAs count no prefill). The live
     server uses what the agent declared, else its type's typical shape
-    (server/type_shapes.py), else this default: one stage whose longest decode is d_max.
+    (server/runtime/type_shapes.py), else this default: one stage whose longest decode is d_max.
     """
 
     stages: int = 1

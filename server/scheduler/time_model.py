@@ -6,7 +6,7 @@ tokens scheduled in it. Its duration is modelled as
     step_s = base_s + per_seq_s * decode_seqs + per_prefill_token_s * prefill_tokens
              + per_kv_token_s * kv_tokens_attended
 
-(the simulator's profile form, server/sim/profiles.py). `kv_tokens_attended` is the
+(the simulator's profile form, server/shared/profiles.py). `kv_tokens_attended` is the
 running requests' contexts summed: each request's whole prompt and output, a shared prefix
 once per request that reads it. The cache holds that prefix once, but attention reads it
 per sequence: on the CPU engine 16 requests over one shared 2,048-token head step 5.4 ms
@@ -49,71 +49,18 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
-FEATURES = ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s")
+from server.shared.step_time import FEATURES, StepSample, TimeModel
+
+__all__ = ["FEATURES", "StepSample", "TimeModel", "DEFAULT_PRIOR", "TimeModelFitter", "TimeModelBank",
+           "fit_samples"]
+
 # Typical magnitude of each feature (constant, decode sequences, prefill tokens, KV tokens
 # held): the ridge towards the prior is scaled by them, so its strength is counted in steps.
 FEATURE_SCALES = (1.0, 16.0, 256.0, 4096.0)
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """One engine step as the engine's statistics report it."""
-
-    seconds: float  # its duration
-    decode_seqs: float  # requests that produced a token in it
-    prefill_tokens: float  # prompt tokens computed in it
-    # Context tokens of the running requests (their attention reads them: a shared prefix
-    # once per request reading it, where the cache holds it once)
-    kv_tokens: float
-
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.decode_seqs), float(self.prefill_tokens), float(self.kv_tokens))
-
-
-@dataclass(frozen=True)
-class TimeModel:
-    """Coefficients of the step-time model, with how well they fit (plain data)."""
-
-    base_s: float
-    per_seq_s: float
-    per_prefill_token_s: float
-    per_kv_token_s: float
-    samples: int = 0  # steps learned from (0: the prior)
-    error_p50: float | None = None  # recent relative error per step
-    error_p90: float | None = None
-    total_error: float | None = None  # recent relative error of the summed step time
-    source: str = ""
-
-    def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
-        """Predicted duration of one step (seconds)."""
-        return (self.base_s + self.per_seq_s * decode_seqs
-                + self.per_prefill_token_s * prefill_tokens + self.per_kv_token_s * kv_tokens)
-
-    def predict(self, sample: StepSample) -> float:
-        return self.step_s(sample.decode_seqs, sample.prefill_tokens, sample.kv_tokens)
-
-    @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        return (self.base_s, self.per_seq_s, self.per_prefill_token_s, self.per_kv_token_s)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TimeModel:
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        missing = [k for k in FEATURES if k not in known]
-        if missing:
-            raise ValueError(f"a time model needs {', '.join(missing)}")
-        bad = [k for k in FEATURES if not (isinstance(known[k], (int, float)) and known[k] >= 0
-                                           and math.isfinite(known[k]))]
-        if bad:
-            raise ValueError(f"time-model coefficients must be finite and >= 0: {', '.join(bad)}")
-        return cls(**known)
 
 
 # The embedded tiny model on the vLLM CPU engine (the cpu-tiny profile's coefficients):

@@ -26,12 +26,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server.scheduler.time_model import StepSample, TimeModel, fit_samples
+from server.shared.profiles import PROFILE_FORMAT, PROFILES, EngineProfile
 
 from .engine import EngineModel, SimRequest
-from .profiles import PROFILES, EngineProfile
+from .provenance import write_result
 
 if TYPE_CHECKING:
     from server.engine.vllm_local import LocalEngineConfig
@@ -78,7 +80,7 @@ def make_grid(kv_tokens: int, max_model_len: int, quick: bool = False) -> list[G
 def calibration_engine_config(kv_tokens: int, max_model_len: int, seed: int = 0) -> LocalEngineConfig:
     """The engine `justitia serve --kv-tokens M --max-model-len N` runs (the embedded model,
     its dtype and weights), not restarted: a calibration that fails says so."""
-    from server.tiny_model import embedded_engine_config
+    from server.engine.tiny_model import embedded_engine_config
 
     return embedded_engine_config(kv_tokens=kv_tokens, max_model_len=max_model_len, seed=seed, restarts=0)
 
@@ -193,3 +195,7 @@ def settings(args_kv: int, args_len: int, info: dict, quick: bool, wall_s: float
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
+
+def save_profile(profile: EngineProfile, path: str | Path, **extra: object) -> dict:
+    """Write a profile file: the profile's fields, plus what `extra` adds (fit, settings)."""
+    return write_result(path, {"format": PROFILE_FORMAT, "profile": profile.as_dict(), **extra})

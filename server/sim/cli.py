@@ -13,8 +13,9 @@ from justitia_cli import CommandError, Commands, formatter
 from server.scheduler import POLICY_NAMES
 
 if TYPE_CHECKING:
+    from server.shared.profiles import EngineProfile
+
     from .live_bench import LiveOptions
-    from .profiles import EngineProfile
 
 ALL_POLICIES = ",".join(POLICY_NAMES)
 
@@ -236,7 +237,7 @@ def _workload(path: str, hint: str = "`justitia bench make-workload`"):
 
 
 def _profile(name: str):
-    from .profiles import load_profile
+    from server.shared.profiles import load_profile
 
     try:
         return load_profile(name)
@@ -543,7 +544,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from . import calibrate
-    from .profiles import save_profile
+    from .calibrate import save_profile
 
     if args.max_model_len < 64:
         raise CommandError("--max-model-len must be at least 64")

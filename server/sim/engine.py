@@ -34,8 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from server.scheduler.prefix import Segment, shared_tokens, uncached_prompt
-
-from .profiles import EngineProfile
+from server.shared.profiles import EngineProfile
 
 
 @dataclass

@@ -17,7 +17,8 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from .profiles import EngineProfile
+from server.shared.profiles import EngineProfile
+
 from .shapes import SHAPES, ShapeSpec, make_shaped
 from .simulator import PolicyResult, run_comparison
 from .workload import AgentSpec

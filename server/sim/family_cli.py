@@ -61,9 +61,9 @@ def _family(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from server.scheduler import POLICY_NAMES
+    from server.shared.profiles import load_profile
 
     from .family import MODES, family_json, run_family, summarise
-    from .profiles import load_profile
     from .provenance import write_result
     from .shapes import SHAPES, ShapeSpec
 

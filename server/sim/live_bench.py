@@ -220,7 +220,7 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     """Start a server with `policy`, replay the workload, stop the server. `round_index`:
     which of `--repeat`'s rounds (its server log is named after it)."""
     from server.launcher import EmbeddedServer
-    from server.metrics import metric_value
+    from server.runtime.metrics import metric_value
 
     home = tempfile.mkdtemp(prefix=f"justitia-live-{policy}-")
     log = None

@@ -39,7 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .profiles import EngineProfile
+from server.shared.profiles import EngineProfile
+
 from .workload import AgentSpec
 
 DATA = Path(__file__).parent / "data"

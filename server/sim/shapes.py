@@ -26,8 +26,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from server.shared.profiles import EngineProfile
+
 from .mix import make_mix
-from .profiles import EngineProfile
 from .workload import AgentSpec
 
 SHAPES = ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")

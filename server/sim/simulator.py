@@ -30,9 +30,9 @@ from server.scheduler.cost import KV, kv_cost
 from server.scheduler.policies import FOOTPRINT, Justitia
 from server.scheduler.prefix import segments
 from server.scheduler.rate import TauEstimator
+from server.shared.profiles import EngineProfile
 
 from .engine import EngineModel, SimRequest
-from .profiles import EngineProfile
 from .workload import AgentSpec
 
 ETA_REFRESH_S = 0.25  # simulated seconds between two ETA passes (the live server: 0.25 s too)

@@ -6,9 +6,9 @@ import random
 from collections.abc import Sequence
 
 from server.scheduler import Policy
+from server.shared.profiles import EngineProfile
 
 from .mix import Traces, _Gen
-from .profiles import EngineProfile
 from .simulator import gps_tau_s, run_comparison
 from .workload import AgentSpec
 

@@ -1,0 +1,376 @@
+"""The agent API: register, inspect, watch, finish and cancel agents."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from justitia_sdk import AGENT_TYPE_MAX_LENGTH, AGENT_TYPE_PATTERN
+from server.api import errors
+from server.api.auth import rate_limited_tenant, require_admin, tenant_of
+from server.api.openai_schemas import SSE_EVENT
+from server.api.validation import RequestBody
+from server.engine.base import EngineError, ReplicaAdmin
+from server.runtime.agents import AgentEntry, AgentRecord
+from server.runtime.live import LiveScheduler
+from server.runtime.shutdown import FAREWELL, shutdown_of
+
+router = APIRouter(tags=["agents"])
+
+MAX_PROMPT_CHARS = 1_000_000
+# Far above any real agent (1e18 is about a million requests of a million tokens each); a
+# larger declared cost let the record's times overflow to infinity, which JSON cannot carry.
+MAX_PREDICTED_COST = 1e18
+# The metadata keys the bound uses (server/runtime/live.py:_shape), and the ranges that keep the
+# bound's arithmetic finite.
+_SHAPE_RANGES = {"stages": (1, 1_000_000), "critical_path_tokens": (0, 10**12), "prefill_tokens": (0, 10**12)}
+
+
+class AgentCreate(RequestBody):
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(min_length=1, max_length=AGENT_TYPE_MAX_LENGTH, pattern=AGENT_TYPE_PATTERN,
+                      description="Agent type: selects the cost predictor.")
+    prompt: str = Field(default="", max_length=MAX_PROMPT_CHARS,
+                        description="The text the cost predictor sees.")
+    metadata: dict[str, Any] = Field(
+        default_factory=dict,
+        description=("The caller's (kept as compact JSON, at most --max-metadata-bytes, "
+                     "64 KiB by default); `stages` (int, 1 to 1e6) and `critical_path_tokens` (int, "
+                     "0 to 1e12) declare the agent's structure for its delay bound, "
+                     "`prefill_tokens` (int, 0 to 1e12: the prompt tokens its requests will "
+                     "compute) the prefill its ETA counts."))
+    predicted_cost: float | None = Field(
+        default=None, ge=0, le=MAX_PREDICTED_COST, allow_inf_nan=False,
+        description=("The agent's total KV token-time cost, when the caller knows it (trace "
+                     "replays, oracle benchmarks). Default: the server's predictor. Declaring "
+                     "too little gains nothing: over-runs are charged as requests arrive."))
+    lease_s: float | None = Field(
+        default=None, gt=0, le=86_400,
+        description="Expire the agent after this many idle seconds (default: the server's lease).")
+
+    @field_validator("metadata")
+    @classmethod
+    def _shape_in_range(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        for key, (low, high) in _SHAPE_RANGES.items():
+            value = metadata.get(key)
+            # Other types are ignored, as before: metadata is the caller's.
+            if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
+                raise ValueError(f"metadata.{key} must be an integer from {low} to {high}")
+        return metadata
+
+
+class AgentList(BaseModel):
+    agents: list[AgentRecord]
+    next_cursor: str | None = Field(
+        default=None, description="Pass as `cursor` for the next page; null on the last page.")
+
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+
+
+class AgentFinish(RequestBody):
+    model_config = ConfigDict(extra="forbid")
+
+    error: str | None = Field(
+        default=None, max_length=100_000,
+        description=("Set when the agent's code raised: the agent ends `failed` with this "
+                     "message (kept to its first 2,000 characters) and is not a training "
+                     "sample. Without it the agent ends `finished`."))
+
+
+# An `ids` filter longer than this is better served by the unfiltered stream.
+MAX_WATCH_IDS = 1000
+# Live agents whose records the stream without `ids` sends first; the rest are announced
+# by `event: more` (their count and a cursor of GET /v1/agents) and sent when they change.
+SNAPSHOT_AGENTS = 1000
+
+
+_EVENTS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Server-sent events: `event: agent` with the record as `data`, "
+                              "at every change until the agent ends; `: keep-alive` comments "
+                              "every 15 s",
+                 "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
+
+
+def _scheduler(request: Request) -> LiveScheduler:
+    return request.app.state.scheduler
+
+
+def _entry(agent_id: str, request: Request, tenant: str) -> AgentEntry:
+    return _scheduler(request).get(agent_id, tenant)
+
+
+@router.post("/v1/agents", status_code=201, response_model=AgentRecord,
+             responses=errors.responses(400, 401, 413, 429))
+async def register_agent(body: AgentCreate, request: Request,
+                         tenant: str = Depends(rate_limited_tenant)) -> AgentRecord:
+    s = _scheduler(request)
+    entry = s.register(body.type, body.prompt, tenant, body.metadata,
+                       predicted_cost=body.predicted_cost, lease_s=body.lease_s)
+    return s.record(entry)
+
+
+@router.get("/v1/agents", response_model=AgentList, responses=errors.responses(400, 401))
+async def list_agents(request: Request, tenant: str = Depends(tenant_of),
+                      state: str | None = Query(default=None),
+                      limit: int = Query(default=DEFAULT_PAGE, ge=1, le=MAX_PAGE,
+                                         description=f"At most this many agents (default "
+                                                     f"{DEFAULT_PAGE}, at most {MAX_PAGE})."),
+                      cursor: str | None = Query(default=None, max_length=32,
+                                                 description="`next_cursor` of the page before"),
+                      ) -> AgentList:
+    """The caller's agents in registration order, a page at a time."""
+    after = 0
+    if cursor is not None:
+        if not cursor.isdigit() or int(cursor) >= 2**63:
+            raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
+        after = int(cursor)
+    s = _scheduler(request)
+    entries, last = s.page(tenant, limit, after, state)
+    return AgentList(agents=[s.record(e) for e in entries],
+                     next_cursor=str(last) if last is not None else None)
+
+
+@router.get("/v1/agents/events", response_class=StreamingResponse,
+            responses={**_EVENTS, **errors.responses(400, 401)})
+async def agents_events(request: Request, tenant: str = Depends(tenant_of),
+                        ids: str | None = Query(
+                            default=None, max_length=MAX_WATCH_IDS * 40,
+                            description="Comma-separated agent ids (at most 1,000); "
+                                        "default: every agent of the caller")) -> StreamingResponse:
+    """One stream for many agents: `event: agent` with a record each time an agent of the
+    caller changes (first the live ones, at most 1,000 of them: with more, `event: more`
+    follows with `{"more": N, "shown": 1000, "cursor": C}`, C continuing `GET /v1/agents`;
+    changes are coalesced to at most 4 updates a second per agent). A client watching a
+    whole batch holds one connection, not one per agent."""
+    wanted = None
+    if ids is not None:
+        wanted = frozenset(i for i in ids.split(",") if i)
+        if not wanted or len(wanted) > MAX_WATCH_IDS:
+            raise HTTPException(400, f"ids must name 1 to {MAX_WATCH_IDS} agents")
+
+    async def stream() -> AsyncIterator[str]:
+        s = _scheduler(request)
+        initial, more = None, None
+        if wanted is None:
+            # At most SNAPSHOT_AGENTS records first, then `event: more` if there are more
+            # live agents (no await between this and watch(): no change is missed).
+            initial, rest, last = s.live_page(tenant, SNAPSHOT_AGENTS)
+            if rest:
+                more = {"more": rest, "shown": len(initial), "cursor": str(last)}
+        async for records in s.watch(tenant, wanted, initial=initial):
+            if records is None:
+                yield ": keep-alive\n\n"
+                continue
+            yield "".join(f"event: agent\ndata: {json.dumps(r.model_dump())}\n\n"
+                          for r in records)
+            if more is not None:
+                yield f"event: more\ndata: {json.dumps(more)}\n\n"
+                more = None
+
+    return StreamingResponse(shutdown_of(request.app).until_closing(stream(), FAREWELL),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/v1/agents/{agent_id}", response_model=AgentRecord,
+            responses=errors.responses(401, 404))
+async def get_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
+    return _scheduler(request).record(_entry(agent_id, request, tenant))
+
+
+@router.get("/v1/agents/{agent_id}/events", response_class=StreamingResponse,
+            responses={**_EVENTS, **errors.responses(401, 404)})
+async def agent_events(agent_id: str, request: Request,
+                       tenant: str = Depends(tenant_of)) -> StreamingResponse:
+    s = _scheduler(request)
+    entry = _entry(agent_id, request, tenant)
+
+    async def stream() -> AsyncIterator[str]:
+        async for record in s.events(entry):
+            if record is None:
+                yield ": keep-alive\n\n"
+            else:
+                yield f"event: agent\ndata: {json.dumps(record.model_dump())}\n\n"
+
+    return StreamingResponse(shutdown_of(request.app).until_closing(stream(), FAREWELL),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.post("/v1/agents/{agent_id}/finish", response_model=AgentRecord,
+             responses=errors.responses(400, 401, 404, 409, 503))
+async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of),
+                       body: AgentFinish | None = None) -> AgentRecord:
+    """The agent is done: `finished`, or `failed` with `{"error": "..."}` when its code
+    raised. Only finished agents become predictor training samples."""
+    s = _scheduler(request)
+    error = body.error if body is not None else None
+    return s.record(await s.finish(_entry(agent_id, request, tenant), error=error))
+
+
+@router.delete("/v1/agents/{agent_id}", response_model=AgentRecord,
+               responses=errors.responses(401, 404, 409, 503))
+async def cancel_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
+    s = _scheduler(request)
+    return s.record(await s.cancel(_entry(agent_id, request, tenant)))
+
+
+@router.get("/v1/scheduler", tags=["operations"], responses=errors.responses(401))
+async def scheduler_snapshot(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """The scheduler's state: summary counts (`agents`, `queued_agents`, requests), the
+    engine, the time model, and the head of the queue (at most 50 agents, in the policy's
+    order). Its cost is bounded whatever the number of agents."""
+    s = _scheduler(request)
+    snap = s.snapshot()
+    # Other tenants' agents appear in the queue by position only, not by id.
+    for item in snap["queue"]:
+        entry = s.agents.get(item["agent_id"])
+        if entry is None or entry.tenant != tenant:
+            item["agent_id"] = None
+    return snap
+
+
+@router.post("/v1/admin/pause", tags=["operations"], responses=errors.responses(401, 403))
+async def pause_admission(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """Stop admitting requests (they queue; running ones finish): drain before maintenance."""
+    require_admin(request, tenant)
+    _scheduler(request).pause()
+    return {"paused": True}
+
+
+@router.post("/v1/admin/resume", tags=["operations"], responses=errors.responses(401, 403))
+async def resume_admission(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    require_admin(request, tenant)
+    _scheduler(request).resume()
+    return {"paused": False}
+
+
+class ReplicaRef(RequestBody):
+    url: str = Field(min_length=1, max_length=2048, description="A vLLM OpenAI server's base URL.")
+
+
+def _replicas(request: Request) -> ReplicaAdmin:
+    engine = _scheduler(request).capabilities.replica_admin
+    if engine is None:
+        raise HTTPException(409, "this server runs an in-process engine; replicas exist only "
+                                 "with --engine-url")
+    return engine
+
+
+@router.get("/v1/admin/replicas", tags=["operations"],
+            responses=errors.responses(401, 403, 409))
+async def list_replicas(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """The engine replicas: capacity, reservations, requests in flight, health."""
+    require_admin(request, tenant)
+    engine = _replicas(request)
+    return {"kv_capacity_tokens": engine.capacity, "replicas": engine.describe_replicas()}
+
+
+@router.post("/v1/admin/replicas", tags=["operations"], status_code=201,
+             responses=errors.responses(400, 401, 403, 409, 413))
+async def add_replica(body: ReplicaRef, request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """Serve from one more vLLM replica (same model and block size): M grows by its KV
+    capacity and the virtual clock's rate with it."""
+    require_admin(request, tenant)
+    engine = _replicas(request)
+    try:
+        return await engine.add_replica(body.url)
+    except EngineError as exc:
+        raise HTTPException(400, str(exc)) from exc
+
+
+@router.delete("/v1/admin/replicas", tags=["operations"],
+               responses=errors.responses(400, 401, 403, 404, 409))
+async def remove_replica(request: Request, tenant: str = Depends(tenant_of),
+                         url: str = Query(min_length=1, max_length=2048)) -> dict:
+    """Stop sending requests to a replica: M shrinks now, the replica leaves once its
+    requests in flight have finished."""
+    require_admin(request, tenant)
+    engine = _replicas(request)
+    try:
+        return engine.remove_replica(url)
+    except LookupError as exc:
+        raise HTTPException(404, str(exc)) from exc
+
+
+@router.get("/v1/predictors", tags=["operations"], responses=errors.responses(401, 403))
+async def list_predictors(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """What predicts each agent type (admin): the operator's trained models, and per tenant
+    and type what online learning has seen: sample count, the serving model's kind, the
+    recent error of the predictions served, when it last trained and what it decided."""
+    require_admin(request, tenant)
+    predictors = _scheduler(request).predictors
+    describe = getattr(predictors, "describe", None)
+    online = getattr(predictors, "online", None)
+    return {"retrain_every": online.retrain_every if online is not None else 0,
+            "predictors": describe() if describe is not None else []}
+
+
+#: A page of GET /v1/history holds at most this many bytes (and at least one sample).
+MAX_HISTORY_PAGE_BYTES = 16 << 20
+#: Rows read from the history at a time while a page streams.
+_HISTORY_CHUNK_ROWS = 32
+
+
+@router.get("/v1/history", tags=["operations"], response_class=StreamingResponse,
+            responses={200: {"description": "`{\"samples\": [...], \"next_cursor\": ...}`",
+                             "content": {"application/json": {}}},
+                       **errors.responses(400, 401)})
+async def history_samples(request: Request, tenant: str = Depends(tenant_of),
+                          agent_type: str | None = Query(default=None),
+                          limit: int = Query(default=10_000, ge=1, le=100_000,
+                                             description="At most this many samples (default "
+                                                         "10,000, at most 100,000)."),
+                          max_bytes: int = Query(default=MAX_HISTORY_PAGE_BYTES, ge=1,
+                                                 le=MAX_HISTORY_PAGE_BYTES, description=(
+                                                     "At most this many bytes of samples in "
+                                                     "the page (default and most 16 MiB); a "
+                                                     "page holds at least one sample.")),
+                          cursor: str | None = Query(default=None, max_length=32,
+                                                     description="`next_cursor` of the page before"),
+                          ) -> StreamingResponse:
+    """Finished agents of the caller's tenant as predictor training samples, oldest first,
+    a page at a time (`next_cursor`: null on the last page). A page ends at `limit` samples
+    or `max_bytes`, whichever comes first, and is streamed as it is read."""
+    after = 0
+    if cursor is not None:
+        if not cursor.isdigit() or int(cursor) >= 2**63:
+            raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
+        after = int(cursor)
+    history = request.app.state.history
+
+    async def page() -> AsyncIterator[bytes]:
+        yield b'{"samples": ['
+        count, size, last = 0, 0, after
+        next_cursor: int | None = None
+        while True:
+            want = min(_HISTORY_CHUNK_ROWS, limit - count)
+            # SQLite reads (and the first one's wait for queued writes) leave the event loop.
+            rows = await anyio.to_thread.run_sync(
+                functools.partial(history.sample_rows, agent_type, tenant, want + 1, last,
+                                  flush=count == 0 and last == after))
+            full = False
+            for rowid, sample in rows[:want]:
+                data = json.dumps(sample).encode()
+                if count and size + len(data) + 2 > max_bytes - 64:  # 64: the head and tail
+                    full = True
+                    break
+                yield (b", " if count else b"") + data
+                count, size, last = count + 1, size + len(data) + 2, rowid
+            if full or (len(rows) > want and count >= limit):
+                next_cursor = last
+                break
+            if len(rows) <= want:
+                break
+        tail = str(next_cursor) if next_cursor is not None else None
+        yield b'], "next_cursor": ' + json.dumps(tail).encode() + b"}"
+
+    return StreamingResponse(page(), media_type="application/json")

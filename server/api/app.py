@@ -1,0 +1,363 @@
+"""The FastAPI application: wiring only. Each concern lives in its own module."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.api import errors
+from server.api.agents_api import router as agents_router
+from server.api.auth import RateLimitFirst
+from server.api.config import ServerConfig
+from server.api.dashboard import DashboardHub
+from server.api.dashboard.api import router as dashboard_router
+from server.api.dashboard.shared import DashboardStreams
+from server.api.grammar import GrammarChecker
+from server.api.health import liveness, readiness
+from server.api.openai_api import install_fast_paths
+from server.api.openai_api import router as openai_router
+from server.api.request_limits import RequestLimits
+from server.api.tool_calls import ToolCallParser
+from server.engine.base import Capabilities, Engine, EngineError, Supervised
+from server.runtime.data_dir import check_writable
+from server.runtime.history import History
+from server.runtime.limits import PerTenant, Quotas, RateLimiter
+from server.runtime.live import LiveConfig, LiveScheduler
+from server.runtime.metrics import CONTENT_TYPE, Metrics
+from server.runtime.service import InferenceService
+from server.runtime.shutdown import SHUTTING_DOWN, Shutdown
+
+log = logging.getLogger("justitia.server")
+
+
+class BodySizeLimit:
+    """Refuse bodies over the limit with 413 before reading them into memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            response = errors.error_response(
+                scope["path"], 413, f"the body has {int(length)} bytes; the limit is {self.max_bytes}")
+            await response(scope, receive, send)
+            return
+        if length is not None or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            # The server holds a request to its Content-Length; bodiless methods have none.
+            await self.app(scope, receive, send)
+            return
+        # A body of unknown length (chunked) is read here, up to the limit, and replayed:
+        # an exception raised from inside the app's receive() would be caught by FastAPI's
+        # body parser and answered 400 instead of 413.
+        chunks: list[bytes] = []
+        received = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                response = errors.error_response(
+                    scope["path"], 413, f"the body is over the limit of {self.max_bytes} bytes")
+                await response(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def build_engine(config: ServerConfig) -> tuple[Engine, str]:
+    """The in-process vLLM engine for this configuration, and the model's served name."""
+    from server.engine.tiny_model import TINY_MODEL_NAME, embedded_engine_config
+    from server.engine.vllm_local import LocalEngineConfig, LocalVLLMEngine
+
+    if config.engine_urls:
+        from server.engine.remote import RemoteVLLMEngine
+
+        remote = RemoteVLLMEngine(config.engine_urls, tokenizer=config.tokenizer)
+        return remote, config.served_model_name or ""
+
+    if config.model is None:
+        engine_cfg = embedded_engine_config(
+            kv_tokens=config.kv_tokens,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            engine_core_nice=config.engine_nice,
+            restarts=config.engine_restarts,
+        )
+        return LocalVLLMEngine(engine_cfg), config.served_model_name or TINY_MODEL_NAME
+    engine_cfg = LocalEngineConfig(
+        model=config.model,
+        kv_tokens=config.kv_tokens,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        engine_core_nice=config.engine_nice,
+        restarts=config.engine_restarts,
+    )
+    name = config.served_model_name or Path(config.model).name or config.model
+    return LocalVLLMEngine(engine_cfg), name
+
+
+async def _warm_up(engine: Engine) -> None:
+    """One short generation before /readyz turns green: the first steps of a fresh engine
+    are slow (lazy initialisation), and agents admitted then would miss promises that the
+    measured steady-state speed makes."""
+    from server.engine.base import EngineRequest, SamplingOptions
+
+    ids = tuple(engine.tokenize("Justitia warms up the engine before serving agents."))
+    request = EngineRequest("justitia-warmup", ids, SamplingOptions(max_tokens=8, ignore_eos=True))
+    async for _ in engine.generate(request):
+        pass
+
+
+# Exit status of a server whose engine could not be restarted (a supervisor restarts it).
+EXIT_ENGINE_FAILED = 69  # EX_UNAVAILABLE (sysexits.h); uvicorn uses 3 for a failed start
+# How long the graceful shutdown after an engine failure may take before the process ends
+# anyway: open connections or a stuck engine must not keep a useless server up.
+FORCED_EXIT_AFTER_S = 30.0
+
+
+def _exit_when_engine_fails(app: FastAPI, engine: Supervised | None) -> None:
+    """Once the engine is dead for good, shut the server down with a non-zero status, so
+    that a supervisor (systemd, Kubernetes, Docker) restarts the whole process instead of
+    a server answering 503 forever."""
+
+    def on_state(state: str, detail: str) -> None:
+        if state != "failed":
+            return
+        log.critical("the engine cannot be restarted (%s): the server exits with status %d",
+                     detail, EXIT_ENGINE_FAILED)
+        app.state.exit_code = EXIT_ENGINE_FAILED
+        app.state.shutdown.begin("the engine cannot be restarted")  # event streams end
+        uvicorn_server = getattr(app.state, "uvicorn_server", None)
+        if uvicorn_server is not None:
+            # A graceful stop; `justitia serve` then returns the exit code.
+            uvicorn_server.should_exit = True
+        else:  # run by another ASGI server: stop it the way a supervisor would
+            signal.raise_signal(signal.SIGTERM)
+        timer = threading.Timer(FORCED_EXIT_AFTER_S, os._exit, (EXIT_ENGINE_FAILED,))
+        timer.daemon = True
+        timer.start()
+
+    if engine is not None:  # an engine nobody restarts has no state to follow
+        engine.add_state_listener(on_state)
+
+
+def _data_dir(config: ServerConfig) -> Path:
+    from server.engine.tiny_model import justitia_home
+
+    return Path(config.data_dir).expanduser() if config.data_dir else justitia_home() / "data"
+
+
+def _time_model_prior(config: ServerConfig) -> dict[str, Any]:
+    """LiveConfig's prior of the engine's time model: the profile's coefficients when the
+    server was given one (measured on this engine), else LiveConfig's default."""
+    if config.profile is None:
+        return {}
+    from dataclasses import replace
+
+    from server.shared.profiles import load_profile
+
+    profile = load_profile(config.profile)
+    prior = replace(profile.time_model(), source=f"prior: {profile.name} profile")
+    return {"time_model_prior": prior, "prior_measured": True}
+
+
+async def _tool_parser(config: ServerConfig, engine: Engine) -> ToolCallParser | None:
+    """vLLM's tool-call parser named by --tool-call-parser, loaded off the event loop
+    (importing vLLM's parsers takes seconds)."""
+    if config.tool_call_parser is None:
+        return None
+    tokenizer = getattr(engine, "tokenizer", None)
+    return await anyio.to_thread.run_sync(ToolCallParser, config.tool_call_parser, tokenizer)
+
+
+def _predictors(config: ServerConfig):
+    from predictors import PredictorRegistry
+    from predictors.online import OnlineTrainer
+
+    online = OnlineTrainer(config.retrain_every) if config.retrain_every > 0 else None
+    return PredictorRegistry(config.predictors_dir, online=online)
+
+
+def request_limits(config: ServerConfig) -> RequestLimits:
+    return RequestLimits(
+        max_stop=config.max_stop, max_stop_chars=config.max_stop_chars,
+        max_messages=config.max_messages, max_schema_bytes=config.max_schema_bytes,
+        max_schema_enum=config.max_schema_enum, max_schema_properties=config.max_schema_properties,
+        max_schema_depth=config.max_schema_depth, max_pattern_repeat=config.max_pattern_repeat,
+        grammar_timeout_s=config.grammar_timeout_s)
+
+
+def create_app(config: ServerConfig, engine: Engine | None = None, model_name: str = "") -> FastAPI:
+    """The server. With no `engine`, the lifespan builds and starts the one `config` names."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal engine, model_name
+        # The history first: a data dir that cannot be written stops the start here, with
+        # one clear error, before an engine is started for nothing.
+        check_writable(_data_dir(config))
+        history = History(_data_dir(config) / "history.sqlite3",
+                          retention_s=config.history_retention_s or None,
+                          max_rows=config.history_max_rows or None,
+                          max_bytes=config.history_max_bytes or None)
+        shutdown: Shutdown = app.state.shutdown
+        shutdown.bind(asyncio.get_running_loop())
+        health = None
+        if config.health_port is not None:
+            from server.api.health import HealthListener
+
+            # Before the engine starts: an orchestrator sees "starting" from the first second.
+            health = HealthListener(app, config.host, config.health_port).start()
+        if engine is None:
+            engine, model_name = build_engine(config)
+        expect_shutdown = getattr(engine, "expect_shutdown", None)
+        if expect_shutdown is not None:
+            # An engine that dies during the shutdown stopped with the server: no restart.
+            shutdown.on_begin(expect_shutdown)
+        capabilities = Capabilities.of(engine)  # what the engine offers, found once
+        _exit_when_engine_fails(app, capabilities.supervision)
+        await engine.start()
+        if not model_name:
+            model_name = engine.info.served_name or engine.info.model
+        await _warm_up(engine)
+        metrics = Metrics()
+        predictors = _predictors(config)
+        scheduler = LiveScheduler(
+            engine,
+            LiveConfig(
+                policy=config.policy,
+                las_half_life_s=config.las_half_life_s,
+                las_head_wait_weight=config.las_head_wait_weight,
+                session_idle_s=config.session_idle_s,
+                initial_tau_s=config.initial_tau_s,
+                **_time_model_prior(config),
+                lease_s=config.agent_lease_s,
+                retention_s=config.agent_retention_s,
+                max_num_seqs=config.max_num_seqs,
+                quotas=Quotas(PerTenant(config.max_agents, config.tenant_max_agents),
+                              PerTenant(config.max_queued, config.tenant_max_queued),
+                              PerTenant(config.max_agent_bytes, config.tenant_max_agent_bytes),
+                              PerTenant(config.max_metadata_bytes, config.tenant_max_metadata_bytes)),
+                tenant_weights=dict(config.tenant_weights),
+            ),
+            predictors=predictors,
+            history=history,
+            metrics=metrics,
+            capabilities=capabilities,
+        )
+        metrics.bind(scheduler)
+        dashboard = DashboardHub(scheduler)
+        scheduler.listeners.add(dashboard)  # it learns of agents as they come and go
+        await scheduler.start()
+        await dashboard.start()
+        app.state.dashboard = dashboard
+        app.state.dashboard_streams = DashboardStreams(dashboard, config.max_dashboard_streams)
+        app.state.history = history
+        app.state.metrics = metrics
+        app.state.scheduler = scheduler
+        app.state.service = InferenceService(engine, model_name, scheduler)
+        app.state.tool_parser = await _tool_parser(config, engine)
+        grammars: GrammarChecker = app.state.grammars
+        warming = asyncio.create_task(grammars.start() if config.grammar_warm_up
+                                      else asyncio.sleep(0), name="justitia-grammar-warm-up")
+        # Once the shutdown's drain time is over, what still waits for admission fails.
+        shutdown.on_drain_over(lambda: scheduler.admission.fail_waiting(EngineError(SHUTTING_DOWN)))
+        app.state.ready = True
+        log.info("engine ready: %s; capabilities %s; policy %s", engine.info,
+                 ", ".join(sorted(capabilities.names)) or "none", config.policy)
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            warming.cancel()
+            await grammars.close()
+            await app.state.dashboard_streams.close()
+            await dashboard.close()
+            await shutdown.bounded(scheduler.close(), "saving the scheduler's state")
+            await shutdown.bounded(engine.close(), "stopping the engine", reserve_s=0.5)
+            history.close()
+            predictors.close()
+            if health is not None:
+                health.close()
+
+    app = FastAPI(
+        title="Justitia",
+        version="0.1.0",
+        description="Fair and fast scheduling of task-parallel LLM agents on vLLM.",
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.tool_parser = None
+    app.state.ready = False
+    app.state.exit_code = 0
+    app.state.shutdown = Shutdown(config.shutdown_grace_s)
+    app.state.rate_limiter = RateLimiter(PerTenant(config.rate_limit, config.tenant_rate_limits))
+    app.state.request_size_limits = PerTenant(config.max_request_tokens,
+                                              config.tenant_max_request_tokens)
+    app.state.limits = request_limits(config)
+    app.state.grammars = GrammarChecker(config.grammar_timeout_s)
+    errors.install(app)
+    errors.document_errors_as_sent(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    # Outside the size limit: the rate is counted (and a caller over it refused) before
+    # anything of the body is read, a refused oversized body included.
+    app.add_middleware(RateLimitFirst)
+    app.include_router(openai_router)
+    install_fast_paths(app)
+    app.include_router(agents_router)
+    app.include_router(dashboard_router)
+
+    @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
+    async def metrics(request: Request) -> Response:
+        m = getattr(request.app.state, "metrics", None)
+        body = m.render() if m is not None else b""
+        return Response(body, media_type=CONTENT_TYPE)
+
+    unavailable = errors.responses(503)
+
+    @app.get("/healthz", tags=["operations"], responses=unavailable)
+    async def healthz(request: Request) -> JSONResponse:
+        """Liveness: 200 while the engine runs or is being restarted (the server heals
+        itself; restarting the process would not help), 503 once it will not run again."""
+        code, body = liveness(request.app)
+        return JSONResponse(body, code)
+
+    @app.get("/readyz", tags=["operations"], responses=unavailable)
+    async def readyz(request: Request) -> JSONResponse:
+        """Readiness: 200 only while the engine runs and the server takes work; otherwise
+        503 with its state and why (`stopping` once a shutdown has begun)."""
+        code, body = readiness(request.app)
+        return JSONResponse(body, code)
+
+    return app

@@ -1,0 +1,59 @@
+"""An agent's lifecycle: its states, the transitions between them, and the one function
+that validates and applies a transition.
+
+    queued ──(first request admitted)──▶ running ──▶ finished / failed (its code raised)
+       │                                   │
+       └──────────────┬────────────────────┴──▶ cancelled (DELETE) / expired (lease ran out)
+
+An agent may also end while still queued (finished with no request admitted, cancelled,
+expired). The four end states are final: nothing leaves them. The live scheduler
+(server/runtime/live.py) changes an agent's state only through `transition`, so a second end (a
+cancel racing a finish) is refused here, in one place, instead of being applied twice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from server.runtime.agents import TERMINAL, AgentStateName
+
+if TYPE_CHECKING:
+    from server.runtime.agents import AgentEntry
+
+# The states each state may move to.
+TRANSITIONS: dict[AgentStateName, frozenset[AgentStateName]] = {
+    "queued": frozenset({"running", "finished", "failed", "cancelled", "expired"}),
+    "running": frozenset({"finished", "failed", "cancelled", "expired"}),
+    "finished": frozenset(),
+    "failed": frozenset(),
+    "cancelled": frozenset(),
+    "expired": frozenset(),
+}
+# The ends under an agent's running requests: they are aborted, their outputs dropped.
+ABANDONED: frozenset[AgentStateName] = frozenset({"cancelled", "expired"})
+
+
+class AgentNotFound(LookupError):
+    pass
+
+
+class AgentConflict(Exception):
+    """The agent's state does not allow the call (finished, cancelled, requests in flight)."""
+
+
+class IllegalTransition(AgentConflict):
+    """A transition the lifecycle does not have (e.g. from an end state)."""
+
+
+def transition(entry: AgentEntry, to: AgentStateName, *, wall: float, now: float) -> None:
+    """Move `entry` to state `to`, or raise IllegalTransition and leave it as it was.
+
+    An end state also stamps the end: `finished_at` (unix seconds, `wall`) and the last
+    activity (the scheduler's clock, `now`), from which its retention is counted.
+    """
+    if to not in TRANSITIONS[entry.state]:
+        raise IllegalTransition(f"agent {entry.id} is {entry.state}; it cannot become {to}")
+    entry.state = to
+    if to in TERMINAL:
+        entry.finished_at = wall
+        entry.last_activity_mono = now
