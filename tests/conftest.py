@@ -102,14 +102,14 @@ def server(justitia_home: str):
     srv.stop()
 
 
-def serve_with_keys(args: list[str], keys: dict[str, str], home: str, startup_timeout: float = 300.0) -> Iterator:
+def serve_with_keys(args: list[str], keys: dict[str, str], home: str) -> Iterator:
     """A fixture body: a server of its own with these `serve` options and API keys
     (tenant -> key), for the tests of tenancy, limits and fuzzing."""
     from server.launcher import EmbeddedServer
 
     for tenant, key in keys.items():
         args = [*args, "--api-key", f"{tenant}={key}"]
-    with EmbeddedServer(args, env={"JUSTITIA_HOME": home}, startup_timeout=startup_timeout) as srv:
+    with EmbeddedServer(args, env={"JUSTITIA_HOME": home}) as srv:
         yield srv
 
 
