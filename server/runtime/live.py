@@ -371,12 +371,16 @@ class LiveScheduler:
         auto: bool = False,
         lease_s: float | None = None,
         session: str | None = None,
+        metadata_json: bytes | None = None,
     ) -> AgentEntry:
+        """A new agent. `metadata_json`: `metadata` already encoded (`encode_metadata`),
+        by a caller that did it off the event loop."""
         self.config.quotas.check_agents(tenant, self._live_count[tenant])
         now = self.now()
         metadata = metadata or {}
         kept_prompt = prompt[:KEPT_PROMPT_CHARS]
-        metadata_json = encode_metadata(metadata) if metadata else b"{}"
+        if metadata_json is None:
+            metadata_json = encode_metadata(metadata) if metadata else b"{}"
         self.config.quotas.check_metadata(tenant, len(metadata_json))
         held = _held_bytes(kept_prompt, metadata_json)
         self.config.quotas.check_bytes(tenant, self._held_bytes[tenant], held)
@@ -763,6 +767,8 @@ class LiveScheduler:
             self.dispatcher.on_request_finished(ticket.request_id, ticket.prompt_tokens, d, now,
                                                 each=each,
                                                 cached_tokens=last.cached_tokens if last is not None else None)
+            # the scheduler counts what its agents consume; the entry keeps its count
+            entry.consumed_kv_cost = self.dispatcher.agents[entry.id].consumed_kv
         entry.in_flight -= 1
         entry.last_activity_mono = now
         if ticket.admitted is not None:
@@ -777,7 +783,6 @@ class LiveScheduler:
                 preemptions=last.num_preemptions if last is not None else 0,
                 cached_tokens=last.cached_tokens if last is not None else None,
             ))
-            entry.consumed_kv_cost += sum(kv_cost(ticket.prompt_tokens, x) for x in each or (d,))
         if last is not None:
             self.listeners.on_request_finished(entry, last)
         entry.touch()

@@ -20,6 +20,14 @@ if TYPE_CHECKING:
 ALL_POLICIES = ",".join(POLICY_NAMES)
 
 
+def _retain_option(parser: Any) -> None:
+    # retention.RETAIN_MODES, spelled out: this module imports nothing of the scheduler core's rules
+    parser.add_argument("--retain", choices=("auto", "always", "never"), default="auto",
+                        help="keep a paused agent's context (the conversation it will resend) in the KV cache: "
+                             "auto (while the expected rest of the pause costs less than prefilling it again), "
+                             "always, never; Justitia's policies only (justitia-noretain: never)")
+
+
 def register(commands: Commands) -> None:
     sim = commands.bench.add_parser(
         "sim",
@@ -52,6 +60,7 @@ def register(commands: Commands) -> None:
                      help="where the scheduler's rate R = M / tau comes from: profile (what the profile's engine "
                           "sustains on the mix, known from the start) or measured (from the simulated steps, as the "
                           "live server measures the real engine: the ETAs and deadlines the server would give)")
+    _retain_option(sim)
     sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
     sim.add_argument("--html", metavar="OUT.html", default=None,
                      help="write a self-contained HTML report (policy table, JCT CDFs, slowdown vs GPS, promises)")
@@ -88,6 +97,11 @@ def register(commands: Commands) -> None:
                     help="re-time (and reshape) the mix as one of the evaluation family's arrival shapes: "
                          "poisson, bursts, diurnal, heavy-tail, tenants, sessions (--load is then the "
                          "offered load of the whole span; --density and --prefixes do not apply)")
+    mk.add_argument("--tools", choices=("multi-turn", "single-turn"), default=None,
+                    help="agents that call tools: a lognormal tool pause (median 0.8 s) before every stage but "
+                         "the first (pauses_s); multi-turn: the ReAct and chat agents resend their whole "
+                         "conversation each turn (ctx); single-turn: the mix without them. --load is then the "
+                         "offered load of the whole span (--density, --prefixes, --shape do not apply)")
     mk.set_defaults(handler=_make_workload)
 
     live = commands.bench.add_parser(
@@ -294,7 +308,7 @@ def _sim(args: argparse.Namespace) -> int:
     predictions = _predictions(args, agents)
     t0 = time.perf_counter()
     results = run_comparison(agents, _configured(args, policies), profile, m, predictions,
-                             backfill=args.backfill, seed=args.seed, tau=args.tau)
+                             backfill=args.backfill, seed=args.seed, tau=args.tau, retain=args.retain)
     wall = time.perf_counter() - t0
     tau = gps_tau_s(profile, m, agents)
     limits = workload_limits(agents)
@@ -311,6 +325,7 @@ def _sim(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "backfill": args.backfill,
         "tau": args.tau,
+        "retain": args.retain,
         "las_half_life_s": args.las_half_life_s,
         "las_head_wait_weight": args.las_head_wait_weight,
         "limits": {
@@ -598,6 +613,8 @@ def _make_workload(args: argparse.Namespace) -> int:
     if args.agents <= 0 or args.density <= 0 or not 0 < args.load:
         raise CommandError("--agents, --density and --load must be positive")
     profile = _profile(args.profile)
+    if args.tools is not None:
+        return _make_talk(args, profile)
     if args.shape is not None:
         return _make_shaped(args, profile)
     agents = make_mix(
@@ -613,6 +630,22 @@ def _make_workload(args: argparse.Namespace) -> int:
         shared = f", {100 * prefix_share(agents):.0f}% of prompt tokens reusable from a shared prefix"
     print(f"wrote {args.out}: {len(agents)} agents, {n_req} requests, arrivals over {agents[-1].arrival:.0f} s"
           + shared)
+    return 0
+
+
+def _make_talk(args: argparse.Namespace, profile: EngineProfile) -> int:
+    from .talk import make_talk_mix
+    from .workload import save_workload
+
+    if args.shape is not None or args.prefixes or args.density != 1.0 or args.length_scale is not None:
+        raise CommandError("--tools builds its own arrivals and prefixes: drop --shape, --density, --prefixes "
+                           "and --length-scale")
+    agents = make_talk_mix(args.agents, profile, seed=args.seed, load=args.load, kv_tokens=args.kv_tokens,
+                           multi_turn=args.tools == "multi-turn")
+    save_workload(agents, args.out)
+    talks = sum(bool(a.ctxs) for a in agents)
+    print(f"wrote {args.out}: {len(agents)} agents ({talks} resending their conversation), "
+          f"{sum(a.num_requests for a in agents)} requests, arrivals over {agents[-1].arrival:.0f} s")
     return 0
 
 
