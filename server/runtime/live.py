@@ -572,6 +572,7 @@ class LiveScheduler:
             "deadline_s": v.deadline_s,
             "promise": v.promise,
             "promise_reason": v.promise_reason,
+            "promise_assumes": v.promise_assumes,
             "expected_cost": v.expected_cost,
         }
 
