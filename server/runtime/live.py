@@ -75,6 +75,7 @@ from server.scheduler import (
     get_policy,
     kv_cost,
 )
+from server.scheduler.declared import BatchDeclaration
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.prefix import PrefixRef, block_chain
 from server.scheduler.rate import TauEstimator
@@ -403,6 +404,10 @@ class LiveScheduler:
                 self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE) or guessed),
             cost_p90=interval[1] if interval else None,
         )
+        batch = _batch_declared(metadata, tenant)
+        if batch is not None and self.dispatcher.arrivals.declare(
+                now, view.charged_cost, batch, self.dispatcher.eta_rate):
+            view = self.dispatcher.view(agent_id, now)  # its ETA expects the rest of its batch
         entry = AgentEntry(
             id=agent_id,
             type=agent_type,
@@ -567,6 +572,7 @@ class LiveScheduler:
             "deadline_s": v.deadline_s,
             "promise": v.promise,
             "promise_reason": v.promise_reason,
+            "promise_assumes": v.promise_assumes,
             "expected_cost": v.expected_cost,
         }
 
@@ -906,6 +912,21 @@ def _one_request(prompt_tokens: int, cost: float) -> AgentShape:
     """The shape of one request of `prompt_tokens` whose KV cost is `cost` (the cold start
     reports its guess's cost, not the output length it assumed)."""
     return AgentShape(stages=1, critical_path_tokens=decode_for_kv_cost(prompt_tokens, cost))
+
+
+def _batch_declared(metadata: dict[str, Any], tenant: str | None) -> BatchDeclaration | None:
+    """The batch an agent's client declared it part of (`metadata["batch"]`: its `id`, its
+    `size` and the agent's `index` in it, as the SDK sends), for the ETAs to expect the
+    inputs the client still holds back; None where the declaration is missing or malformed."""
+    batch = metadata.get("batch")
+    if not isinstance(batch, dict):
+        return None
+    batch_id, size, index = batch.get("id"), batch.get("size"), batch.get("index")
+    if not isinstance(batch_id, str) or not batch_id or type(size) is not int or size < 1:
+        return None
+    # by tenant: one tenant's declaration never counts toward another's batch of the same id
+    return BatchDeclaration(f"{tenant}/{batch_id[:64]}", size,
+                            index if type(index) is int and index >= 0 else None)
 
 
 def _shape(metadata: dict[str, Any]) -> AgentShape | None:
