@@ -51,9 +51,8 @@ from server.scheduler import get_policy, gps_finish_times
 from server.scheduler.cost import KV
 from server.scheduler.policies import Justitia
 from server.scheduler.prefix import block_chain, stage_kv_cost
-
-from .simulator import AgentResult, PolicyResult
-from .workload import AgentSpec
+from server.sim.simulator import AgentResult, PolicyResult
+from server.sim.workload import AgentSpec
 
 VOCAB_LOW, VOCAB_HIGH = 10, 700  # token ids of the tiny model's vocabulary, specials excluded
 TEACH_SEED = 7919  # the teaching replay's token ids: the measured seed's plus this
