@@ -201,7 +201,7 @@ def _off_worker_cores(server_pid: int | None) -> Iterator[None]:
     the server keeps itself (`keep_off_worker_cores`): on 2 cores, a client that the OS put
     on the worker's core slowed every engine step. Restored after, so that the next server
     this process starts may use every core."""
-    from server.engine.vllm_local import PINNING, pin_threads, worker_cores
+    from server.engine.processes import PINNING, pin_threads, worker_cores
 
     before = os.sched_getaffinity(0) if PINNING else set()
     others = before - worker_cores(server_pid) if server_pid and PINNING else set()

@@ -30,7 +30,7 @@ import os
 from typing import Any
 
 from server.api.request_limits import RequestLimitExceeded
-from server.engine.vllm_local import without_sigint
+from server.engine.processes import without_sigint
 
 log = logging.getLogger("justitia.grammar")
 
