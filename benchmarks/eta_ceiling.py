@@ -28,7 +28,8 @@ from rich.progress import track  # noqa: E402
 
 from server.shared.profiles import load_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
-from server.sim.simulator import TAU_SOURCES, _quantile, isolated_jct_s, simulate  # noqa: E402
+from server.sim.results import quantile  # noqa: E402
+from server.sim.simulator import TAU_SOURCES, isolated_jct_s, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402
 
 
@@ -69,8 +70,8 @@ def main() -> int:
     replay_err = sorted(abs(r["replay_error"]) for r in rows)
     of_run = run.summary()  # the server's first ETAs, as bench sim reports them
     summary = {
-        "replay_of_known_work_error_p50": _quantile(replay_err, 0.5),
-        "replay_of_known_work_error_p90": _quantile(replay_err, 0.9),
+        "replay_of_known_work_error_p50": quantile(replay_err, 0.5),
+        "replay_of_known_work_error_p90": quantile(replay_err, 0.9),
         "first_eta_error_p50": of_run["eta_error_p50"],
         "first_eta_error_p90": of_run["eta_error_p90"],
     }

@@ -51,7 +51,7 @@ from server.scheduler import get_policy, gps_finish_times
 from server.scheduler.cost import KV
 from server.scheduler.policies import Justitia
 from server.scheduler.prefix import block_chain, stage_kv_cost
-from server.sim.simulator import AgentResult, PolicyResult
+from server.sim.results import AgentResult, PolicyResult
 from server.sim.workload import AgentSpec
 
 VOCAB_LOW, VOCAB_HIGH = 10, 700  # token ids of the tiny model's vocabulary, specials excluded

@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass
 
 from server.shared.profiles import EngineProfile
 
+from .results import PolicyResult
 from .shapes import ShapeSpec, make_shaped
-from .simulator import PolicyResult, run_comparison
+from .simulator import run_comparison
 
 
 @dataclass(frozen=True)
