@@ -14,7 +14,15 @@ paused, so that all of them wait in the queue. Then:
 
 Writes benchmarks/results/dashboard_load.json.
 
+`--streams N --live-agents K` measures instead what many streams cost everyone else: a
+server process of its own (the real app on the fake engine, `--max-dashboard-streams N`)
+holds K live idle agents of one tenant, N dashboard streams of that tenant are opened and
+read for `--seconds`, and a prober reads `/healthz` every 20 ms before (baseline) and
+while they run; frames are built once per tick per tenant and shared by its streams.
+Writes benchmarks/results/dashboard_streams.json.
+
     PYTHONPATH=. .venv/bin/python benchmarks/dashboard_load.py [--agents 1000] [--seconds 20]
+    PYTHONPATH=. .venv/bin/python benchmarks/dashboard_load.py --streams 500 --live-agents 20000
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from server.sim.provenance import write_result  # noqa: E402
 from tests.fake_engine import FakeEngine, FakeServer  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
+DEFAULT_OUT = str(ROOT / "benchmarks/results/dashboard_load.json")
 failures: list[str] = []  # the load's requests that failed (reported, not fatal)
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -119,14 +128,111 @@ def measure_first_render(url: str, loads: int) -> dict:
             "all_s": [round(t, 3) for t in times], "phases_ms": phases, "console_errors": errors}
 
 
+_STREAMS_SERVER = """
+import sys, time
+from tests.fake_engine import FakeServer
+srv = FakeServer(sys.argv[1], retrain_every=0, max_dashboard_streams=int(sys.argv[2]),
+                 max_agents=None).start()
+print(srv.url, flush=True)
+time.sleep(86400)
+"""
+
+
+async def _read_streams(url: str, n: int, seconds: float) -> dict:
+    """`n` dashboard streams read for `seconds`: their statuses, frames and bytes."""
+    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+    frames: list[int] = []
+    first_frame_s: list[float] = []
+    statuses: dict[int, int] = {}
+
+    async def one(c: httpx.AsyncClient, k: int) -> None:
+        opened = time.monotonic()
+        got = 0
+        async with c.stream("GET", "/v1/scheduler/events") as r:
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            if r.status_code != 200:
+                return
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    if not got:
+                        first_frame_s.append(time.monotonic() - opened)
+                    got += 1
+        frames.append(got)
+
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c:
+        tasks = [asyncio.create_task(one(c, k)) for k in range(n)]
+        await asyncio.sleep(seconds)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    first = sorted(first_frame_s) or [0.0]
+    return {"statuses": statuses, "streams_with_frames": len(first_frame_s),
+            "frames_per_stream_p50": statistics.median(frames) if frames else 0,
+            "first_frame_p50_s": round(statistics.median(first), 3), "first_frame_max_s": round(first[-1], 3)}
+
+
+def measure_streams(streams: int, live_agents: int, seconds: float, out: str) -> None:
+    import subprocess
+    import tempfile
+
+    from benchmarks.attacks import Prober
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen([sys.executable, "-c", _STREAMS_SERVER, tmp, str(streams)],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            url = proc.stdout.readline().strip()
+            started = time.monotonic()
+            asyncio.run(_register_idle(url, live_agents))
+            registered_s = time.monotonic() - started
+            with Prober(url) as quiet:
+                time.sleep(min(seconds, 5.0))
+            with Prober(url) as loaded:
+                read = asyncio.run(_read_streams(url, streams, seconds))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    result = {
+        "config": {"streams": streams, "live_agents": live_agents, "seconds": seconds, "engine": "FakeEngine",
+                   "max_dashboard_streams": streams,
+                   "machine": "2 cores shared with other engineers' test runs"},
+        "registered_s": round(registered_s, 1),
+        "healthz_quiet": quiet.summary(), "healthz_streams": loaded.summary(), "streams": read,
+        "targets": {"healthz_max_ms": 1000},
+        "met": {"healthz": loaded.summary()["healthz_max_ms"] < 1000},
+    }
+    write_result(out, result, indent=2)
+    print(json.dumps(result, indent=1), file=sys.stderr)
+
+
+async def _register_idle(url: str, n: int) -> None:
+    limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c:
+        async def some(start: int) -> None:
+            for k in range(start, n, 16):
+                (await c.post("/v1/agents", json={"type": "idle", "prompt": f"p{k}",
+                                                  "lease_s": 86_400})).raise_for_status()
+
+        await asyncio.gather(*(some(i) for i in range(16)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=0,
+                    help="measure N dashboard streams over --live-agents instead (a server process of its own)")
+    ap.add_argument("--live-agents", type=int, default=20_000)
     ap.add_argument("--agents", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--loads", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/dashboard_load.json"))
+    ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()
+    if args.streams:
+        measure_streams(args.streams, args.live_agents, args.seconds,
+                        str(ROOT / "benchmarks/results/dashboard_streams.json")
+                        if args.out == DEFAULT_OUT else args.out)
+        return
 
     import tempfile
 

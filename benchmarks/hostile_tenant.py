@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -40,6 +38,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.attacks import Prober, send_bodies, tenant_client  # noqa: E402
 from server.launcher import EmbeddedServer  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 
@@ -54,53 +53,12 @@ def _server_args(home: str) -> list[str]:
     return args
 
 
-class Prober:
-    """`/healthz` latencies every `every_s` while it runs."""
-
-    def __init__(self, url: str, every_s: float = 0.02) -> None:
-        self.url = url
-        self.every_s = every_s
-        self.latencies: list[float] = []
-        self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=30) as c:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                try:
-                    ok = c.get("/healthz").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                self.latencies.append(time.monotonic() - started)
-                self.failures += not ok
-                time.sleep(self.every_s)
-
-    def __enter__(self) -> Prober:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        lat = sorted(self.latencies) or [0.0]
-        p99 = lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]  # nearest rank
-        return {"healthz_probes": len(self.latencies), "healthz_failures": self.failures,
-                "healthz_p50_ms": round(1000 * statistics.median(lat), 1),
-                "healthz_p99_ms": round(1000 * p99, 1),
-                "healthz_max_ms": round(1000 * lat[-1], 1)}
-
-
 def _rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
 def _client(url: str, tenant: str = "mallory", timeout: float = 120) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=timeout,
-                        headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+    return tenant_client(url, KEYS[tenant], timeout)
 
 
 def attack_agents(url: str, n: int) -> dict:
@@ -132,12 +90,7 @@ def attack_agents(url: str, n: int) -> dict:
 
 
 def _post_many(url: str, path: str, bodies: list[bytes]) -> dict:
-    statuses: dict[int, int] = {}
-    with _client(url) as c:
-        for raw in bodies:
-            s = c.post(path, content=raw, headers={"content-type": "application/json"}).status_code
-            statuses[s] = statuses.get(s, 0) + 1
-    return {"statuses": statuses, "5xx": sum(v for k, v in statuses.items() if k >= 500)}
+    return send_bodies(url, KEYS["mallory"], path, bodies)
 
 
 def attack_prompt4mb(url: str) -> dict:

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,8 +36,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.hostile_tenant import Prober  # noqa: E402
-from server.launcher import EmbeddedServer  # noqa: E402
+from benchmarks.attacks import OtherTenant, Prober, send_bodies, tenant_client  # noqa: E402
+from server.launcher import EmbeddedServer, free_port  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 
 KEYS = {"mallory": "key-mallory", "alice": "key-alice", "eve": "key-eve"}
@@ -48,58 +46,12 @@ ATTACKS = ("stop250k", "stoplong", "chat110k", "enum50k", "pattern", "props", "d
 
 
 def _client(url: str, tenant: str, timeout: float = 300) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=timeout,
-                        headers={"Authorization": f"Bearer {KEYS[tenant]}"})
-
-
-class OtherTenant:
-    """alice's short completions, back to back, while it runs: their latencies."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.latencies: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with _client(self.url, "alice") as c:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
-                self.latencies.append(time.monotonic() - started)
-                time.sleep(0.05)
-
-    def __enter__(self) -> OtherTenant:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        lat = self.latencies or [0.0]
-        return {"other_tenant_requests": len(self.latencies),
-                "other_tenant_p50_s": round(statistics.median(lat), 3),
-                "other_tenant_max_s": round(max(lat), 3)}
+    return tenant_client(url, KEYS[tenant], timeout)
 
 
 def _send(url: str, path: str, bodies: list[bytes], tenant: str = "mallory",
           parallel: int = 1) -> dict:
-    statuses: dict[int, int] = {}
-    slowest = 0.0
-
-    def one(raw: bytes) -> None:
-        nonlocal slowest
-        with _client(url, tenant) as c:
-            started = time.monotonic()
-            s = c.post(path, content=raw, headers={"content-type": "application/json"}).status_code
-            slowest = max(slowest, time.monotonic() - started)
-            statuses[s] = statuses.get(s, 0) + 1
-
-    with ThreadPoolExecutor(parallel) as pool:
-        list(pool.map(one, bodies))
-    return {"statuses": statuses, "slowest_answer_s": round(slowest, 3)}
+    return send_bodies(url, KEYS[tenant], path, bodies, parallel)
 
 
 def _chat(schema: dict | None = None, **extra: object) -> dict:
@@ -197,35 +149,70 @@ RUNNERS: dict[str, Callable[[str], dict]] = {
 }
 
 
+def run_all(attacks: list[str], src: Path | None) -> dict:
+    """Every attack against one server (from `src`, another source tree, when given): each
+    row with `/healthz` on the main port and, where the server has one, on its health port."""
+    home = tempfile.mkdtemp(prefix="justitia-request-limits-")
+    # the health listener's module, in a tree of flat modules or of layer packages
+    has_health = src is None or any((src / m).exists() for m in ("server/health.py", "server/api/health.py"))
+    health_port = free_port() if has_health else None
+    server_args = ["--kv-tokens", "4096", "--max-model-len", "2048", "--rate-limit", "eve=2:2"]
+    if health_port is not None:
+        server_args += ["--health-port", str(health_port)]
+    for tenant, key in KEYS.items():
+        server_args += ["--api-key", f"{tenant}={key}"]
+    env = {"JUSTITIA_HOME": home, **({"PYTHONPATH": str(src)} if src is not None else {})}
+    health_url = f"http://127.0.0.1:{health_port}" if health_port is not None else None
+    results: dict = {"server": server_args, "source": str(src) if src is not None else "this tree"}
+
+    def measured(run: Callable[[str], dict], url: str) -> dict:
+        with Prober(url) as prober, OtherTenant(url, KEYS["alice"]) as alice:
+            side = Prober(health_url) if health_url is not None else None
+            if side is not None:
+                side.__enter__()
+            try:
+                started = time.monotonic()
+                result = run(url)
+                wall = time.monotonic() - started
+            finally:
+                if side is not None:
+                    side.__exit__()
+        row = {**result, **prober.summary(), **alice.summary(), "wall_s": round(wall, 1)}
+        if side is not None:
+            row.update(side.summary("health_port"))
+        return row
+
+    with EmbeddedServer(server_args, env=env, startup_timeout=1200) as srv:
+        time.sleep(30)  # the grammar worker loads its compiler in the background
+        results["baseline"] = measured(lambda url: (time.sleep(3), {})[1], srv.url)
+        print("baseline", json.dumps(results["baseline"]), flush=True)
+        for name in attacks:
+            results[name] = measured(RUNNERS[name], srv.url)
+            print(name, json.dumps(results[name]), flush=True)
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--attacks", default=",".join(ATTACKS),
                     help=f"comma-separated, from {', '.join(ATTACKS)}")
+    ap.add_argument("--before-src", type=Path, default=None,
+                    help="first run the same attacks against a server from this source tree (an "
+                         "older commit, `git archive REV | tar -x -C DIR`): before and after in one run")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/request_limits.json")
     args = ap.parse_args()
-    home = tempfile.mkdtemp(prefix="justitia-request-limits-")
-    server_args = ["--kv-tokens", "4096", "--max-model-len", "2048",
-                   "--rate-limit", "eve=2:2"]
-    for tenant, key in KEYS.items():
-        server_args += ["--api-key", f"{tenant}={key}"]
+    attacks = args.attacks.split(",")
+    for name in attacks:
+        if name not in RUNNERS:
+            ap.error(f"unknown attack {name!r}")
     results = {}
-    with EmbeddedServer(server_args, env={"JUSTITIA_HOME": home}, startup_timeout=1200) as srv:
-        time.sleep(30)  # the grammar worker loads its compiler in the background
-        with Prober(srv.url) as prober, OtherTenant(srv.url) as alice:
-            time.sleep(3)
-        results["baseline"] = {**prober.summary(), **alice.summary()}
-        print("baseline", json.dumps(results["baseline"]), flush=True)
-        for name in args.attacks.split(","):
-            if name not in RUNNERS:
-                ap.error(f"unknown attack {name!r}")
-            with Prober(srv.url) as prober, OtherTenant(srv.url) as alice:
-                started = time.monotonic()
-                result = RUNNERS[name](srv.url)
-                wall = time.monotonic() - started
-            results[name] = {**result, **prober.summary(), **alice.summary(),
-                             "wall_s": round(wall, 1)}
-            print(name, json.dumps(results[name]), flush=True)
-    write_result(args.json, {"config": {"attacks": args.attacks, "server": server_args},
+    if args.before_src is not None:
+        print(f"before: {args.before_src}", flush=True)
+        results["before"] = run_all(attacks, args.before_src.resolve())
+        print("after: this tree", flush=True)
+    results["after" if args.before_src is not None else "this"] = run_all(attacks, None)
+    write_result(args.json, {"config": {"attacks": args.attacks,
+                                        "before_src": str(args.before_src) if args.before_src else None},
                              "results": results}, indent=2)
     return 0
 

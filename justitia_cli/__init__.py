@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 from dataclasses import dataclass
 
 # Modules that own commands. Each has `register(commands: Commands) -> None`.
@@ -50,6 +51,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
             return text
         return super()._get_help_string(action) or ""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # never inside a name: "justitia-noretain" stays one word (copyable from the help)
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:

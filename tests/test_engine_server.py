@@ -34,6 +34,21 @@ def test_completion_returns_exactly_max_tokens_with_ignore_eos(client: httpx.Cli
         assert body["choices"][0]["finish_reason"] == "length"
 
 
+def test_generated_token_ids_resent_hit_the_prefix_cache(client: httpx.Client) -> None:
+    """return_token_ids gives the ids the engine generated; a conversation resent with them
+    is served from vLLM's prefix cache (usage.prompt_tokens_details.cached_tokens)."""
+    prompt = [11 + (7 * k) % 600 for k in range(200)]
+    first = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                                                  "return_token_ids": True}).json()
+    ids = first["choices"][0]["token_ids"]
+    assert len(ids) == 40 and all(isinstance(t, int) for t in ids)
+    again = client.post("/v1/completions", json={"prompt": prompt + ids + [5, 6, 7], "max_tokens": 1}).json()
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    block = client.get("/v1/scheduler").json()["block_size"]
+    assert cached >= (len(prompt) + len(ids) - 1) // block * block - block
+    assert "token_ids" not in again["choices"][0]
+
+
 def test_prompt_tokens_match_the_models_tokenizer(client: httpx.Client) -> None:
     short = client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 1}).json()
     long = client.post("/v1/completions", json={"prompt": "a b " * 50, "max_tokens": 1}).json()

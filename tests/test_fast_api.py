@@ -51,7 +51,9 @@ def test_completion_returns_exactly_max_tokens_with_ignore_eos(fake_client: http
     assert body["model"] == FAKE_MODEL
     assert body["usage"] == {"prompt_tokens": len(encode("Summarize: the river flows")),
                              "completion_tokens": n,
-                             "total_tokens": len(encode("Summarize: the river flows")) + n}
+                             "total_tokens": len(encode("Summarize: the river flows")) + n,
+                             # what the engine served from its prefix cache (a fresh prompt: none)
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["choices"][0]["finish_reason"] == "length"
     assert len(body["choices"][0]["text"]) == n  # one character per fake token
 

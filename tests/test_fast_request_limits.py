@@ -16,21 +16,17 @@ import pytest
 
 from server.runtime.limits import Rate
 from tests.fake_engine import FakeEngine, FakeServer
-
-KEYS = {"alice": "key-alice", "bob": "key-bob"}
+from tests.tenants import KEYS, as_tenant, keyed_server
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
-    engine = FakeEngine(kv_capacity_tokens=16384, max_model_len=1024)
-    with FakeServer(tmp_path_factory.mktemp("request-limits"), engine=engine,
-                    api_keys={key: tenant for tenant, key in KEYS.items()}) as s:
+    with keyed_server(tmp_path_factory.mktemp("request-limits"), kv_tokens=16384) as s:
         yield s
 
 
 def _as(s: FakeServer, tenant: str, timeout: float = 60) -> httpx.Client:
-    return httpx.Client(base_url=s.url, timeout=timeout,
-                        headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+    return as_tenant(s, tenant, timeout)
 
 
 def _refused(r: httpx.Response, *words: str) -> None:
@@ -147,6 +143,31 @@ def test_grammars_over_the_time_budget_or_refused_are_400s(compiling) -> None:
                    json=_schema_request({"type": "string", "pattern": "^(ab|cd){5000}$"}))
         _refused(r, "--grammar-timeout")
         assert grammars.compiles == compiles
+
+
+def _grammar_worker_facts() -> tuple[int, str, int]:
+    """Run in the grammar worker: its niceness, its OpenMP setting, torch's thread count."""
+    import os
+
+    import torch  # loaded there by the compiler (xgrammar)
+
+    return os.getpriority(os.PRIO_PROCESS, 0), os.environ.get("OMP_NUM_THREADS", ""), torch.get_num_threads()
+
+
+@pytest.mark.timeout(300)
+def test_the_grammar_worker_runs_at_the_lowest_priority_on_one_thread(compiling) -> None:
+    """A compile must not take the engine's CPU: the worker runs at nice 19 (below the
+    EngineCore's 10) and its libraries on one thread."""
+    from server.api.grammar import WORKER_NICE
+
+    with httpx.Client(base_url=compiling.url, timeout=300) as c:
+        r = c.post("/v1/chat/completions", json=_schema_request({"type": "number"}))
+        assert r.status_code == 200, r.text
+    pool = compiling.app.state.grammars._pool
+    assert pool is not None
+    nice, omp, torch_threads = pool.submit(_grammar_worker_facts).result(timeout=120)
+    assert WORKER_NICE == 19 and nice == WORKER_NICE
+    assert omp == "1" and torch_threads == 1
 
 
 def _open_dashboard(c: httpx.Client) -> httpx.Response:

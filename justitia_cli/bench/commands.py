@@ -7,7 +7,7 @@ servers when a command runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from justitia_cli import Commands, formatter
 from justitia_cli.bench.live import live_command
@@ -21,6 +21,14 @@ if TYPE_CHECKING:
 
 
 ALL_POLICIES = ",".join(POLICY_NAMES)
+
+
+def retain_option(parser: Any) -> None:
+    # retention.RETAIN_MODES, spelled out: this module imports nothing of the scheduler core's rules
+    parser.add_argument("--retain", choices=("auto", "always", "never"), default="auto",
+                        help="keep a paused agent's context (the conversation it will resend) in the KV cache: "
+                             "auto (while the expected rest of the pause costs less than prefilling it again), "
+                             "always, never; Justitia's policies only (justitia-noretain: never)")
 
 
 def register(commands: Commands) -> None:
@@ -55,6 +63,7 @@ def register(commands: Commands) -> None:
                      help="where the scheduler's rate R = M / tau comes from: profile (what the profile's engine "
                           "sustains on the mix, known from the start) or measured (from the simulated steps, as the "
                           "live server measures the real engine: the ETAs and deadlines the server would give)")
+    retain_option(sim)
     sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
     sim.add_argument("--html", metavar="OUT.html", default=None,
                      help="write a self-contained HTML report (policy table, JCT CDFs, slowdown vs GPS, promises)")
@@ -91,6 +100,11 @@ def register(commands: Commands) -> None:
                     help="re-time (and reshape) the mix as one of the evaluation family's arrival shapes: "
                          "poisson, bursts, diurnal, heavy-tail, tenants, sessions (--load is then the "
                          "offered load of the whole span; --density and --prefixes do not apply)")
+    mk.add_argument("--tools", choices=("multi-turn", "single-turn"), default=None,
+                    help="agents that call tools: a lognormal tool pause (median 0.8 s) before every stage but "
+                         "the first (pauses_s); multi-turn: the ReAct and chat agents resend their whole "
+                         "conversation each turn (ctx); single-turn: the mix without them. --load is then the "
+                         "offered load of the whole span (--density, --prefixes, --shape do not apply)")
     mk.set_defaults(handler=make_workload_command)
 
     live = commands.bench.add_parser(

@@ -21,6 +21,13 @@ arrived meanwhile (docs/concepts.md, "Over-runs"): measured on the 48-agent pref
 declaring `kv_cost_shared` (token-exact prefixes) made 38 of 48 agents over-run by 0.6% in
 all, and justitia ran 16% slower than its prefix-blind ablation.
 
+Tool pauses (`pauses_s`) are waited out before their stages, the agent registered and
+paused. A request carrying `ctx` resends the whole sequence of the agent's previous request
+of that conversation as the engine really produced it (its prompt as sent and the token ids
+it generated, `return_token_ids`), then the rest of its rendered prompt; so the prefix cache
+can hit what it still holds. Its `reprefill_tokens` are the tokens of that sequence, in whole
+blocks, that the engine did not serve from its cache (`usage.prompt_tokens_details`).
+
 The replay client is aiohttp, not httpx: with a few hundred requests in flight, httpx's
 connection pool added seconds to every call on this 2-core machine (median 0.65 s, max 10 s
 to register an agent, measured with the 40-agent workload), which delayed arrivals and
@@ -131,7 +138,8 @@ async def _call(session: aiohttp.ClientSession, method: str, path: str, **kw) ->
 
 
 async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float,
-                     opts: LiveOptions, prompts: dict[tuple[int, int], list[int]], cost: float) -> dict:
+                     opts: LiveOptions, prompts: dict[tuple[int, int], list[int]], cost: float,
+                     block_size: int = 1) -> dict:
     await asyncio.sleep(max(0.0, t0 + agent.arrival - time.monotonic()))
     arrival = time.monotonic() - t0
     body: dict[str, Any] = {
@@ -148,16 +156,55 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
     first = await _call(session, "POST", "/v1/agents", json=body)
     agent_id = first["id"]
     headers = {"X-Justitia-Agent": agent_id}
+    talk = _Conversations(block_size)
     for s, stage in enumerate(agent.stages):
-        await asyncio.gather(*(
+        if (pause := agent.pause_before(s)) > 0:
+            await asyncio.sleep(pause)  # a tool call: registered, nothing in flight
+        sent = [talk.prompt(agent, s, i, prompts[(s, i)]) for i in range(len(stage))]
+        outs = await asyncio.gather(*(
             _call(session, "POST", "/v1/completions", headers=headers, json={
-                "prompt": prompts[(s, i)], "max_tokens": d,
-                "ignore_eos": True, "temperature": 0.0,
+                "prompt": sent[i], "max_tokens": d,
+                "ignore_eos": True, "temperature": 0.0, "return_token_ids": True,
             })
             for i, (p, d) in enumerate(stage)
         ))
+        for i, out in enumerate(outs):
+            talk.answered(agent, s, i, sent[i], out)
     final = await _call(session, "POST", f"/v1/agents/{agent_id}/finish")
-    return {"arrival": arrival, "finish": time.monotonic() - t0, "first": first, "final": final}
+    return {"arrival": arrival, "finish": time.monotonic() - t0, "first": first, "final": final,
+            "reprefill_tokens": talk.reprefill}
+
+
+class _Conversations:
+    """One agent's conversations (`ctx`): the sequence each one has reached, as sent and
+    generated, and the tokens of them the engine prefilled again."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = max(1, block_size)
+        self.sequences: dict[str, list[int]] = {}
+        self.reprefill = 0
+        self._expected: dict[tuple[int, int], int] = {}  # request -> tokens it could find cached
+
+    def prompt(self, agent: AgentSpec, stage: int, index: int, rendered: list[int]) -> list[int]:
+        ctx = agent.ctx(stage, index)
+        seq = self.sequences.get(ctx) if ctx is not None else None
+        if not seq:
+            return rendered
+        resent = next((t for k, t in agent.prefix(stage, index) if k == ctx), len(seq))
+        resent = min(resent, len(seq))
+        # what vLLM could still hold of it: its whole blocks (the last token's KV is never computed)
+        self._expected[(stage, index)] = min(resent, len(seq) - 1) // self.block_size * self.block_size
+        return seq[:resent] + rendered[resent:]
+
+    def answered(self, agent: AgentSpec, stage: int, index: int, sent: list[int], out: dict) -> None:
+        choice = (out.get("choices") or [{}])[0]
+        ctx = agent.ctx(stage, index)
+        if ctx is not None:
+            self.sequences[ctx] = sent + list(choice.get("token_ids") or [])
+        expected = self._expected.pop((stage, index), 0)
+        if expected:
+            details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+            self.reprefill += max(0, expected - int(details.get("cached_tokens") or 0))
 
 
 async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: str,
@@ -168,7 +215,9 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
         # rendered, and costed the way the server will cost them, before the clock starts
-        block_size = int((await _call(session, "GET", "/v1/scheduler")).get("prefix_block") or 1)
+        snap0 = await _call(session, "GET", "/v1/scheduler")
+        block_size = int(snap0.get("prefix_block") or 1)
+        engine_block = int(snap0.get("block_size") or block_size)
         prompts = render(agents, opts.seed)
         costs = {a.id: declared_cost(a, policy, prompts[a.id], block_size) for a in agents}
         t0 = time.monotonic()
@@ -176,7 +225,7 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
 
         async def one(a: AgentSpec) -> dict:
             nonlocal done
-            out = await _run_agent(session, a, t0, opts, prompts[a.id], costs[a.id])
+            out = await _run_agent(session, a, t0, opts, prompts[a.id], costs[a.id], engine_block)
             done += 1
             if progress:
                 progress(done)
@@ -258,7 +307,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         AgentResult(id=a.id, type=a.type, arrival_s=o["arrival"], finish_s=o["finish"],
                     gps_finish_s=g, delay_bound_s=float(o["final"]["delay_bound_s"]),
                     first_eta_s=float(o["first"]["eta_s"]), first_deadline_s=float(o["first"]["deadline_s"]),
-                    first_eta_interval_s=_interval(o["first"].get("eta_interval_s")))
+                    first_eta_interval_s=_interval(o["first"].get("eta_interval_s")),
+                    reprefill_tokens=int(o.get("reprefill_tokens") or 0))
         for a, o, g in zip(agents, outs, gps, strict=True)
     ]
     counted_before = taught if not restart else None  # a restarted server counts from zero

@@ -37,7 +37,7 @@ def sim_command(args: argparse.Namespace) -> int:
     predictions = read_predictions(args, agents)
     t0 = time.perf_counter()
     results = run_comparison(agents, configured_policies(args, policies), profile, m, predictions,
-                             backfill=args.backfill, seed=args.seed, tau=args.tau)
+                             backfill=args.backfill, seed=args.seed, tau=args.tau, retain=args.retain)
     wall = time.perf_counter() - t0
     tau = gps_tau_s(profile, m, agents)
     limits = workload_limits(agents)
@@ -54,6 +54,7 @@ def sim_command(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "backfill": args.backfill,
         "tau": args.tau,
+        "retain": args.retain,
         "las_half_life_s": args.las_half_life_s,
         "las_head_wait_weight": args.las_head_wait_weight,
         "limits": {
@@ -225,6 +226,8 @@ def make_workload_command(args: argparse.Namespace) -> int:
     if args.agents <= 0 or args.density <= 0 or not 0 < args.load:
         raise CommandError("--agents, --density and --load must be positive")
     profile = read_profile(args.profile)
+    if args.tools is not None:
+        return make_talk(args, profile)
     if args.shape is not None:
         return make_shaped(args, profile)
     agents = make_mix(
@@ -240,6 +243,22 @@ def make_workload_command(args: argparse.Namespace) -> int:
         shared = f", {100 * prefix_share(agents):.0f}% of prompt tokens reusable from a shared prefix"
     print(f"wrote {args.out}: {len(agents)} agents, {n_req} requests, arrivals over {agents[-1].arrival:.0f} s"
           + shared)
+    return 0
+
+
+def make_talk(args: argparse.Namespace, profile: EngineProfile) -> int:
+    from server.sim.talk import make_talk_mix
+    from server.sim.workload import save_workload
+
+    if args.shape is not None or args.prefixes or args.density != 1.0 or args.length_scale is not None:
+        raise CommandError("--tools builds its own arrivals and prefixes: drop --shape, --density, --prefixes "
+                           "and --length-scale")
+    agents = make_talk_mix(args.agents, profile, seed=args.seed, load=args.load, kv_tokens=args.kv_tokens,
+                           multi_turn=args.tools == "multi-turn")
+    save_workload(agents, args.out)
+    talks = sum(bool(a.ctxs) for a in agents)
+    print(f"wrote {args.out}: {len(agents)} agents ({talks} resending their conversation), "
+          f"{sum(a.num_requests for a in agents)} requests, arrivals over {agents[-1].arrival:.0f} s")
     return 0
 
 

@@ -5,21 +5,24 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from justitia_sdk import AGENT_TYPE_MAX_LENGTH, AGENT_TYPE_PATTERN
 from server.api import errors
 from server.api.auth import rate_limited_tenant, require_admin, tenant_of
+from server.api.bodies import caller, is_large, json_response, parse_body, parsed
 from server.api.openai_schemas import SSE_EVENT
 from server.api.validation import RequestBody
 from server.engine.base import EngineError, ReplicaAdmin
-from server.runtime.agents import AgentEntry, AgentRecord
+from server.runtime.agents import AgentEntry, AgentRecord, encode_metadata, metadata_size_floor
+from server.runtime.limits import Quotas
 from server.runtime.live import LiveScheduler
+from server.runtime.service import off_loop_if
 from server.runtime.shutdown import FAREWELL, shutdown_of
 
 router = APIRouter(tags=["agents"])
@@ -214,6 +217,48 @@ async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(te
     s = _scheduler(request)
     error = body.error if body is not None else None
     return s.record(await s.finish(_entry(agent_id, request, tenant), error=error))
+
+
+class _Registration(NamedTuple):
+    body: AgentCreate
+    metadata_json: bytes | None  # encoded with the body when that was off the event loop
+
+
+def _parse_registration(raw: bytes, tenant: str, quotas: Quotas) -> _Registration:
+    body = parse_body(AgentCreate, raw)
+    if not body.metadata or not is_large(raw):
+        return _Registration(body, None)  # encoded by `register`, in microseconds
+    limit = quotas.metadata_bytes.for_tenant(tenant)
+    if limit is not None:  # over the limit: refused without encoding it all
+        quotas.check_metadata(tenant, metadata_size_floor(body.metadata, limit), at_least=True)
+    return _Registration(body, encode_metadata(body.metadata))
+
+
+async def _register_directly(request: Request) -> Response:
+    """`register_agent`, with a large body parsed, validated and its metadata encoded in a
+    worker thread (a 4 MB registration held the event loop for a third of a second)."""
+    tenant = await caller(request, rate_limited=True)
+    raw = await request.body()
+    s = _scheduler(request)
+    body, metadata_json = await off_loop_if(is_large(raw), _parse_registration, raw, tenant, s.config.quotas)
+    entry = s.register(body.type, body.prompt, tenant, body.metadata, predicted_cost=body.predicted_cost,
+                       lease_s=body.lease_s, metadata_json=metadata_json)
+    return json_response(s.record(entry), 201)
+
+
+async def _finish_directly(request: Request) -> Response:
+    """`finish_agent`, with a large body parsed in a worker thread."""
+    tenant = await caller(request)
+    raw = await request.body()
+    body = await parsed(AgentFinish, raw) if raw else None
+    s = _scheduler(request)
+    entry = _entry(request.path_params["agent_id"], request, tenant)
+    return json_response(s.record(await s.finish(entry, error=body.error if body is not None else None)))
+
+
+#: The routes served by the direct handlers above (server/bodies.py says why).
+DIRECT = {("POST", "/v1/agents"): _register_directly,
+          ("POST", "/v1/agents/{agent_id}/finish"): _finish_directly}
 
 
 @router.delete("/v1/agents/{agent_id}", response_model=AgentRecord,

@@ -18,15 +18,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api import errors
+from server.api.agents_api import DIRECT as DIRECT_AGENT_ROUTES
 from server.api.agents_api import router as agents_router
 from server.api.auth import RateLimitFirst
+from server.api.bodies import serve_directly
 from server.api.config import ServerConfig
 from server.api.dashboard import DashboardHub
 from server.api.dashboard.api import router as dashboard_router
 from server.api.dashboard.shared import DashboardStreams
 from server.api.grammar import GrammarChecker
 from server.api.health import liveness, readiness
-from server.api.openai_api import install_fast_paths
+from server.api.openai_api import DIRECT as DIRECT_OPENAI_ROUTES
 from server.api.openai_api import router as openai_router
 from server.api.request_limits import RequestLimits
 from server.api.tool_calls import ToolCallParser
@@ -333,8 +335,9 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
     # anything of the body is read, a refused oversized body included.
     app.add_middleware(RateLimitFirst)
     app.include_router(openai_router)
-    install_fast_paths(app)
     app.include_router(agents_router)
+    # Served without FastAPI's body handling: large bodies are parsed off the event loop.
+    serve_directly(app, DIRECT_OPENAI_ROUTES | DIRECT_AGENT_ROUTES)
     app.include_router(dashboard_router)
 
     @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse,

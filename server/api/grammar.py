@@ -5,7 +5,8 @@
 its schema's: a 48-byte pattern (`^(ab|cd){5000}$`) or a long enum compiles for seconds to
 minutes, inside the engine process, delaying every tenant; some schemas fail a check of the
 compiler there. So the server compiles each schema first, here, in a worker process of its
-own (at low CPU priority, off the event loop and off the engine's path):
+own (at the lowest CPU priority, on one thread, off the cores of the engine's model worker,
+off the event loop and off the engine's path):
 
 - within `--grammar-timeout` seconds (default 2): the request goes on;
 - over it: the worker is killed and replaced, and the request gets a 400;
@@ -48,9 +49,35 @@ def _init_worker(parent: int) -> None:
     from predictors.online import exit_with_parent
 
     exit_with_parent(parent, kernel=False)
-    try:  # the engine and the event loop come first
-        os.nice(10)
+    keep_to_spare_cpu(parent)
+
+
+#: The worker's niceness: the lowest priority there is, below the EngineCore's (10).
+WORKER_NICE = 19
+#: Thread-pool settings of the libraries the compiler loads (xgrammar imports torch, whose
+#: OpenMP pool would start a thread per core): one thread, on the cores left to it.
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               "NUMEXPR_NUM_THREADS": "1", "TORCH_NUM_THREADS": "1"}
+
+
+def keep_to_spare_cpu(parent: int) -> None:
+    """In the worker, before the compiler loads: the lowest CPU priority, one thread, and
+    off the cores vLLM's CPU model worker is pinned to (every engine step waits for that
+    worker, so a compile sharing its core would slow every tenant's tokens)."""
+    os.environ.update(_ONE_THREAD)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICE)
     except OSError:
+        pass
+    from server.engine.processes import PINNING, worker_cores
+
+    if not PINNING:
+        return
+    try:
+        spare = set(os.sched_getaffinity(0)) - worker_cores(parent)
+        if spare:
+            os.sched_setaffinity(0, spare)
+    except OSError:  # best effort: only speed depends on it
         pass
 
 

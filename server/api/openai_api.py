@@ -8,15 +8,13 @@ from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
-from starlette.routing import request_response
+from pydantic import BaseModel
 
 from server.api import errors
-from server.api.auth import bearer_scheme, rate_limited_tenant, tenant_of
+from server.api.auth import rate_limited_tenant, tenant_of
+from server.api.bodies import caller, is_large, parsed
 from server.api.disconnect import ClientDisconnected, run_unless_disconnected
 from server.api.openai_schemas import (
     ChatCompletionRequest,
@@ -78,11 +76,14 @@ def _check_model(service: InferenceService, body: SamplingFields) -> None:
 
 
 def _usage(out: EngineOutput) -> dict:
-    return Usage(
+    usage = Usage(
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.output_tokens,
         total_tokens=out.prompt_tokens + out.output_tokens,
-    ).model_dump()
+    ).model_dump(exclude_none=True)
+    if out.cached_tokens is not None:  # OpenAI's field: prompt tokens served from the prefix cache
+        usage["prompt_tokens_details"] = {"cached_tokens": out.cached_tokens}
+    return usage
 
 
 @dataclass
@@ -277,7 +278,8 @@ async def completions(
     return JSONResponse(chunk(
         [{"index": q.index, "text": q.text,
           "logprobs": _completion_logprobs(final.logprobs[q.index], 0) if with_logprobs else None,
-          "finish_reason": q.finish_reason} for q in out.each()],
+          "finish_reason": q.finish_reason} | ({"token_ids": list(q.token_ids)} if body.return_token_ids else {})
+         for q in out.each()],
         out))
 
 
@@ -408,31 +410,6 @@ class _ToolDeltas:
 # below, which do the same steps directly and call the same endpoint functions.
 
 
-OFF_LOOP_BYTES = 256 * 1024
-
-
-def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        error = exc
-    if any(e["type"] == "json_invalid" for e in error.errors()):
-        # pydantic's parser refuses some text Python's takes (a lone UTF-16 surrogate);
-        # through Python's, the body validator names the field at fault, as it did before.
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError):  # nesting past Python's recursion limit
-            pass
-        else:
-            try:
-                return model.model_validate(data)
-            except ValidationError as exc:
-                error = exc
-    # the locations FastAPI would give, so that the 400 names the same fields
-    raise RequestValidationError(
-        [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)])
-
-
 def _precheck(raw: bytes, limits: RequestLimits) -> None:
     """The count limits on a large body's plain JSON, before the model validates it."""
     if (raw.count(b'"role"') <= limits.max_messages and b'"stop"' not in raw
@@ -458,34 +435,22 @@ def _precheck(raw: bytes, limits: RequestLimits) -> None:
             check_schema(text, limits)  # refuses it, naming the limit
 
 
-async def _tenant(request: Request) -> str:
-    # the same bearer scheme object and checks as the FastAPI dependency, called directly
-    return await rate_limited_tenant(request, await tenant_of(request, await bearer_scheme(request)))
-
-
 def _direct(model: type[BaseModel], endpoint: Callable[..., Awaitable[Response]]):
     async def handle(request: Request) -> Response:
         # The key and the rate limit first: a caller over its rate costs no body read.
-        tenant = await _tenant(request)
+        tenant = await caller(request, rate_limited=True)
         raw = await request.body()
-        if len(raw) > OFF_LOOP_BYTES:
+        if is_large(raw):
             # Over a count limit: refused before validation (pydantic holds the GIL while
             # it validates, seconds for 110,000 messages, even in a worker thread).
             await off_loop_if(True, _precheck, raw, request.app.state.limits)
         # Parsing a large body (a 10^6-token id list, 200k chat messages) takes seconds:
         # not on the loop that answers everyone else.
-        body = await off_loop_if(len(raw) > OFF_LOOP_BYTES, _parse, model, raw)
+        body = await parsed(model, raw)
         return await endpoint(body, request, request.headers.get(AGENT_HEADER), tenant)
 
     return handle
 
 
-_FAST = {"/v1/completions": _direct(CompletionRequest, completions),
-         "/v1/chat/completions": _direct(ChatCompletionRequest, chat_completions)}
-
-
-def install_fast_paths(app: FastAPI) -> None:
-    """Serve the inference routes of `app` with the direct handlers above."""
-    for route in app.router.routes:
-        if isinstance(route, APIRoute) and route.path in _FAST and "POST" in route.methods:
-            route.app = request_response(_FAST[route.path])
+DIRECT = {("POST", "/v1/completions"): _direct(CompletionRequest, completions),
+          ("POST", "/v1/chat/completions"): _direct(ChatCompletionRequest, chat_completions)}

@@ -201,6 +201,9 @@ class CompletionRequest(SamplingFields):
         default=None, ge=0, le=MAX_LOGPROBS,
         description="Return the log probability of each token and of this many alternatives.")
     best_of: int | None = Field(default=None, ge=1, description="Only unset or equal to n.")
+    return_token_ids: bool = Field(
+        default=False, description="vLLM's extension: each choice carries the ids of the tokens it generated "
+                                   "(`token_ids`), so that a client can resend them exactly.")
 
     @model_validator(mode="before")
     @classmethod
@@ -381,10 +384,15 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens the engine served from its prefix cache.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # The answers, as documented in the OpenAPI schema (the routes build them as dicts).
@@ -400,6 +408,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = Field(default=None, description="With return_token_ids: the generated ids.")
 
 
 class CompletionResponse(BaseModel):

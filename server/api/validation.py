@@ -25,6 +25,18 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_JSON_DEPTH = 32
 
 
+def _valid_text(value: str) -> bool:
+    """No lone surrogate in `value`. Both checks are single C calls that do not hold the
+    interpreter for long: scanning a 4 MB string with the regular expression took 75 ms."""
+    if value.isascii():  # O(1): CPython knows the widest character of a string
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def find_invalid_value(data: Any) -> str | None:
     """A description of the first string that is not valid Unicode or number that is not
     finite in `data` (parsed JSON), with its path; None if there is none."""
@@ -37,7 +49,7 @@ def find_invalid_value(data: Any) -> str | None:
             return (f"{path or 'the body'}: JSON nested deeper than {MAX_JSON_DEPTH} levels "
                     f"is not accepted")
         if isinstance(value, str):
-            match = _SURROGATE.search(value)
+            match = None if _valid_text(value) else _SURROGATE.search(value)
             if match:
                 return (f"{path or 'the body'}: text must be valid Unicode; it holds a lone "
                         f"UTF-16 surrogate (\\u{ord(match.group()):04x})")

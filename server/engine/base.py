@@ -85,6 +85,9 @@ class SequenceOutput:
     delta_text: str = ""
     # The tokens added since the previous output (only when logprobs were asked for).
     delta_logprobs: tuple[TokenLogprob, ...] = ()
+    # The ids of the tokens generated, once the sequence has finished (empty before, and
+    # from engines that do not say): what a client resends to hit the prefix cache.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ class Sequences:
                 finish_reason=c.finish_reason,
                 delta_text=c.text[sent_text:],
                 delta_logprobs=self._new_logprobs(c, sent_tokens),
+                token_ids=tuple(c.token_ids) if c.finish_reason is not None else (),
             )
         return tuple(self._state[i] for i in sorted(self._state))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import collections
 import itertools
+import sys
 
 from sortedcontainers import SortedDict
 
@@ -130,3 +131,9 @@ class AgentTable:
             else:
                 rest += 1
         return out, rest, out[-1].seq if out else None
+
+
+def held_bytes_of(prompt: str, metadata_json: bytes) -> int:
+    """What a live agent holds of its caller's data in memory (--max-agent-bytes): its kept
+    prompt (the string's own size: 1, 2 or 4 bytes a character) and its metadata's JSON."""
+    return sys.getsizeof(prompt) + sys.getsizeof(metadata_json)

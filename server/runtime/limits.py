@@ -201,10 +201,12 @@ class Quotas:
     # bytes of one agent's metadata (compact JSON)
     metadata_bytes: PerTenant[int] = field(default_factory=lambda: PerTenant(DEFAULT_MAX_METADATA_BYTES))
 
-    def check_metadata(self, tenant: str, size: int) -> None:
+    def check_metadata(self, tenant: str, size: int, *, at_least: bool = False) -> None:
+        """Refuse metadata of `size` bytes of JSON (`at_least`: a lower bound of its size)."""
         limit = self.metadata_bytes.for_tenant(tenant)
         if limit is not None and size > limit:
-            raise TooLarge(f"the metadata holds {size} bytes of JSON; tenant {tenant!r} may keep "
+            holds = f"at least {size}" if at_least else f"{size}"
+            raise TooLarge(f"the metadata holds {holds} bytes of JSON; tenant {tenant!r} may keep "
                            f"at most {limit} bytes of metadata with an agent (--max-metadata-bytes)")
 
     def check_agents(self, tenant: str, live: int) -> None:

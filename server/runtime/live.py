@@ -30,7 +30,6 @@ import asyncio
 import builtins
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict
@@ -52,7 +51,7 @@ from server.runtime.agent_listeners import (
     PredictorFeedback,
     Predictors,
 )
-from server.runtime.agent_table import AgentTable
+from server.runtime.agent_table import AgentTable, held_bytes_of
 from server.runtime.agents import (
     MAX_ERROR_CHARS,
     AgentEntry,
@@ -215,14 +214,18 @@ class LiveScheduler:
         auto: bool = False,
         lease_s: float | None = None,
         session: str | None = None,
+        metadata_json: bytes | None = None,
     ) -> AgentEntry:
+        """A new agent. `metadata_json`: `metadata` already encoded (`encode_metadata`),
+        by a caller that did it off the event loop."""
         self.config.quotas.check_agents(tenant, self.table.live_count(tenant))
         now = self.now()
         metadata = metadata or {}
         kept_prompt = prompt[:KEPT_PROMPT_CHARS]
-        metadata_json = encode_metadata(metadata) if metadata else b"{}"
+        if metadata_json is None:
+            metadata_json = encode_metadata(metadata) if metadata else b"{}"
         self.config.quotas.check_metadata(tenant, len(metadata_json))
-        held = _held_bytes(kept_prompt, metadata_json)
+        held = held_bytes_of(kept_prompt, metadata_json)
         self.config.quotas.check_bytes(tenant, self.table.held_bytes(tenant), held)
         interval: tuple[float, float] | None = None
         guessed: AgentShape | None = None  # the structure a guessed cost stands for
@@ -489,9 +492,3 @@ class LiveScheduler:
     def events(self, entry: AgentEntry, heartbeat_s: float = 15.0) -> AsyncIterator[AgentRecord | None]:
         """The record now and after every change, until the agent ends (None: heartbeat)."""
         return agent_events(entry, self.record, heartbeat_s)
-
-
-def _held_bytes(prompt: str, metadata_json: bytes) -> int:
-    """What a live agent holds of its caller's data in memory (--max-agent-bytes): its kept
-    prompt (the string's own size: 1, 2 or 4 bytes a character) and its metadata's JSON."""
-    return sys.getsizeof(prompt) + sys.getsizeof(metadata_json)

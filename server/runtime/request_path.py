@@ -18,7 +18,7 @@ from server.runtime.agent_listeners import AgentListeners
 from server.runtime.agents import AgentEntry, AgentStateName, RequestLog
 from server.runtime.lifecycle import ABANDONED, AgentConflict, transition
 from server.runtime.limits import QuotaExceeded
-from server.scheduler import Dispatcher, RequestSpec, kv_cost
+from server.scheduler import Dispatcher, RequestSpec
 from server.scheduler.prefix import PrefixRef, block_chain
 from server.scheduler.reprediction import expected_total
 
@@ -111,6 +111,8 @@ class RequestPath:
             self.dispatcher.on_request_finished(ticket.request_id, ticket.prompt_tokens, d, now,
                                                 each=each,
                                                 cached_tokens=last.cached_tokens if last is not None else None)
+            # the scheduler counts what its agents consume; the entry keeps its count
+            entry.consumed_kv_cost = self.dispatcher.agents[entry.id].consumed_kv
         entry.in_flight -= 1
         entry.last_activity_mono = now
         if ticket.admitted is not None:
@@ -125,7 +127,6 @@ class RequestPath:
                 preemptions=last.num_preemptions if last is not None else 0,
                 cached_tokens=last.cached_tokens if last is not None else None,
             ))
-            entry.consumed_kv_cost += sum(kv_cost(ticket.prompt_tokens, x) for x in each or (d,))
         if last is not None:
             self.listeners.on_request_finished(entry, last)
         entry.touch()

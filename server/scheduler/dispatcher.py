@@ -51,12 +51,12 @@ from typing import Any
 from .admit import admit_in_order
 from .bounds import AgentShape, BoundLimits
 from .charges import RequestCosts
-from .cost import COMPUTE
+from .cost import COMPUTE, KV
 from .eta import StepTimeSource, WorkArrivals
 from .eta_estimator import EtaEstimator
 from .kv_ledger import KvLedger
 from .pauses import PauseStats
-from .policies import Policy, get_policy
+from .policies import FOOTPRINT, Policy, get_policy
 from .prefix import uncached_prompt
 from .promises import Promises
 from .queues import RequestQueue, TenantQueue
@@ -402,6 +402,28 @@ class Dispatcher:
         replicas; `place(spec, footprint)` finds a replica and reserves there)."""
         self.clock.advance(now)
         return admit_in_order(self, now, engine_free_kv_tokens, engine_free_slots, place)
+
+    def head_need(self, now: float) -> tuple[str, int] | None:
+        """The agent whose request is admitted next and the memory it needs (None: nothing
+        queued): what a kept context gives way to (retention.py)."""
+        req = self.queue.peek(now)
+        if req is None:
+            return None
+        return req.spec.agent_id, self.ledger.need(req, self.policy.admission == FOOTPRINT)
+
+    def fair_order(self, agent_id: str) -> float:
+        """The agent's place in the fair order: its virtual finish tag."""
+        return float(self._agent(agent_id).virtual_finish)
+
+    def charge_retained(self, agent_id: str, kv_token_s: float, now: float) -> None:
+        """Charge KV token-time held for the agent while it was paused (its kept context,
+        retention.py) as if it had been running: its tag moves by it."""
+        agent = self.agents.get(agent_id)
+        if agent is None or kv_token_s <= 0 or self.policy.cost_model != KV:
+            return
+        agent.consumed_cost += kv_token_s
+        self._commit(agent, kv_token_s, now)
+        self.queue.requeue(agent)
 
     def mark_running(self, agent: AgentState, req: RequestState, now: float) -> None:
         """A pending request the queue has let go enters the engine."""

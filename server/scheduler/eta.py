@@ -86,22 +86,16 @@ class WorkArrivals:
     window_s: float = 60.0
     long_window_s: float = 600.0
     max_samples: int = 4096
-    # An ETA's rate over less history than this is noise. Shorter than a burst: over 10 s,
-    # the rate of a 2.4 s burst was read as a quarter of itself while the burst went on, and
-    # its agents' ETAs came out short (session 8: p90 of the first-ETA error 0.51-0.60 with
-    # 2 s against 0.54-0.61 with 10 s, paired in three live runs; docs/benchmarks.md).
+    # An ETA's rate over less history than this is noise. Shorter than a burst: over a
+    # longer floor, the rate of a short burst reads as a fraction of itself while the burst
+    # goes on, and its agents' ETAs come out short (docs/benchmarks.md compares the floors).
     min_window_s: float = PROMISE_MIN_SPAN_S
     # A registration after a whole window without any begins an episode, measured from its
-    # own start as a fresh server measures its first one: the window then holds nothing
-    # before it, and over the whole window a burst after a lull was read as a sliver of itself
-    # (the contended burst simulated 200 s after another: first-ETA error p50 0.53, against
-    # 0.31 on a fresh server). Shorter lulls are traffic: with 30 s, the gaps of up to 35 s
-    # of the 300-agent mixes began episodes, and their errors grew (p50 0.213 to 0.229).
-    # But a lull of 4x a short burst's length, and at least `min_lull_s`, ends it too: on a
-    # host three times faster, `bench live --teach` left 50 s between the teaching burst
-    # (2.4 s) and the measured one, which then read as the same episode, its rate as the
-    # two bursts' work over 60 s: first-ETA error 0.45 / 0.82 and 2 of 48 promises broken,
-    # against 0.31 / 0.60 and 48/48 after a lull of just over a minute (session 18).
+    # own start as a fresh server measures its first one (over the whole window, a burst
+    # after a lull would read as a sliver of itself). Shorter lulls are traffic: a mix's
+    # ordinary gaps must not begin episodes. But a lull of LULL_RATIO times a short burst's
+    # length, and at least `min_lull_s`, ends it too: two bursts a minute apart are two
+    # episodes, not one rate of their work over the window.
     min_lull_s: float = 40.0
     _events: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)  # (t, cost)
     _origin: float | None = None  # the first arrival ever: the long window's history
@@ -243,8 +237,8 @@ def served_by(work: float, rate: float, arriving: float, span_s: float) -> float
     per second for at most `span_s` more seconds takes its share first.
 
     Arrivals are assumed to go on for as long as they have been measured (`span_s`), not
-    forever: the rate of a burst, projected without end, made the ETAs of the last agents
-    of a 2.4 s burst ten times their JCTs (issue 18's contended run)."""
+    forever: the rate of a burst, projected without end, would make the ETAs of its last
+    agents many times their JCTs."""
     r = rate - min(arriving, MAX_ARRIVAL_SHARE * rate)
     t = work / r
     if t <= span_s or arriving <= 0.0:

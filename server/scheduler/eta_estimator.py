@@ -33,6 +33,7 @@ from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState
 from .tenant_clock import HierProjection
+from .virtual_clock import Projection
 
 if TYPE_CHECKING:
     from .dispatcher import Dispatcher
@@ -343,9 +344,15 @@ class EtaEstimator:
                 work = own + left * shape.prefill_tokens * prefill_work
             g = (gap(a, tenant_v[a.tenant] if hier else v, closing)) if scale else 0.0
             arriving = scale * cprefix[bisect_left(costs, g)] if g > 0.0 else 0.0
+            # served_by, for the work ahead (start) and with its own (finish): arrivals take
+            # their share for `span` seconds, then the whole rate is the agents' again
             r = rate - (arriving if arriving < cap else cap)
-            if arriving > 0.0 and total + work > r * span:  # arrivals end after `span` (served_by)
-                r = (total + work) / max(span, (total + work + arriving * span) / rate)
+            start = total / r
+            finish = (total + work) / r
+            if arriving > 0.0 and finish > span:
+                finish = max(span, (total + work + arriving * span) / rate)
+                if start > span:
+                    start = max(span, (total + arriving * span) / rate)
             if shape.critical_path_tokens is not None:
                 path = ((shape.critical_path_tokens + max(1, shape.stages)) * it
                         + (shape.prefill_tokens or 0) * prefill_s) * left
@@ -353,17 +360,21 @@ class EtaEstimator:
                 path = (a.longest_decode + 1) * it
             else:
                 path = 0.0
-            start = total / r
-            finish = (total + work) / r
             a.eta_at = now + (finish if finish > start + path else start + path)
-            if not a.in_reference:
-                a.fair_at = fair.arrival(a.charged_cost, a.tenant) if isinstance(fair, HierProjection) \
-                    else fair.arrival(a.charged_cost)
-            else:
-                a.fair_at = fair.finish.get(a.agent_id)
             total += work
             prefix[k + 1] = total
         self.last_pass = EtaPass(now, rate, keys, prefix)
+        self._cache_fair(agents, fair)
+
+    @staticmethod
+    def _cache_fair(agents: list[AgentState], fair: Projection | HierProjection) -> None:
+        """Every agent's GPS finish from one projection (views read it between passes)."""
+        if isinstance(fair, HierProjection):
+            for a in agents:
+                a.fair_at = fair.finish.get(a.agent_id) if a.in_reference else fair.arrival(a.charged_cost, a.tenant)
+        else:
+            for a in agents:
+                a.fair_at = fair.finish.get(a.agent_id) if a.in_reference else fair.arrival(a.charged_cost)
 
     def recall(self, events: Sequence[tuple[float, float]], now: float, unit: float) -> int:
         """Replay past registrations (time, predicted KV cost) into the measured arrivals;

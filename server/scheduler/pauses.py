@@ -53,6 +53,10 @@ class PauseStats:
         own = self._by_type.get(agent_type)
         return own if own else self._all
 
+    def seen(self, agent_type: str | None) -> list[float]:
+        """The pauses the type's estimates use (its own, else every type's)."""
+        return list(self._seen(agent_type))
+
     @property
     def any_seen(self) -> bool:
         return bool(self._all)

@@ -18,6 +18,7 @@ minima is the global minimum.
 | justitia   | virtual finish tag, KV token-time            | footprint, non-preemptive    |
 | justitia-c | virtual finish tag, compute tokens (p + 2d)  | footprint, non-preemptive    |
 | justitia-nocache | virtual finish tag, prefix-blind KV cost | prefix-blind footprint   |
+| justitia-noretain | justitia, paused agents' contexts never kept | footprint, non-preemptive |
 | ewsjf      | density-weighted score of per-group queues   | prompt fits, engine preempts |
 | equinox    | per-agent user + resource fairness counters  | prompt fits, engine preempts |
 | las        | decayed attained service p + 2d per agent    | prompt fits, engine preempts |
@@ -31,6 +32,8 @@ Shared prompt prefixes (prefix.py) are counted once by every policy's admission 
 that running requests hold takes no memory again: footprint policies reserve it once, prompt
 policies see what vLLM's prefix cache sees) and in the KV charges of justitia; the ablation
 justitia-nocache (`prefix_aware=False`) reserves and charges every prompt token as private.
+justitia-noretain is Justitia that never keeps a paused agent's context (retention.py): the
+ablation of retention. Policies other than Justitia's never keep contexts.
 
 Four policies keep state of their own (docs/concepts.md has their sources and assumptions):
 
@@ -102,7 +105,7 @@ class SJF(Policy):
         return (head.est_cost, head.seq)
 
     def static_key(self, agent: AgentState) -> Any:
-        return agent.predicted_cost
+        return (agent.predicted_cost, agent.seq)  # ties in arrival order, as in the pass
 
     def priority(self, agent: AgentState, req: RequestState | None) -> int:
         return int(req.est_cost) if req is not None else int(agent.predicted_cost)
@@ -177,8 +180,7 @@ def closing_gap(gap: float, closing: float) -> float:
     G = F_j - V by `closing` over the span (linearly: G - V't). Its mean is G - closing / 2
     while V stays below F_j, and G^2 / (2 closing) when V reaches F_j within the span (the
     later arrivals go behind). Not G / 2 whatever the span: a burst's arrivals come early in
-    a long wait, when the gap is nearly whole (contended48 simulated 200 s after another
-    burst, first-ETA error p50 0.38 with G / 2, 0.17 with G; docs/benchmarks.md)."""
+    a long wait, when the gap is nearly whole."""
     if gap <= 0.0:
         return 0.0
     if closing <= gap:
@@ -425,9 +427,10 @@ POLICIES: dict[str, Policy] = {
         VTC("vtc", PROMPT, KV),
         Parrot("parrot", FOOTPRINT, KV),
         SRJF("srjf", FOOTPRINT, KV),
-        Justitia("justitia", FOOTPRINT, KV),
-        Justitia("justitia-c", FOOTPRINT, COMPUTE),
-        Justitia("justitia-nocache", FOOTPRINT, KV, prefix_aware=False),
+        Justitia("justitia", FOOTPRINT, KV, retains=True),
+        Justitia("justitia-c", FOOTPRINT, COMPUTE, retains=True),
+        Justitia("justitia-nocache", FOOTPRINT, KV, prefix_aware=False, retains=True),
+        Justitia("justitia-noretain", FOOTPRINT, KV),
         EWSJF("ewsjf", PROMPT, KV),
         Equinox("equinox", PROMPT, KV),
         LAS("las", PROMPT, KV),

@@ -22,6 +22,9 @@ class Policy:
     admission: str = FOOTPRINT
     cost_model: str = KV  # cost units of the virtual clock and of consumed_cost
     prefix_aware: bool = True  # shared prefixes counted once in admission and KV charges
+    # keeps paused agents' contexts as `--retain` says (retention.py); False: never. Only
+    # policies with a fair order to yield in (Justitia's tags) keep contexts.
+    retains: bool = False
 
     def request_order(self, req: RequestState) -> SortKey:
         """Order of an agent's own pending requests (default: arrival)."""
@@ -32,7 +35,8 @@ class Policy:
         raise NotImplementedError
 
     def static_key(self, agent: AgentState) -> Any:
-        """A key for ETA projections (agents with or without pending requests)."""
+        """A key for ETA projections (agents with or without pending requests): a total
+        order, ending in the agent's `seq`, so that the pass and the slow path place ties alike."""
         return agent.seq
 
     def priority(self, agent: AgentState, req: RequestState | None) -> int:

@@ -61,11 +61,9 @@ class TauEstimator:
     min_fill: float = 0.5
     step_window: int = 512  # raw step durations kept for the percentiles
     # The initial guess counts as this many full-cache iterations of evidence, decayed with
-    # the rest. Without it the first measured step set tau alone until the next update: on
-    # a CPU without native bfloat16 that step was a 2,400-token prefill of 0.27 s against
-    # decode steps of 5 ms, so R read a twentieth of the engine's for up to a second, and
-    # the agents registered meanwhile were told 10-30 times their JCTs (session 11, live
-    # contended48: first-ETA error p90 15.5).
+    # the rest, so that no single step sets tau alone: a first step is often one long
+    # prefill (tens of times a decode step), and R read from it alone would be a fraction of
+    # the engine's until the next update, with every ETA given meanwhile as many times long.
     prior_iterations: float = 32.0
     _weight: float = 0.0  # decayed busy seconds observed (the prior's included)
     _weighted_tau: float = 0.0  # decayed full-cache iterations served (sum of duration / sample)
@@ -97,10 +95,9 @@ class TauEstimator:
             return
         # A step is worth a tau sample of duration x fill / in use; what a full cache serves
         # in it, in full-cache iterations, is duration / sample = in use / fill, and tau is
-        # busy time over that, the rate's own definition. (A mean of the samples weighted by
-        # duration, as before, let a few long prefill steps with little KV in use weigh like
-        # many decode steps: on the CPU engine it read 0.08-0.30 s for 10 ms steps and V ran
-        # about 30 times too slowly, issue 18.)
+        # busy time over that, the rate's own definition. (Not a mean of the samples weighted
+        # by duration: a few long prefill steps with little KV in use would weigh like many
+        # decode steps, and tau would read many times the engine's.)
         served = kv_in_use / fill
         self._measured = True
         self._samples.extend(itertools.repeat((duration_s, served), min(n, self.step_window)))
@@ -161,8 +158,8 @@ class TauEstimator:
         """The slowest tau over `steps` consecutive measured steps (busy time over the
         full-cache iterations they served). Not a percentile of single samples: a step that
         prefills a newly admitted stage holds little of the memory reserved for it, and its
-        sample reads many times the tau a stretch sustains (live, the p90 of single samples
-        made deadlines of 10^5 s for agents that finished in 100 s, issue 18)."""
+        sample reads many times the tau a stretch sustains, and a percentile of such samples
+        would make deadlines orders of magnitude past the JCTs."""
         pairs = list(self._samples)
         if not pairs:
             return self.tau_s

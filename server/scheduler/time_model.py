@@ -161,10 +161,8 @@ class TimeModelBank:
 
     The server's ETAs use the recency-weighted model: the engine as it runs now. A record
     of a whole run needs the other: the recency-weighted model at the end of a run is the
-    engine of its last thousand steps. Live (session 13), the end-of-run model of a justitia
-    run had a base step of 3.2 ms against 4.8 ms for the next run's: simulated with them,
-    the two runs came out -34% and -0% from their live means, the drift within each run
-    read as the simulator's error."""
+    engine of its last thousand steps, and a simulation with it reads the engine's drift
+    within the run as the simulator's error."""
 
     def __init__(self, prior: TimeModel = DEFAULT_PRIOR, **fitter_options: float) -> None:
         self.prior = prior

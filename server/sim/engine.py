@@ -22,6 +22,16 @@ what it has generated, a shared prefix once per request that reads it. Memory co
 prefix once; attention does not (16 requests over one shared 2,048-token head step 5.4 ms
 slower than over 16-token heads on the CPU engine, docs/benchmarks.md).
 
+Conversations (`cache_sequences`, on when a workload resends contexts or pauses): a finished
+request's whole sequence (prompt and output, whole blocks) stays cached as vLLM keeps it, under
+its `ctx` id (the next turn of that conversation extends it) or an id of its own; eviction then
+takes whole blocks from the tail of the least recently released entry (vLLM frees a request's
+blocks tail first), and the tail of an entry that a shorter holder does not reach stays
+cached. An entry may be *pinned* (a paused agent's context kept, retention.py): it is not
+evictable and not free; a pin gives way before any preemption. `reprefill_tokens` counts, per
+agent, prompt tokens prefilled that the same agent had computed or had cached before (its
+context lost while it paused); recompute after a preemption is not counted.
+
 Between events (a request finishing, memory running out, the next external arrival) nothing
 changes but the token counts, so `step` runs a whole stretch of decode iterations at once:
 their total duration is an arithmetic series in the context attended.
@@ -49,6 +59,8 @@ class SimRequest:
     prefill: int = 0  # tokens to prefill in the next iteration
     segments: tuple[Segment, ...] = ()  # shared prompt prefixes (stored in the prefix cache)
     cached: int = 0  # prompt tokens found in the prefix cache when it was admitted
+    ctx: str | None = None  # the conversation its sequence extends (workload `ctx`)
+    kept_key: str | None = None  # the cache entry its sequence was kept under when it finished
 
     @property
     def kv(self) -> int:
@@ -89,18 +101,31 @@ class PrefixCache:
     # of an eviction: what keeping every context warm could have saved at most.
     evicted: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
+    block_size: int = 1  # > 1: eviction trims entries from the tail in whole blocks
+    # kept entries (id -> how many pins), oldest pin first: never evicted, even unreferenced
+    pinned: dict[str, int] = field(default_factory=dict)
+    # (agent, id) -> the end of that entry the agent has computed or had cached
+    seen: dict[tuple[str, str], int] = field(default_factory=dict)
+    reprefill: dict[str, int] = field(default_factory=dict)  # agent -> tokens prefilled again
+    # Keep a cached tail that no holder reaches (vLLM keeps such blocks cached, evictable):
+    # with conversations, a shorter holder must not cut a longer context's head.
+    tails: bool = False
 
-    def attach(self, segs: tuple[Segment, ...]) -> tuple[int, int]:
-        """A request holding `segs` runs: returns (tokens found cached, tokens allocated,
-        negative when it freed more than it took)."""
+    def keeps_tail(self, key: str) -> bool:
+        return self.tails or key in self.pinned
+
+    def attach(self, segs: tuple[Segment, ...], agent: str | None = None, count: bool = True) -> tuple[int, int]:
+        """A request of `agent` holding `segs` runs: returns (tokens found cached, tokens
+        allocated, negative when it freed more than it took). `count`: tokens the agent had
+        before and lost count as its re-prefill (not on a resume after preemption)."""
         hits = alloc = 0
-        contiguous = warm = True  # warm: still a hit had nothing been evicted
+        contiguous = warm = mine_warm = True  # warm: still a hit had nothing been evicted
         for s in segs:
             e = self.entries.get(s.key)
-            before = self.evicted.pop(s.key, 0) if e is None else e.end
+            before = max(e.end if e is not None else 0, self.evicted.get(s.key, 0))
             if e is None:
                 e = self.entries[s.key] = _Prefix(s.start, s.start)
-            elif e.refs == 0:
+            elif e.refs == 0 and s.key not in self.pinned:
                 self.unreferenced.pop(s.key, None)
                 self.evictable -= e.tokens
             hit = max(0, min(s.end, e.end) - s.start) if contiguous else 0
@@ -109,7 +134,14 @@ class PrefixCache:
             would = max(0, min(s.end, before) - s.start) if warm else 0
             warm = warm and would == s.tokens
             self.recomputed_tokens += max(0, would - hit)
-            if e.refs == 0 and e.end > s.end:
+            if agent is not None:
+                had = self.seen.get((agent, s.key), s.start)
+                mine = max(0, min(s.end, had) - s.start) if mine_warm else 0
+                mine_warm = mine_warm and mine == s.tokens
+                if count and mine > hit:
+                    self.reprefill[agent] = self.reprefill.get(agent, 0) + mine - hit
+                self.seen[(agent, s.key)] = max(had, s.end)
+            if e.refs == 0 and e.end > s.end and not self.keeps_tail(s.key):
                 # a cached tail no holder reaches: freed (vLLM keeps such blocks only as
                 # evictable ones; the model frees them rather than pin them)
                 alloc -= e.end - s.end
@@ -117,6 +149,8 @@ class PrefixCache:
             if s.end > e.end:
                 alloc += s.end - e.end
                 e.end = s.end
+                if e.end >= self.evicted.get(s.key, e.end):
+                    self.evicted.pop(s.key, None)
             e.refs += 1
             e.ends[s.end] = e.ends.get(s.end, 0) + 1
         self.tokens += alloc
@@ -134,9 +168,10 @@ class PrefixCache:
             if e.ends[s.end] == 0:
                 del e.ends[s.end]
             if e.refs == 0:
-                self.unreferenced[s.key] = None
-                self.evictable += e.tokens
-            elif (top := max(e.ends)) < e.end:
+                if s.key not in self.pinned:
+                    self.unreferenced[s.key] = None
+                    self.evictable += e.tokens
+            elif (top := max(e.ends)) < e.end and not self.keeps_tail(s.key):
                 freed += e.end - top
                 e.end = top
         self.tokens -= freed
@@ -153,23 +188,86 @@ class PrefixCache:
 
     def evict(self, tokens: int) -> int:
         """Drop unreferenced prefixes, least recently released first, until `tokens` are
-        freed (or none is left): returns the tokens freed."""
+        freed (or none is left): returns the tokens freed. With blocks (`block_size` > 1)
+        the last entry it reaches loses only the whole blocks of its tail it must."""
         freed = 0
+        bs = self.block_size
         while freed < tokens and self.unreferenced:
             key = next(iter(self.unreferenced))
+            e = self.entries[key]
+            cut = -(-(tokens - freed) // bs) * bs
+            if bs > 1 and cut < e.tokens:
+                self.evicted[key] = max(self.evicted.get(key, 0), e.end)
+                e.end -= cut
+                freed += cut
+                break
             del self.unreferenced[key]
-            e = self.entries.pop(key)
-            self.evicted[key] = e.end
+            del self.entries[key]
+            self.evicted[key] = max(self.evicted.get(key, 0), e.end)
             freed += e.tokens
         self.tokens -= freed
         self.evictable -= freed
         return freed
 
+    def keep(self, key: str, start: int, end: int, agent: str | None) -> int:
+        """A finished request's sequence [start, end) stays cached under `key` (extending
+        that entry when it exists and nothing holds it), most recently released: returns
+        the tokens newly cached."""
+        e = self.entries.get(key)
+        if e is None:
+            e = self.entries[key] = _Prefix(start, start)
+        elif e.refs > 0:
+            return 0
+        added = max(0, end - e.end)
+        e.end += added
+        self.tokens += added
+        if key not in self.pinned:
+            self.unreferenced.pop(key, None)
+            self.unreferenced[key] = None
+            self.evictable += added
+        if agent is not None:
+            self.seen[(agent, key)] = max(self.seen.get((agent, key), 0), e.end)
+        return added
+
+    def pin(self, key: str) -> int:
+        """Keep an entry (one more pin): not evictable, nor free, while any pin holds it.
+        Returns the tokens this pin takes out of the free memory (0: already kept, held by
+        a running request, or not cached)."""
+        e = self.entries.get(key)
+        if e is None:
+            return 0
+        count = self.pinned.get(key, 0)
+        self.pinned[key] = count + 1
+        if count or e.refs > 0:
+            return 0
+        self.unreferenced.pop(key, None)
+        self.evictable -= e.tokens
+        return e.tokens
+
+    def unpin(self, key: str, every: bool = False) -> int:
+        """End a pin (`every`: all of them): once none is left, an unreferenced entry is
+        evictable again, first in line (it was released before everything else cached).
+        Returns the tokens freed that way."""
+        count = self.pinned.get(key, 0)
+        if count == 0:
+            return 0
+        if count > 1 and not every:
+            self.pinned[key] = count - 1
+            return 0
+        del self.pinned[key]
+        e = self.entries.get(key)
+        if e is None or e.refs > 0:
+            return 0
+        self.evictable += e.tokens
+        self.unreferenced = {key: None, **self.unreferenced}
+        return e.tokens
+
 
 class EngineModel:
     """KV cache, running batch, preemption by recompute and iteration timing."""
 
-    def __init__(self, profile: EngineProfile, kv_tokens: int, preempt_newest: bool) -> None:
+    def __init__(self, profile: EngineProfile, kv_tokens: int, preempt_newest: bool,
+                 block_size: int = 1, cache_sequences: bool = False) -> None:
         self.profile = profile
         self.capacity = int(kv_tokens)
         self.preempt_newest = preempt_newest  # FCFS: newest first; else lowest priority
@@ -177,7 +275,9 @@ class EngineModel:
         self.waiting: deque[SimRequest] = deque()  # preempted, resumed first
         self.kv_used = 0  # running requests' own tokens and every cached prefix
         self.attended = 0  # running requests' contexts (a shared prefix once per request)
-        self.cache = PrefixCache()
+        self.cache = PrefixCache(block_size=max(1, int(block_size)), tails=cache_sequences)
+        self.cache_sequences = cache_sequences
+        self.pins_broken = 0  # pins given up so that running requests could grow
         self.iterations = 0
         self.preemptions = 0
         self._seq = 0
@@ -197,18 +297,34 @@ class EngineModel:
         c = self.cache
         return c.hit_tokens / c.prompt_tokens if c.prompt_tokens else None
 
-    def _allocate(self, tokens: int) -> None:
-        over = self.kv_used + tokens - self.capacity
+    def _free_up(self, over: int) -> None:
+        """Evict `over` tokens of unreferenced prefixes; pins give way (oldest first) when
+        that is not enough, before anything is preempted."""
         if over > 0:
-            self.kv_used -= self.cache.evict(over)
+            over -= self._evict(over)
+        while over > 0 and self.cache.pinned:
+            self.cache.unpin(next(iter(self.cache.pinned)), every=True)
+            self.pins_broken += 1
+            over -= self._evict(over)
+
+    def _evict(self, tokens: int) -> int:
+        freed = self.cache.evict(tokens)
+        self.kv_used -= freed
+        return freed
+
+    def _allocate(self, tokens: int) -> None:
+        self._free_up(self.kv_used + tokens - self.capacity)
         self.kv_used += tokens
 
-    def _attach(self, req: SimRequest) -> int:
+    def _attach(self, req: SimRequest, count: bool = True) -> int:
         """Allocate a request's KV (its prompt's uncached prefixes and private tokens):
         returns the prompt tokens found cached."""
-        hits, alloc = self.cache.attach(req.segments) if req.segments else (0, 0)
+        hits, alloc = self.cache.attach(req.segments, req.agent_id, count) if req.segments else (0, 0)
         self._allocate(alloc + req.kv)
         return hits
+
+    def reprefill_tokens(self, agent_id: str) -> int:
+        return self.cache.reprefill.get(agent_id, 0)
 
     @property
     def free_slots(self) -> int:
@@ -237,22 +353,35 @@ class EngineModel:
             if req.kv + 1 + self.cache.marginal(req.segments) > self.free_kv and self.running:
                 break
             self.waiting.popleft()
-            hits = self._attach(req)
+            hits = self._attach(req, count=False)
             # recompute the prompt (what the cache lost of it too) and the generated tokens
             req.prefill = max(1, req.prompt_tokens + req.generated - hits)
             self.running.append(req)
             self.attended += req.context
 
-    def _release(self, req: SimRequest) -> None:
+    def _release(self, req: SimRequest, finished: bool = False) -> None:
         self.kv_used -= req.kv
         self.attended -= req.context
         if req.segments:
             self.kv_used -= self.cache.detach(req.segments)
+        if finished and self.cache_sequences:
+            self._keep_sequence(req)
+
+    def _keep_sequence(self, req: SimRequest) -> None:
+        """A finished request's whole blocks (prompt and output; the last token's KV is never
+        computed) stay cached, under its conversation's id or one of its own."""
+        key = req.ctx or f"seq/{req.request_id}"
+        start = next((s.start for s in req.segments if s.key == key), shared_tokens(req.segments))
+        bs = self.cache.block_size
+        end = (req.prompt_tokens + req.generated - 1) // bs * bs
+        if end > start:
+            added = self.cache.keep(key, start, end, req.agent_id)
+            self._allocate(added)
+            req.kept_key = key
 
     def _make_room(self) -> None:
-        over = self.kv_used + len(self.running) - self.capacity
-        if over > 0:  # unreferenced prefixes go first
-            self.kv_used -= self.cache.evict(over)
+        # unreferenced prefixes go first, then pins
+        self._free_up(self.kv_used + len(self.running) - self.capacity)
         while len(self.running) > 1 and self.kv_used + len(self.running) > self.capacity:
             if self.preempt_newest:
                 victim = max(self.running, key=lambda r: r.admit_seq)
@@ -282,9 +411,8 @@ class EngineModel:
         else:
             n = min(r.output_tokens - r.generated for r in self.running)
             n = min(n, max(1, self.free_kv // batch))
-            over = self.kv_used + batch * n - self.capacity
-            if over > 0:  # the stretch needs memory that unreferenced prefixes hold
-                self.kv_used -= self.cache.evict(over)
+            # the stretch needs memory that unreferenced prefixes hold
+            self._free_up(self.kv_used + batch * n - self.capacity)
             a = prof.base_s + prof.per_seq_s * batch + prof.per_kv_token_s * self.attended
             c = prof.per_kv_token_s * batch  # growth of the attended context per iteration
             if until < math.inf:
@@ -299,7 +427,7 @@ class EngineModel:
         if done:
             self.running = [r for r in self.running if r.generated < r.output_tokens]
             for r in done:
-                self._release(r)
+                self._release(r, finished=True)
         return now + dt, done
 
 

@@ -25,6 +25,8 @@ class AgentResult:
     isolated_s: float | None = None
     # [p10, p90] given with the first ETA, seconds from its arrival (DESIGN section 8).
     first_eta_interval_s: tuple[float, float] | None = None
+    # prompt tokens prefilled again that the engine had computed for this agent before
+    reprefill_tokens: int = 0
 
     @property
     def jct_s(self) -> float:
@@ -64,6 +66,7 @@ class AgentResult:
             "first_eta_interval_s": list(self.first_eta_interval_s) if self.first_eta_interval_s else None,
             "isolated_s": self.isolated_s,
             "slowdown": self.slowdown,
+            "reprefill_tokens": self.reprefill_tokens,
         }
 
 
@@ -94,6 +97,7 @@ class PolicyResult:
             "eta_error_p90": quantile(eta_errors, 0.90) if eta_errors else None,
             "eta_coverage": eta_coverage(self.agents),
             "promises_kept": sum(a.promise_kept is True for a in self.agents),
+            "reprefill_tokens": sum(a.reprefill_tokens for a in self.agents),
             "jain_slowdown": jain_index([s for a in self.agents if (s := a.slowdown) is not None]),
             "max_slowdown": max((s for a in self.agents if (s := a.slowdown) is not None), default=None),
             "iterations": self.iterations,

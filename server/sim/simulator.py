@@ -29,10 +29,12 @@ from server.scheduler.cost import KV, kv_cost
 from server.scheduler.policies import FOOTPRINT, Justitia
 from server.scheduler.prefix import segments
 from server.scheduler.rate import TauEstimator
+from server.scheduler.retention import Retention, check_mode
 from server.shared.profiles import EngineProfile
 
 from .engine import EngineModel, SimRequest
 from .results import AgentResult, PolicyResult
+from .retain import SimRetention
 from .workload import AgentSpec
 
 ETA_REFRESH_S = 0.25  # simulated seconds between two ETA passes (the live server: 0.25 s too)
@@ -150,6 +152,7 @@ def simulate(
     isolated: Sequence[float] | None = None,
     tau: str = "profile",
     tenant_weights: Mapping[Any, float] | None = None,
+    retain: str = "auto",
 ) -> PolicyResult:
     """Run one policy over the workload; returns per-agent finish times and counters.
     `seed` seeds a policy that learns online (ewsjf's tuner): same seed, same run.
@@ -158,7 +161,9 @@ def simulate(
     engine sustains on the workload's mix, known from the start (`gps_tau_s`); "measured":
     measured from the simulated steps as the live server measures the real ones (a
     `TauEstimator` from the server's initial guess, updated once a simulated second), so that
-    ETAs and deadlines are those the live server would give."""
+    ETAs and deadlines are those the live server would give.
+    `retain`: whether paused agents' contexts are kept (auto, always, never; server/sim/retain.py),
+    for policies that keep them (`Policy.retains`; the others never do)."""
     import time
 
     if tau not in TAU_SOURCES:
@@ -178,15 +183,21 @@ def simulate(
     disp = Dispatcher(pol, m, profile_tau if estimator is None else estimator.tau_s, limits=limits,
                       backfill=backfill, seed=seed, time_model=profile, tenant_weights=tenant_weights,
                       tenant_limits=tenant_limits(agents))
-    engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"))
+    # conversations (resent contexts, pauses): the engine keeps finished sequences, in blocks
+    talks = any(a.ctxs or a.pauses for a in agents)
+    engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"),
+                         block_size=profile.block_size if talks else 1, cache_sequences=talks)
+    mode = check_mode(retain) if pol.retains else "never"
+    keeper = SimRetention(Retention(mode, disp.pauses), disp, engine, m, profile.per_prefill_token_s)
 
-    run = _Run(agents, disp, engine, predictions, estimator)
+    run = _Run(agents, disp, engine, predictions, estimator, keeper)
     run.loop()
     if isolated is None:
         isolated = isolated_jct_s(agents, profile, m)
     results = [
         AgentResult(a.id, a.type, a.arrival, run.finish[i], gps_finish[i], run.bounds[i], run.first_eta[i],
-                    run.first_deadline[i], isolated[i] or None, run.first_interval[i])
+                    run.first_deadline[i], isolated[i] or None, run.first_interval[i],
+                    engine.reprefill_tokens(a.id))
         for i, a in enumerate(agents)
     ]
     return PolicyResult(
@@ -196,7 +207,8 @@ def simulate(
         preemptions=engine.preemptions,
         accounting_zero=disp.is_idle() and engine.holds_nothing(),
         sim_wall_s=time.perf_counter() - wall0,
-        extra=_extra(disp, engine) | ({"measured_tau_s": disp.tau} if estimator is not None else {}),
+        extra=_extra(disp, engine) | ({"measured_tau_s": disp.tau} if estimator is not None else {})
+        | (keeper.summary() if talks else {}),
     )
 
 
@@ -219,13 +231,16 @@ class _Run:
     completions as steps of one event loop (ETAs refreshed off the decision path)."""
 
     def __init__(self, agents: Sequence[AgentSpec], disp: Dispatcher, engine: EngineModel,
-                 predictions: Predictions, tau_estimator: TauEstimator | None = None) -> None:
+                 predictions: Predictions, tau_estimator: TauEstimator | None = None,
+                 keeper: SimRetention | None = None) -> None:
         self.agents, self.disp, self.engine, self.predictions = agents, disp, engine, predictions
+        self.keeper = keeper
         self.tau_estimator = tau_estimator
         # the live server tells the estimator the reservations of footprint policies only
         self.footprint = disp.policy.admission == FOOTPRINT
         self.kv_predicted = predictions.kv_for(disp.policy)
         self.segments: dict[str, tuple] = {}  # request id -> its prefix segments (engine model)
+        self.ctxs: dict[str, str] = {}  # request id -> the conversation it extends
         n = len(agents)
         self.index = {a.id: i for i, a in enumerate(agents)}
         self.stage_of = [0] * n
@@ -254,6 +269,8 @@ class _Run:
                 disp.set_iteration_time(self.tau_estimator.tau_s, t, **self.tau_estimator.promise_times())
                 next_tau = t + TAU_UPDATE_S
             self.arrive(t)
+            if self.keeper is not None:
+                self.keeper.expire(t)
             self.resume_paused(t)
             engine.resume()
             if not engine.waiting:
@@ -314,6 +331,8 @@ class _Run:
         pause = self.agents[i].pause_before(self.stage_of[i])
         if pause > 0:
             heapq.heappush(self.paused, (now + pause, i))
+            if self.keeper is not None:
+                self.keeper.pause(self.agents[i].id, self.agents[i].type, now)
         else:
             self.submit_stage(i, now)
 
@@ -323,18 +342,30 @@ class _Run:
             self.submit_stage(i, t)
 
     def admit(self, t: float) -> None:
-        for spec in self.disp.admit(t, self.engine.free_kv, self.engine.free_slots):
-            self.engine.add(SimRequest(spec.request_id, spec.agent_id, spec.prompt_tokens, spec.max_tokens,
-                                       priority=self.disp.priority(spec.agent_id, spec.request_id),
-                                       segments=self.segments.pop(spec.request_id, ())))
+        while True:
+            for spec in self.disp.admit(t, self.engine.free_kv, self.engine.free_slots):
+                self.engine.add(SimRequest(spec.request_id, spec.agent_id, spec.prompt_tokens, spec.max_tokens,
+                                           priority=self.disp.priority(spec.agent_id, spec.request_id),
+                                           segments=self.segments.pop(spec.request_id, ()),
+                                           ctx=self.ctxs.pop(spec.request_id, None)))
+                if self.keeper is not None:
+                    self.keeper.release(spec.agent_id, t)  # back in the engine: its pin ends
+            # a kept context gives way to an agent ahead of it that does not fit
+            if self.keeper is None or not self.engine.free_slots or not self.keeper.make_way(t):
+                return
 
     def submit_stage(self, i: int, now: float) -> None:
         a = self.agents[i]
         st = a.stages[self.stage_of[i]]
         self.left_in_stage[i] = len(st)
+        if self.keeper is not None:
+            resent = (key for k in range(len(st)) for key, _ in a.prefix(self.stage_of[i], k))
+            self.keeper.resume(a.id, a.type, resent, now)
         for k, (p, d) in enumerate(st):
             chain = a.prefix(self.stage_of[i], k)
             rid = f"{a.id}/{self.stage_of[i]}/{k}"
+            if (ctx := a.ctx(self.stage_of[i], k)) is not None:
+                self.ctxs[rid] = ctx
             if chain:  # the engine stores shared prefixes once, whatever the policy reserves
                 self.segments[rid] = segments(chain)
             self.disp.submit(RequestSpec(rid, a.id, p, d, d, prefix=chain), now)
@@ -344,6 +375,8 @@ class _Run:
         i = self.index[r.agent_id]
         self.disp.on_request_finished(r.request_id, r.prompt_tokens, r.output_tokens, t,
                                       cached_tokens=r.cached)
+        if self.keeper is not None:
+            self.keeper.request_kept(r.agent_id, r.kept_key, (seg.key for seg in r.segments))
         self.left_in_stage[i] -= 1
         if self.left_in_stage[i] > 0:
             return
@@ -354,6 +387,11 @@ class _Run:
             self.agent_done(i, t)
 
     def agent_done(self, i: int, t: float) -> None:
+        if self.keeper is not None:
+            self.keeper.release(self.agents[i].id, t)
+            self.keeper.last_keys.pop(self.agents[i].id, None)
+            self.keeper.last_heads.pop(self.agents[i].id, None)
+            self.keeper.sizes.pop(self.agents[i].id, None)
         self.disp.observe_jct(self.first_eta[i], t - self.agents[i].arrival)
         self.disp.finish_agent(self.agents[i].id, t)
         self.finish[i] = t
@@ -370,6 +408,7 @@ def run_comparison(
     seed: int = 0,
     tau: str = "profile",
     tenant_weights: Mapping[Any, float] | None = None,
+    retain: str = "auto",
 ) -> list[PolicyResult]:
     """Every policy on the same workload, predictions and GPS reference (`tau`: `simulate`'s)."""
     agents = sorted(agents, key=lambda a: a.arrival)
@@ -380,7 +419,7 @@ def run_comparison(
     predictions = predictions or make_predictions(agents)
     isolated = isolated_jct_s(agents, profile, m)
     return [simulate(agents, p, profile, m, predictions, backfill=backfill, gps_finish=gps, seed=seed,
-                     isolated=isolated, tau=tau, tenant_weights=tenant_weights)
+                     isolated=isolated, tau=tau, tenant_weights=tenant_weights, retain=retain)
             for p in policies]
 
 

@@ -14,6 +14,11 @@ A request may carry `prefix` (DESIGN section 8, additions): one `{"id", "tokens"
 a list of them, shortest first, each extending the one before, naming the prompt prefixes it
 shares with other requests (tokens <= p). They are kept in `AgentSpec.prefixes`, keyed by
 (stage, index), as `(id, tokens)` chains (server/scheduler/prefix.py).
+
+A request may carry `"ctx": "<id>"` (DESIGN section 8, round 3): its prompt begins with the
+whole sequence (prompt and generated output) of the same agent's previous request carrying
+that id, as an agent resends its conversation each turn; its `prefix` entry of that id (the
+last of its chain) gives the length resent. Kept in `AgentSpec.ctxs`, keyed by (stage, index).
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ class AgentSpec:
     # Seconds outside the engine before each stage starts (a tool call, a user's think
     # time): DESIGN section 8, round 3 `pauses_s`. Empty: no pauses.
     pauses: list[float] = field(default_factory=list)
+    # (stage, index) -> the conversation id the request resends and extends (`ctx`)
+    ctxs: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def ctx(self, stage: int, index: int) -> str | None:
+        """The conversation request `index` of `stage` resends and extends (None: none)."""
+        return self.ctxs.get((stage, index))
 
     def pause_before(self, stage: int) -> float:
         return self.pauses[stage] if stage < len(self.pauses) else 0.0
@@ -116,6 +127,8 @@ class AgentSpec:
             r["prefix"] = {"id": chain[0][0], "tokens": chain[0][1]}
         elif chain:
             r["prefix"] = [{"id": k, "tokens": t} for k, t in chain]
+        if (ctx := self.ctx(stage, index)) is not None:
+            r["ctx"] = ctx
         return r
 
 
@@ -143,20 +156,48 @@ def parse_prefix(raw: object, p: int, where: str) -> Chain:
     return tuple(chain)
 
 
-def _parse_stages(obj: dict, where: str) -> tuple[list[list[tuple[int, int]]], dict[tuple[int, int], Chain]]:
-    stages: list[list[tuple[int, int]]] = []
+def _parse_ctx(raw: object, chain: Chain, previous: tuple[int, int] | None, where: str) -> str:
+    """A request's `ctx`: a non-empty id; a `prefix` entry of that id must be the last of the
+    chain (the conversation extends everything before it) and no longer than the whole
+    sequence of the previous request of that id."""
+    if not isinstance(raw, str) or not raw:
+        raise WorkloadError(f'{where}: ctx must be a non-empty string, got {json.dumps(raw)[:80]}')
+    ids = [key for key, _ in chain]
+    if raw in ids[:-1]:
+        raise WorkloadError(f"{where}: the prefix entry of ctx {raw!r} must be the last of the chain")
+    if raw in ids and previous is not None and chain[-1][1] > previous[0] + previous[1]:
+        raise WorkloadError(f"{where}: ctx {raw!r} resends {chain[-1][1]} tokens, more than the "
+                            f"{previous[0] + previous[1]} of its previous request (p + d)")
+    return raw
+
+
+Stages = list[list[tuple[int, int]]]
+
+
+def _parse_stages(obj: dict, where: str) -> tuple[Stages, dict[tuple[int, int], Chain], dict[tuple[int, int], str]]:
+    stages: Stages = []
     prefixes: dict[tuple[int, int], Chain] = {}
+    ctxs: dict[tuple[int, int], str] = {}
+    last: dict[str, tuple[int, int]] = {}  # ctx id -> (p, d) of its latest request
     for st in obj["stages"]:
         reqs = [(int(r["p"]), int(r["d"])) for r in st]
         if not reqs:
             continue  # an empty stage is skipped (as before prefixes existed)
         for i, r in enumerate(st):
+            here = f"{where}: stage {len(stages)}, request {i}"
+            chain: Chain = ()
             if r.get("prefix") is not None:
-                chain = parse_prefix(r["prefix"], reqs[i][0], f"{where}: stage {len(stages)}, request {i}")
+                chain = parse_prefix(r["prefix"], reqs[i][0], here)
                 if chain:
                     prefixes[(len(stages), i)] = chain
+            if r.get("ctx") is not None:
+                ctx = _parse_ctx(r["ctx"], chain, last.get(r["ctx"]), here)
+                ctxs[(len(stages), i)] = ctx
+        for (s, i), ctx in ctxs.items():
+            if s == len(stages):
+                last[ctx] = reqs[i]
         stages.append(reqs)
-    return stages, prefixes
+    return stages, prefixes, ctxs
 
 
 def _parse_pauses(raw: object, stages: int, where: str) -> list[float]:
@@ -172,7 +213,7 @@ def _parse_pauses(raw: object, stages: int, where: str) -> list[float]:
 
 def parse_agent(obj: dict, where: str = "") -> AgentSpec:
     try:
-        stages, prefixes = _parse_stages(obj, where)
+        stages, prefixes, ctxs = _parse_stages(obj, where)
         agent = AgentSpec(
             id=str(obj["id"]),
             type=str(obj.get("type", "unknown")),
@@ -182,6 +223,7 @@ def parse_agent(obj: dict, where: str = "") -> AgentSpec:
             prefixes=prefixes,
             tenant=None if obj.get("tenant") is None else str(obj["tenant"]),
             pauses=_parse_pauses(obj.get("pauses_s"), len(stages), where),
+            ctxs=ctxs,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, WorkloadError):

@@ -1,0 +1,175 @@
+"""Retention: whether a paused agent's context is kept in the engine's KV cache.
+
+An agent paused between its stages (a tool call, pauses.py) usually resends its conversation
+when it comes back. Left to the engine's LRU prefix cache, that context is evicted as soon as
+other work needs the memory, and the next turn prefills it again. Keeping it costs memory
+that others could use while the agent is away. The rule weighs the two:
+
+* **Prefilling it again** costs the engine `K x c` seconds for K tokens (c: the engine's
+  prefill time per token, measured): every running request waits through that prefill.
+* **Holding it** for the rest of the pause R takes K of the M tokens of KV memory: at
+  saturation the engine's throughput is proportional to the memory in use, so holding costs
+  `K / M x R` seconds of the whole engine.
+
+Holding pays while `R < M x c` (the *break-even pause*; K cancels). R is not known: the rule
+takes the expected remaining pause given the time already paused, from the pauses seen for
+the agent's type (a heavy-tailed pause that has lasted long is expected to last longer), and
+scales the saving by the share of a context that agents of that type resent (`ReuseStats`:
+an agent whose next stage does not resend its context gains nothing from its being kept).
+So a context is kept while `E[R - elapsed | R > elapsed] < reuse x M x c`.
+
+Kept memory is charged to the agent's KV token-time (tokens x seconds held), as if it were
+running; a kept context gives way when an agent ahead of it in virtual-finish order needs
+the memory (`pins_to_release`), so retention never costs the agents the fair order favours.
+
+Modes: `auto` (the rule), `always` (keep through every pause; yields still apply), `never`.
+Pure: callers pass the times and the engine's figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .pauses import PauseStats
+
+RETAIN_MODES = ("auto", "always", "never")
+# A type's resend rate starts from this many resends out of as many pauses (optimistic: keep
+# until the type shows its contexts are not resent).
+REUSE_PRIOR = 1.0
+# The horizon is this times the break-even pause, scaled by the resend share. 1: the
+# break-even itself; tuned on the simulator's tuning seeds (benchmarks/retention_sim.py).
+HORIZON_SCALE = 1.0
+
+
+def check_mode(mode: str) -> str:
+    if mode not in RETAIN_MODES:
+        raise ValueError(f"retain must be one of {', '.join(RETAIN_MODES)}, not {mode!r}")
+    return mode
+
+
+def break_even_pause_s(kv_capacity_tokens: float, prefill_token_s: float) -> float:
+    """The pause below which holding a context costs less than prefilling it again: M x c."""
+    return max(0.0, float(kv_capacity_tokens) * float(prefill_token_s))
+
+
+def expected_remaining_s(seen: Sequence[float], elapsed_s: float) -> float:
+    """Mean of (pause - elapsed) over the pauses seen longer than `elapsed_s` (inf when none
+    was: the pause has outlasted everything seen)."""
+    longer = [x for x in seen if x > elapsed_s]
+    return sum(longer) / len(longer) - elapsed_s if longer else float("inf")
+
+
+def keep_until_s(seen: Sequence[float], horizon_s: float) -> float:
+    """How long into a pause a context is kept: the first elapsed time at which the expected
+    remaining pause reaches `horizon_s` (the rule's threshold). With no pause seen, the
+    horizon itself (a pause no longer than the break-even pays whatever it is).
+
+    Between two pauses seen, the expected remaining pause falls as time passes (the same
+    pauses are still ahead); it jumps up as each one is passed. So the first elapsed time
+    at which it reaches the horizon is 0 or just past one of the pauses seen."""
+    if horizon_s <= 0.0:
+        return 0.0
+    if not seen:
+        return horizon_s
+    xs = sorted(seen)
+    n = len(xs)
+    suffix = [0.0] * (n + 1)
+    for k in range(n - 1, -1, -1):
+        suffix[k] = suffix[k + 1] + xs[k]
+    if suffix[0] / n >= horizon_s:
+        return 0.0
+    for k, x in enumerate(xs):
+        # just past xs[k]: the pauses ahead are those after it (equal ones passed too)
+        j = k + 1
+        while j < n and xs[j] <= x:
+            j += 1
+        if j == n:
+            return x  # past every pause seen: nothing says it ends soon
+        if suffix[j] / (n - j) - x >= horizon_s:
+            return x
+    return xs[-1]
+
+
+@dataclass
+class ReuseStats:
+    """Per agent type: the share of the context a paused agent left that its next stage
+    resent (tokens resent over tokens left), averaged over its pauses."""
+
+    _counts: dict[str | None, list[float]] = field(default_factory=dict)  # type -> [sum of shares, pauses]
+
+    def observe(self, agent_type: str | None, resent_tokens: float, context_tokens: float) -> None:
+        if context_tokens <= 0:
+            return
+        c = self._counts.setdefault(agent_type, [0.0, 0.0])
+        c[0] += min(1.0, max(0.0, resent_tokens / context_tokens))
+        c[1] += 1.0
+
+    def rate(self, agent_type: str | None) -> float:
+        resent, pauses = self._counts.get(agent_type, (0.0, 0.0))
+        return (resent + REUSE_PRIOR) / (pauses + REUSE_PRIOR)
+
+
+class Retention:
+    """The retention rule of one scheduler: mode, pauses seen and resend rates."""
+
+    def __init__(self, mode: str, pauses: PauseStats) -> None:
+        self.mode = check_mode(mode)
+        self.pauses = pauses
+        self.reuse = ReuseStats()
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "never"
+
+    def horizon_s(self, agent_type: str | None, kv_capacity_tokens: float, prefill_token_s: float) -> float:
+        """The expected remaining pause below which the agent's context is worth keeping."""
+        return HORIZON_SCALE * self.reuse.rate(agent_type) * break_even_pause_s(kv_capacity_tokens, prefill_token_s)
+
+    def keep_until(self, agent_type: str | None, paused_since: float, kv_capacity_tokens: float,
+                   prefill_token_s: float) -> float:
+        """The time until which a context left at `paused_since` is kept (inf: always; equal
+        to `paused_since`: not kept)."""
+        if self.mode == "never":
+            return paused_since
+        if self.mode == "always":
+            return float("inf")
+        horizon = self.horizon_s(agent_type, kv_capacity_tokens, prefill_token_s)
+        return paused_since + keep_until_s(self.pauses.seen(agent_type), horizon)
+
+    def keeps(self, agent_type: str | None, paused_since: float, now: float, kv_capacity_tokens: float,
+              prefill_token_s: float) -> bool:
+        return now < self.keep_until(agent_type, paused_since, kv_capacity_tokens, prefill_token_s)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A kept context: whose, how many tokens, and its owner's place in the fair order."""
+
+    agent_id: str
+    tokens: int
+    order: float  # the owner's virtual finish
+
+
+def pins_to_release(pins: Sequence[Pin], ahead_of: float, need_tokens: int, free_tokens: int) -> list[str]:
+    """The owners whose kept contexts give way so that a request of an agent at virtual
+    finish `ahead_of` that needs `need_tokens` fits where `free_tokens` are free: pins of
+    agents behind it in the fair order, the furthest behind first, as few as suffice; none
+    when releasing all of them would not make it fit."""
+    if need_tokens <= free_tokens:
+        return []
+    behind = sorted((p for p in pins if p.order > ahead_of), key=lambda p: p.order, reverse=True)
+    if free_tokens + sum(p.tokens for p in behind) < need_tokens:
+        return []
+    out: list[str] = []
+    for p in behind:
+        if free_tokens >= need_tokens:
+            break
+        out.append(p.agent_id)
+        free_tokens += p.tokens
+    return out
+
+
+def hold_charge(tokens: int, since: float, until: float) -> float:
+    """KV token-time of a context held from `since` to `until`."""
+    return float(tokens) * max(0.0, until - since)

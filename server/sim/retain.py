@@ -1,0 +1,135 @@
+"""Retention in the simulator: the scheduler core's rule (server/scheduler/retention.py)
+applied to the engine model's prefix cache.
+
+When an agent pauses between stages, the sequences its last stage left cached (its context,
+`EngineModel` with `cache_sequences`) are pinned for as long as the rule keeps them: not
+evictable, not free, so admission does not hand their memory to others. The pin ends when the
+agent's next request is admitted (it finds its context cached), when the rule stops keeping
+it (`keep_until`), when an agent ahead of it in the fair order needs the memory
+(`pins_to_release`), or, in the engine, before any running request would be preempted. The
+tokens held times the seconds held are charged to the agent's KV token-time.
+
+The rule is the scheduler core's; the pins are the engine model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from server.scheduler import Dispatcher
+from server.scheduler.policies import FOOTPRINT
+from server.scheduler.retention import Pin, Retention, hold_charge, pins_to_release
+
+from .engine import EngineModel
+
+
+@dataclass
+class _Held:
+    keys: list[str]
+    tokens: int
+    since: float
+    until: float  # the rule keeps it until then (inf once the agent has resumed)
+
+
+@dataclass
+class SimRetention:
+    """Pins of one simulated run (mode `never`: records resends, pins nothing)."""
+
+    rule: Retention
+    disp: Dispatcher
+    engine: EngineModel
+    kv_tokens: int
+    prefill_token_s: float
+    pins: dict[str, _Held] = field(default_factory=dict)
+    last_keys: dict[str, list[str]] = field(default_factory=dict)  # agent -> its last stage's kept sequences
+    last_heads: dict[str, list[str]] = field(default_factory=dict)  # agent -> the prefixes those extend
+    sizes: dict[str, dict[str, int]] = field(default_factory=dict)  # agent -> tokens of each of those
+    held_token_s: float = 0.0  # KV token-time charged for kept contexts
+    yielded: int = 0  # pins given up for an agent ahead in the fair order
+
+    def request_kept(self, agent_id: str, key: str | None, heads: Iterable[str] = ()) -> None:
+        """A finished request's sequence stayed cached under `key`, after the prefixes
+        `heads` (which its context needs too: a cache hit runs from the first token)."""
+        if key is not None:
+            self.last_keys.setdefault(agent_id, []).append(key)
+            heads = [h for h in heads if h != key]
+            self.last_heads.setdefault(agent_id, []).extend(heads)
+            sizes = self.sizes.setdefault(agent_id, {})
+            for k in (*heads, key):
+                e = self.engine.cache.entries.get(k)
+                if e is not None:
+                    sizes[k] = max(sizes.get(k, 0), e.tokens)
+
+    def pause(self, agent_id: str, agent_type: str, now: float) -> None:
+        """The agent paused with nothing in flight: pin its context while the rule keeps it."""
+        if not self.rule.active:
+            return
+        until = self.rule.keep_until(agent_type, now, self.kv_tokens, self.prefill_token_s)
+        own = self.last_keys.get(agent_id, [])
+        if until <= now or not own:
+            return
+        keys = list(dict.fromkeys(self.last_heads.get(agent_id, []) + own))
+        keys = [k for k in keys if k in self.engine.cache.entries]
+        tokens = sum(self.engine.cache.pin(k) for k in keys)
+        self.pins[agent_id] = _Held(keys, tokens, now, until)
+
+    def resume(self, agent_id: str, agent_type: str, next_keys: Iterable[str], now: float) -> None:
+        """The agent's next stage is submitted (`next_keys`: the prefixes it names): learn
+        whether its context was resent; what it does not resend is let go now, the rest is
+        kept until its request is admitted."""
+        resent = set(next_keys)
+        self.last_keys.pop(agent_id, None)
+        self.last_heads.pop(agent_id, None)
+        sizes = self.sizes.pop(agent_id, {})
+        self.rule.reuse.observe(agent_type, sum(t for k, t in sizes.items() if k in resent), sum(sizes.values()))
+        held = self.pins.get(agent_id)
+        if held is None:
+            return
+        dropped = [k for k in held.keys if k not in resent]
+        if dropped:
+            if len(dropped) == len(held.keys):
+                self.release(agent_id, now)
+                return
+            for k in dropped:
+                self.engine.cache.unpin(k)
+            held.keys = [k for k in held.keys if k in resent]
+        held.until = float("inf")
+
+    def release(self, agent_id: str, now: float) -> None:
+        """End the agent's pin (whatever is left of it) and charge what it held."""
+        held = self.pins.pop(agent_id, None)
+        if held is None:
+            return
+        for k in held.keys:
+            self.engine.cache.unpin(k)
+        charge = hold_charge(held.tokens, held.since, min(now, held.until))
+        self.held_token_s += charge
+        self.disp.charge_retained(agent_id, charge, now)
+
+    def expire(self, now: float) -> None:
+        """Pins the rule no longer keeps (the pause outlasted what pays)."""
+        for agent_id in [a for a, h in self.pins.items() if h.until <= now]:
+            self.release(agent_id, now)
+
+    def make_way(self, now: float) -> bool:
+        """The head of the queue does not fit: pins of agents behind it give way (True when
+        some did; admission should run again)."""
+        if not self.pins:
+            return False
+        head = self.disp.head_need(now)
+        if head is None:
+            return False
+        agent_id, need = head
+        if self.disp.policy.admission == FOOTPRINT and self.disp.kv_capacity - self.disp.ledger.reserved_kv < need:
+            return False  # its reservation does not fit anyway: memory held by pins is not why
+        pins = [Pin(a, h.tokens, self.disp.fair_order(a)) for a, h in self.pins.items() if a != agent_id]
+        out = pins_to_release(pins, self.disp.fair_order(agent_id), need, self.engine.free_kv)
+        for a in out:
+            self.release(a, now)
+        self.yielded += len(out)
+        return bool(out)
+
+    def summary(self) -> dict:
+        return {"retain": self.rule.mode, "retained_kv_token_s": self.held_token_s,
+                "retention_yields": self.yielded, "retention_pins_broken": self.engine.pins_broken}
