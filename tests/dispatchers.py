@@ -16,3 +16,11 @@ def quiet_for(d: Dispatcher, seconds: float = 100.0) -> Dispatcher:
         t += step
     d.arrivals.add(0.0, 0.0)
     return d
+
+
+def worst_case_promises(d: Dispatcher) -> Dispatcher:
+    """A server whose first ETAs have all fallen a thousand times short: the calibrated
+    deadline (tight_promise.py) is then never the tighter, and deadlines are the worst case."""
+    for _ in range(20):
+        d.etas.calibration.observe(1.0, 1000.0)
+    return d

@@ -11,7 +11,7 @@ import pytest
 from server.scheduler import AgentShape, BoundLimits, Dispatcher, RequestSpec, TauEstimator, kv_cost
 from server.scheduler.eta import WorkArrivals
 from server.scheduler.policies import POLICIES, closing_gap
-from tests.dispatchers import quiet_for
+from tests.dispatchers import quiet_for, worst_case_promises
 
 
 def req(rid: str, agent: str, p: int, d: int) -> RequestSpec:
@@ -344,10 +344,10 @@ def test_real_work_sets_c_max_for_its_own_tenant() -> None:
 
 # -- deadlines that hold ----------------------------------------------------------------------
 def test_deadline_uses_the_pessimistic_rate_and_iteration_time() -> None:
-    d = quiet_for(Dispatcher("justitia", 1000, 0.1))
+    d = worst_case_promises(quiet_for(Dispatcher("justitia", 1000, 0.1)))
     firm = d.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
     assert firm.promise == "firm"
-    d2 = quiet_for(Dispatcher("justitia", 1000, 0.1))
+    d2 = worst_case_promises(quiet_for(Dispatcher("justitia", 1000, 0.1)))
     d2.set_iteration_time(0.1, 0.0, bound_tau=0.2, bound_iteration_s=0.3)
     v = d2.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
     # the fluid part at half the rate (2 s instead of 1 s), the bound's steps at 0.3 s
@@ -532,7 +532,7 @@ def test_the_bounds_rate_is_a_sustained_stretch_not_single_prefill_samples() -> 
 def test_a_burst_that_has_just_begun_widens_the_promise() -> None:
     """Issue 18's contended run: agents registered in the first tenth of a second of a burst
     were promised as if the load were light, and the fifth broke its promise."""
-    d = Dispatcher("justitia", 1000, 0.1)
+    d = worst_case_promises(Dispatcher("justitia", 1000, 0.1))
     first = d.register_agent("a0", 10_000.0, 0.0)
     # nothing has arrived: no sign of a light load either (live, the first agent of the
     # contended run, overtaken by the 47 after it, broke a promise that counted none)
@@ -631,7 +631,7 @@ def test_a_promise_allows_for_the_predictions_p90() -> None:
     limits = BoundLimits(kv_cost(100, 100), 200_000.0, 100)
 
     def server() -> Dispatcher:
-        d = quiet_for(Dispatcher("justitia", 1000, 0.1, limits=limits))
+        d = worst_case_promises(quiet_for(Dispatcher("justitia", 1000, 0.1, limits=limits)))
         d.register_agent("other", 30_000.0, 0.0)
         d.submit(req("o0", "other", 10, 10), 0.0)
         return d
@@ -656,7 +656,8 @@ def test_a_promise_allows_for_the_predictions_p90() -> None:
 def test_an_over_run_up_to_the_p90_keeps_the_first_promise() -> None:
     """The agent runs to four times its prediction, within its p90: the deadline given at
     registration already covered that, so re-promising on the over-run does not move it."""
-    d = quiet_for(Dispatcher("justitia", 1000, 0.1, limits=BoundLimits(kv_cost(300, 300), 200_000.0, 300)))
+    d = worst_case_promises(quiet_for(Dispatcher("justitia", 1000, 0.1,
+                                                 limits=BoundLimits(kv_cost(300, 300), 200_000.0, 300))))
     first = d.register_agent("a", kv_cost(100, 100), 0.0, cost_p90=4.2 * kv_cost(100, 100)).deadline_s
     d.submit(req("a0", "a", 200, 200), 0.0)  # four times what it was predicted at
     d.admit(0.0, engine_free_kv_tokens=1000)
@@ -681,3 +682,53 @@ def test_before_any_request_the_bound_assumes_the_engines_longest() -> None:
     # without a context length (the simulator declares its limits), nothing changes
     assert "no request seen" not in quiet_for(Dispatcher("justitia", 1000, 0.1)).register_agent(
         "a", 10_000.0, 0.0).promise_reason
+
+
+# -- deadlines as tight as the ETAs' record allows (tight_promise.py) ------------------------
+def test_a_deadline_is_the_eta_scaled_by_how_far_etas_have_fallen_short() -> None:
+    from server.scheduler.tight_promise import PRIOR_FACTOR
+
+    def server() -> Dispatcher:
+        d = quiet_for(Dispatcher("justitia", 1000, 0.1))
+        d.register_agent("other", 30_000.0, 0.0)
+        d.submit(req("o0", "other", 10, 10), 0.0)
+        return d
+
+    worst = worst_case_promises(server()).register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    assert worst.promise_assumes == ""  # the worst case rests on nothing but the measured rate
+    fresh = server().register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    # a fresh server: the prior factor times the ETA, far inside the worst case
+    assert fresh.deadline_s == pytest.approx(PRIOR_FACTOR * fresh.eta_s)
+    assert fresh.deadline_s < worst.deadline_s
+    assert fresh.delay_bound_s == pytest.approx(worst.delay_bound_s)  # still reported beside it
+    assert fresh.promise == "firm" and "prior" in fresh.promise_assumes
+    assert "no faster than measured" in fresh.promise_assumes
+    # a server whose ETAs fell up to 6.2x short promises 6.2x the ETA
+    d = server()
+    for ratio in (1.0, 2.0, 6.2) * 5:
+        d.etas.calibration.observe(1.0, ratio)
+    late = d.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    assert late.deadline_s == pytest.approx(6.2 * late.eta_s) and late.deadline_s < worst.deadline_s
+    assert "largest JCT / first ETA of the last 15" in late.promise_assumes
+    # ETAs that never fell short still leave the prior's margin (a calibration is no proof)
+    d = server()
+    for _ in range(30):
+        d.etas.calibration.observe(1.0, 0.5)
+    assert d.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10)).deadline_s == \
+        pytest.approx(fresh.deadline_s)
+
+
+def test_a_calibrated_deadline_allows_for_a_predictions_p90_and_the_p90_tool_time() -> None:
+    from server.scheduler.tight_promise import PRIOR_FACTOR, tight_deadline
+
+    # engine time scaled, tool time added: 6 x (10 - 2 mean pauses) x 1.5 + 5 s p90 pauses
+    assert tight_deadline(0.0, 10.0, 2.0, 5.0, PRIOR_FACTOR, 1.5) == pytest.approx(PRIOR_FACTOR * 8 * 1.5 + 5)
+    assert tight_deadline(3.0, 2.0, 0.0, 0.0, PRIOR_FACTOR) == pytest.approx(3.0)  # an ETA already past
+    d = quiet_for(Dispatcher("justitia", 1000, 0.1))
+    plain = d.register_agent("a", 10_000.0, 0.0)
+    guess = quiet_for(Dispatcher("justitia", 1000, 0.1)).register_agent("a", 10_000.0, 0.0, cost_p90=20_000.0)
+    worst = worst_case_promises(quiet_for(Dispatcher("justitia", 1000, 0.1))).register_agent(
+        "a", 10_000.0, 0.0, cost_p90=20_000.0)
+    assert guess.eta_s == pytest.approx(plain.eta_s)
+    assert guess.deadline_s == pytest.approx(min(2.0 * plain.deadline_s, worst.deadline_s))
+    assert guess.deadline_s > plain.deadline_s

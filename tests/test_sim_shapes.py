@@ -7,7 +7,7 @@ import pytest
 
 from justitia_cli import main
 from server.shared.profiles import get_profile
-from server.sim.family import run_family, summarise
+from server.sim.family import TEACH_LULL_S, run_family, summarise, taught_workload, teacher_of
 from server.sim.shapes import BURST_GAP_S, SHAPES, ShapeSpec, make_shaped
 from server.sim.workload import load_workload
 
@@ -114,6 +114,26 @@ def test_the_family_reports_promises_and_eta_error_per_shape():
     assert summary[0]["promises"] == 24
 
 
+def test_a_taught_member_follows_another_shape_after_a_lull_and_is_measured_alone():
+    spec = ShapeSpec("bursts", 12, 0.9, seed=2)
+    teacher = teacher_of(spec)
+    assert teacher.shape != spec.shape and teacher.seed != spec.seed
+    agents, ids = taught_workload(spec, CPU, M)
+    taught = [a for a in agents if a.id not in ids]
+    member = [a for a in agents if a.id in ids]
+    assert len(taught) == len(member) == 12
+    assert min(a.arrival for a in member) >= max(a.arrival for a in taught) + TEACH_LULL_S
+    # the member is the fresh workload, shifted
+    fresh = make_shaped(spec, CPU, M)
+    start = min(a.arrival for a in member) - fresh[0].arrival
+    assert [round(a.arrival - start, 4) for a in member] == [round(a.arrival, 4) for a in fresh]
+    rows = run_family([spec], ["justitia"], CPU, M, modes=("fresh", "taught"))
+    assert [(r.mode, r.agents, r.promises) for r in rows] == [("fresh", 12, 12), ("taught", 12, 12)]
+    assert [s["mode"] for s in summarise(rows)] == ["fresh", "taught"]
+    with pytest.raises(ValueError):
+        run_family([spec], ["justitia"], CPU, M, modes=("stale",))
+
+
 def test_bench_family_writes_its_json_and_refuses_bad_input(tmp_path, capsys):
     out = tmp_path / "family.json"
     assert main(["bench", "family", "--shapes", "poisson,tenants", "--seeds", "0-1", "--agents", "10",
@@ -127,6 +147,7 @@ def test_bench_family_writes_its_json_and_refuses_bad_input(tmp_path, capsys):
     assert main(["bench", "family", "--shapes", "sawtooth"]) == 2
     assert main(["bench", "family", "--seeds", "5-1"]) == 2
     assert main(["bench", "family", "--policies", "nope"]) == 2
+    assert main(["bench", "family", "--modes", "stale"]) == 2
 
 
 def test_the_simulator_waits_out_an_agents_tool_pauses(tmp_path) -> None:

@@ -29,6 +29,9 @@ def register(commands: Commands) -> None:
     fam.add_argument("--seeds", default="100-104", metavar="A-B|LIST",
                      help="seeds: a range A-B (inclusive) or a comma-separated list")
     fam.add_argument("--policies", default="justitia", metavar="LIST", help="comma-separated policies")
+    fam.add_argument("--modes", default="fresh", metavar="LIST",
+                     help="comma-separated: fresh (a server that has seen nothing), taught (one that served "
+                          "another shape from another seed first, then a 90 s lull; figures of the member only)")
     fam.add_argument("--agents", type=int, default=48, help="agents per workload")
     fam.add_argument("--load", type=float, default=0.9,
                      help="offered load over each workload's span, as a fraction of what the engine sustains")
@@ -59,7 +62,7 @@ def family_command(args: argparse.Namespace) -> int:
 
     from server.scheduler import POLICY_NAMES
     from server.shared.profiles import load_profile
-    from server.sim.family import family_json, run_family, summarise
+    from server.sim.family import MODES, family_json, run_family, summarise
     from server.sim.provenance import write_result
     from server.sim.shapes import SHAPES, ShapeSpec
 
@@ -69,6 +72,9 @@ def family_command(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if bad := [p for p in policies if p not in POLICY_NAMES]:
         raise CommandError(f"unknown policy(ies) {', '.join(bad)}; choose from {', '.join(POLICY_NAMES)}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or (bad := [m for m in modes if m not in MODES]):
+        raise CommandError(f"--modes takes a list of {', '.join(MODES)}, not {args.modes!r}")
     if args.agents < 1 or not args.load > 0 or args.kv_tokens < 1:
         raise CommandError("--agents, --load and --kv-tokens must be positive")
     try:
@@ -79,21 +85,22 @@ def family_command(args: argparse.Namespace) -> int:
     with Progress(transient=True) as progress:
         task = progress.add_task("shapes x seeds", total=len(specs))
         rows = run_family(specs, policies, profile, args.kv_tokens,
-                          on_done=lambda _spec: progress.advance(task))
+                          on_done=lambda _spec: progress.advance(task), modes=modes)
     summary = summarise(rows)
     table = Table(title=f"family: {args.agents} agents, load {args.load:g}, {profile.name}, M={args.kv_tokens}, "
                         f"seeds {args.seeds}")
-    for col in ("shape", "policy", "mean JCT s", "ETA err p50", "ETA err p90", "kept", "deadline/JCT p50",
+    table.add_column("shape", min_width=10)  # whole names: the other columns wrap
+    for col in ("mode", "policy", "mean JCT s", "ETA err p50", "ETA err p90", "kept", "deadline/JCT p50",
                 "in interval"):
         table.add_column(col)
     fmt = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
     for r in summary:
-        table.add_row(r["shape"], r["policy"], fmt(r["mean_jct_s"], ".1f"), fmt(r["eta_error_p50"]),
+        table.add_row(r["shape"], r["mode"], r["policy"], fmt(r["mean_jct_s"], ".1f"), fmt(r["eta_error_p50"]),
                       fmt(r["eta_error_p90"]), f"{r['promises_kept']}/{r['promises']}",
                       fmt(r["deadline_over_jct_p50"], ".1f"), fmt(r["eta_coverage"], ".0%"))
     Console().print(table)
     if args.json:
-        config = {"shapes": shapes, "seeds": parse_seeds(args.seeds), "policies": policies, "agents": args.agents,
-                  "load": args.load, "profile": profile.name, "kv_tokens": args.kv_tokens}
+        config = {"shapes": shapes, "seeds": parse_seeds(args.seeds), "policies": policies, "modes": modes,
+                  "agents": args.agents, "load": args.load, "profile": profile.name, "kv_tokens": args.kv_tokens}
         write_result(args.json, family_json(rows, config))
     return 0

@@ -29,6 +29,7 @@ def scheduler_view(dispatcher: Dispatcher, agent_id: str, now: float) -> dict[st
         "deadline_s": v.deadline_s,
         "promise": v.promise,
         "promise_reason": v.promise_reason,
+        "promise_assumes": v.promise_assumes,
         "expected_cost": v.expected_cost,
     }
 

@@ -3,6 +3,7 @@ stateful policy hears what happens to requests. policies.py has the policies the
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,8 +11,19 @@ from .cost import KV
 from .queues import AgentHeapQueue, RequestQueue
 from .state import AgentState, RequestState, SchedulerContext, SortKey
 
-FOOTPRINT = "footprint"
-PROMPT = "prompt"
+
+class AdmissionMode(enum.StrEnum):
+    """How a policy admits: against reserved footprints (p + expected d against M, in
+    strict order, so that the engine need not preempt) or as vLLM does natively (while the
+    prompt fits in free memory, leaving preemption to the engine). Its value is the name
+    results and snapshots carry."""
+
+    FOOTPRINT = "footprint"
+    PROMPT = "prompt"
+
+
+FOOTPRINT = AdmissionMode.FOOTPRINT
+PROMPT = AdmissionMode.PROMPT
 
 
 @dataclass(frozen=True)
@@ -19,7 +31,7 @@ class Policy:
     """An ordering key and an admission rule."""
 
     name: str
-    admission: str = FOOTPRINT
+    admission: AdmissionMode = FOOTPRINT
     cost_model: str = KV  # cost units of the virtual clock and of consumed_cost
     prefix_aware: bool = True  # shared prefixes counted once in admission and KV charges
     # keeps paused agents' contexts as `--retain` says (retention.py); False: never. Only
