@@ -167,9 +167,12 @@ def test_register_returns_a_complete_record(tmp_path) -> None:
         assert rec["predicted_cost"] > 0 and rec["virtual_finish"] > 0
         assert rec["fair_finish_s"] > 0 and rec["eta_s"] > 0 and rec["delay_bound_s"] > 0
         # the deadline was promised at registration: the first agent this server sees, so no
-        # arrivals are measured yet and it assumes the most load it allows for (90% of the
-        # rate), and says so; the fair finish is projected at the read, a moment later
-        assert rec["deadline_s"] >= 10 * rec["fair_finish_s"] + rec["delay_bound_s"] - 0.5
+        # arrivals are measured yet and its worst case assumes the most load it allows for (90%
+        # of the rate), and says so; the deadline given is the tighter calibrated one (a fresh
+        # server's factor times the ETA), which says what it rests on
+        assert rec["deadline_s"] <= 10 * rec["fair_finish_s"] + rec["delay_bound_s"] + 0.5
+        assert rec["deadline_s"] >= rec["eta_s"]
+        assert "no faster than measured" in rec["promise_assumes"]
         assert rec["promise"] == "widened" and "no arrivals measured yet" in rec["promise_reason"]
         assert rec["finished_at"] is None
         assert fake_client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
