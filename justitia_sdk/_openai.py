@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from justitia_sdk._client import AGENT_HEADER, default_url
+from justitia_sdk._api import AGENT_HEADER, default_url
 from justitia_sdk._context import current_agent_id
 
 

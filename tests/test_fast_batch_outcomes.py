@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from justitia_sdk import APIError, AsyncClient, ServerGoneError, agent, llm
-from justitia_sdk._batch import _deadline
+from justitia_sdk._handle import deadline_of
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -182,7 +182,7 @@ async def test_a_retried_input_keeps_its_first_start_and_promise(fake_server) ->
     assert h.jct_s > last.jct_s + 0.3
     # the promise is the first one given
     assert h.first_eta_s == first.first_eta_s
-    assert h.first_deadline_s == _deadline(h.first_record)
+    assert h.first_deadline_s == deadline_of(h.first_record)
     assert h.kept_promise == (h.jct_s <= h.first_deadline_s + 1e-6)
     assert h.retried and "1 retried" in batch.summary()
     assert "runs/regs" in str([c.header for c in batch.table().columns])
@@ -266,7 +266,7 @@ async def test_an_input_registered_again_after_a_restart_keeps_its_first_promise
         assert last.jct_s is not None and h.first_record.submitted_at is not None
         assert h.jct_s == pytest.approx(last.finished_at - h.first_record.submitted_at)
         assert h.jct_s > last.jct_s  # the time before the restart counts
-        assert h.first_deadline_s == _deadline(h.first_record)
+        assert h.first_deadline_s == deadline_of(h.first_record)
         assert h.kept_promise == (h.jct_s <= h.first_deadline_s + 1e-6)
     finally:
         for p in procs:

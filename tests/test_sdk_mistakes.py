@@ -53,7 +53,7 @@ async def test_inputs_must_be_a_list_not_a_string_or_dict(inputs) -> None:
 
 
 async def test_a_string_agent_names_a_registered_agent_or_says_which_exist() -> None:
-    from justitia_sdk._batch import make_batch
+    from justitia_sdk._runner import make_batch
 
     batch = make_batch("mistakes_agent", ["a", "b"])
     assert [h.agent for h in batch] == [named, named]
@@ -88,9 +88,9 @@ def test_sync_client_checks_inputs_before_starting() -> None:
 
 
 async def test_the_client_pool_is_bounded_and_the_transport_obeys_it() -> None:
-    from justitia_sdk._client import MAX_CONNECTIONS
+    from justitia_sdk._api import MAX_CONNECTIONS
 
     async with AsyncClient("http://127.0.0.1:9", max_connections=7) as client:
         # httpx-aiohttp's transport keeps its own pool limit (100 unless told): it must get ours.
-        assert client._http._transport.limits.max_connections == 7
+        assert client._http._transport.inner.limits.max_connections == 7
     assert MAX_CONNECTIONS <= 1000  # under a notebook's usual open-files limit

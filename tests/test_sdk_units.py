@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 from justitia_sdk import AgentRecord, Batch, agent
-from justitia_sdk._batch import AgentHandle, split_input
-from justitia_sdk._progress import batch_table, to_html
+from justitia_sdk._handle import AgentHandle, split_input
+from justitia_sdk._render import batch_table, to_html
 
 
 @agent("unit_agent")

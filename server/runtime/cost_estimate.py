@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.runtime.agents import CostSource
 from server.scheduler import AgentShape, decode_for_kv_cost, kv_cost
+from server.scheduler.declared import BatchDeclaration
 from server.scheduler.reprediction import DEFAULT_P90_RATIO
 
 if TYPE_CHECKING:
@@ -82,3 +83,18 @@ def declared_shape(metadata: dict[str, Any]) -> AgentShape | None:
         return AgentShape(stages=stages, critical_path_tokens=cp if isinstance(cp, int) else None,
                           prefill_tokens=prefill if isinstance(prefill, int) else None)
     return None
+
+
+def declared_batch(metadata: dict[str, Any], tenant: str | None) -> BatchDeclaration | None:
+    """The batch an agent's client declared it part of (`metadata["batch"]`: its `id`, its
+    `size` and the agent's `index` in it, as the SDK sends), for the ETAs to expect the
+    inputs the client still holds back; None where the declaration is missing or malformed."""
+    batch = metadata.get("batch")
+    if not isinstance(batch, dict):
+        return None
+    batch_id, size, index = batch.get("id"), batch.get("size"), batch.get("index")
+    if not isinstance(batch_id, str) or not batch_id or type(size) is not int or size < 1:
+        return None
+    # by tenant: one tenant's declaration never counts toward another's batch of the same id
+    return BatchDeclaration(f"{tenant}/{batch_id[:64]}", size,
+                            index if type(index) is int and index >= 0 else None)

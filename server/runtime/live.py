@@ -60,7 +60,7 @@ from server.runtime.agents import (
     encode_metadata,
     new_agent_id,
 )
-from server.runtime.cost_estimate import declared_shape, estimate_cost
+from server.runtime.cost_estimate import declared_batch, declared_shape, estimate_cost
 from server.runtime.engine_upkeep import EngineUpkeep
 from server.runtime.feeds import Feeds, agent_events
 from server.runtime.lifecycle import AgentConflict, AgentNotFound, transition
@@ -248,6 +248,10 @@ class LiveScheduler:
                 self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE) or guessed),
             cost_p90=interval[1] if interval else None,
         )
+        batch = declared_batch(metadata, tenant)
+        if batch is not None and self.dispatcher.arrivals.declare(
+                now, view.charged_cost, batch, self.dispatcher.eta_rate):
+            view = self.dispatcher.view(agent_id, now)  # its ETA expects the rest of its batch
         entry = AgentEntry(
             id=agent_id,
             type=agent_type,
