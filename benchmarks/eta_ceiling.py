@@ -30,7 +30,8 @@ from rich.progress import track  # noqa: E402
 
 from server.shared.profiles import load_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
-from server.sim.simulator import TAU_SOURCES, _quantile, isolated_jct_s, simulate  # noqa: E402
+from server.sim.results import quantile  # noqa: E402
+from server.sim.simulator import TAU_SOURCES, isolated_jct_s, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402
 
 REPLAY_SCALE = 1.1  # an example scaling, to show the replay is no floor
@@ -76,11 +77,11 @@ def main() -> int:
     scaled_err = sorted(abs(REPLAY_SCALE * r["replay_eta_s"] - r["jct_s"]) / r["jct_s"] for r in rows)
     of_run = run.summary()  # the server's first ETAs, as bench sim reports them
     summary = {
-        "replay_of_known_work_error_p50": _quantile(replay_err, 0.5),
-        "replay_of_known_work_error_p90": _quantile(replay_err, 0.9),
+        "replay_of_known_work_error_p50": quantile(replay_err, 0.5),
+        "replay_of_known_work_error_p90": quantile(replay_err, 0.9),
         "replay_scaled": REPLAY_SCALE,
-        "replay_scaled_error_p50": _quantile(scaled_err, 0.5),
-        "replay_scaled_error_p90": _quantile(scaled_err, 0.9),
+        "replay_scaled_error_p50": quantile(scaled_err, 0.5),
+        "replay_scaled_error_p90": quantile(scaled_err, 0.9),
         "replay_short": sum(r["replay_error"] < 0 for r in rows),
         "first_eta_error_p50": of_run["eta_error_p50"],
         "first_eta_error_p90": of_run["eta_error_p90"],

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, replace
 
 from server.shared.profiles import EngineProfile
 
+from .results import PolicyResult
 from .shapes import SHAPES, ShapeSpec, make_shaped
-from .simulator import PolicyResult, run_comparison
+from .simulator import run_comparison
 from .workload import AgentSpec
 
 MODES = ("fresh", "taught")

@@ -161,7 +161,7 @@ def test_a_prior_measured_elsewhere_sets_the_eta_rate_only_once_fitted_to_enough
     """The built-in prior (another host's engine, no attention term) made ETAs divide by
     three times the engine's rate in a fresh server's first burst: until the fit has seen
     TRUSTED_STEPS steps, the time model times critical paths but the measured R stays."""
-    from server.runtime.live import TRUSTED_STEPS
+    from server.runtime.engine_upkeep import TRUSTED_STEPS
     from server.scheduler.time_model import StepSample
 
     async def body(live: LiveScheduler) -> tuple[float, float, float, float]:
@@ -186,7 +186,7 @@ def test_a_calibrated_prior_times_etas_until_the_fit_has_seen_enough_steps() -> 
     first few hundred steps, mostly prefills, does not: live, it halved the rate ETAs divide
     by and a fresh server told the burst's last third twice its JCTs. Until the fit has seen
     TRUSTED_STEPS steps the calibration times ETAs; then the fit does."""
-    from server.runtime.live import TRUSTED_STEPS
+    from server.runtime.engine_upkeep import TRUSTED_STEPS
     from server.scheduler.time_model import StepSample, TimeModel
 
     calibration = TimeModel(0.004, 0.00002, 0.00009, 0.0000007, source="calibration")
@@ -226,7 +226,7 @@ def test_a_guessed_cost_is_timed_as_the_one_request_it_stands_for() -> None:
     fallback, a cold start) is one request of the agent's prompt decoding until the cost is
     spent; its ETA now expects that decode. A declared cost with no shape keeps its ETA."""
     from predictors import PredictorRegistry
-    from server.runtime.live import FALLBACK_OUTPUT_TOKENS
+    from server.runtime.cost_estimate import FALLBACK_OUTPUT_TOKENS
 
     prompt = "word " * 400
 

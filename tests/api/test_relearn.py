@@ -112,7 +112,7 @@ def test_a_restarted_server_starts_from_the_time_model_and_the_tau_its_last_run_
     the engine: the next run on that engine starts from the model as from a calibration (it
     sets the ETAs' rate at once) and continues the tau, not its 10 ms guess; a calibration
     given to the run wins over the model; another engine takes neither."""
-    from server.runtime.live import TRUSTED_STEPS
+    from server.runtime.engine_upkeep import TRUSTED_STEPS
     from server.scheduler.time_model import StepSample
 
     def snapshot(srv: FakeServer) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 from justitia_cli import main
 from server.sim.report import median_interval, median_runs, write_json
-from server.sim.simulator import AgentResult, PolicyResult
+from server.sim.results import AgentResult, PolicyResult
 
 
 def run(policy: str, *jcts: float) -> PolicyResult:

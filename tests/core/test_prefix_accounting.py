@@ -278,8 +278,8 @@ def test_bench_live_declares_exactly_what_the_server_charges():
     """An oracle agent of `bench live` must not over-run its declaration by a token: an
     over-run sends an agent whose GPS share ran out behind every newer agent. The server
     charges prefixes by whole blocks of the rendered prompts."""
+    from justitia_cli.bench.live_run import declared_cost, render
     from server.scheduler.prefix import block_chain
-    from server.sim.live_bench import declared_cost, render
     from server.sim.workload import load_workload
 
     agents = load_workload("benchmarks/workloads/contended48p.jsonl")[:12]

@@ -9,7 +9,8 @@ import pytest
 from justitia_cli import main
 from server.scheduler import Dispatcher, RequestSpec, get_policy
 from server.scheduler.policies import LAS
-from server.sim.simulator import AgentResult, PolicyResult, isolated_jct_s, jain_index
+from server.sim.results import AgentResult, PolicyResult, jain_index
+from server.sim.simulator import isolated_jct_s
 from server.sim.workload import AgentSpec
 
 

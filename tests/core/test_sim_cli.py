@@ -104,7 +104,7 @@ def test_bench_live_tells_the_engines_drift_from_the_simulators_form() -> None:
     import argparse
     from dataclasses import replace
 
-    from server.sim.cli import _add_sim_prediction
+    from justitia_cli.bench.sim import add_sim_prediction
     from server.sim.simulator import simulate
 
     profile = get_profile("cpu-tiny")
@@ -119,7 +119,7 @@ def test_bench_live_tells_the_engines_drift_from_the_simulators_form() -> None:
     unfitted.extra["time_model"] = {"engines": {"local": {"base_s": 0.0, "per_seq_s": 0.0, "per_prefill_token_s": 0.0,
                                                           "per_kv_token_s": 0.0, "samples": 0}}}
     args = argparse.Namespace(kv_tokens=4096, las_half_life_s=60.0, las_head_wait_weight=0.2)
-    _add_sim_prediction(args, agents, ["justitia", "justitia"], profile, [live, unfitted])
+    add_sim_prediction(args, agents, ["justitia", "justitia"], profile, [live, unfitted])
     mean = live.summary()["mean_jct_s"]
     assert live.extra["sim_mean_jct_s"] < 0.7 * mean  # the profile's engine is twice as fast
     assert live.extra["sim_online_mean_jct_s"] == pytest.approx(mean, rel=0.02)

@@ -189,7 +189,7 @@ def test_calibration_measures_the_engine_the_server_runs(tmp_path, monkeypatch) 
 def test_the_bank_also_fits_every_step_since_the_start() -> None:
     """The recency-weighted model is the engine as it runs now; a record of a whole run
     needs the fit to all of it (the model at a run's end is its last steps' engine)."""
-    from server.sim.cli import _fitted_profile
+    from justitia_cli.bench.sim import fitted_profile
 
     bank = TimeModelBank(DEFAULT_PRIOR, refit_every=100)
     slow, fast = TimeModel(0.006, 0.0, 0.0, 0.0), TimeModel(0.002, 0.0, 0.0, 0.0)
@@ -204,5 +204,5 @@ def test_the_bank_also_fits_every_step_since_the_start() -> None:
     assert TimeModel(whole["base_s"], whole["per_seq_s"], whole["per_prefill_token_s"],
                      whole["per_kv_token_s"]).step_s(4, 0, 0) == pytest.approx(0.004, rel=0.05)
     # `bench live` simulates a run with the fit to all of it
-    prof = _fitted_profile(PROFILES["cpu-tiny"], bank.describe())
+    prof = fitted_profile(PROFILES["cpu-tiny"], bank.describe())
     assert prof is not None and prof.iteration_s(4, 0, 0) == pytest.approx(0.004, rel=0.05)

@@ -58,9 +58,8 @@ from server.scheduler import get_policy, gps_finish_times
 from server.scheduler.cost import KV
 from server.scheduler.policies import Justitia
 from server.scheduler.prefix import block_chain, stage_kv_cost
-
-from .simulator import AgentResult, PolicyResult
-from .workload import AgentSpec
+from server.sim.results import AgentResult, PolicyResult
+from server.sim.workload import AgentSpec
 
 VOCAB_LOW, VOCAB_HIGH = 10, 700  # token ids of the tiny model's vocabulary, specials excluded
 TEACH_SEED = 7919  # the teaching replay's token ids: the measured seed's plus this
@@ -251,7 +250,7 @@ def _off_worker_cores(server_pid: int | None) -> Iterator[None]:
     the server keeps itself (`keep_off_worker_cores`): on 2 cores, a client that the OS put
     on the worker's core slowed every engine step. Restored after, so that the next server
     this process starts may use every core."""
-    from server.engine.vllm_local import PINNING, pin_threads, worker_cores
+    from server.engine.processes import PINNING, pin_threads, worker_cores
 
     before = os.sched_getaffinity(0) if PINNING else set()
     others = before - worker_cores(server_pid) if server_pid and PINNING else set()

@@ -39,7 +39,7 @@ def register(commands: Commands) -> None:
                      help="engine profile: a100-llama7b, cpu-tiny, or a file written by `bench calibrate`")
     fam.add_argument("--kv-tokens", type=int, default=4096, metavar="M", help="KV cache capacity in tokens")
     fam.add_argument("--json", metavar="OUT", default=None, help="write every run and the per-shape summary here")
-    fam.set_defaults(handler=_family)
+    fam.set_defaults(handler=family_command)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -55,17 +55,16 @@ def parse_seeds(text: str) -> list[int]:
         raise CommandError(f"--seeds takes a range A-B or a list 1,2,3, not {text!r}") from None
 
 
-def _family(args: argparse.Namespace) -> int:
+def family_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
     from server.scheduler import POLICY_NAMES
     from server.shared.profiles import load_profile
-
-    from .family import MODES, family_json, run_family, summarise
-    from .provenance import write_result
-    from .shapes import SHAPES, ShapeSpec
+    from server.sim.family import MODES, family_json, run_family, summarise
+    from server.sim.provenance import write_result
+    from server.sim.shapes import SHAPES, ShapeSpec
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     if bad := [s for s in shapes if s not in SHAPES]:
