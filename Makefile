@@ -11,13 +11,15 @@ browser:
 demo: setup
 	.venv/bin/justitia demo
 
+# The fast tier on every core, then the engine tier in one process (one vLLM engine at a time).
 test: setup browser
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -m "not engine" -n auto
+	.venv/bin/python -m pytest -q -m engine
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
 # The tests that need no engine (docs/architecture.md, Testing); `test` runs them too.
 test-fast: setup
-	.venv/bin/python -m pytest -q -m "not engine"
+	.venv/bin/python -m pytest -q -m "not engine" -n auto
 
 # Lint, types and import contracts (docs/architecture.md, Testing); CI runs it before `test`.
 check: setup

@@ -33,7 +33,7 @@ from server.sim.provenance import write_result  # noqa: E402
 
 _SERVE_FAKE = """
 import sys, time
-from tests.fake_engine import FakeEngine, FakeServer
+from tests.support.fake_engine import FakeEngine, FakeServer
 srv = FakeServer(sys.argv[1], engine=FakeEngine(step_s=0.01)).start(port=int(sys.argv[2]))
 print("ready", flush=True)
 while True:

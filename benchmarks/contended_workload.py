@@ -6,7 +6,7 @@ The recipe of `benchmarks/workloads/contended48.jsonl` (docs/benchmarks.md, "Cal
 and the contended live run"): `bench make-workload --agents 48 --length-scale 0.5 --kv-tokens
 4096 --profile benchmarks/results/profile_cpu_tiny_4096.json --seed S`, then arrivals every
 0.05 s in arrival order and prompts clipped so that p + d <= 2,600 tokens. Seed 3 gives
-contended48.jsonl itself (checked by tests/test_sim_workload.py); another seed gives another
+contended48.jsonl itself (checked by tests/core/test_sim_workload.py); another seed gives another
 sample of the same traffic, such as the one `bench live --teach` replays first.
 """
 

@@ -1,6 +1,6 @@
 """The dashboard under load: first render and stream bandwidth with 1,000 agents queued.
 
-The real application runs on the fake engine (tests/fake_engine.py: the engine contract
+The real application runs on the fake engine (tests/support/fake_engine.py: the engine contract
 without vLLM, so that the scheduler, not decoding, is what is measured), in this process,
 on a free port. 1,000 agents register and each sends one completion while admission is
 paused, so that all of them wait in the queue. Then:
@@ -41,7 +41,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from server.sim.provenance import write_result  # noqa: E402
-from tests.fake_engine import FakeEngine, FakeServer  # noqa: E402
+from tests.support.fake_engine import FakeEngine, FakeServer  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 DEFAULT_OUT = str(ROOT / "benchmarks/results/dashboard_load.json")
@@ -130,7 +130,7 @@ def measure_first_render(url: str, loads: int) -> dict:
 
 _STREAMS_SERVER = """
 import sys, time
-from tests.fake_engine import FakeServer
+from tests.support.fake_engine import FakeServer
 srv = FakeServer(sys.argv[1], retrain_every=0, max_dashboard_streams=int(sys.argv[2]),
                  max_agents=None).start()
 print(srv.url, flush=True)

@@ -1,13 +1,15 @@
-"""How good can a first ETA be without knowing the agents that arrive later?
+"""What does the work known at an agent's registration alone predict of its JCT?
 
 A first ETA is given when an agent registers. The ETA `justitia` gives replays the known
 work through a fluid model and adds an allowance for work that will arrive ahead of the
-agent. This benchmark measures the best any ETA of the *known* work can do: for every agent
-k, it simulates the workload's agents 0..k alone (the agents registered by k's arrival, with
-their arrivals) and takes the time the simulator itself finishes k there. That ETA is exact
-about everything known at registration (the engine, the admission order, the stages); its
-only error is what arrives after k. Compared with the JCT of the full run, its error is the
-floor left to an arrival allowance.
+agent. This benchmark replays, for every agent k, the workload's agents 0..k alone (the
+agents registered by k's arrival, with their arrivals) through the simulator and takes the
+time it finishes k there: exact about everything known at registration (the engine, the
+admission order, the stages), blind to what arrives after k. Despite the name it is no
+ceiling on what an ETA can achieve: its error is one-sided (short wherever later work
+arrives ahead of k), so an ETA that expects arrivals can beat it, and on the contended
+burst the server's own first ETA equals it and the replay scaled by 1.1 beats both. It
+measures how much of a first ETA's error later arrivals make.
 
     .venv/bin/python benchmarks/eta_ceiling.py [--workload benchmarks/workloads/contended48.jsonl]
         [--profile benchmarks/results/profile_cpu_tiny_4096_epyc.json] [--kv-tokens 4096]
@@ -28,8 +30,11 @@ from rich.progress import track  # noqa: E402
 
 from server.shared.profiles import load_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
-from server.sim.simulator import TAU_SOURCES, _quantile, isolated_jct_s, simulate  # noqa: E402
+from server.sim.results import quantile  # noqa: E402
+from server.sim.simulator import TAU_SOURCES, isolated_jct_s, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402
+
+REPLAY_SCALE = 1.1  # an example scaling, to show the replay is no floor
 
 
 def main() -> int:
@@ -67,15 +72,24 @@ def main() -> int:
         print(f"{r['id']:>6} {r['type'][:18]:18s} arrival {r['arrival_s']:6.2f}  JCT {r['jct_s']:7.2f}  "
               f"replay of known work {r['replay_eta_s']:7.2f} ({r['replay_error']:+.2f})  first ETA {first}")
     replay_err = sorted(abs(r["replay_error"]) for r in rows)
+    # The replay is one-sided (short wherever later work arrives ahead): a plain scaling of
+    # it already beats it, so it bounds nothing.
+    scaled_err = sorted(abs(REPLAY_SCALE * r["replay_eta_s"] - r["jct_s"]) / r["jct_s"] for r in rows)
     of_run = run.summary()  # the server's first ETAs, as bench sim reports them
     summary = {
-        "replay_of_known_work_error_p50": _quantile(replay_err, 0.5),
-        "replay_of_known_work_error_p90": _quantile(replay_err, 0.9),
+        "replay_of_known_work_error_p50": quantile(replay_err, 0.5),
+        "replay_of_known_work_error_p90": quantile(replay_err, 0.9),
+        "replay_scaled": REPLAY_SCALE,
+        "replay_scaled_error_p50": quantile(scaled_err, 0.5),
+        "replay_scaled_error_p90": quantile(scaled_err, 0.9),
+        "replay_short": sum(r["replay_error"] < 0 for r in rows),
         "first_eta_error_p50": of_run["eta_error_p50"],
         "first_eta_error_p90": of_run["eta_error_p90"],
     }
     print(f"replay of the known work: error p50 {summary['replay_of_known_work_error_p50']:.3f}, "
           f"p90 {summary['replay_of_known_work_error_p90']:.3f}")
+    print(f"the replay scaled by {REPLAY_SCALE}: error p50 {summary['replay_scaled_error_p50']:.3f}, "
+          f"p90 {summary['replay_scaled_error_p90']:.3f}; short of the JCT for {summary['replay_short']} agents")
     if summary["first_eta_error_p50"] is not None:
         print(f"the server's first ETA:   error p50 {summary['first_eta_error_p50']:.3f}, "
               f"p90 {summary['first_eta_error_p90']:.3f}")

@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from server.shared.profiles import load_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
-from server.sim.simulator import TAU_SOURCES, AgentResult, _quantile, simulate  # noqa: E402
+from server.sim.results import AgentResult, quantile  # noqa: E402
+from server.sim.simulator import TAU_SOURCES, simulate  # noqa: E402
 from server.sim.workload import load_workload  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def eta_errors(results: list[AgentResult], ids: set[str]) -> dict[str, float]:
     n = len(signed)
     absolute = sorted(abs(e) for e in signed)
     thirds = [statistics.median(signed[k * n // 3:(k + 1) * n // 3]) for k in range(3)]
-    return {"eta_error_p50": _quantile(absolute, 0.5), "eta_error_p90": _quantile(absolute, 0.9),
+    return {"eta_error_p50": quantile(absolute, 0.5), "eta_error_p90": quantile(absolute, 0.9),
             "first_third": thirds[0], "middle_third": thirds[1], "last_third": thirds[2],
             "mean_jct_s": statistics.mean(r.jct_s for r in rows)}
 

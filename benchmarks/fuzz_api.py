@@ -3,13 +3,13 @@ OpenAPI schema, valid ones and invalid ones, for every operation, and sends them
 `justitia serve` (CPU engine, tiny model, API keys, limits on) as the tenant "admin".
 
 Each answer is checked: no 5xx, status / content type / headers / body as documented, the key
-required, an answer within the timeout (tests/fuzz_driver.py). The operations on one agent
+required, an answer within the timeout (tests/support/fuzz_driver.py). The operations on one agent
 and the completions are fuzzed again with the id of a live agent. Prints inputs tried and
 failures per operation; writes benchmarks/results/fuzz_api.json. Exit status 1 on failures.
 
     .venv/bin/python benchmarks/fuzz_api.py [--examples 150] [--seed 0] [--json OUT]
 
-The suite runs the same driver with 40 examples (tests/test_fuzz_api.py).
+The suite runs the same driver with 40 examples (tests/api/test_input_regressions.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import schemathesis  # noqa: E402
 
 from server.launcher import EmbeddedServer  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
-from tests.fuzz_driver import (  # noqa: E402
+from tests.support.fuzz_driver import (  # noqa: E402
     CHECKS,
     EXCLUDED,
     Tally,

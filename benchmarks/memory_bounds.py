@@ -40,7 +40,7 @@ from server.sim.provenance import write_result  # noqa: E402
 
 _SERVER = textwrap.dedent("""
     import sys, time
-    from tests.fake_engine import FakeServer
+    from tests.support.fake_engine import FakeServer
     srv = FakeServer(sys.argv[1], retrain_every=0).start()  # no retraining process
     print(srv.url, flush=True)
     time.sleep(86400)

@@ -153,7 +153,9 @@ def run_all(attacks: list[str], src: Path | None) -> dict:
     """Every attack against one server (from `src`, another source tree, when given): each
     row with `/healthz` on the main port and, where the server has one, on its health port."""
     home = tempfile.mkdtemp(prefix="justitia-request-limits-")
-    health_port = None if src is not None and not (src / "server/health.py").exists() else free_port()
+    # the health listener's module, in a tree of flat modules or of layer packages
+    has_health = src is None or any((src / m).exists() for m in ("server/health.py", "server/api/health.py"))
+    health_port = free_port() if has_health else None
     server_args = ["--kv-tokens", "4096", "--max-model-len", "2048", "--rate-limit", "eve=2:2"]
     if health_port is not None:
         server_args += ["--health-port", str(health_port)]

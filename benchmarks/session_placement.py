@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.streams, as the tests use it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.streams, as the tests use it
 from server.sim.provenance import write_result  # noqa: E402
 
 PROBE = """
@@ -62,7 +62,7 @@ def probe_streams(where: str, streams: int) -> list[float]:
     import httpx
 
     from server.launcher import EmbeddedServer
-    from tests.streams import BackgroundStream
+    from tests.support.streams import BackgroundStream
 
     args = ["--kv-tokens", "4096", "--max-model-len", "4096", "--max-num-seqs", "1"]
     worst = []

@@ -1,6 +1,6 @@
 """The `justitia` command line: its one host.
 
-Each command lives beside the code it drives (`server/cli.py`, `server/sim/cli.py`,
+Each command lives beside the code it drives (`server/cli.py`, `justitia_cli/bench/`,
 `predictors/cli.py`, and here the client-side `demo` and `status`): this module builds the
 top-level parser, asks every command module to register its subcommands, and holds what they
 share (`CommandError`, `formatter`). The SDK (`justitia_sdk`) is not a host: it talks HTTP
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 # Modules that own commands. Each has `register(commands: Commands) -> None`.
 COMMAND_MODULES = (
     "server.cli",
-    "server.sim.cli",
-    "server.sim.family_cli",
+    "justitia_cli.bench.commands",
+    "justitia_cli.bench.family",
     "predictors.cli",
     "justitia_cli.demo",
     "justitia_cli.status",

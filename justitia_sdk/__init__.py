@@ -30,8 +30,9 @@ if TYPE_CHECKING:
         llm,
         registered_agents,
     )
-    from justitia_sdk._batch import AgentHandle, Batch, BatchStats
-    from justitia_sdk._client import AsyncClient, Client, default_url
+    from justitia_sdk._api import default_url
+    from justitia_sdk._batch import Batch, BatchStats
+    from justitia_sdk._client import AsyncClient
     from justitia_sdk._context import AgentRun, current_agent, current_agent_id
     from justitia_sdk._errors import (
         AgentClosedError,
@@ -44,21 +45,23 @@ if TYPE_CHECKING:
         ServerUnavailableError,
         is_retryable,
     )
+    from justitia_sdk._handle import AgentHandle
     from justitia_sdk._models import AgentRecord, Completion, Usage
     from justitia_sdk._names import AGENT_TYPE_MAX_LENGTH, AGENT_TYPE_PATTERN, check_agent_type
     from justitia_sdk._openai import openai_client, tagged_http_client
     from justitia_sdk._parallel import parallel_map, run_sync
     from justitia_sdk._profile import profile_agent, samples_of
+    from justitia_sdk._sync import Client
 
-# Where each public name lives. The package imports lazily so that `justitia --help` (whose
-# command line lives in this package) does not pay for httpx, pydantic and rich.
+# Where each public name lives. The package imports lazily, so that importing it (the command
+# line `justitia_cli` does, for `justitia --help`) does not pay for httpx, pydantic and rich.
 _EXPORTS = {
     "Agent": "_agent", "agent": "_agent", "chat": "_agent", "complete": "_agent",
     "current_record": "_agent", "default_prompt": "_agent", "llm": "_agent",
     "get_agent": "_agent", "registered_agents": "_agent",
     "profile_agent": "_profile", "samples_of": "_profile",
-    "AgentHandle": "_batch", "Batch": "_batch", "BatchStats": "_batch",
-    "AsyncClient": "_client", "Client": "_client", "default_url": "_client",
+    "AgentHandle": "_handle", "Batch": "_batch", "BatchStats": "_batch",
+    "AsyncClient": "_client", "Client": "_sync", "default_url": "_api",
     "AgentRun": "_context", "current_agent": "_context", "current_agent_id": "_context",
     "AgentClosedError": "_errors", "AgentNotFoundError": "_errors", "APIError": "_errors",
     "AuthenticationError": "_errors", "JustitiaError": "_errors", "NotJustitiaError": "_errors",

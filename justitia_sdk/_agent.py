@@ -16,8 +16,8 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import anyio
 
-from justitia_sdk._client import AsyncClient
-from justitia_sdk._context import AgentRun, current_client, current_run
+from justitia_sdk._api import APIClient, current_client
+from justitia_sdk._context import AgentRun, current_run
 from justitia_sdk._errors import JustitiaError
 from justitia_sdk._models import AgentRecord, Completion
 from justitia_sdk._names import check_agent_type
@@ -101,7 +101,7 @@ class Agent(Generic[P, R]):
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
         *,
-        client: AsyncClient | None = None,
+        client: APIClient | None = None,
         metadata: Mapping[str, Any] | None = None,
         on_start: Callable[[AgentRun], None] | None = None,
     ) -> R:
@@ -114,7 +114,7 @@ class Agent(Generic[P, R]):
         kwargs = dict(kwargs or {})
         client = client or current_client.get()
         if client is None:
-            async with AsyncClient() as own:
+            async with APIClient() as own:
                 return await self.invoke(args, kwargs, client=own, metadata=metadata,
                                          on_start=on_start)
         prompt = self.extract_prompt(*args, **kwargs)
@@ -157,7 +157,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-async def _close(client: AsyncClient, run: AgentRun, *, cancel: bool = False,
+async def _close(client: APIClient, run: AgentRun, *, cancel: bool = False,
                  error: str | None = None) -> None:
     with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
         try:
@@ -223,7 +223,7 @@ async def _ambient_call(method: str, *args: Any, **kwargs: Any) -> Completion:
     client = current_client.get()
     if client is None:
         # Outside any agent and any client: a one-off, untagged request.
-        async with AsyncClient() as own:
+        async with APIClient() as own:
             completion: Completion = await getattr(own, method)(*args, **kwargs)
             return completion
     completion = await getattr(client, method)(*args, **kwargs)

@@ -12,13 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
-if TYPE_CHECKING:
-    from justitia_sdk._client import AsyncClient
-    from justitia_sdk._models import AgentRecord, Usage
+from justitia_sdk._models import AgentRecord, Usage
 
 
 @dataclass
@@ -49,7 +47,6 @@ class AgentRun:
 
 
 current_run: ContextVar[AgentRun | None] = ContextVar("justitia_agent_run", default=None)
-current_client: ContextVar[AsyncClient | None] = ContextVar("justitia_client", default=None)
 
 
 def current_agent() -> AgentRun | None:

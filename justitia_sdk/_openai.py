@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from justitia_sdk._client import AGENT_HEADER, default_url
+from justitia_sdk._api import AGENT_HEADER, default_url
 from justitia_sdk._context import current_agent_id
 
 
@@ -73,5 +73,5 @@ def openai_client(
     http = tagged_http_client(agent_id=agent_id, sync=sync)
     cls = openai.OpenAI if sync else openai.AsyncOpenAI
     # openai's annotations name httpx2's client classes (its vendored fork of httpx); at run time
-    # it drives any httpx-compatible client, which tests/test_openai_compat.py checks with this one.
+    # it drives any httpx-compatible client, which tests/engine/test_openai_compat.py checks with this one.
     return cls(base_url=url + "/v1", api_key=key, http_client=http, **kwargs)  # type: ignore[arg-type]

@@ -8,11 +8,11 @@ requests of p*d + d*(d+1)/2 (docs/concepts.md, "Cost model"), from the token cou
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from justitia_sdk._agent import Agent
-    from justitia_sdk._batch import Batch
+from justitia_sdk._agent import Agent
+from justitia_sdk._batch import Batch
+from justitia_sdk._sync import Client
 
 
 def samples_of(batch: Batch) -> list[dict[str, Any]]:
@@ -46,8 +46,6 @@ def profile_agent(
     `concurrency` limits the runs in flight (default 64, as `submit_many`); profiling one run at a
     time (`concurrency=1`) gives each run the whole engine, as in the paper's profiling.
     """
-    from justitia_sdk._client import Client
-
     with Client(server, api_key=api_key) as client:
         batch = client.submit_many(agent, list(inputs), concurrency=concurrency,
                                    progress=progress, title="profiling")

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from justitia_sdk._client import AsyncClient
 from justitia_sdk._models import AgentRecord
-from justitia_sdk._progress import STATE_STYLE
+from justitia_sdk._render import STATE_STYLE
 
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The dashboard's browser tests (tests/test_dashboard_browser.py) drive Debian's chromium
+# The dashboard's browser tests (tests/engine/test_dashboard_browser.py) drive Debian's chromium
 # through Playwright; Playwright's own browser download is not reachable from these
 # machines. Installs the package when /usr/bin/chromium is missing. Idempotent.
 set -euo pipefail

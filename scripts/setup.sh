@@ -32,6 +32,6 @@ if [ "$ENGINE" = cpu ]; then
     # `import vllm` die with "operator torchvision::nms does not exist".
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"$VENV/bin/python" -c "import vllm, fastapi, sklearn" >/dev/null
+"$VENV/bin/python" -c "import vllm, fastapi, sklearn, xdist" >/dev/null
 echo "$WANT" > "$STAMP"
 echo "setup: done" >&2

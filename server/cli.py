@@ -514,7 +514,8 @@ def serve(config: Any, engine: Any = None) -> int:
 
         path = ensure_default_model()
         print(TINY_NOTICE.format(path=path), file=sys.stderr, flush=True)
-    app = create_app(config, engine=engine, model_name=engine.info.model if engine is not None else "")
+    # The model's name is read once the engine has started (the lifespan does it).
+    app = create_app(config, engine=engine)
     open_files = raise_open_files_limit()
     shutdown = app.state.shutdown
     shutdown.hard_exit = True  # this process is the server's own: the watchdog may end it

@@ -31,7 +31,7 @@ import os
 from typing import Any
 
 from server.api.request_limits import RequestLimitExceeded
-from server.engine.vllm_local import without_sigint
+from server.engine.processes import without_sigint
 
 log = logging.getLogger("justitia.grammar")
 
@@ -69,7 +69,7 @@ def keep_to_spare_cpu(parent: int) -> None:
         os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICE)
     except OSError:
         pass
-    from server.engine.vllm_local import PINNING, worker_cores
+    from server.engine.processes import PINNING, worker_cores
 
     if not PINNING:
         return

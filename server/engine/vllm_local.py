@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,14 +23,19 @@ from server.engine.base import (
     EngineStats,
     InvalidRequestError,
     SampleListener,
-    SamplingOptions,
-    SequenceOutput,
     StateListener,
     StepListener,
-    TokenLogprob,
+)
+from server.engine.processes import (
+    PINNING,
+    deprioritise_engine_core,
+    keep_off_worker_cores,
+    pin_threads,
+    without_sigint,
 )
 from server.engine.tokens import TokenizerEngine, fast_encoder
-from server.shared.step_time import StepSample
+from server.engine.vllm_outputs import Sequences, cached_tokens, sampling_params
+from server.engine.vllm_stats import StatsCollector, stat_logger_factory
 
 log = logging.getLogger("justitia.engine")
 
@@ -47,7 +51,7 @@ class LocalEngineConfig:
     kv_cache_space_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     seed: int = 0
     dtype: str = "auto"
-    # CPU only: niceness of vLLM's EngineCore process (see _deprioritise_engine_core).
+    # CPU only: niceness of vLLM's EngineCore process (see deprioritise_engine_core).
     engine_core_nice: int = 10
     # Supervision (see LocalVLLMEngine._supervise): restarts of a dead engine in a row before
     # the server gives up (0: never restart), the wait before the first one (doubling up to
@@ -60,8 +64,12 @@ class LocalEngineConfig:
 
 # stopped: not started or closed; failed: dead and no restart left (the server exits).
 EngineState = Literal["stopped", "starting", "running", "restarting", "failed"]
+
+
 # The in-process engine's name in per-engine figures (the time model of each engine).
 ENGINE_NAME = "local"
+
+
 # How often the supervisor looks at the engine; a death is noticed within this time.
 DEATH_POLL_S = 0.2
 
@@ -73,302 +81,6 @@ def _on_cpu() -> bool:
         return not torch.cuda.is_available()
     except Exception:  # torch missing or broken: the CPU build's own checks will say so
         return True
-
-
-class _StatsCollector:
-    """Receives vLLM's per-step statistics; keeps what the scheduler needs.
-
-    vLLM calls `record` after every engine step (in the engine client's output loop), so the
-    interval between two calls while requests are running is the iteration time tau.
-    """
-
-    def __init__(self) -> None:
-        self.kv_usage = 0.0
-        self.running = 0
-        self.waiting = 0
-        self.preemptions_total = 0
-        self.steps_total = 0
-        self.iteration_time_s: float | None = None
-        self._last_busy_step: float | None = None
-        self.kv_capacity_tokens = 0
-        self.listeners: list[StepListener] = []
-        # Listeners of whole step samples (duration and batch shape: the time model's input).
-        self.sample_listeners: list[Callable[[StepSample], None]] = []
-        self._step_gen_tokens = 0
-        self._step_prompt_tokens = 0
-        # Context tokens of the requests in flight, each its whole prompt and what it has
-        # generated: what a decode step's attention reads. A shared prefix counts once per
-        # sequence that reads it (vLLM's paged attention on the CPU reads it per sequence:
-        # 16 requests over one shared 2,048-token head step 5.4 ms slower than over 16-token
-        # heads, docs/benchmarks.md), where kv_usage counts its blocks once.
-        self.attended_tokens = 0
-
-    def attend(self, delta: int) -> None:
-        """Requests in flight gained (or, negative, released) `delta` context tokens. Not
-        clamped at 0: every request releases exactly what it counted, so a negative count
-        is a bug to see, not to hide."""
-        self.attended_tokens += delta
-
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
-        now = time.monotonic()
-        if scheduler_stats is not None:
-            self.kv_usage = float(scheduler_stats.kv_cache_usage)
-            self.running = int(scheduler_stats.num_running_reqs)
-            self.waiting = int(scheduler_stats.num_waiting_reqs)
-        if iteration_stats is not None:
-            self.preemptions_total += int(iteration_stats.num_preempted_reqs)
-            # Tokens of this step: one per request that produced a token (decode batch),
-            # prompt tokens computed (prefix-cache hits excluded). vLLM counts a chunked
-            # prompt at its last chunk, so a long prompt's cost lands on one step; the fit
-            # still gets the sum right.
-            self._step_gen_tokens += int(iteration_stats.num_generation_tokens)
-            self._step_prompt_tokens += int(iteration_stats.prompt_token_stats.computed)
-        self.steps_total += 1
-        busy = self.running > 0
-        # A step that produced tokens was a step even if it finished every request.
-        worked = busy or self._step_gen_tokens > 0
-        if worked and self._last_busy_step is not None:
-            dt = now - self._last_busy_step
-            # Gaps longer than a second are idle periods between bursts, not iterations.
-            if dt < 1.0:
-                prev = self.iteration_time_s
-                self.iteration_time_s = dt if prev is None else 0.9 * prev + 0.1 * dt
-                for listener in self.listeners:
-                    listener(dt, self.kv_usage * self.kv_capacity_tokens)
-                if self.sample_listeners:
-                    sample = StepSample(dt, self._step_gen_tokens, self._step_prompt_tokens,
-                                        max(self.attended_tokens, self.kv_usage * self.kv_capacity_tokens))
-                    for sample_listener in self.sample_listeners:
-                        sample_listener(sample)
-        self._step_gen_tokens = self._step_prompt_tokens = 0
-        self._last_busy_step = now if busy else None
-
-    def work_arrived(self, now: float) -> None:
-        """A request went to the engine. If it was idle, its next step starts now: without
-        this, the first step after an idle period (the one that prefills the batch that
-        woke it) would have no start and its time would be lost to the time model."""
-        if self._last_busy_step is None and self.running == 0:
-            self._last_busy_step = now
-
-    def engine_gone(self) -> None:
-        """The engine died: its last running/waiting counts and KV usage are stale."""
-        self.kv_usage = 0.0
-        self.running = 0
-        self.waiting = 0
-        self._last_busy_step = None
-
-    def snapshot(self) -> EngineStats:
-        return EngineStats(
-            kv_usage=self.kv_usage,
-            running=self.running,
-            waiting=self.waiting,
-            preemptions_total=self.preemptions_total,
-            iteration_time_s=self.iteration_time_s,
-            steps_total=self.steps_total,
-        )
-
-
-def _deprioritise_engine_core(nice: int) -> None:
-    """Lower the scheduling priority of vLLM's EngineCore process.
-
-    On the CPU build the model worker is pinned to its own cores and the EngineCore shares
-    the remaining core with this (API) process. While the worker computes a step, the
-    EngineCore spins on the shared-memory queue (sched_yield), taking ~75% of that core
-    (measured here on 2 cores); the API process then answers HTTP in seconds instead of
-    milliseconds, and admission, which runs in this process, lags behind the engine. At
-    nice 10 the spinning only uses what this process leaves idle.
-    """
-    if nice <= 0:
-        return
-    try:
-        for child in _vllm_processes("EngineCore"):
-            child.nice(nice)
-            log.info("EngineCore process %d set to nice %d", child.pid, nice)
-    except Exception as exc:  # best effort: only speed depends on it
-        log.warning("could not lower the EngineCore's priority: %s", exc)
-
-
-def _vllm_processes(kind: str, root: int | None = None) -> list[Any]:
-    """vLLM's processes of one kind (`EngineCore`, `Worker`: it names them VLLM::<kind>)
-    among the descendants of process `root` (default this one)."""
-    import psutil
-
-    return [child for child in psutil.Process(root).children(recursive=True)
-            if kind in child.name() or kind in " ".join(child.cmdline()[:1])]
-
-
-#: Whether this platform sets CPU affinities per thread (Linux; vLLM's CPU build also runs on
-#: macOS, which has no such call).
-PINNING = hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")
-
-
-def worker_cores(root: int | None = None) -> set[int]:
-    """The cores vLLM's CPU model workers (descendants of process `root`, default this one)
-    are pinned to: empty where there is no pinned worker."""
-    import psutil
-
-    if not PINNING:
-        return set()
-    try:
-        return {core for child in _vllm_processes("Worker", root) for core in child.cpu_affinity() or []}
-    except (psutil.Error, OSError):
-        return set()
-
-
-def pin_threads(pid: int, cores: set[int]) -> None:
-    """Every thread of process `pid` to `cores` (a process's affinity is per thread on Linux:
-    setting the process's only moves its main thread)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # the thread ended meanwhile
-            pass
-
-
-def keep_off_worker_cores() -> set[int]:
-    """Move this (API) process and vLLM's EngineCore off the cores the CPU model worker is
-    pinned to; returns the cores they now use (empty: left as they were).
-
-    vLLM pins its CPU worker's threads to its own cores but leaves every other process free
-    to run there, so the scheduler of the OS now and then put this process or the bench
-    client on the worker's core, and every engine step waited for them: on 2 cores the same
-    schedule ran 12-23% slower from one server start to the next (session 9, live
-    contended48p: the agents finished in the same order, rank correlation 0.998, each one
-    slower by a common factor).
-    """
-    import psutil
-
-    if not PINNING:
-        return set()
-    pinned = worker_cores()
-    try:
-        others = set(os.sched_getaffinity(0)) - pinned
-    except OSError:
-        return set()
-    if not pinned or not others:
-        return set()
-    try:
-        pin_threads(os.getpid(), others)
-        for child in _vllm_processes("EngineCore"):
-            pin_threads(child.pid, others)
-    except (psutil.Error, OSError) as exc:  # best effort: only speed depends on it
-        log.warning("could not keep off the engine worker's cores: %s", exc)
-        return set()
-    log.info("API process and EngineCore kept off the engine worker's cores %s", sorted(pinned))
-    return others
-
-
-def _stat_logger_factory(collector: _StatsCollector):
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class JustitiaStatLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.collector = collector
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-            self.collector.record(scheduler_stats, iteration_stats)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return JustitiaStatLogger
-
-
-def _sampling_params(s: SamplingOptions) -> Any:
-    from vllm import SamplingParams
-
-    structured = None
-    if s.json_object or s.json_schema is not None:
-        from vllm.sampling_params import StructuredOutputsParams
-
-        structured = (StructuredOutputsParams(json=s.json_schema) if s.json_schema is not None
-                      else StructuredOutputsParams(json_object=True))
-    return SamplingParams(
-        n=s.n,
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop=list(s.stop) or None,
-        ignore_eos=s.ignore_eos,
-        min_tokens=s.min_tokens,
-        logprobs=s.logprobs,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        structured_outputs=structured,
-    )
-
-
-class _Sequences:
-    """The latest state of each of a request's sequences, and what is new in each.
-
-    vLLM's outputs are cumulative (the whole text and token list so far); an output may carry
-    only some of the `n` sequences, so the last state of each is kept here.
-    """
-
-    def __init__(self, tokenizer: Any, logprobs: int | None) -> None:
-        self._tokenizer = tokenizer
-        self._logprobs = logprobs
-        self._state: dict[int, SequenceOutput] = {}
-
-    def update(self, completions: list[Any]) -> tuple[SequenceOutput, ...]:
-        for c in completions:
-            prev = self._state.get(c.index)
-            sent_text = len(prev.text) if prev else 0
-            sent_tokens = prev.output_tokens if prev else 0
-            self._state[c.index] = SequenceOutput(
-                index=c.index,
-                text=c.text,
-                output_tokens=len(c.token_ids),
-                finish_reason=c.finish_reason,
-                delta_text=c.text[sent_text:],
-                delta_logprobs=self._new_logprobs(c, sent_tokens),
-                token_ids=tuple(c.token_ids) if c.finish_reason is not None else (),
-            )
-        return tuple(self._state[i] for i in sorted(self._state))
-
-    def _new_logprobs(self, c: Any, sent: int) -> tuple[TokenLogprob, ...]:
-        if self._logprobs is None or not c.logprobs:
-            return ()
-        return tuple(_token_logprob(tid, step, self._logprobs, self._tokenizer)
-                     for tid, step in zip(c.token_ids[sent:], c.logprobs[sent:], strict=True))
-
-
-def _token_logprob(token_id: int, step: dict[int, Any], k: int, tokenizer: Any) -> TokenLogprob:
-    """vLLM's per-step dict (token id -> Logprob, the sampled token always included) in the
-    order OpenAI gives: the sampled token, then the alternatives by rank."""
-
-    def text(tid: int, lp: Any) -> str:
-        return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])
-
-    sampled = step[token_id]
-    # vLLM adds the sampled token to the k most likely when it is not among them; OpenAI's
-    # top list holds the k most likely only (ranks 1..k).
-    ranked = sorted((lp.rank, tid, lp) for tid, lp in step.items() if lp.rank <= k)
-    top = tuple((text(tid, lp), float(lp.logprob)) for _, tid, lp in ranked)
-    return TokenLogprob(text(token_id, sampled), float(sampled.logprob), top)
-
-
-def _cached_tokens(out: Any) -> int | None:
-    """Prompt tokens vLLM found in its prefix cache for this request (None: not reported)."""
-    cached = getattr(out, "num_cached_tokens", None)
-    return int(cached) if isinstance(cached, int) and cached >= 0 else None
-
-
-def without_sigint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` with SIGINT blocked in this thread, so that the processes it
-    starts (vLLM's EngineCore and workers) inherit the block: a Ctrl-C in the terminal goes
-    to the whole foreground process group, and an engine that took it would die under the
-    server, which must stop it in order instead (server/runtime/shutdown.py). SIGTERM is left as
-    it is: vLLM stops its processes with it."""
-    if not hasattr(signal, "pthread_sigmask"):  # not POSIX
-        return fn(*args, **kwargs)
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class LocalVLLMEngine(TokenizerEngine):
@@ -386,7 +98,7 @@ class LocalVLLMEngine(TokenizerEngine):
     def __init__(self, config: LocalEngineConfig) -> None:
         self.config = config
         self._llm: Any = None
-        self._stats = _StatsCollector()
+        self._stats = StatsCollector()
         self.state: EngineState = "stopped"
         self.state_detail = "the engine has not started"
         self._restarts_in_a_row = 0
@@ -487,7 +199,7 @@ class LocalVLLMEngine(TokenizerEngine):
         try:
             self._llm = await asyncio.to_thread(
                 without_sigint, AsyncLLM.from_engine_args, args,
-                stat_loggers=[_stat_logger_factory(self._stats)]
+                stat_loggers=[stat_logger_factory(self._stats)]
             )
         except Exception as exc:  # vLLM raises many kinds; the user needs one sentence
             raise EngineError(f"vLLM failed to start with model {cfg.model!r}: {exc}") from exc
@@ -516,7 +228,7 @@ class LocalVLLMEngine(TokenizerEngine):
         self._encode = fast_encoder(self._tokenizer)
         self._stats.kv_capacity_tokens = self.info.kv_capacity_tokens
         if on_cpu:
-            _deprioritise_engine_core(cfg.engine_core_nice)
+            deprioritise_engine_core(cfg.engine_core_nice)
             if PINNING and self._cores_before is None:  # a restart keeps the first start's
                 self._cores_before = set(os.sched_getaffinity(0))
             keep_off_worker_cores()
@@ -654,13 +366,13 @@ class LocalVLLMEngine(TokenizerEngine):
         from vllm.exceptions import VLLMClientError
 
         try:
-            params = _sampling_params(request.sampling)
+            params = sampling_params(request.sampling)
         except (ValueError, VLLMClientError) as exc:
             raise InvalidRequestError(str(exc), getattr(exc, "parameter", None)) from exc
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         llm = self._llm  # a restart replaces self._llm; this request belongs to this one
         self._stats.work_arrived(time.monotonic())
-        seqs = _Sequences(self._tokenizer, request.sampling.logprobs)
+        seqs = Sequences(self._tokenizer, request.sampling.logprobs)
         stats = self._stats
         # every sequence of the request attends over its prompt, then its own output
         counted = len(request.prompt_token_ids) * max(1, int(getattr(request.sampling, "n", 1) or 1))
@@ -686,7 +398,7 @@ class LocalVLLMEngine(TokenizerEngine):
                     finish_reason=first.finish_reason,
                     num_preemptions=int(getattr(metrics, "num_preemptions", 0) or 0),
                     sequences=sequences,
-                    cached_tokens=_cached_tokens(out),
+                    cached_tokens=cached_tokens(out),
                 )
         except (asyncio.CancelledError, GeneratorExit):
             raise

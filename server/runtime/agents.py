@@ -242,14 +242,20 @@ class AgentRecord(BaseModel):
         "delay_bound_s's three terms, in seconds: lag_s (the lag behind GPS), blocking_s "
         "(waiting for memory at each stage) and critical_path_s (its stages' decodes)."))
     deadline_s: float = Field(description=(
-        "Promised at registration: the GPS finish with the work expected to arrive ahead of "
-        "the agent, at a pessimistic rate, plus delay_bound_s. Moves only by the agent's own "
-        "doing (it starts late, or uses more than predicted)."))
+        "Promised at registration: the tighter of the worst case (the GPS finish with the work "
+        "expected to arrive ahead of the agent, at a pessimistic rate, plus delay_bound_s) and "
+        "the ETA scaled by how far first ETAs have fallen short (promise_assumes says so). "
+        "Moves only by the agent's own doing (it starts late, or uses more than predicted)."))
     promise: Literal["firm", "widened", "none"] = Field(default="firm", description=(
         "firm: the server expects to keep deadline_s; widened: it could not promise firmly "
         "and widened the deadline by its uncertainty (promise_reason says why); none: the "
         "policy keeps no delay bound."))
     promise_reason: str = Field(default="", description="Why the promise is widened (or none).")
+    promise_assumes: str = Field(default="", description=(
+        "What deadline_s rests on where it is tighter than the worst case (fair_finish_s + "
+        "delay_bound_s with the most work the measured arrivals can bring): the ETA scaled by "
+        "how far first ETAs of finished agents have fallen short, holding while work arrives "
+        "no faster than measured. Empty: deadline_s is the worst case."))
     first_eta_s: float | None = Field(default=None, description="ETA given at registration.")
     first_eta_interval_s: list[float] | None = Field(
         default=None, min_length=2, max_length=2, description="eta_interval_s given at registration.")

@@ -19,7 +19,7 @@ The first SIGINT or SIGTERM starts a shutdown that ends within `grace_s` seconds
 
 A second signal ends the process at once: its child processes (the engine, the retraining
 worker) are killed first (status 130). The engine never sees the terminal's Ctrl-C: it is
-started with SIGINT blocked (server/engine/vllm_local.py), so a Ctrl-C in the terminal
+started with SIGINT blocked (server/engine/processes.py), so a Ctrl-C in the terminal
 reaches only the server, which stops it.
 """
 

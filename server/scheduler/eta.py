@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
+from .declared import BatchDeclaration, DeclaredBatches
+
 # No more than this share of the engine is assumed to go to work arriving ahead of an agent:
 # beyond it the long-run load exceeds the rate, no finite promise holds, and deadlines say so.
 MAX_ARRIVAL_SHARE = 0.9
@@ -108,6 +110,9 @@ class WorkArrivals:
     # the sorted sample and its prefix sums, rebuilt by `freeze` (once per refresh)
     _costs: list[float] = field(default_factory=list)
     _prefix: list[float] = field(default_factory=list)
+    # batches their clients declared, and the engine's rate their held-back work arrives at
+    declared: DeclaredBatches = field(default_factory=DeclaredBatches)
+    service_rate: float = 0.0
     rate: float = 0.0  # cost units arriving per second, recent window
     span_s: float = 0.0  # the time `rate` was measured over (ETAs assume it goes on this long)
     promise_rate: float = 0.0  # max(rate, the long window's)
@@ -131,6 +136,22 @@ class WorkArrivals:
         if begun:  # what the last refresh measured is of the last episode: measure this one now
             self.freeze(t)
 
+    def declare(self, t: float, cost: float, batch: BatchDeclaration, service_rate: float) -> bool:
+        """The agent just added at `t` (its cost `cost`) belongs to a batch its client
+        declared (`DeclaredBatches`). The batch's 1st, 2nd, 4th, 8th ... registration
+        forecasts its rest at once (a refresh's `freeze`, O(log N) of them a batch), so that
+        its first agents' ETAs expect it with a sample of its costs, not only the ETAs given
+        after the next refresh. Returns whether it did (the agent's ETA is then to be read
+        again)."""
+        if self.window_s <= 0:
+            return False
+        n = self.declared.add(t, cost, batch.batch_id, batch.size, batch.index)
+        self.service_rate = service_rate
+        if n & (n - 1) or self.declared.held_back(t) <= 0.0:
+            return False
+        self.freeze(t)
+        return True
+
     def _lull_s(self) -> float:
         """A gap in arrivals that ends the current episode: the window, or LULL_RATIO times
         the episode's length where that is shorter (at least `min_lull_s`)."""
@@ -149,8 +170,12 @@ class WorkArrivals:
             span = min(span, max(min_span, now - self._events[0][0]))
         return total / span
 
-    def freeze(self, now: float) -> None:
-        """Drop events older than the long window; sort the rest (O(K log K), K events)."""
+    def freeze(self, now: float, service_rate: float | None = None) -> None:
+        """Drop events older than the long window; sort the rest (O(K log K), K events).
+        `service_rate`: the engine's rate of work now (cost units a second), which work
+        held back by declared batches arrives at."""
+        if service_rate is not None:
+            self.service_rate = service_rate
         while self._events and self._events[0][0] < now - self.long_window_s:
             self._events.popleft()
         self._costs = sorted(c for _, c in self._events)
@@ -162,6 +187,7 @@ class WorkArrivals:
         first = now if self._first is None else self._first
         self.span_s = max(self.min_window_s, min(self.window_s, now - first))
         self._forecast_from_episodes(now - first)
+        self._forecast_from_batches(now)
         # A promise takes the rate over the history there is (a floor of 10 s would halve
         # the rate of a stream 5 s old and promise too early): pessimistic, not smooth; and
         # over the long window too, where an ETA takes the recent one.
@@ -181,6 +207,17 @@ class WorkArrivals:
         if left <= 0.0 or age >= length:
             return
         span = max(self.min_window_s, length - age)
+        if left > self.rate * self.span_s:
+            self.rate, self.span_s = left / span, span
+
+    def _forecast_from_batches(self, now: float) -> None:
+        """Work declared batches hold back arrives as the engine serves them (a slot frees
+        as an agent ends): at the engine's rate, until it has all arrived. Kept only where
+        it expects more than the measured rate (or the episodes) do."""
+        left = self.declared.held_back(now)
+        if left <= 0.0 or self.service_rate <= 0.0:
+            return
+        span = max(self.min_window_s, left / self.service_rate)
         if left > self.rate * self.span_s:
             self.rate, self.span_s = left / span, span
 

@@ -294,7 +294,7 @@ class EtaEstimator:
         """Replay the policy's order once (O(N log N)) and cache every agent's ETA and GPS
         finish."""
         d = self._d
-        d.arrivals.freeze(now)
+        d.arrivals.freeze(now, self.eta_rate)
         for a in self.unpassed:
             a.eta_key_at = None
         self.unpassed.clear()

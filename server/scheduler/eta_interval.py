@@ -81,6 +81,13 @@ class EtaCalibration:
             self._factors = Factors(min(_conformal_quantile(ordered, LOW_QUANTILE), 1.0),
                                     max(_conformal_quantile(ordered, HIGH_QUANTILE), 1.0))
 
+    def upper_ratio(self, q: float, min_seen: int) -> float | None:
+        """The split-conformal q-quantile of the recent JCT / first-ETA ratios (None: fewer
+        than `min_seen` seen)."""
+        if len(self._ratios) < min_seen:
+            return None
+        return _conformal_quantile(sorted(self._ratios), q)
+
     def interval(self, elapsed_s: float, eta_s: float, deadline_s: float | None = None) -> tuple[float, float]:
         """[p10, p90] in seconds from the agent's submission: its elapsed time plus its
         remaining time (`eta_s - elapsed_s`) scaled by the factors; p90 no later than the

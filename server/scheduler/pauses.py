@@ -61,6 +61,10 @@ class PauseStats:
     def any_seen(self) -> bool:
         return bool(self._all)
 
+    def max_s(self) -> float:
+        """The longest recent pause of any type (0.0: none seen, or none that lasted)."""
+        return max(self._all, default=0.0)
+
     def mean_s(self, agent_type: str | None) -> float:
         seen = list(self._seen(agent_type))
         return sum(seen) / len(seen) if seen else 0.0

@@ -3,6 +3,7 @@ stateful policy hears what happens to requests. policies.py has the policies the
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,12 +11,24 @@ from .cost import KV
 from .queues import AgentHeapQueue, RequestQueue
 from .state import AgentState, RequestState, SchedulerContext, SortKey
 
-FOOTPRINT = "footprint"
-PROMPT = "prompt"
-# Everything is handed to the engine at once and queues there (the engine's own order):
-# what serving without a scheduler in front does. Only the live server has such an engine
-# queue; the simulator does not run this admission.
-ENGINE = "engine"
+
+class AdmissionMode(enum.StrEnum):
+    """How a policy admits: against reserved footprints (p + expected d against M, in
+    strict order, so that the engine need not preempt) or as vLLM does natively (while the
+    prompt fits in free memory, leaving preemption to the engine). Its value is the name
+    results and snapshots carry."""
+
+    FOOTPRINT = "footprint"
+    PROMPT = "prompt"
+    # Everything is handed to the engine at once and queues there (the engine's own order):
+    # what serving without a scheduler in front does. Only the live server has such an engine
+    # queue; the simulator does not run this admission.
+    ENGINE = "engine"
+
+
+FOOTPRINT = AdmissionMode.FOOTPRINT
+PROMPT = AdmissionMode.PROMPT
+ENGINE = AdmissionMode.ENGINE
 
 
 @dataclass(frozen=True)
@@ -23,7 +36,7 @@ class Policy:
     """An ordering key and an admission rule."""
 
     name: str
-    admission: str = FOOTPRINT
+    admission: AdmissionMode = FOOTPRINT
     cost_model: str = KV  # cost units of the virtual clock and of consumed_cost
     prefix_aware: bool = True  # shared prefixes counted once in admission and KV charges
     # keeps paused agents' contexts as `--retain` says (retention.py); False: never. Only

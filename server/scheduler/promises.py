@@ -1,8 +1,10 @@
 """Promises and bounds: the deadline each agent is given, and the limits it rests on.
 
-An agent's deadline is its GPS finish projected with the work expected to arrive ahead of
-it, served at the pessimistic rate (M / bound_tau), plus its delay bound (bounds.py) at the
-pessimistic step time, plus its type's p90 pause before each stage it has not started.
+An agent's worst-case deadline is its GPS finish projected with the work expected to arrive
+ahead of it, served at the pessimistic rate (M / bound_tau), plus its delay bound (bounds.py)
+at the pessimistic step time, plus its type's p90 pause before each stage it has not
+started. The deadline given is the tighter of that and its ETA scaled by how far first ETAs
+have fallen short (tight_promise.py; the record's promise_assumes says what that rests on).
 
 Invariants:
 - a promise only ever moves later: it is made at registration and made again when the
@@ -28,6 +30,7 @@ from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S
 from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState, ObservedLimits
+from .tight_promise import assumption, promise_factor, tight_deadline
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -123,11 +126,26 @@ class Promises:
             share = MAX_ARRIVAL_SHARE
             horizon = fluid / (1.0 - share) * slow
         # Tool time: the type's p90 pause before each stage it has not started (pauses.py).
-        pauses = d.pauses.p90_s(agent.agent_type) * stages_left(agent.shape.stages, agent.stages_started)
-        deadline = now + horizon + agent.bound.total_s + pauses
+        left = stages_left(agent.shape.stages, agent.stages_started)
+        pauses = d.pauses.p90_s(agent.agent_type) * left
+        worst = now + horizon + agent.bound.total_s + pauses
+        # The deadline given: the tighter of the worst case and the ETA scaled by how far
+        # ETAs have fallen short (tight_promise.py), which says what it rests on. Tool time is
+        # not calibrated so: an agent that may pause (stage boundaries ahead, and a pause of
+        # any type seen recently, or none seen yet) keeps the worst case. Its own type's
+        # pauses are not enough: a server taught by traffic whose agents never paused
+        # promised agents of the same types that did as if they would not (10 of 240 broken).
+        factor = promise_factor(d.etas.calibration)
+        tight = worst
+        if left == 0 or (d.pauses.any_seen and d.pauses.max_s() <= 0.0):
+            cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
+            tight = tight_deadline(now, d.etas.eta_time(agent, now), 0.0, 0.0, factor, cost_ratio)
+        deadline = min(worst, tight)
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later
         agent.deadline_at = deadline
+        agent.promise_assumes = assumption(factor, d.etas.calibration.seen, d.arrivals.promise_rate) \
+            if tight < worst else ""
         if not isinstance(d.policy, Justitia):
             agent.promise = "none"
             agent.promise_reason = f"policy {d.policy.name} does not keep the delay bound (Justitia's)"

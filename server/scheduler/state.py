@@ -143,6 +143,7 @@ class AgentState:
     deadline_at: float | None = None  # the promised deadline (caller's clock), set at registration
     promise: str = "firm"  # "firm", "widened" (promise_reason says why) or "none"
     promise_reason: str = ""
+    promise_assumes: str = ""  # what a deadline tighter than the worst case rests on (tight_promise.py)
     consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)
     consumed_kv: float = 0.0  # real KV token-time of finished requests
     # The latest re-prediction of its total KV cost as it runs (reprediction.py): ETAs count
@@ -203,6 +204,7 @@ class AgentView:
     running: int
     promise: str = "firm"  # "firm" | "widened" | "none": how far deadline_s can be trusted
     promise_reason: str = ""  # why a promise is widened (or none)
+    promise_assumes: str = ""  # what deadline_s rests on where it is tighter than the worst case
     expected_cost: float | None = None  # re-predicted total KV cost (None: not re-predicted)
     eta_interval_s: tuple[float, float] | None = None  # [p10, p90] around eta_s (eta_interval.py)
 

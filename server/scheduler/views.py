@@ -40,6 +40,7 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
         running=agent.running,
         promise=agent.promise,
         promise_reason=agent.promise_reason,
+        promise_assumes=agent.promise_assumes,
         expected_cost=agent.expected_kv,
     )
 

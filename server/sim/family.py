@@ -4,18 +4,32 @@ are, and (where the scheduler gives intervals) how often the JCT fell inside the
 
 The simulator runs with `tau="measured"`, so the ETAs and deadlines are those a live server
 would have given (its rate measured from the steps it has seen, not known in advance).
+
+Two modes: `fresh` (each member on a server that has seen nothing) and `taught` (a server
+that first served another shape of the family, drawn from another seed, then a lull of
+`TEACH_LULL_S`, then the member: what a server knows of traffic that differs from today's).
+A taught row's figures are of the member's agents only.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from server.shared.profiles import EngineProfile
 
-from .shapes import ShapeSpec, make_shaped
-from .simulator import PolicyResult, run_comparison
+from .results import PolicyResult
+from .shapes import SHAPES, ShapeSpec, make_shaped
+from .simulator import run_comparison
+from .workload import AgentSpec
+
+MODES = ("fresh", "taught")
+# The teacher's seed is the member's plus this (never a seed of the family's own ranges).
+TEACH_SEED_OFFSET = 7919
+# From the teacher's last arrival to the member's first: its agents done, and a lull longer
+# than the arrival window, as between two runs a day apart.
+TEACH_LULL_S = 90.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +47,7 @@ class FamilyRow:
     promises: int
     deadline_over_jct_p50: float | None
     eta_coverage: float | None
+    mode: str = "fresh"
 
 
 def _quantile(xs: Sequence[float], q: float) -> float | None:
@@ -42,7 +57,7 @@ def _quantile(xs: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def row_of(spec: ShapeSpec, result: PolicyResult) -> FamilyRow:
+def row_of(spec: ShapeSpec, result: PolicyResult, mode: str = "fresh") -> FamilyRow:
     s = result.summary()
     ratios = [a.first_deadline_s / a.jct_s for a in result.agents
               if a.first_deadline_s is not None and a.jct_s > 0]
@@ -50,8 +65,28 @@ def row_of(spec: ShapeSpec, result: PolicyResult) -> FamilyRow:
         shape=spec.shape, seed=spec.seed, policy=result.policy, agents=len(result.agents),
         mean_jct_s=s["mean_jct_s"], eta_error_p50=s["eta_error_p50"], eta_error_p90=s["eta_error_p90"],
         promises_kept=s["promises_kept"], promises=sum(a.first_deadline_s is not None for a in result.agents),
-        deadline_over_jct_p50=_quantile(ratios, 0.5), eta_coverage=s["eta_coverage"],
+        deadline_over_jct_p50=_quantile(ratios, 0.5), eta_coverage=s["eta_coverage"], mode=mode,
     )
+
+
+def teacher_of(spec: ShapeSpec) -> ShapeSpec:
+    """The shape a taught server served first: the next one of the family (never the
+    member's own), from another seed."""
+    shape = SHAPES[(SHAPES.index(spec.shape) + 1) % len(SHAPES)]
+    return replace(spec, shape=shape, seed=spec.seed + TEACH_SEED_OFFSET)
+
+
+def taught_workload(spec: ShapeSpec, profile: EngineProfile, kv_tokens: int | None = None) -> tuple[
+        list[AgentSpec], set[str]]:
+    """The teacher's agents, then the member's after a lull; and the member's ids."""
+    teacher = make_shaped(teacher_of(spec), profile, kv_tokens)
+    for a in teacher:
+        a.id = f"teach-{a.id}"
+    member = make_shaped(spec, profile, kv_tokens)
+    start = max(a.arrival for a in teacher) + TEACH_LULL_S
+    for a in member:
+        a.arrival = round(a.arrival + start, 6)
+    return teacher + member, {a.id for a in member}
 
 
 def run_family(
@@ -60,13 +95,22 @@ def run_family(
     profile: EngineProfile,
     kv_tokens: int | None = None,
     on_done: Callable[[ShapeSpec], None] | None = None,
+    modes: Sequence[str] = ("fresh",),
 ) -> list[FamilyRow]:
-    """Every policy on every member of the family, in the simulator."""
+    """Every policy on every member of the family, in the simulator, in each mode."""
+    if bad := [m for m in modes if m not in MODES]:
+        raise ValueError(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
     rows: list[FamilyRow] = []
     for spec in specs:
-        agents = make_shaped(spec, profile, kv_tokens)
-        for result in run_comparison(agents, list(policies), profile, kv_tokens, tau="measured"):
-            rows.append(row_of(spec, result))
+        for mode in modes:
+            if mode == "taught":
+                agents, ids = taught_workload(spec, profile, kv_tokens)
+            else:
+                agents = make_shaped(spec, profile, kv_tokens)
+                ids = {a.id for a in agents}
+            for result in run_comparison(agents, list(policies), profile, kv_tokens, tau="measured"):
+                mine = replace(result, agents=[a for a in result.agents if a.id in ids])
+                rows.append(row_of(spec, mine, mode))
         if on_done is not None:
             on_done(spec)
     return rows
@@ -78,13 +122,13 @@ def _median(xs: Iterable[float | None]) -> float | None:
 
 
 def summarise(rows: Sequence[FamilyRow]) -> list[dict]:
-    """Per (shape, policy) over seeds: median of the per-seed figures, promises summed."""
-    keys = list(dict.fromkeys((r.shape, r.policy) for r in rows))
+    """Per (shape, policy, mode) over seeds: median of the per-seed figures, promises summed."""
+    keys = list(dict.fromkeys((r.shape, r.policy, r.mode) for r in rows))
     out = []
-    for shape, policy in keys:
-        mine = [r for r in rows if r.shape == shape and r.policy == policy]
+    for shape, policy, mode in keys:
+        mine = [r for r in rows if r.shape == shape and r.policy == policy and r.mode == mode]
         out.append({
-            "shape": shape, "policy": policy, "seeds": [r.seed for r in mine],
+            "shape": shape, "policy": policy, "mode": mode, "seeds": [r.seed for r in mine],
             "mean_jct_s": _median(r.mean_jct_s for r in mine),
             "eta_error_p50": _median(r.eta_error_p50 for r in mine),
             "eta_error_p90": _median(r.eta_error_p90 for r in mine),

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .report import comparisons
-from .simulator import PolicyResult
+from .results import PolicyResult
 
 COLORS = ["#2e6fd8", "#e07a10", "#12a37f", "#c62828", "#8e44ad", "#5d6d7e", "#b7950b", "#17a2b8", "#d35400",
           "#7f8c8d"]

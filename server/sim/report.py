@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .provenance import write_result
-from .simulator import PolicyResult
+from .results import PolicyResult
 
 
 def compare(results: Sequence[PolicyResult], policy: str = "justitia", baseline: str = "vtc") -> dict | None:

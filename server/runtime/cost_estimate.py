@@ -1,0 +1,100 @@
+"""An agent's predicted cost when it registers: its predictor's, else a guess from its prompt.
+
+The guess stands for one request of the prompt's size decoding `FALLBACK_OUTPUT_TOKENS`, as
+uncertain as a cold start's guess (its promise allows for the same spread). Where the cost is
+a guess, the shape it was guessed as goes with it, so that the ETA expects that one request.
+An agent may also declare its structure in its metadata (`declared_shape`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from server.runtime.agents import CostSource
+from server.scheduler import AgentShape, decode_for_kv_cost, kv_cost
+from server.scheduler.declared import BatchDeclaration
+from server.scheduler.reprediction import DEFAULT_P90_RATIO
+
+if TYPE_CHECKING:
+    from server.runtime.agent_listeners import Predictors
+
+log = logging.getLogger("justitia.live")
+
+# The output a request is guessed to decode when nothing predicts its agent's cost.
+FALLBACK_OUTPUT_TOKENS = 256
+# Characters per token of the prompt-size guess when no predictor (hence no tokenizer-backed
+# estimate) is at hand: the usual English rule of thumb.
+CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """A registration's predicted cost, where it came from, its (p50, p90) interval when the
+    predictor gives one (re-prediction starts from it), and the shape it was guessed as
+    where it is a guess (a cold start or the fallback)."""
+
+    cost: float
+    source: CostSource
+    interval: tuple[float, float] | None
+    guessed: AgentShape | None
+
+
+def estimate_cost(predictors: Predictors | None, agent_type: str, prompt: str, tenant: str,
+                  metadata: dict[str, Any]) -> CostEstimate:
+    """The agent type's predictor, if one is served and does not fail; else the fallback."""
+    if predictors is not None:
+        from predictors.features import estimate_tokens, submission_features
+
+        # What the agent declared: its `features` numbers, fan-out and stage shape.
+        features = submission_features(metadata)
+        try:
+            predictor = predictors.get(agent_type, tenant)
+            interval = getattr(predictor, "predict_interval", None)
+            bounds = interval(prompt, features) if interval is not None else None
+            cost = float(predictor.predict(prompt, features))
+            if not getattr(predictor, "is_cold_start", False):
+                return CostEstimate(cost, "model", bounds, None)
+            # the cold start's guess is one request of the prompt's estimated tokens
+            return CostEstimate(cost, "cold_start", bounds, one_request(estimate_tokens(prompt), cost))
+        except Exception:
+            log.exception("predictor for %r failed; using the request-size fallback", agent_type)
+    p = max(1, len(prompt) // CHARS_PER_TOKEN)
+    cost = kv_cost(p, FALLBACK_OUTPUT_TOKENS)
+    return CostEstimate(cost, "fallback", (cost, cost * DEFAULT_P90_RATIO),
+                        AgentShape(stages=1, critical_path_tokens=FALLBACK_OUTPUT_TOKENS))
+
+
+def one_request(prompt_tokens: int, cost: float) -> AgentShape:
+    """The shape of one request of `prompt_tokens` whose KV cost is `cost` (the cold start
+    reports its guess's cost, not the output length it assumed)."""
+    return AgentShape(stages=1, critical_path_tokens=decode_for_kv_cost(prompt_tokens, cost))
+
+
+def declared_shape(metadata: dict[str, Any]) -> AgentShape | None:
+    """An agent may declare its structure (`stages`, `critical_path_tokens`, and for its ETA
+    `prefill_tokens`) in its metadata; the bound then covers its own critical path instead
+    of a one-stage guess."""
+    stages = metadata.get("stages")
+    cp = metadata.get("critical_path_tokens")
+    prefill = metadata.get("prefill_tokens")
+    if isinstance(stages, int) and stages >= 1:
+        return AgentShape(stages=stages, critical_path_tokens=cp if isinstance(cp, int) else None,
+                          prefill_tokens=prefill if isinstance(prefill, int) else None)
+    return None
+
+
+def declared_batch(metadata: dict[str, Any], tenant: str | None) -> BatchDeclaration | None:
+    """The batch an agent's client declared it part of (`metadata["batch"]`: its `id`, its
+    `size` and the agent's `index` in it, as the SDK sends), for the ETAs to expect the
+    inputs the client still holds back; None where the declaration is missing or malformed."""
+    batch = metadata.get("batch")
+    if not isinstance(batch, dict):
+        return None
+    batch_id, size, index = batch.get("id"), batch.get("size"), batch.get("index")
+    if not isinstance(batch_id, str) or not batch_id or type(size) is not int or size < 1:
+        return None
+    # by tenant: one tenant's declaration never counts toward another's batch of the same id
+    return BatchDeclaration(f"{tenant}/{batch_id[:64]}", size,
+                            index if type(index) is int and index >= 0 else None)

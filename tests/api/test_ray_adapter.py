@@ -1,0 +1,133 @@
+"""The Ray Serve adapter without Ray: its KV ledger, placement, capacity and the options.
+
+The adapter (server/engine/ray_serve.py) keeps the KV ledger of the engine replicas in the
+scheduler's process; these tests drive it with the reports the replicas would send, so the
+fast tier never imports Ray (checked at the end). The engine tier (tests/test_engine_ray.py)
+runs the same adapter on a local Ray cluster with real vLLM replicas.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from justitia_cli import main
+from server.engine.base import Capabilities
+from server.engine.ray_serve import RayServeEngine, RayUnreachable, check_reachable
+from server.launcher import free_port
+
+
+def report(rid: str, kv: int = 4000, healthy: bool = True, steps: list | None = None) -> dict:
+    return {"replica": rid, "healthy": healthy, "pid": 1, "node": 0, "steps": steps or [],
+            "info": {"model": "m", "kv_capacity_tokens": kv, "block_size": 32, "max_model_len": 1024},
+            "stats": {"kv_usage": 0.5, "running": 2, "waiting": 0, "preemptions_total": 0,
+                      "iteration_time_s": 0.01, "steps_total": 10}}
+
+
+def engine_of(*reports: dict, pinned: bool = True) -> tuple[RayServeEngine, list[int]]:
+    engine = RayServeEngine("local", len(reports), {}, pinned=pinned)
+    heard: list[int] = []
+    engine.add_capacity_listener(heard.append)
+    engine._absorb(list(reports))
+    engine._announced = engine.capacity
+    engine.state = "running"
+    return engine, heard
+
+
+def test_capabilities_are_those_the_scheduler_needs() -> None:
+    engine, _ = engine_of(report("a"))
+    assert {"placement", "capacity_changes", "step_statistics", "supervision"} <= Capabilities.of(engine).names
+
+
+def test_m_is_the_sum_and_follows_replicas_leaving_and_joining() -> None:
+    engine, heard = engine_of(report("a"), report("b"))
+    assert engine.capacity == 8000
+    engine._absorb([report("a")])  # b stopped reporting (killed)
+    assert engine.capacity == 4000 and heard == [4000]
+    engine._absorb([report("a"), report("c", kv=4000)])  # Ray replaced it
+    assert engine.capacity == 8000 and heard == [4000, 8000]
+    engine._absorb([])  # none left: M keeps its value, requests wait for Ray
+    assert heard == [4000, 8000] and engine.state == "restarting" and engine.recovering
+    engine._absorb([report("d")])
+    assert engine.state == "running" and heard[-1] == 4000
+
+
+def test_placement_needs_one_replica_with_room_and_prefers_the_agents_last() -> None:
+    engine, _ = engine_of(report("a"), report("b"))
+    assert engine.place("r1", "agent1", 3000)
+    first = engine._placed["r1"][0]
+    assert engine.place("r2", "agent1", 900)  # same agent, its replica still has room
+    assert engine._placed["r2"][0] is first
+    assert engine.place("r3", "agent2", 3900)  # only the other replica has room
+    assert engine._placed["r3"][0] is not first
+    assert not engine.place("r4", "agent3", 2000)  # 7,800 of 8,000 reserved, split 3,900 / 3,900
+    engine.release("r3")
+    assert engine.place("r4", "agent3", 2000)
+
+
+def test_a_resend_goes_to_another_replica_and_the_ledger_returns_to_zero() -> None:
+    engine, _ = engine_of(report("a"), report("b"))
+    engine.place("r1", "agent1", 1000)
+    replica, held = engine._claim("r1", 1000, [])
+    assert replica.in_flight == 1 and held == 1000
+    engine._replica_gone(replica, "it died")
+    engine._unclaim(replica, held)
+    again, held2 = engine._claim("r1", 1000, [replica])
+    assert again is not replica and again.reserved == 1000
+    engine._unclaim(again, held2)
+    assert all(r.reserved == 0 and r.in_flight == 0 for r in engine.replicas.values())
+    assert replica.id not in engine.replicas  # a dead replica leaves once it holds nothing
+
+
+def test_unpinned_engine_reserves_nothing() -> None:
+    engine, _ = engine_of(report("a"), report("b"), pinned=False)
+    assert engine.place("r1", "agent1", 10**9)
+    assert engine._claim("r1", 10**9, []) == (None, 0)
+
+
+def test_step_reports_reach_the_rate_estimator_scaled_to_the_whole_m() -> None:
+    engine = RayServeEngine("local", 2, {})
+    steps: list[tuple[float, float]] = []
+    engine.add_step_listener(lambda s, kv: steps.append((s, kv)))
+    engine._absorb([report("a", steps=[[0.02, 1000.0]]), report("b")])
+    assert steps == [(0.02, 2000.0)]  # 1,000 of replica a's 4,000: a quarter of M = 8,000
+
+
+def test_an_unreachable_address_is_a_clear_error() -> None:
+    port = free_port()  # nothing listens there
+    with pytest.raises(RayUnreachable, match="cannot reach the Ray cluster"):
+        check_reachable(f"127.0.0.1:{port}", timeout_s=2)
+    with pytest.raises(RayUnreachable, match="not an address"):
+        check_reachable("nonsense")
+
+
+def test_serve_options_of_ray(capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", "--replicas", "2"]) == 2
+    assert "add --ray" in capsys.readouterr().err
+    assert main(["serve", "--policy", "ray"]) == 2
+    assert "needs --ray" in capsys.readouterr().err
+    assert main(["serve", "--ray", "local", "--min-replicas", "1"]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert main(["serve", "--ray", "local", "--replicas", "2", "--kv-tokens", "2048"]) == 2
+    assert "below --max-model-len" in capsys.readouterr().err
+    assert main(["serve", "--ray", f"127.0.0.1:{free_port()}"]) == 2
+    assert "cannot reach the Ray cluster" in capsys.readouterr().err
+
+
+def test_bench_takes_policy_ray_only_with_ray(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"id": "a", "type": "t", "arrival": 0, "stages": [[{"p": 10, "d": 4}]]}\n')
+    assert main(["bench", "sim", "--workload", str(workload), "--policies", "ray", "--kv-tokens", "4096"]) == 2
+    assert "bench live --ray" in capsys.readouterr().err
+    assert main(["bench", "live", "--workload", str(workload), "--policies", "justitia",
+                 "--kv-tokens", "4096", "--kill-replica-after", "5"]) == 2
+    assert "add --ray" in capsys.readouterr().err
+
+
+def test_the_fast_tier_does_not_import_ray() -> None:
+    code = ("import sys, server.api.app, server.cli, server.engine.ray_serve, server.engine.ray_cluster, "
+            "justitia_cli.bench.commands, justitia_cli.bench.live, justitia_cli.bench.live_run;"
+            "sys.exit('ray' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
