@@ -2,7 +2,7 @@
 
 The adapter (server/engine/ray_serve.py) keeps the KV ledger of the engine replicas in the
 scheduler's process; these tests drive it with the reports the replicas would send, so the
-fast tier never imports Ray (checked at the end). The engine tier (tests/test_engine_ray.py)
+fast tier never imports Ray (checked at the end). The engine tier (tests/engine/test_ray.py)
 runs the same adapter on a local Ray cluster with real vLLM replicas.
 """
 
