@@ -182,7 +182,7 @@ def history_url():
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
-        server.runtime.shutdown()
+        server.shutdown()
         server.server_close()
 
 
