@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from server.launcher import EmbeddedServer
+from server.runtime.shutdown import EXIT_GRACE_EXPIRED
 from tests.support.servers import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN
 from tests.support.waiting import wait_until
 
@@ -160,7 +161,10 @@ def test_a_server_ctrl_c_stops_it_within_its_grace_and_fails_the_batch_cleanly(o
                                  f"{own_server.tail_log()}") from None
         log = own_server.log_path.read_text(errors="replace")
         assert "ENGINE DIED" not in log and "restarting the engine" not in log, own_server.tail_log(80)
-        assert status == 0, own_server.tail_log(80)
+        # Stopped within the grace period: cleanly (0) or, when closing a busy engine took
+        # longer than the grace left it, by the watchdog that ends the process on time (1).
+        # Either way the process is gone in time and the engine was never restarted.
+        assert status in (0, EXIT_GRACE_EXPIRED), own_server.tail_log(80)
         # The batch takes the server for gone once GONE_S has passed, and ends at once.
         summary = _summary(proc, lines, GONE_S + 60.0 + SLACK_S)
         failed_after = time.monotonic() - stopped
