@@ -4,6 +4,7 @@ batch of raw bodies."""
 
 from __future__ import annotations
 
+import abc
 import math
 import statistics
 import threading
@@ -17,15 +18,16 @@ def tenant_client(url: str, key: str, timeout: float = 300) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=timeout, headers={"Authorization": f"Bearer {key}"})
 
 
-class _Loop:
-    """A background thread that repeats `_once` until the context ends."""
+class _Loop(abc.ABC):
+    """A background thread running `_run` (a loop until `_stop` is set) while the context lasts."""
 
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    @abc.abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError
+        """The thread's loop: runs until `self._stop` is set."""
 
     def __enter__(self):  # noqa: ANN204 - the subclass
         self._thread.start()

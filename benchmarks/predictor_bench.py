@@ -180,8 +180,8 @@ def fan_out_noise_floor(n: int = 100, draws: int = 1000) -> float:
     """The least mean relative error any predictor can expect on `fan_out_research`: for each
     of `n` agents, the best single prediction knowing its prompt and fan-out exactly (chosen
     on `draws` re-draws of its output lengths, the generator's noise, which no feature sees),
-    scored on `draws` other re-draws. Scoring on the draws it was chosen on (as before
-    session 9, with 200 draws of 60 agents) read 0.318; out of sample it reads 0.312."""
+    scored on `draws` other re-draws. Scoring on the draws it was chosen on (200 draws of
+    60 agents) reads 0.318; out of sample it reads 0.312."""
     scores = []
     for s in synthesize("fan_out_research", n, seed=0):
         key = (s.prompt, int(s.features["fan_out"]))

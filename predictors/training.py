@@ -182,7 +182,7 @@ def choose(cv: dict[str, dict[str, Any]]) -> str:
     candidates scored on a hundred samples, one often wins by luck: a ridge on the prompt's
     words (pure noise for a fan-out agent, whose cost follows its declared width) won by
     0.02 on one training set in ten and scored 0.37 on fresh agents, where the numeric
-    ridge scored 0.34 (session 9; docs/predictors.md)."""
+    ridge scored 0.34 (docs/predictors.md)."""
     best = None
     for name, row in cv.items():  # simplest first
         if best is None or _clearly_better(row, cv[best]):

@@ -97,8 +97,8 @@ def add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[st
     Then the same with the step-time model the server fitted during the run instead of the
     profile (`sim_online_mean_jct_s`): not a prediction, since it is known only after the
     run, but it tells the two errors of the prediction apart. On a host whose speed moves
-    from hour to hour (session 11: the same justitia run took 24.0 s, then 35.1 s an hour
-    later, its engine's base step 2.4 ms, then 4.6 ms) the profile measured beforehand is
+    from hour to hour (the same justitia run has taken 24.0 s, then 35.1 s an hour later,
+    its engine's base step 2.4 ms, then 4.6 ms) the profile measured beforehand is
     off by the drift, while the run's own model is off only by the simulator's form."""
     from server.sim.simulator import make_predictions, run_comparison
 

@@ -77,9 +77,9 @@ def keep_off_worker_cores() -> set[int]:
     vLLM pins its CPU worker's threads to its own cores but leaves every other process free
     to run there, so the scheduler of the OS now and then put this process or the bench
     client on the worker's core, and every engine step waited for them: on 2 cores the same
-    schedule ran 12-23% slower from one server start to the next (session 9, live
-    contended48p: the agents finished in the same order, rank correlation 0.998, each one
-    slower by a common factor).
+    schedule ran 12-23% slower from one server start to the next (live contended48p: the
+    agents finished in the same order, rank correlation 0.998, each one slower by a common
+    factor).
     """
     import psutil
 

@@ -166,7 +166,7 @@ def embedded_engine_config(**settings: Any) -> LocalEngineConfig:
     engine the server runs: `bench calibrate` once left the dtype to vLLM, which runs a
     float32 model in bfloat16 on a CPU, and on a CPU without native bfloat16 (AVX2 only)
     it timed prefill at 124 us a token where the same calibration in float32 times 56-60 us
-    (session 11's host; docs/benchmarks.md)."""
+    (on an AVX2-only host; docs/benchmarks.md)."""
     from server.engine.vllm_local import LocalEngineConfig
 
     return LocalEngineConfig(

@@ -364,7 +364,7 @@ def test_a_more_complex_model_is_chosen_only_when_clearly_better():
     rng = np.random.default_rng(3)
     simple = 0.3 + 0.2 * rng.random(100)
     # 0.02 lower on average (beyond the 3% margin), but as noise: per sample it is as often
-    # worse as better, so the gain is about one standard error (session 9's lucky word ridge)
+    # worse as better, so the gain is about one standard error (a lucky word ridge)
     lucky = simple - 0.02 + 0.16 * rng.standard_normal(100)
     lucky += (simple.mean() - 0.02) - lucky.mean()
     assert choose({"simple": _scored(simple), "complex": _scored(lucky)}) == "simple"

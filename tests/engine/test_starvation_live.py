@@ -24,9 +24,9 @@ from tests.support.servers import embedded_server
 KEYS = {"stream": "key-stream", "big": "key-big"}
 STREAM_EVERY_S = 0.1  # ~10 small agents a second, at most
 # The stream offers this share of the engine's pessimistic rate (M / bound_tau), measured by
-# the server while the stream starts. A fixed 10 a second was 65% on the hosts of sessions
-# 5-10 and 163% on session 11's (an engine 1.7x slower): an overload, under which no
-# deadline holds (the promise said so) and the large agent waited 127 s behind 900 small ones.
+# the server while the stream starts, because hosts of this kind differ: a fixed 10 a second
+# is 65% of one host's rate and 163% of another's (an engine 1.7x slower), an overload under
+# which no deadline holds (the promise says so).
 STREAM_SHARE = {"two_thirds": 0.65, "near_rate": 0.9}
 STREAM_LIMIT_S = 90.0
 # Small agents: one stage of three requests (prompt, output), sent often enough to offer
