@@ -130,7 +130,7 @@ def test_an_agent_keeps_to_the_replica_holding_its_prefix(jc: httpx.Client, repl
 
 
 def test_replicas_report_their_prefix_cache_hits(jc: httpx.Client, replicas) -> None:
-    """Issue 17: remote replicas reported no cached tokens. vLLM's server says how many
+    """Remote replicas report their cached tokens: vLLM's server says how many
     prompt tokens it served from its prefix cache (`usage.prompt_tokens_details`, with
     `--enable-prompt-tokens-details`); the server counts them as for the in-process engine."""
     wait_until(lambda: idle(jc))
