@@ -350,11 +350,11 @@ def test_sizes_parse_with_binary_suffixes() -> None:
 
 def test_serve_parses_agent_bytes_per_tenant() -> None:
     from justitia_cli import build_parser
-    from server.cli import _parse_limits
+    from server.cli.serve_checks import parse_limits
 
     args = build_parser().parse_args(["serve", "--max-agent-bytes", "64M", "--max-agent-bytes", "bob=off",
                                       "--max-agent-bytes", "alice=512K"])
-    limits = _parse_limits(args, {"alice", "bob"})
+    limits = parse_limits(args, {"alice", "bob"})
     assert limits["max_agent_bytes"] == 64 << 20
     assert limits["tenant_max_agent_bytes"] == {"alice": 512 << 10, "bob": None}
 

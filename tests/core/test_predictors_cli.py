@@ -308,17 +308,17 @@ def test_serve_refuses_a_missing_predictors_dir(tmp_path):
 
 
 def test_serve_prints_the_predictors_it_found(model_dir, tmp_path, capsys):
-    from server.cli import _check_predictors
+    from server.cli.serve_checks import check_predictors
 
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "metadata.json").write_text("garbage")
     (tmp_path / "fv").symlink_to(model_dir)
-    _check_predictors(str(tmp_path))
+    check_predictors(str(tmp_path))
     err = capsys.readouterr().err
     chosen = json.loads((model_dir / "metadata.json").read_text())["model"]
     expected = f"cost predictor for 'fact_verification': {chosen}, 50 samples (40 train / 10 held out)"
     assert f"{expected}, {tmp_path / 'fv'}" in err
     assert f"skipping predictor {broken}" in err and "corrupt" in err
-    _check_predictors(str(model_dir))  # one predictor's own folder
+    check_predictors(str(model_dir))  # one predictor's own folder
     assert "'fact_verification'" in capsys.readouterr().err
