@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import argparse
 
-from justitia_cli import CommandError, Commands, formatter
+from justitia_cli import CommandError, Commands
+from justitia_cli.options import add_command
 
 
 def register(commands: Commands) -> None:
-    init_tiny = commands.model.add_parser(
+    init_tiny = add_command(
+        commands.model,
         "init-tiny",
         help="Write the embedded tiny model (config + tokenizer, no weights) to DIR.",
         description=(
             "Write a tiny Llama model folder (config.json, tokenizer.json, "
             "tokenizer_config.json) that vLLM runs with random weights and no downloads."
         ),
-        formatter_class=formatter,
+        handler=run_init_tiny,
     )
     init_tiny.add_argument("dir", metavar="DIR", help="folder to create")
     init_tiny.add_argument("--force", action="store_true", help="overwrite DIR's contents")
-    init_tiny.set_defaults(handler=run_init_tiny)
 
 
 def run_init_tiny(args: argparse.Namespace) -> int:

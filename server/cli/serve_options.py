@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from justitia_cli import Commands, formatter
+from justitia_cli import Commands
+from justitia_cli.options import add_command, kv_tokens_option, max_model_len_option, positive_int
 from server.cli.serving import run_serve
 from server.scheduler import LIVE_ONLY, POLICY_NAMES
 
 
 def register(commands: Commands) -> None:
-    serve = commands.root.add_parser(
+    serve = add_command(
+        commands.root,
         "serve",
         help="Run the Justitia server in front of an in-process vLLM engine.",
         description=(
@@ -20,17 +22,15 @@ def register(commands: Commands) -> None:
             "without a GPU). With no --model it serves the embedded tiny model, created "
             "on first use."
         ),
-        formatter_class=formatter,
+        handler=run_serve,
     )
     serve.add_argument("--model", default=None, metavar="PATH_OR_ID",
                        help="model folder or id to serve (default: the embedded tiny model)")
     serve.add_argument("--served-model-name", default=None,
                        help="the name clients use in the `model` field (default: from --model)")
-    serve.add_argument("--kv-tokens", type=int, default=None, metavar="N",
-                       help="KV cache capacity M in tokens (CPU: sets vLLM's "
-                            "num_gpu_blocks_override; default: what vLLM sizes)")
-    serve.add_argument("--max-model-len", type=int, default=2048, metavar="N",
-                       help="longest prompt + output in tokens")
+    kv_tokens_option(serve, "KV cache capacity M in tokens (CPU: sets vLLM's "
+                            "num_gpu_blocks_override; default: what vLLM sizes)", metavar="N")
+    max_model_len_option(serve, "longest prompt + output in tokens")
     serve.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
                        help="most requests the engine runs at once")
     serve.add_argument("--engine-nice", type=int, default=10, choices=range(0, 20), metavar="N",
@@ -108,11 +108,11 @@ def register(commands: Commands) -> None:
                             "--max-agent-bytes (default 64K; TENANT=off lifts it for one tenant, "
                             "leaving the body size limit)")
     # What one request may ask of the server (docs/reliability.md, Request limits)
-    serve.add_argument("--max-stop", type=_positive_int, default=16, metavar="N",
+    serve.add_argument("--max-stop", type=positive_int, default=16, metavar="N",
                        help="most stop sequences in one request; more: 400 (default: 16)")
-    serve.add_argument("--max-stop-chars", type=_positive_int, default=256, metavar="N",
+    serve.add_argument("--max-stop-chars", type=positive_int, default=256, metavar="N",
                        help="most characters in one stop sequence; longer: 400 (default: 256)")
-    serve.add_argument("--max-messages", type=_positive_int, default=2048, metavar="N",
+    serve.add_argument("--max-messages", type=positive_int, default=2048, metavar="N",
                        help="most messages in one chat request; more: 400 (default: 2048)")
     serve.add_argument("--max-schema-bytes", type=_schema_bytes, default=64 * 1024, metavar="SIZE",
                        help="largest JSON schema (response_format), as JSON; larger: 400. SIZE: "
@@ -120,7 +120,7 @@ def register(commands: Commands) -> None:
     serve.add_argument("--grammar-timeout", type=float, default=2.0, metavar="SECONDS",
                        help="time budget to compile a JSON schema's grammar, in a worker process "
                             "before the engine sees it; over it: 400 (default: 2)")
-    serve.add_argument("--max-dashboard-streams", type=_positive_int, default=8, metavar="N",
+    serve.add_argument("--max-dashboard-streams", type=positive_int, default=8, metavar="N",
                        help="open dashboard streams per tenant; more: 429 (default: 8)")
     serve.add_argument("--engine-url", action="append", default=[], metavar="URL",
                        help="use a remote vLLM OpenAI server as the engine (repeatable: "
@@ -134,11 +134,11 @@ def register(commands: Commands) -> None:
                             "ray://HOST:10001, or auto), or on a cluster this server starts on "
                             "this machine (local); --kv-tokens is then M, split evenly over the "
                             "replicas (see docs/deployment.md)")
-    serve.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
+    serve.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                        help="--ray: engine replicas to start (default 1)")
-    serve.add_argument("--min-replicas", type=_positive_int, default=None, metavar="A",
+    serve.add_argument("--min-replicas", type=positive_int, default=None, metavar="A",
                        help="--ray: fewest replicas Ray Serve's autoscaling may keep (with --max-replicas)")
-    serve.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B",
+    serve.add_argument("--max-replicas", type=positive_int, default=None, metavar="B",
                        help="--ray: most replicas Ray Serve's autoscaling may start (with --min-replicas)")
     serve.add_argument("--predictors", default=None, metavar="DIR",
                        help="trained cost predictors, one folder per agent type (from "
@@ -185,17 +185,6 @@ def register(commands: Commands) -> None:
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="server log level")
-    serve.set_defaults(handler=run_serve)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 def _schema_bytes(text: str) -> int:
