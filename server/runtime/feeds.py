@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from server.runtime.agents import AgentEntry, AgentRecord
 
-
 #: Records of a feed's first snapshot built and sent per turn of the event loop.
 SNAPSHOT_CHUNK = 100
 
