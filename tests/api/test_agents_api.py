@@ -91,7 +91,7 @@ def test_agent_lifecycle_accounts_every_request(client: httpx.Client) -> None:
         assert r.status_code == 200, r.text
         prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
     mid = client.get(f"/v1/agents/{rec['id']}").json()
-    assert mid["state"] == "running"
+    assert mid["state"] == "paused"  # running, between its requests
     assert mid["requests_total"] == mid["requests_done"] == 3
     expected = sum(kv_cost(p, d) for p, (_, d) in zip(prompt_tokens, sizes, strict=True))
     assert mid["consumed_cost"] == pytest.approx(expected)
@@ -371,3 +371,67 @@ def test_record_says_where_its_cost_came_from(client: httpx.Client) -> None:
     assert complete(client, None, 4).status_code == 200
     new = [a for a in all_agents(client) if a["id"] not in before]
     assert [a["cost_source"] for a in new] == ["request"]
+
+
+def test_an_agent_between_its_requests_is_paused_for_as_long_as_it_waits(client: httpx.Client) -> None:
+    """A running agent with no request in flight (a tool call) is `paused`: its record says
+    since when and for how long, the metrics count it, its next request makes it running
+    again, and it finishes from the pause."""
+    rec = register(client, type_="pausing_agent")
+    assert complete(client, rec["id"], 4).status_code == 200
+    first = client.get(f"/v1/agents/{rec['id']}").json()
+    assert first["state"] == "paused" and first["requests_in_flight"] == 0
+    assert first["submitted_at"] <= first["paused_at"] and first["paused_for_s"] >= 0.0
+    wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["paused_for_s"]
+               >= first["paused_for_s"] + 0.3, limit_s=10)
+    later = client.get(f"/v1/agents/{rec['id']}").json()
+    assert later["paused_at"] == first["paused_at"]  # the same pause, lasting
+    paused = metric_value(client.get("/metrics").text, "justitia_agents", {"state": "paused"})
+    assert paused is not None and paused >= 1
+    assert complete(client, rec["id"], 4).status_code == 200
+    second = client.get(f"/v1/agents/{rec['id']}").json()
+    assert second["state"] == "paused" and second["paused_at"] >= later["paused_at"] + 0.3
+    assert second["paused_for_s"] < later["paused_for_s"]
+    done = client.post(f"/v1/agents/{rec['id']}/finish").json()
+    assert done["state"] == "finished" and done["paused_at"] is None and done["paused_for_s"] is None
+
+
+def test_an_announced_tool_call_tells_the_scheduler_its_pause(client: httpx.Client) -> None:
+    """POST /pause names the tool call the agent is in (and how long it should take): the
+    record shows it and the rest of the pause; POST /resume ends it and its length is learned,
+    so the next agent of the type in the same tool is judged from it."""
+    rec = register(client, type_="tool_user")
+    assert complete(client, rec["id"], 4).status_code == 200
+    r = client.post(f"/v1/agents/{rec['id']}/pause", json={"tool": "search", "expected_s": 30.0})
+    assert r.status_code == 200, r.text
+    inside = r.json()
+    assert inside["state"] == "paused" and inside["tool"] == "search"
+    assert 29.0 < inside["pause_remaining_s"] <= 30.0  # the declared length, less what passed
+    wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["paused_for_s"] >= 0.3, limit_s=10)
+    ended = client.post(f"/v1/agents/{rec['id']}/resume").json()
+    assert ended["tool"] is None and ended["state"] == "paused"  # back, not sent anything yet
+    took = ended["paused_for_s"]
+    assert client.post(f"/v1/agents/{rec['id']}/resume").status_code == 200  # nothing to end: a no-op
+    client.post(f"/v1/agents/{rec['id']}/finish")
+
+    # the next of its type in the same tool, with no length declared: the call seen (>= 0.3 s)
+    other = register(client, type_="tool_user")
+    assert complete(client, other["id"], 4).status_code == 200
+    seen = client.post(f"/v1/agents/{other['id']}/pause", json={"tool": "search"}).json()
+    assert seen["tool"] == "search" and 0.0 < seen["pause_remaining_s"] <= took + 0.05
+    done = client.post(f"/v1/agents/{other['id']}/finish").json()
+    assert done["tool"] is None and done["pause_remaining_s"] is None
+    r = client.post(f"/v1/agents/{other['id']}/pause", json={"tool": "search"})
+    assert r.status_code == 409 and "finished" in r.json()["detail"]
+    assert client.post(f"/v1/agents/{other['id']}/resume").status_code == 409
+    assert client.post("/v1/agents/agt-nope/pause").status_code == 404
+
+
+def test_bad_tool_announcements_are_400(client: httpx.Client) -> None:
+    rec = register(client, type_="tool_user")
+    for body in ({"tool": ""}, {"tool": "has space"}, {"expected_s": -1}, {"expected_s": "soon"},
+                 {"tool": "t", "unknown": 1}):
+        r = client.post(f"/v1/agents/{rec['id']}/pause", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert isinstance(r.json()["detail"], str)
+    client.delete(f"/v1/agents/{rec['id']}")
