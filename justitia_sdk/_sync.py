@@ -285,6 +285,8 @@ class Client:
     list_agents = _blocking(AsyncClient.list_agents)
     finish_agent = _blocking(AsyncClient.finish_agent)
     cancel_agent = _blocking(AsyncClient.cancel_agent)
+    pause_agent = _blocking(AsyncClient.pause_agent)
+    resume_agent = _blocking(AsyncClient.resume_agent)
     watch_agent = _iterating(AsyncClient.watch_agent)
     watch_agents = _iterating(AsyncClient.watch_agents)
     scheduler = _blocking(AsyncClient.scheduler)
