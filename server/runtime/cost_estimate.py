@@ -51,10 +51,9 @@ def estimate_cost(predictors: Predictors | None, agent_type: str, prompt: str, t
         features = submission_features(metadata)
         try:
             predictor = predictors.get(agent_type, tenant)
-            interval = getattr(predictor, "predict_interval", None)
-            bounds = interval(prompt, features) if interval is not None else None
+            bounds = predictor.predict_interval(prompt, features)
             cost = float(predictor.predict(prompt, features))
-            if not getattr(predictor, "is_cold_start", False):
+            if not predictor.is_cold_start:
                 return CostEstimate(cost, "model", bounds, None)
             # the cold start's guess is one request of the prompt's estimated tokens
             return CostEstimate(cost, "cold_start", bounds, one_request(estimate_tokens(prompt), cost))
