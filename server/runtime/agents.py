@@ -15,6 +15,7 @@ this module owns identity, tenancy, lifecycle and the request log written to the
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import os
 from collections.abc import Callable
@@ -23,8 +24,23 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-AgentStateName = Literal["queued", "running", "finished", "failed", "cancelled", "expired"]
-TERMINAL: frozenset[str] = frozenset({"finished", "failed", "cancelled", "expired"})
+from server.scheduler import PromiseKind
+
+
+class AgentStatus(enum.StrEnum):
+    """Where an agent is in its life (the diagram above; server/runtime/lifecycle.py has
+    its transitions). The values are the API's `state` strings."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+TERMINAL: frozenset[AgentStatus] = frozenset(
+    {AgentStatus.FINISHED, AgentStatus.FAILED, AgentStatus.CANCELLED, AgentStatus.EXPIRED})
 MAX_ERROR_CHARS = 2000
 
 #: Where an agent's predicted_cost came from (docs/predictors.md, "Where a cost came from"):
@@ -133,7 +149,7 @@ class AgentEntry:
     session: str | None = None  # the session id of an implicit session agent (server/api/sessions.py)
     lease_s: float | None = None  # None: the server's lease
     cost_source: CostSource = "fallback"
-    state: AgentStateName = "queued"
+    state: AgentStatus = AgentStatus.QUEUED
     finished_at: float | None = None
     last_activity_mono: float = 0.0
     in_flight: int = 0
@@ -212,7 +228,7 @@ class AgentRecord(BaseModel):
     id: str
     type: str
     tenant: str
-    state: AgentStateName
+    state: AgentStatus
     predicted_cost: float = Field(description="Predicted total KV token-time cost.")
     virtual_finish: float = Field(description="The agent's GPS virtual finish tag.")
     predicted_cost_p90: float | None = Field(default=None, description=(
@@ -246,7 +262,7 @@ class AgentRecord(BaseModel):
         "expected to arrive ahead of the agent, at a pessimistic rate, plus delay_bound_s) and "
         "the ETA scaled by how far first ETAs have fallen short (promise_assumes says so). "
         "Moves only by the agent's own doing (it starts late, or uses more than predicted)."))
-    promise: Literal["firm", "widened", "none"] = Field(default="firm", description=(
+    promise: PromiseKind = Field(default=PromiseKind.FIRM, description=(
         "firm: the server expects to keep deadline_s; widened: it could not promise firmly "
         "and widened the deadline by its uncertainty (promise_reason says why); none: the "
         "policy keeps no delay bound."))

@@ -56,7 +56,7 @@ from server.runtime.agents import (
     MAX_ERROR_CHARS,
     AgentEntry,
     AgentRecord,
-    AgentStateName,
+    AgentStatus,
     encode_metadata,
     new_agent_id,
 )
@@ -328,7 +328,7 @@ class LiveScheduler:
             return entry
         self.require_live(entry)
         self._check_history()
-        state: AgentStateName = "finished" if error is None else "failed"
+        state = AgentStatus.FINISHED if error is None else AgentStatus.FAILED
         if error is not None:
             entry.error = error[:MAX_ERROR_CHARS]
         if entry.in_flight:
@@ -344,7 +344,7 @@ class LiveScheduler:
             return entry
         self.require_live(entry)
         self._check_history()
-        await self._cancel(entry, "cancelled")
+        await self._cancel(entry, AgentStatus.CANCELLED)
         await self._durable(entry)
         return entry
 
@@ -367,10 +367,10 @@ class LiveScheduler:
             await self._history_writer.durable(entry)
 
 
-    async def _cancel(self, entry: AgentEntry, state: AgentStateName) -> None:
+    async def _cancel(self, entry: AgentEntry, state: AgentStatus) -> None:
         entry.final_view = self._view(entry)
         now = self.now()
-        if state in ("finished", "failed"):
+        if state in (AgentStatus.FINISHED, AgentStatus.FAILED):
             # Its GPS work stays charged (the agent ran); only its requests go.
             running = [rid for rid, r in self.dispatcher.requests.items()
                        if r.spec.agent_id == entry.id and r.status is RequestStatus.RUNNING]
@@ -390,12 +390,12 @@ class LiveScheduler:
             raise AgentConflict(f"agent {entry.id} is {entry.state}")
 
 
-    def _close(self, entry: AgentEntry, state: AgentStateName, forget: bool = True) -> None:
+    def _close(self, entry: AgentEntry, state: AgentStatus, forget: bool = True) -> None:
         """End the agent: its state changes (IllegalTransition, before anything else, if it
         had ended), the dispatcher forgets it (unless `forget` is False: the caller did),
         it leaves the live agents, and the listeners hear of it."""
         transition(entry, state, wall=self._wall(), now=self.now())
-        if state == "finished" and entry.session is None and entry.first_eta_s is not None \
+        if state is AgentStatus.FINISHED and entry.session is None and entry.first_eta_s is not None \
                 and entry.finished_at is not None:
             # What the ETA intervals are calibrated on (a session's end comes after its idle
             # timeout, which no ETA forecasts).
@@ -419,13 +419,13 @@ class LiveScheduler:
             if entry.session is not None and now - entry.last_activity_mono > self.config.session_idle_s:
                 # A session has no finish call: its idleness is its end, a normal one.
                 log.info("session agent %s finished after %.0f s idle", entry.id, now - entry.last_activity_mono)
-                self._close(entry, "finished")
+                self._close(entry, AgentStatus.FINISHED)
                 continue
             lease = entry.lease_s or self.config.lease_s
             if now - entry.last_activity_mono > lease:
                 log.info("agent %s expired after %.0f s without activity", entry.id,
                          now - entry.last_activity_mono)
-                await self._cancel(entry, "expired")
+                await self._cancel(entry, AgentStatus.EXPIRED)
 
 
     # -- requests -----------------------------------------------------------------

@@ -8,7 +8,7 @@ import functools
 import heapq
 from typing import TYPE_CHECKING, Any
 
-from .state import AgentState, AgentView
+from .state import AgentState, AgentView, PromiseKind
 
 if TYPE_CHECKING:
     from .dispatcher import Dispatcher
@@ -45,6 +45,12 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
     )
 
 
+def server_promise(d: Dispatcher) -> PromiseKind:
+    """What the server can promise now: widened while it is uncertain (`d.uncertainty`
+    says why), else firm."""
+    return PromiseKind.WIDENED if d.uncertainty else PromiseKind.FIRM
+
+
 def snapshot(d: Dispatcher, now: float, max_queue: int = 50) -> dict[str, Any]:
     """Plain-data state: policy, V, M, tau, backlog, queue (head first) with tags.
     A read: the clock does not move."""
@@ -63,7 +69,7 @@ def snapshot(d: Dispatcher, now: float, max_queue: int = 50) -> dict[str, Any]:
         "bound_tau": d.bound_tau,
         "bound_iteration_s": d.bound_iteration_s,
         "bound_step_s": d.promises.bound_step_s,
-        "promise": "widened" if d.uncertainty else "firm",
+        "promise": server_promise(d),
         "promise_reason": d.uncertainty or "",
         "rate": d.rate,
         "eta_rate": d.eta_rate,
