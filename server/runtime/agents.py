@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from server.scheduler import PromiseKind
+from server.runtime.declared import declared_shape
+from server.scheduler import AgentShape, PromiseKind
 
 
 class AgentStatus(enum.StrEnum):
@@ -171,8 +172,8 @@ class AgentEntry:
     seq: int = 0  # registration order in this server (the cursor of GET /v1/agents)
     held_bytes: int = 0  # its prompt and metadata, against the tenant's --max-agent-bytes
     metadata_json: bytes = b"{}"
-    # `metadata.stages` when it is an int (re-prediction reads it after every request).
-    declared_stages: int | None = None
+    # The structure its metadata declared (server/runtime/declared.py), parsed once.
+    declared: AgentShape | None = None
     # An ended agent's metadata over ENDED_METADATA_BYTES is let go (the history has it).
     metadata_dropped: bool = False
     # Made only while someone watches (SSE): touch() runs several times per request.
@@ -183,9 +184,8 @@ class AgentEntry:
     def __post_init__(self, metadata: dict[str, Any] | None) -> None:
         if metadata:
             self.metadata_json = encode_metadata(metadata)
-            stages = metadata.get("stages")
-            if isinstance(stages, int) and not isinstance(stages, bool):
-                self.declared_stages = stages
+            if self.declared is None:
+                self.declared = declared_shape(metadata)
 
     def meta(self) -> dict[str, Any]:
         """The metadata, parsed (a new dict each call)."""
@@ -200,6 +200,11 @@ class AgentEntry:
         if len(self.metadata_json) > ENDED_METADATA_BYTES:
             self.metadata_json = b"{}"
             self.metadata_dropped = True
+
+    @property
+    def declared_stages(self) -> int | None:
+        """The stages its metadata declared (None: not declared)."""
+        return self.declared.stages if self.declared is not None else None
 
     @property
     def terminal(self) -> bool:

@@ -60,7 +60,8 @@ from server.runtime.agents import (
     encode_metadata,
     new_agent_id,
 )
-from server.runtime.cost_estimate import declared_batch, declared_shape, estimate_cost
+from server.runtime.cost_estimate import estimate_cost
+from server.runtime.declared import declared_batch, declared_shape
 from server.runtime.engine_upkeep import EngineUpkeep
 from server.runtime.feeds import Feeds, agent_events
 from server.runtime.lifecycle import AgentConflict, AgentNotFound, transition
@@ -270,12 +271,10 @@ class LiveScheduler:
             last_activity_mono=now,
             first_eta_s=view.eta_s,
             first_eta_interval_s=view.eta_interval_s,
+            declared=declared,
             on_change=self.feeds.changed,
         )
         entry.metadata_json = metadata_json  # the bytes counted above, not encoded twice
-        stages = metadata.get("stages")
-        if isinstance(stages, int) and not isinstance(stages, bool):
-            entry.declared_stages = stages
         self.table.add(entry, held)
         self.listeners.on_agent_registered(entry)
         self.feeds.changed(entry)

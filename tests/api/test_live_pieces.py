@@ -13,9 +13,11 @@ import pytest
 from server.engine.base import EngineOutput, SamplingOptions
 from server.runtime.agent_listeners import AgentListener
 from server.runtime.agents import TERMINAL, AgentEntry
+from server.runtime.declared import declared_shape
 from server.runtime.lifecycle import TRANSITIONS, AgentConflict, IllegalTransition, transition
 from server.runtime.limits import PerTenant, QuotaExceeded, Quotas
 from server.runtime.live import LiveConfig, LiveScheduler
+from server.scheduler import AgentShape
 from tests.support.fake_engine import FakeEngine
 
 STATES = list(TRANSITIONS)
@@ -26,6 +28,21 @@ def entry(state: str = "queued") -> AgentEntry:
                    submitted_at=0.0, submitted_mono=0.0, predicted_cost=1.0)
     e.state = state  # type: ignore[assignment]
     return e
+
+
+def test_the_declared_shape_is_parsed_once_into_one_typed_value() -> None:
+    """`metadata.stages` (with `critical_path_tokens` and `prefill_tokens`) becomes one
+    AgentShape at registration; the entry's declared stages are that shape's."""
+    assert declared_shape({"stages": 3, "critical_path_tokens": 900, "prefill_tokens": 40}) == \
+        AgentShape(stages=3, critical_path_tokens=900, prefill_tokens=40)
+    assert declared_shape({"stages": 2, "critical_path_tokens": "9"}) == AgentShape(stages=2)
+    # not an integer number of stages (a boolean, a string, a float, none): nothing declared
+    for stages in (True, "3", 3.0, 0, None):
+        assert declared_shape({"stages": stages}) is None, stages
+    e = AgentEntry(id="agt-2", type="t", tenant="x", prompt="p", metadata={"stages": 4},
+                   submitted_at=0.0, submitted_mono=0.0, predicted_cost=1.0)
+    assert e.declared == AgentShape(stages=4) and e.declared_stages == 4
+    assert entry().declared_stages is None
 
 
 @pytest.mark.parametrize("start", STATES)
