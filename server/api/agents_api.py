@@ -170,13 +170,16 @@ async def agents_events(request: Request, tenant: str = Depends(tenant_of),
             initial, rest, last = s.live_page(tenant, SNAPSHOT_AGENTS)
             if rest:
                 more = {"more": rest, "shown": len(initial), "cursor": str(last)}
+        sent = 0
         async for records in s.watch(tenant, wanted, initial=initial):
             if records is None:
                 yield ": keep-alive\n\n"
                 continue
             yield "".join(f"event: agent\ndata: {json.dumps(r.model_dump())}\n\n"
                           for r in records)
-            if more is not None:
+            sent += len(records)
+            # `more` follows the whole snapshot, which the feed sends in chunks.
+            if more is not None and initial is not None and sent >= len(initial):
                 yield f"event: more\ndata: {json.dumps(more)}\n\n"
                 more = None
 
