@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from server.runtime.declared import declared_shape
-from server.scheduler import AgentShape, PromiseKind
+from server.scheduler import AgentShape, AgentView, PromiseKind
 
 
 class AgentStatus(enum.StrEnum):
@@ -175,7 +175,7 @@ class AgentEntry:
     error: str | None = None  # why a failed agent failed, as its client reported it
     # Frozen at the end so that a finished agent's record stays readable after the
     # dispatcher forgets it.
-    final_view: dict[str, Any] | None = None
+    final_view: AgentView | None = None
     version: int = 0
     seq: int = 0  # registration order in this server (the cursor of GET /v1/agents)
     held_bytes: int = 0  # its prompt and metadata, against the tenant's --max-agent-bytes

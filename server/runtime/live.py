@@ -66,11 +66,11 @@ from server.runtime.engine_upkeep import EngineUpkeep
 from server.runtime.feeds import Feeds, agent_events
 from server.runtime.lifecycle import AgentConflict, AgentNotFound, transition
 from server.runtime.live_config import LiveConfig
-from server.runtime.records import agent_record, scheduler_view
+from server.runtime.records import agent_record
 from server.runtime.relearn import Recalled
 from server.runtime.request_path import RequestPath
 from server.runtime.type_shapes import ETA_QUANTILE, TypeShapes
-from server.scheduler import AgentShape, Dispatcher, RequestStatus, get_policy
+from server.scheduler import AgentShape, AgentView, Dispatcher, RequestStatus, get_policy
 
 if TYPE_CHECKING:
     from server.runtime.history import History
@@ -315,8 +315,8 @@ class LiveScheduler:
         view = entry.final_view if entry.final_view is not None else self._view(entry)
         return agent_record(entry, view, self.now())
 
-    def _view(self, entry: AgentEntry) -> dict[str, Any]:
-        return scheduler_view(self.dispatcher, entry.id, self.now())
+    def _view(self, entry: AgentEntry) -> AgentView:
+        return self.dispatcher.view(entry.id, self.now())
 
     async def finish(self, entry: AgentEntry, error: str | None = None) -> AgentEntry:
         """The agent is done: `finished`, or `failed` when its client reports an `error`

@@ -191,9 +191,12 @@ class AgentState:
         return max(0.0, self.predicted_cost - self.consumed_kv)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AgentView:
-    """What the scheduler promises an agent; the times are seconds from its submission."""
+    """What the scheduler tells of an agent at one moment (`Dispatcher.view`): its tag,
+    costs, ETA and promise; the times are seconds from its submission. The runtime joins
+    it with its own entry into the API's record (server/runtime/records.py), and keeps an
+    ended agent's last one."""
 
     agent_id: str
     agent_type: str | None
