@@ -191,7 +191,7 @@ class LiveScheduler:
                 if self.now() - last < self.config.housekeeping_s:
                     continue
                 last = self.now()
-                self._update_tau()
+                self.upkeep.update()  # tau, the step-time model and the rates ETAs divide by
                 await self.upkeep.save_every(self.history)
                 await self._expire_idle_agents()
                 self.table.prune(self.now(), self.config.retention_s)
@@ -199,9 +199,6 @@ class LiveScheduler:
                     self.admission.fail_waiting(EngineError("the engine is not running"))
             except Exception:  # housekeeping must survive anything one round throws
                 log.exception("housekeeping round failed")
-
-    def _update_tau(self) -> None:
-        self.upkeep.update()
 
     # -- agents -------------------------------------------------------------------
     def register(
