@@ -31,6 +31,9 @@ def agent_record(entry: AgentEntry, view: AgentView, now: float | None = None) -
         finished_at=entry.finished_at,
         paused_at=entry.paused_at,
         paused_for_s=paused_for,
+        # an ended agent is in no pause (its last view may have been taken in one)
+        tool=None if entry.terminal else view.tool,
+        pause_remaining_s=None if entry.terminal else view.pause_remaining_s,
         first_eta_s=entry.first_eta_s,
         first_eta_interval_s=list(entry.first_eta_interval_s) if entry.first_eta_interval_s else None,
         session=entry.session,

@@ -165,6 +165,11 @@ class AgentState:
     # not started), and how many stages it has started.
     idle_since: float | None = None
     stages_started: int = 0
+    # In a tool call its client announced (pauses.py, `tool_started`): the tool's name, since
+    # when, and how long the client expects it to take (None: not said).
+    tool: str | None = None
+    tool_since: float | None = None
+    tool_expected_s: float | None = None
     requests_total: int = 0
     requests_done: int = 0
     # Owned by AgentHeapQueue (queues.py): the agent's pending requests in `order`, and the
@@ -219,6 +224,8 @@ class AgentView:
     promise_assumes: str = ""  # what deadline_s rests on where it is tighter than the worst case
     expected_cost: float | None = None  # re-predicted total KV cost (None: not re-predicted)
     eta_interval_s: tuple[float, float] | None = None  # [p10, p90] around eta_s (eta_interval.py)
+    tool: str | None = None  # the tool call its client announced it is in (pauses.py)
+    pause_remaining_s: float | None = None  # the expected rest of its pause (None: not paused, or unknown)
 
 
 # -- what the dispatcher has observed ------------------------------------------------------

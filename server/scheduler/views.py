@@ -42,6 +42,8 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
         promise_reason=agent.promise_reason,
         promise_assumes=agent.promise_assumes,
         expected_cost=agent.expected_kv,
+        tool=agent.tool,
+        pause_remaining_s=d.pauses.remaining_s(agent, now),
     )
 
 
