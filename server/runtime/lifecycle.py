@@ -29,7 +29,7 @@ TRANSITIONS: dict[AgentStatus, frozenset[AgentStatus]] = {
     AgentStatus.QUEUED: frozenset({AgentStatus.RUNNING, *TERMINAL}),
     AgentStatus.RUNNING: frozenset({AgentStatus.PAUSED, *TERMINAL}),
     AgentStatus.PAUSED: frozenset({AgentStatus.RUNNING, *TERMINAL}),
-    **{end: frozenset() for end in TERMINAL},
+    **{end: frozenset() for end in AgentStatus if end in TERMINAL},  # in a stable order
 }
 # The ends under an agent's running requests: they are aborted, their outputs dropped.
 ABANDONED: frozenset[AgentStatus] = frozenset({AgentStatus.CANCELLED, AgentStatus.EXPIRED})
