@@ -309,10 +309,12 @@ def _replicas(request: Request) -> ReplicaList:
 @router.get("/v1/admin/replicas", tags=["operations"],
             responses=errors.responses(401, 403, 409))
 async def list_replicas(request: Request, tenant: str = Depends(tenant_of)) -> dict:
-    """The engine replicas: id, state, KV capacity, reserved tokens, requests in flight."""
+    """The engine replicas (id, state, KV capacity, reserved tokens, requests in flight) and
+    the latest changes of M (when, over how many replicas)."""
     require_admin(request, tenant)
     engine = _replicas(request)
-    return {"kv_capacity_tokens": engine.capacity, "replicas": engine.describe_replicas()}
+    return {"kv_capacity_tokens": engine.capacity, "replicas": engine.describe_replicas(),
+            "capacity_changes": engine.capacity_changes()}
 
 
 @router.get("/v1/predictors", tags=["operations"], responses=errors.responses(401, 403))

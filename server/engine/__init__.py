@@ -1,6 +1,7 @@
 """Engine backends behind one interface (see `server.engine.base`)."""
 
 from server.engine.base import (
+    Autoscaled,
     Capabilities,
     CapacityChanges,
     Engine,
@@ -18,6 +19,7 @@ from server.engine.base import (
 )
 
 __all__ = [
+    "Autoscaled",
     "Capabilities",
     "CapacityChanges",
     "Engine",

@@ -6,7 +6,7 @@ test suite's `FakeEngine`. The server never talks to vLLM directly; it hands an
 `EngineRequest` to `Engine.generate` and reads `EngineOutput`s until one is `finished`.
 
 `Engine` is what every backend offers. What only some offer is a capability, each its own
-small protocol (`StepStatistics`, `StepSamples`, `Placement`, `CapacityChanges`, `ReplicaList`,
+small protocol (`StepStatistics`, `StepSamples`, `Placement`, `CapacityChanges`, `ReplicaList`, `Autoscaled`,
 `Supervised`); `Capabilities.of(engine)` finds which an engine has, once, when the
 scheduler and the application are built, so that no other code probes engines with
 `getattr`.
@@ -260,6 +260,18 @@ class ReplicaList(Protocol):
 
     def describe_replicas(self) -> list[dict[str, Any]]: ...
 
+    def capacity_changes(self) -> list[dict[str, Any]]:
+        """Each M the scheduler was told: `{"at": unix time, "replicas": n, "M": tokens}`."""
+        ...
+
+
+@runtime_checkable
+class Autoscaled(Protocol):
+    """The engine scales its replicas on the scheduler's KV demand (tokens reserved by
+    running requests plus the footprints of queued ones), which it reads through `demand`."""
+
+    def set_demand_source(self, demand: Callable[[], int]) -> None: ...
+
 
 @runtime_checkable
 class Supervised(Protocol):
@@ -288,6 +300,7 @@ class Capabilities:
     placement: Placement | None = None
     capacity_changes: CapacityChanges | None = None
     replicas: ReplicaList | None = None
+    autoscaled: Autoscaled | None = None
     supervision: Supervised | None = None
 
     @classmethod
@@ -298,6 +311,7 @@ class Capabilities:
             placement=engine if isinstance(engine, Placement) else None,
             capacity_changes=engine if isinstance(engine, CapacityChanges) else None,
             replicas=engine if isinstance(engine, ReplicaList) else None,
+            autoscaled=engine if isinstance(engine, Autoscaled) else None,
             supervision=engine if isinstance(engine, Supervised) else None,
         )
 

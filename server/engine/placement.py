@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,15 @@ from server.engine.base import CapacityListener, EngineError, EngineStats
 log = logging.getLogger("justitia.engine.placement")
 
 AFFINITY_ENTRIES = 10_000  # agents remembered for prefix affinity (least recently used go)
+CHANGES_KEPT = 1_000  # the latest changes of M, for the operator
+
+
+def replicas_for(demand_tokens: float, replica_kv_tokens: float) -> int:
+    """How many replicas of this KV capacity the demand fills (rounded up, one at least):
+    the replica count an autoscaler aims for."""
+    if replica_kv_tokens <= 0:
+        raise ValueError("a replica's KV capacity must be positive")
+    return max(1, math.ceil(demand_tokens / replica_kv_tokens))
 
 
 class NoReplica(EngineError):
@@ -76,6 +87,8 @@ class ReplicaPlacement:
         self._announced: int | None = None  # the M the scheduler was last told
         self._placed: dict[str, tuple[ReplicaSlot, int]] = {}
         self._affinity: collections.OrderedDict[str, ReplicaSlot] = collections.OrderedDict()
+        # Each M the scheduler was told, with when (Unix time) and over how many replicas.
+        self.changes: collections.deque[dict[str, Any]] = collections.deque(maxlen=CHANGES_KEPT)
 
     # -- membership and capacity ---------------------------------------------------------
     @property
@@ -94,7 +107,11 @@ class ReplicaPlacement:
     def started(self) -> int:
         """The engine told the scheduler this M; later changes are announced."""
         self._announced = self.capacity
+        self._note(self._announced)
         return self._announced
+
+    def _note(self, m: int) -> None:
+        self.changes.append({"at": round(time.time(), 3), "replicas": len(self.serving), "M": m})
 
     def join(self, replica_id: str, kv_capacity_tokens: int) -> ReplicaSlot:
         """The replica of this id (a new one joins, serving, with this capacity)."""
@@ -128,6 +145,7 @@ class ReplicaPlacement:
         if self._announced is None or m <= 0 or m == self._announced:
             return m  # with no replica serving M keeps its last value
         self._announced = m
+        self._note(m)
         log.info("KV capacity is now %d tokens over %d replicas", m, len(self.serving))
         for listener in self._listeners:
             listener(m)

@@ -33,7 +33,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,8 +164,8 @@ class _ReplicaFailed(Exception):
 class RayServeEngine(TokenizerEngine):
     """Engine replicas deployed on Ray Serve as one engine (see the module docstring).
 
-    Capabilities (server/engine/base.py): `StepStatistics`, `Placement`, `CapacityChanges`
-    and `Supervised`.
+    Capabilities (server/engine/base.py): `StepStatistics`, `Placement`, `CapacityChanges`,
+    `ReplicaList`, `Autoscaled` and `Supervised`.
     """
 
     def __init__(self, address: str, replicas: int, settings: dict[str, Any], *,
@@ -194,6 +194,7 @@ class RayServeEngine(TokenizerEngine):
         self._owns_cluster = False
         self._attached = False
         self._changed = asyncio.Event()
+        self._demand: Callable[[], int] | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     @property
@@ -227,9 +228,14 @@ class RayServeEngine(TokenizerEngine):
 
         from server.engine.ray_replica import engine_deployment
 
+        env = runtime_env()
+        if self.min_replicas is not None:
+            # The replicas push the autoscaling metrics (the scheduler's demand) every 2 s
+            # rather than Ray's 10 s: the autoscaler acts on a burst sooner.
+            env["env_vars"]["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "2"
         app = engine_deployment(replicas=self.replica_count, pinned=self.pinned, settings=self.settings,
                                 min_replicas=self.min_replicas, max_replicas=self.max_replicas,
-                                ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()})
+                                ray_actor_options={"num_cpus": 0, "runtime_env": env})
         started = time.monotonic()
         try:
             self._attached = await asyncio.to_thread(self._running_app)
@@ -318,8 +324,14 @@ class RayServeEngine(TokenizerEngine):
         await asyncio.to_thread(_kill_survivors, doomed)
 
     # -- reports: health, statistics, capacity -------------------------------------------
+    def set_demand_source(self, demand: Callable[[], int]) -> None:
+        """The scheduler's KV demand, sent with every poll: with --min/--max-replicas the
+        replicas hand it to Ray Serve's autoscaler (server/engine/ray_replica.py)."""
+        self._demand = demand
+
     async def _reports(self) -> list[dict[str, Any]]:
-        results = await self._handle.broadcast("report").results_async(
+        demand = self._demand() if self._demand is not None else None
+        results = await self._handle.broadcast("report", demand).results_async(
             return_exceptions=True, timeout_s=REPORT_TIMEOUT_S)
         return [r for r in results if isinstance(r, dict)]
 
@@ -381,6 +393,9 @@ class RayServeEngine(TokenizerEngine):
 
     def describe_replicas(self) -> list[dict[str, Any]]:
         return self.placement.describe()
+
+    def capacity_changes(self) -> list[dict[str, Any]]:
+        return list(self.placement.changes)
 
     def stats(self) -> EngineStats:
         return self.placement.stats()

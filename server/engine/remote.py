@@ -158,6 +158,9 @@ class RemoteVLLMEngine(TokenizerEngine):
     def add_capacity_listener(self, listener: CapacityListener) -> None:
         self.placement.add_capacity_listener(listener)
 
+    def capacity_changes(self) -> list[dict[str, Any]]:
+        return list(self.placement.changes)
+
     def describe_replicas(self) -> list[dict[str, Any]]:
         return self.placement.describe()
 

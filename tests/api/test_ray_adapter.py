@@ -8,6 +8,7 @@ runs the same adapter on a local Ray cluster with real vLLM replicas.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -38,7 +39,8 @@ def engine_of(*reports: dict, pinned: bool = True) -> tuple[RayServeEngine, list
 
 def test_capabilities_are_those_the_scheduler_needs() -> None:
     engine, _ = engine_of(report("a"))
-    assert {"placement", "capacity_changes", "step_statistics", "supervision"} <= Capabilities.of(engine).names
+    assert Capabilities.of(engine).names == {"placement", "capacity_changes", "step_statistics", "supervision",
+                                             "replicas", "autoscaled"}
 
 
 def test_m_is_the_sum_and_follows_replicas_leaving_and_joining() -> None:
@@ -70,6 +72,29 @@ def test_placement_is_the_shared_one_on_the_replicas_that_report() -> None:
     rows = {r["id"]: r for r in engine.describe_replicas()}
     assert rows[first.id]["state"] == "down" and rows[first.id]["reserved_tokens"] == 3900
     assert engine.capacity == 4000
+
+
+def test_the_schedulers_demand_goes_to_the_replicas_with_every_poll() -> None:
+    """With --min/--max-replicas the replicas hand it to Ray Serve's autoscaler."""
+    engine, heard = engine_of(report("a"))
+    sent: list[tuple] = []
+
+    class Broadcast:
+        async def results_async(self, **_: object) -> list:
+            return [report("a"), report("b")]
+
+    class Handle:
+        def broadcast(self, method: str, *args: object) -> Broadcast:
+            sent.append((method, *args))
+            return Broadcast()
+
+    engine._handle = Handle()
+    engine.set_demand_source(lambda: 12_345)
+    engine._absorb(asyncio.run(engine._reports()))
+    assert sent == [("report", 12_345)]
+    # Ray scaled up: M follows, and the change is on record with the replica count
+    assert heard == [8000] and engine.capacity == 8000
+    assert [(c["replicas"], c["M"]) for c in engine.capacity_changes()] == [(1, 4000), (2, 8000)]
 
 
 def test_unpinned_engine_reserves_nothing() -> None:

@@ -89,6 +89,9 @@ class ReplicatedFakeEngine:
     def add_capacity_listener(self, listener: CapacityListener) -> None:
         self.placement.add_capacity_listener(listener)
 
+    def capacity_changes(self) -> list[dict[str, Any]]:
+        return list(self.placement.changes)
+
     def describe_replicas(self) -> list[dict[str, Any]]:
         self._refresh()
         return self.placement.describe()
