@@ -152,12 +152,16 @@ async def _read_streams(url: str, n: int, seconds: float) -> dict:
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
             if r.status_code != 200:
                 return
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    if not got:
-                        first_frame_s.append(time.monotonic() - opened)
-                    got += 1
-        frames.append(got)
+            try:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        if not got:
+                            first_frame_s.append(time.monotonic() - opened)
+                        got += 1
+            finally:
+                # The stream never ends by itself: its reader is cancelled at the end of
+                # the window, and the frames it read until then still count.
+                frames.append(got)
 
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c:
         tasks = [asyncio.create_task(one(c, k)) for k in range(n)]

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-AgentState = Literal["queued", "running", "finished", "failed", "cancelled", "expired"]
+AgentState = Literal["queued", "running", "paused", "finished", "failed", "cancelled", "expired"]
 TERMINAL_STATES: frozenset[str] = frozenset({"finished", "failed", "cancelled", "expired"})
 
 
@@ -48,6 +48,10 @@ class AgentRecord(BaseModel):
     #: The session id of an implicit session agent (OpenAI requests that carry a session
     #: header and no agent tag; docs/server.md); None for other agents and older servers.
     session: str | None = None
+    #: While `paused` (running, nothing in flight: a tool call): when the pause began (unix
+    #: seconds) and how long it has lasted; None otherwise and from older servers.
+    paused_at: float | None = None
+    paused_for_s: float | None = None
 
     @model_validator(mode="after")
     def _fill_jct(self) -> AgentRecord:

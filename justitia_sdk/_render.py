@@ -28,6 +28,7 @@ STATE_STYLE = {
     "pending": "dim",
     "queued": "yellow",
     "running": "cyan",
+    "paused": "blue",
     "finished": "green",
     "cancelled": "magenta",
     "expired": "red",

@@ -45,6 +45,12 @@ from server.scheduler.policies import ENGINE, get_policy
 log = logging.getLogger("justitia.server")
 
 
+#: Headers of an answer given before the request's body was read: the connection closes
+#: after it, so the server does not go on receiving (and parsing, on the event loop) the
+#: megabytes the client still sends.
+UNREAD_BODY = {"Connection": "close"}
+
+
 class BodySizeLimit:
     """Refuse bodies over the limit with 413 before reading them into memory."""
 
@@ -59,7 +65,8 @@ class BodySizeLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             response = errors.error_response(
-                scope["path"], 413, f"the body has {int(length)} bytes; the limit is {self.max_bytes}")
+                scope["path"], 413, f"the body has {int(length)} bytes; the limit is {self.max_bytes}",
+                headers=UNREAD_BODY)
             await response(scope, receive, send)
             return
         if length is not None or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
@@ -78,7 +85,8 @@ class BodySizeLimit:
             received += len(message.get("body", b""))
             if received > self.max_bytes:
                 response = errors.error_response(
-                    scope["path"], 413, f"the body is over the limit of {self.max_bytes} bytes")
+                    scope["path"], 413, f"the body is over the limit of {self.max_bytes} bytes",
+                    headers=UNREAD_BODY)
                 await response(scope, receive, send)
                 return
             chunks.append(message.get("body", b""))

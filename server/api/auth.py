@@ -95,8 +95,10 @@ class RateLimitFirst:
             except RateLimitExceeded as exc:
                 from server.api import errors
 
+                # Connection: close, as the body is left unread (see app.UNREAD_BODY).
                 response = errors.error_response(scope["path"], 429, str(exc),
-                                                 headers={"Retry-After": str(exc.retry_after)})
+                                                 headers={"Retry-After": str(exc.retry_after),
+                                                          "Connection": "close"})
                 await response(scope, receive, send)
                 return
             scope[RATE_COUNTED] = True

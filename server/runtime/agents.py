@@ -2,9 +2,13 @@
 
 An agent moves one way through its states:
 
-    queued ──(first request admitted)──▶ running ──▶ finished / failed (its code raised)
-       │                                   │
-       └──────────────┬────────────────────┴──▶ cancelled (DELETE) / expired (lease ran out)
+    queued ──(first request admitted)──▶ running ⇄ paused ──▶ finished / failed (its code raised)
+       │                                      │
+       └──────────────┬───────────────────────┴──▶ cancelled (DELETE) / expired (lease ran out)
+
+A running agent with nothing in flight is *paused* (a tool call, a user's think time) until
+it sends its next request: it keeps its place in the fair order, and its record says since
+when.
 
 Only `finished` agents are complete runs: they alone become predictor training samples.
 
@@ -23,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-AgentStateName = Literal["queued", "running", "finished", "failed", "cancelled", "expired"]
+AgentStateName = Literal["queued", "running", "paused", "finished", "failed", "cancelled", "expired"]
 TERMINAL: frozenset[str] = frozenset({"finished", "failed", "cancelled", "expired"})
 MAX_ERROR_CHARS = 2000
 
@@ -135,6 +139,9 @@ class AgentEntry:
     cost_source: CostSource = "fallback"
     state: AgentStateName = "queued"
     finished_at: float | None = None
+    # While paused: since when, on the scheduler's clock and in unix seconds (None otherwise).
+    paused_mono: float | None = None
+    paused_at: float | None = None
     last_activity_mono: float = 0.0
     in_flight: int = 0
     requests: list[RequestLog] = field(default_factory=list)
@@ -266,6 +273,11 @@ class AgentRecord(BaseModel):
                      "type), cold_start (the online estimate of a type without one), fallback "
                      "(no predictor: the prompt's size)."))
     finished_at: float | None
+    paused_at: float | None = Field(default=None, description=(
+        "While the agent is `paused` (running, with no request in flight: a tool call, a "
+        "user's think time): when the pause began, unix seconds; null otherwise."))
+    paused_for_s: float | None = Field(default=None, description=(
+        "While `paused`: how long the pause has lasted so far, seconds; null otherwise."))
     session: str | None = Field(default=None, description=(
         "The session id of an implicit session agent (OpenAI requests with a session header "
         "and no agent tag); null for other agents."))

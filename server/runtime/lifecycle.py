@@ -1,9 +1,13 @@
 """An agent's lifecycle: its states, the transitions between them, and the one function
 that validates and applies a transition.
 
-    queued ──(first request admitted)──▶ running ──▶ finished / failed (its code raised)
-       │                                   │
-       └──────────────┬────────────────────┴──▶ cancelled (DELETE) / expired (lease ran out)
+    queued ──(first request admitted)──▶ running ⇄ paused ──▶ finished / failed (its code raised)
+       │                                      │
+       └──────────────┬───────────────────────┴──▶ cancelled (DELETE) / expired (lease ran out)
+
+A running agent whose last request in flight ends is `paused` (between its stages: a tool
+call, a user's think time) until it sends another, which makes it `running` again. A paused
+agent may end like a running one (its finish call, a cancel, its lease running out).
 
 An agent may also end while still queued (finished with no request admitted, cancelled,
 expired). The four end states are final: nothing leaves them. The live scheduler
@@ -23,7 +27,8 @@ if TYPE_CHECKING:
 # The states each state may move to.
 TRANSITIONS: dict[AgentStateName, frozenset[AgentStateName]] = {
     "queued": frozenset({"running", "finished", "failed", "cancelled", "expired"}),
-    "running": frozenset({"finished", "failed", "cancelled", "expired"}),
+    "running": frozenset({"paused", "finished", "failed", "cancelled", "expired"}),
+    "paused": frozenset({"running", "finished", "failed", "cancelled", "expired"}),
     "finished": frozenset(),
     "failed": frozenset(),
     "cancelled": frozenset(),
@@ -49,11 +54,16 @@ def transition(entry: AgentEntry, to: AgentStateName, *, wall: float, now: float
     """Move `entry` to state `to`, or raise IllegalTransition and leave it as it was.
 
     An end state also stamps the end: `finished_at` (unix seconds, `wall`) and the last
-    activity (the scheduler's clock, `now`), from which its retention is counted.
+    activity (the scheduler's clock, `now`), from which its retention is counted. `paused`
+    stamps the pause's start; leaving it clears it.
     """
     if to not in TRANSITIONS[entry.state]:
         raise IllegalTransition(f"agent {entry.id} is {entry.state}; it cannot become {to}")
     entry.state = to
+    if to == "paused":
+        entry.paused_at, entry.paused_mono = wall, now
+    else:
+        entry.paused_at = entry.paused_mono = None
     if to in TERMINAL:
         entry.finished_at = wall
         entry.last_activity_mono = now

@@ -314,7 +314,7 @@ class LiveScheduler:
 
     def record(self, entry: AgentEntry) -> AgentRecord:
         view = entry.final_view if entry.final_view is not None else self._view(entry)
-        return agent_record(entry, view)
+        return agent_record(entry, view, self.now())
 
     def _view(self, entry: AgentEntry) -> dict[str, Any]:
         return scheduler_view(self.dispatcher, entry.id, self.now())

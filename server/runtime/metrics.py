@@ -90,7 +90,7 @@ class _SchedulerCollector:
         counts: dict[str, int] = {}
         for a in s.agents.values():
             counts[a.state] = counts.get(a.state, 0) + 1
-        for state in ("queued", "running", "finished", "failed", "cancelled", "expired"):
+        for state in ("queued", "running", "paused", "finished", "failed", "cancelled", "expired"):
             states.add_metric([state], counts.get(state, 0))
         yield states
         yield from _time_model_gauges(s)

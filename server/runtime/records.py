@@ -34,8 +34,11 @@ def scheduler_view(dispatcher: Dispatcher, agent_id: str, now: float) -> dict[st
     }
 
 
-def agent_record(entry: AgentEntry, view: dict[str, Any]) -> AgentRecord:
-    """The record of `entry` with the scheduler's `view` of it."""
+def agent_record(entry: AgentEntry, view: dict[str, Any], now: float | None = None) -> AgentRecord:
+    """The record of `entry` with the scheduler's `view` of it; `now` (the scheduler's
+    clock) times a pause in progress."""
+    paused_for = (max(0.0, now - entry.paused_mono)
+                  if entry.paused_mono is not None and now is not None else None)
     jct = entry.finished_at - entry.submitted_at if entry.state == "finished" and entry.finished_at else None
     return AgentRecord(
         id=entry.id,
@@ -48,6 +51,8 @@ def agent_record(entry: AgentEntry, view: dict[str, Any]) -> AgentRecord:
         requests_in_flight=entry.in_flight,
         submitted_at=entry.submitted_at,
         finished_at=entry.finished_at,
+        paused_at=entry.paused_at,
+        paused_for_s=paused_for,
         first_eta_s=entry.first_eta_s,
         first_eta_interval_s=list(entry.first_eta_interval_s) if entry.first_eta_interval_s else None,
         session=entry.session,

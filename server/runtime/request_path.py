@@ -60,6 +60,8 @@ class RequestPath:
             raise
         entry.in_flight += 1
         entry.last_activity_mono = now
+        if entry.state == "paused":  # back from its pause: its next stage starts
+            transition(entry, "running", wall=self._wall(), now=now)
         entry.touch()
         last: EngineOutput | None = None
         try:
@@ -129,6 +131,10 @@ class RequestPath:
             ))
         if last is not None:
             self.listeners.on_request_finished(entry, last)
+        if entry.state == "running" and entry.in_flight == 0 and not entry.auto:
+            # Nothing left in flight: the agent is between its stages (a tool call, a
+            # user's think time) until it sends again or ends.
+            transition(entry, "paused", wall=self._wall(), now=now)
         entry.touch()
         if entry.auto and not entry.terminal and entry.in_flight == 0:
             self._close(entry, "finished")

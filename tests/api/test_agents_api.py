@@ -105,7 +105,7 @@ def test_agent_lifecycle_accounts_every_request(client: httpx.Client) -> None:
         assert r.status_code == 200, r.text
         prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
     mid = client.get(f"/v1/agents/{rec['id']}").json()
-    assert mid["state"] == "running"
+    assert mid["state"] == "paused"  # running, between its requests
     assert mid["requests_total"] == mid["requests_done"] == 3
     expected = sum(kv_cost(p, d) for p, (_, d) in zip(prompt_tokens, sizes, strict=True))
     assert mid["consumed_cost"] == pytest.approx(expected)
@@ -385,3 +385,26 @@ def test_record_says_where_its_cost_came_from(client: httpx.Client) -> None:
     assert complete(client, None, 4).status_code == 200
     new = [a for a in all_agents(client) if a["id"] not in before]
     assert [a["cost_source"] for a in new] == ["request"]
+
+
+def test_an_agent_between_its_requests_is_paused_for_as_long_as_it_waits(client: httpx.Client) -> None:
+    """A running agent with no request in flight (a tool call) is `paused`: its record says
+    since when and for how long, the metrics count it, its next request makes it running
+    again, and it finishes from the pause."""
+    rec = register(client, type_="pausing_agent")
+    assert complete(client, rec["id"], 4).status_code == 200
+    first = client.get(f"/v1/agents/{rec['id']}").json()
+    assert first["state"] == "paused" and first["requests_in_flight"] == 0
+    assert first["submitted_at"] <= first["paused_at"] and first["paused_for_s"] >= 0.0
+    wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["paused_for_s"]
+               >= first["paused_for_s"] + 0.3, limit_s=10)
+    later = client.get(f"/v1/agents/{rec['id']}").json()
+    assert later["paused_at"] == first["paused_at"]  # the same pause, lasting
+    paused = metric_value(client.get("/metrics").text, "justitia_agents", {"state": "paused"})
+    assert paused is not None and paused >= 1
+    assert complete(client, rec["id"], 4).status_code == 200
+    second = client.get(f"/v1/agents/{rec['id']}").json()
+    assert second["state"] == "paused" and second["paused_at"] >= later["paused_at"] + 0.3
+    assert second["paused_for_s"] < later["paused_for_s"]
+    done = client.post(f"/v1/agents/{rec['id']}/finish").json()
+    assert done["state"] == "finished" and done["paused_at"] is None and done["paused_for_s"] is None

@@ -118,7 +118,7 @@ async def test_a_server_killed_mid_batch_fails_the_inputs_not_ended_together(tmp
         def kill_once_three_finished() -> None:
             wait_until(lambda: sum(a["state"] == "finished" for a in httpx.get(
                 url + "/v1/agents").json()["agents"]) >= 3 and sum(
-                a["requests_total"] > 0 and a["state"] == "running" for a in httpx.get(
+                a["requests_total"] > 0 and a["state"] in ("running", "paused") for a in httpx.get(
                     url + "/v1/agents").json()["agents"]) >= 1, 30)
             proc.kill()
             proc.wait(10)

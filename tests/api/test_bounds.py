@@ -222,7 +222,7 @@ def test_a_finish_that_cannot_be_made_durable_is_refused_and_acknowledged_once_w
         # Refused before anything changes: the second agent stays live.
         r = c.delete(f"/v1/agents/{second['id']}")
         assert r.status_code == 503
-        assert c.get(f"/v1/agents/{second['id']}").json()["state"] == "running"
+        assert c.get(f"/v1/agents/{second['id']}").json()["state"] == "paused"
         # Asked again while its row waits: refused again.
         assert c.post(f"/v1/agents/{first['id']}/finish").status_code == 503
         with history._lock:

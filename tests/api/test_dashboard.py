@@ -150,3 +150,16 @@ def test_the_queue_is_capped_at_its_top_rows_with_counts(tmp_path) -> None:
         # no keys: the caller is the operator and sees the tenant column
         assert first["info"]["admin"] is True and first["rows"][first["order"][0]][2] == "default"
         assert first["kv"] and {"reserved", "used", "capacity", "tokens_per_s"} <= set(first["kv"][-1])
+
+
+def test_a_paused_agent_is_counted_and_its_row_says_since_when(keyed: FakeServer) -> None:
+    with client(keyed, "alice") as alice:
+        [a] = register(alice, "tool_job")
+        r = alice.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "agent_id": a})
+        assert r.status_code == 200, r.text
+        [first] = frames(alice, 1)
+        row = first["rows"][a]
+        assert row[3] == "paused" and first["counts"]["paused"] >= 1
+        # when its pause began, on the frames' clock: the page shows t - paused_since
+        assert row[13] is not None and 0.0 <= first["t"] - row[13] < 60.0
+        alice.delete(f"/v1/agents/{a}")

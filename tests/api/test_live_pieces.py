@@ -32,8 +32,8 @@ def entry(state: str = "queued") -> AgentEntry:
 @pytest.mark.parametrize("to", STATES)
 def test_the_transition_function_applies_legal_moves_and_refuses_the_rest(start, to) -> None:
     e = entry(start)
-    legal = (start, to) in {("queued", "running")} | {
-        (s, t) for s in ("queued", "running") for t in TERMINAL}
+    legal = (start, to) in {("queued", "running"), ("running", "paused"), ("paused", "running")} | {
+        (s, t) for s in ("queued", "running", "paused") for t in TERMINAL}
     if not legal:
         with pytest.raises(IllegalTransition, match=f"is {start}; it cannot become {to}"):
             transition(e, to, wall=5.0, now=2.0)
@@ -123,7 +123,7 @@ def test_an_agent_runs_once_admitted_and_a_failed_one_keeps_its_error() -> None:
         return seen, e
 
     seen, e = live_run(body)
-    assert seen == ["queued", "running", "failed"] and e.error == "ValueError: boom"
+    assert seen == ["queued", "paused", "failed"] and e.error == "ValueError: boom"
 
 
 def test_paused_admission_holds_requests_and_resume_admits_them() -> None:
@@ -244,3 +244,46 @@ def test_a_guessed_cost_is_timed_as_the_one_request_it_stands_for() -> None:
         # one request of 256 output tokens (the fallback's, and the cold start's d0 before any
         # output was seen): 257 engine steps at least
         assert guessed.first_eta_s >= (FALLBACK_OUTPUT_TOKENS + 1) * step
+
+
+def test_an_agent_between_its_requests_is_paused_and_its_record_says_since_when() -> None:
+    """running while a request is in flight; paused (since when, for how long) once none is;
+    running again at its next request; a paused agent can end."""
+    clock = [100.0]
+
+    async def main() -> tuple[list[str], list[Any]]:
+        engine = FakeEngine()
+        await engine.start()
+        live = LiveScheduler(engine, LiveConfig(), clock=lambda: clock[0], wall=lambda: 5000.0 + clock[0])
+        try:
+            e = live.register("t", "prompt", "x", predicted_cost=1e4)
+            seen, records = [e.state], []
+            gen = live.run(e, "r1", (1, 5, 6, 7), SamplingOptions(max_tokens=3, ignore_eos=True))
+            await gen.__anext__()  # admitted, in the engine
+            seen.append(e.state)
+            records.append(live.record(e))
+            async for _ in gen:
+                pass
+            seen.append(e.state)
+            clock[0] += 2.5  # a tool call
+            records.append(live.record(e))
+            await one_request(live, e, "r2")
+            seen.append(e.state)
+            clock[0] += 1.0
+            records.append(live.record(e))
+            await live.finish(e)
+            seen.append(e.state)
+            records.append(live.record(e))
+            return seen, records
+        finally:
+            await live.close()
+            await engine.close()
+
+    seen, (during, paused, again, ended) = asyncio.run(main())
+    assert seen == ["queued", "running", "paused", "paused", "finished"]
+    assert during.state == "running" and during.paused_at is None and during.paused_for_s is None
+    assert paused.state == "paused" and paused.paused_at == pytest.approx(5100.0)
+    assert paused.paused_for_s == pytest.approx(2.5)
+    # its second pause began when its second request ended, 2.5 s later
+    assert again.paused_at == pytest.approx(5102.5) and again.paused_for_s == pytest.approx(1.0)
+    assert ended.state == "finished" and ended.paused_at is None and ended.paused_for_s is None

@@ -303,6 +303,32 @@ def test_an_over_long_content_length_is_a_413_without_reading_the_body(srv) -> N
     assert " 413 " in status, status
 
 
+def _answer_then_close(url: str, path: str, headers: dict[str, str], timeout_s: float = 10) -> bytes:
+    """Send a request's head without its body and read until the server closes the
+    connection; b"" when it keeps the connection open, waiting for the body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n" + "".join(
+            f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+        sock.sendall(head.encode())
+        data = b""
+        try:
+            while chunk := sock.recv(4096):
+                data += chunk
+        except TimeoutError:
+            return b""
+    return data
+
+
+def test_a_body_refused_unread_closes_its_connection(srv) -> None:
+    # The server would otherwise go on receiving the megabytes the client still sends.
+    answer = _answer_then_close(srv.url, "/v1/agents", {
+        "Authorization": f"Bearer {KEYS['alice']}", "Content-Type": "application/json",
+        "Content-Length": str(1 << 30)}, timeout_s=5)
+    assert b" 413 " in answer.split(b"\r\n", 1)[0], answer[:200]
+    assert b"connection: close" in answer.lower()
+
+
 def test_the_rate_limit_comes_before_the_body_is_read(tmp_path) -> None:
     with FakeServer(tmp_path, api_keys={v: k for k, v in KEYS.items()},
                     rate_limit=Rate(0.01, 1.0)) as s:
@@ -314,6 +340,10 @@ def test_the_rate_limit_comes_before_the_body_is_read(tmp_path) -> None:
                 "Authorization": f"Bearer {KEYS['alice']}", "Content-Type": "application/json",
                 "Content-Length": str(3 << 20)}, timeout_s=5)
             assert " 429 " in status, (path, status)
+        refused = _answer_then_close(s.url, "/v1/agents", {
+            "Authorization": f"Bearer {KEYS['alice']}", "Content-Type": "application/json",
+            "Content-Length": str(3 << 20)}, timeout_s=5)
+        assert b" 429 " in refused.split(b"\r\n", 1)[0] and b"connection: close" in refused.lower()
         # another tenant is not affected
         with _as(s, "bob") as bob:
             assert bob.post("/v1/agents", json={"type": "t", "prompt": "x"}).status_code == 201

@@ -54,7 +54,7 @@ def test_requests_of_one_session_join_one_agent(server: FakeServer) -> None:
         (agent,) = session_agents(c, s)
     assert agent["type"] == "session" and agent["session"] == s
     assert agent["requests_total"] == 3 and agent["requests_done"] == 3
-    assert agent["state"] == "running"  # alive until it has been idle for --session-idle-s
+    assert agent["state"] == "paused"  # alive (between requests) until idle for --session-idle-s
     # scheduled like any agent: a predicted cost, an ETA and a bound
     assert agent["predicted_cost"] > 0 and agent["delay_bound_s"] > 0 and agent["eta_s"] >= 0
     assert agent["cost_source"] in ("model", "cold_start", "fallback")
@@ -171,7 +171,7 @@ def test_an_idle_session_is_finished_and_a_new_request_starts_a_new_agent(server
         agents = session_agents(c, s)
     assert len(agents) == 2
     second = next(a for a in agents if a["id"] != first["id"])
-    assert second["state"] == "running" and second["requests_done"] == 1
+    assert second["state"] == "paused" and second["requests_done"] == 1
 
 
 def test_a_session_with_a_request_in_flight_is_not_finished(tmp_path) -> None:

@@ -334,7 +334,7 @@ def test_completions_with_only_a_session_header_are_one_agent(oai: openai.OpenAI
     assert len(mine) == 1, mine
     (agent,) = mine
     assert agent["requests_done"] == 3 and agent["session"] == session and agent["type"] == "session"
-    assert agent["state"] == "running"  # until --session-idle-s (60 s) of idleness
+    assert agent["state"] == "paused"  # between its requests, until --session-idle-s (60 s) of idleness
     assert agent["delay_bound_s"] > 0 and agent["predicted_cost"] > 0
 
 

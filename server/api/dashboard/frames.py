@@ -4,11 +4,13 @@ A frame is a JSON object; every key is optional except `t`:
 
 - `reset`: true on the first frame (the client drops what it had);
 - `info`: policy, V, M, tau, the time model, the predictors (when it changed);
-- `counts`: live, queued and running agents, requests, finished agents (when changed);
+- `counts`: live, queued, running and paused agents, requests, finished agents (when changed);
 - `order`: the ids of the queue's top rows in the policy's order (when it changed);
 - `rows`: `{id: row}` for the rows that are new or changed since the last frame, a row being
   `[position, type, tenant, state, pending, running, predicted, consumed, virtual_finish,
-  eta_s, fair_finish_s, deadline_s, promise]` (tenant: null unless the caller is admin);
+  eta_s, fair_finish_s, deadline_s, promise, paused_since]` (tenant: null unless the caller is
+  admin; paused_since: when a paused agent's pause began, on the clock of the frames' `t`,
+  null unless it is paused: the page shows for how long);
 - `kv`: the KV/throughput samples taken since the last frame;
 - `finished`: agents finished since the last frame, `[id, type, jct_s, first_eta_s, deadline_s]`.
 
@@ -133,7 +135,8 @@ class DashboardFeed:
         v = s.dispatcher.view(agent_id, now)
         return [position, entry.type, entry.tenant if self.admin else None, entry.state,
                 agent.pending, agent.running, round(entry.predicted_cost), round(entry.consumed_kv_cost),
-                _r(v.virtual_finish, 0), _r(v.eta_s, 1), _r(v.fair_finish_s, 1), _r(v.deadline_s, 1), v.promise]
+                _r(v.virtual_finish, 0), _r(v.eta_s, 1), _r(v.fair_finish_s, 1), _r(v.deadline_s, 1), v.promise,
+                _r(entry.paused_mono, 1)]
 
     def _counts(self, out: dict[str, Any], top: list[str], visible_live: int) -> None:
         d = self.hub.scheduler.dispatcher
@@ -144,6 +147,7 @@ class DashboardFeed:
             "live": visible_live,
             "queued": sum(1 for e in mine if e.state == "queued"),
             "running": sum(1 for e in mine if e.state == "running"),
+            "paused": sum(1 for e in mine if e.state == "paused"),
             "shown": len(top),
             "finished": sum(totals.values()) if self.admin else totals.get(self.tenant, 0),
             # the server's load, as GET /v1/scheduler shows it to every tenant

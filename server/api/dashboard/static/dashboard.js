@@ -8,7 +8,7 @@ const MAX_FINISHED = 1000;
 const SVG = "http://www.w3.org/2000/svg";
 const $ = (id) => document.getElementById(id);
 
-const state = { info: null, counts: null, order: [], rows: new Map(), kv: [], finished: [] };
+const state = { t: 0, info: null, counts: null, order: [], rows: new Map(), kv: [], finished: [] };
 let controller = null;
 let retry = null;
 let dirty = false;
@@ -93,6 +93,7 @@ function apply(frame) {
   if (frame.reset) {
     state.rows.clear(); state.order = []; state.kv = []; state.finished = [];
   }
+  if (frame.t !== undefined) state.t = frame.t;
   if (frame.info) state.info = frame.info;
   if (frame.counts) state.counts = frame.counts;
   if (frame.order) {
@@ -153,7 +154,7 @@ const COLUMNS = ["pos", "id", "type", "tenant", "state", "req", "predicted", "co
 function renderQueue() {
   const c = state.counts;
   if (c) {
-    $("queue-counts").textContent = `${c.live} live (${c.queued} queued, ${c.running} running), showing ${c.shown}; ` +
+    $("queue-counts").textContent = `${c.live} live (${c.queued} queued, ${c.running} running, ${c.paused ?? 0} paused), showing ${c.shown}; ` +
       `server: ${c.pending_requests} requests waiting, ${c.running_requests} running`;
   }
   const body = $("queue").tBodies[0];
@@ -161,12 +162,14 @@ function renderQueue() {
   for (const id of state.order) {
     const r = state.rows.get(id);
     if (!r) continue;
-    const [pos, type, tenant, st, pending, running, predicted, consumed, vf, eta, fair, deadline] = r;
+    const [pos, type, tenant, st, pending, running, predicted, consumed, vf, eta, fair, deadline, , pausedSince] = r;
+    // a paused agent (a tool call): for how long, on the frames' clock
+    const shown = st === "paused" && pausedSince != null ? `paused ${Math.max(0, state.t - pausedSince).toFixed(1)} s` : st;
     const atRisk = eta !== null && deadline !== null && eta > deadline;
     const tr = document.createElement("tr");
     tr.dataset.id = id;
     tr.className = st + (atRisk ? " at-risk" : "");
-    const cells = [pos, id, type, tenant ?? "", st, pending + " / " + running, fmt(predicted, 0), fmt(consumed, 0),
+    const cells = [pos, id, type, tenant ?? "", shown, pending + " / " + running, fmt(predicted, 0), fmt(consumed, 0),
       fmt(vf, 0), secs(eta), secs(fair), secs(deadline), atRisk ? "⚠ at risk" : ""];
     cells.forEach((v, k) => {
       const td = document.createElement("td");
