@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,14 +35,6 @@ log = logging.getLogger("justitia.engine.placement")
 
 AFFINITY_ENTRIES = 10_000  # agents remembered for prefix affinity (least recently used go)
 CHANGES_KEPT = 1_000  # the latest changes of M, for the operator
-
-
-def replicas_for(demand_tokens: float, replica_kv_tokens: float) -> int:
-    """How many replicas of this KV capacity the demand fills (rounded up, one at least):
-    the replica count an autoscaler aims for."""
-    if replica_kv_tokens <= 0:
-        raise ValueError("a replica's KV capacity must be positive")
-    return max(1, math.ceil(demand_tokens / replica_kv_tokens))
 
 
 class NoReplica(EngineError):

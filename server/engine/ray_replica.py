@@ -26,6 +26,7 @@ import it, never the fast tier or the server without `--ray`.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import AsyncGenerator
@@ -36,7 +37,6 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from server.engine.base import EngineOutput, EngineRequest
-from server.engine.placement import replicas_for
 
 # A report keeps at most this many busy steps (the scheduler polls twice a second; a
 # replica steps at most a few hundred times a second).
@@ -156,7 +156,9 @@ def backlog_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
     capacities = [v for v in metrics.get(KV_TOKENS, {}).values() if v > 0]
     if demand is None or not capacities:
         return ctx.target_num_replicas, {}
-    return replicas_for(demand, min(capacities)), {}
+    # Self-contained (Ray's controller runs it from a pickle, where this project's other
+    # modules may not import): replicas of the smallest capacity the demand fills.
+    return max(1, math.ceil(demand / min(capacities))), {}
 
 
 def autoscaling_config(min_replicas: int, max_replicas: int, initial: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from server.engine.base import EngineStats
-from server.engine.placement import NoReplica, ReplicaPlacement, replicas_for
+from server.engine.placement import NoReplica, ReplicaPlacement
 
 
 def placement(*capacities: int) -> tuple[ReplicaPlacement, list[int]]:
@@ -117,12 +117,6 @@ def test_the_replicas_describe_themselves_and_their_sum() -> None:
     s = p.stats()
     assert s.kv_usage == pytest.approx((0.5 * 1000 + 0.1 * 3000) / 4000)
     assert (s.running, s.waiting, s.preemptions_total, s.steps_total, s.iteration_time_s) == (3, 3, 1, 15, 0.02)
-
-
-def test_the_replicas_a_demand_fills() -> None:
-    assert [replicas_for(d, 4096) for d in (0, 1, 4096, 4097, 8192, 20_000)] == [1, 1, 1, 2, 2, 5]
-    with pytest.raises(ValueError):
-        replicas_for(10, 0)
 
 
 def test_each_change_of_m_is_on_record_with_the_replica_count() -> None:
