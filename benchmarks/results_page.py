@@ -150,17 +150,21 @@ ENTRIES: list[Entry] = [
            m("taught server p50 / p90", "{a:.2f} / {b:.2f}", a="taught.eta_error_p50", b="taught.eta_error_p90")]),
     Entry("family-heldout", "Simulator", "Promises on unseen traffic: the family of arrival shapes (held-out seeds)",
           "family_heldout.json",
-          "justitia bench family --seeds 100-104 --agents 48 --json benchmarks/results/family_heldout.json",
+          "justitia bench family --seeds 100-104 --modes fresh,taught --json benchmarks/results/family_heldout.json",
           "Six arrival shapes (Poisson, bursts with random lulls, a daily ramp, heavy-tailed sizes, three "
           "tenants, sessions with tool pauses) from held-out seeds 100-104, 48 agents at load 0.9 on the "
-          "cpu-tiny profile, the rate measured as the live server measures it. Interval factors were chosen "
-          "on seeds 0-4 (family_tuning.json).",
-          [m(f"{shape}: ETA error p50 / p90, kept, deadline/JCT, in interval",
+          "cpu-tiny profile, the rate measured as the live server measures it; each on a fresh server and on "
+          "one taught by another shape first. Rules and constants were chosen on seeds 0-4 "
+          "(family_tuning.json, the same command with `--seeds 0-4`).",
+          [m(f"{shape}, {mode}: ETA error p50 / p90, kept, deadline/JCT, in interval",
              "{a:.2f} / {b:.2f}, {k}/{n}, {d:.1f}x, {c:.0%}",
-             a=f"shapes[shape={shape}].eta_error_p50", b=f"shapes[shape={shape}].eta_error_p90",
-             k=f"shapes[shape={shape}].promises_kept", n=f"shapes[shape={shape}].promises",
-             d=f"shapes[shape={shape}].deadline_over_jct_p50", c=f"shapes[shape={shape}].eta_coverage")
-           for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")]),
+             a=f"shapes[shape={shape},mode={mode}].eta_error_p50",
+             b=f"shapes[shape={shape},mode={mode}].eta_error_p90",
+             k=f"shapes[shape={shape},mode={mode}].promises_kept", n=f"shapes[shape={shape},mode={mode}].promises",
+             d=f"shapes[shape={shape},mode={mode}].deadline_over_jct_p50",
+             c=f"shapes[shape={shape},mode={mode}].eta_coverage")
+           for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
+           for mode in ("fresh", "taught")]),
     Entry("eta-ceiling", "Simulator", "What the known work alone predicts", "eta_ceiling_contended48.json",
           "python benchmarks/eta_ceiling.py --profile benchmarks/results/profile_cpu_tiny_4096_epyc.json "
           "--json benchmarks/results/eta_ceiling_contended48.json",
