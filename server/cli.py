@@ -147,7 +147,8 @@ def register(commands: Commands) -> None:
     serve.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
                        help="--ray: engine replicas to start (default 1)")
     serve.add_argument("--min-replicas", type=_positive_int, default=None, metavar="A",
-                       help="--ray: fewest replicas Ray Serve's autoscaling may keep (with --max-replicas)")
+                       help="--ray: fewest replicas Ray Serve's autoscaling may keep (with --max-replicas); "
+                            "it scales on the scheduler's KV demand over one replica's capacity")
     serve.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B",
                        help="--ray: most replicas Ray Serve's autoscaling may start (with --min-replicas)")
     serve.add_argument("--predictors", default=None, metavar="DIR",
