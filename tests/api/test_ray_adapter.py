@@ -143,6 +143,12 @@ def test_bench_takes_policy_ray_only_with_ray(tmp_path, capsys: pytest.CaptureFi
     assert main(["bench", "live", "--workload", str(workload), "--policies", "justitia",
                  "--kv-tokens", "4096", "--kill-replica-after", "5"]) == 2
     assert "add --ray" in capsys.readouterr().err
+    assert main(["bench", "live", "--workload", str(workload), "--policies", "justitia",
+                 "--kv-tokens", "4096", "--kill-scheduler-after", "5"]) == 2
+    assert "--kill-scheduler-after kills a process of Justitia on Ray: add --ray" in capsys.readouterr().err
+    assert main(["bench", "live", "--workload", str(workload), "--policies", "justitia", "--ray",
+                 "--kv-tokens", "4096", "--max-model-len", "1024", "--kill-scheduler-after", "-1"]) == 2
+    assert "must be seconds >= 0" in capsys.readouterr().err
 
 
 def test_the_fast_tier_does_not_import_ray() -> None:
