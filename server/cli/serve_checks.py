@@ -22,6 +22,9 @@ def checked_options(args: argparse.Namespace) -> tuple[dict[str, str], dict[str,
     for a bad one): the API keys (key -> tenant) and the limits as ServerConfig fields."""
     keys = parse_api_keys(args.api_key)
     limits = parse_limits(args, set(keys.values()))
+    if len(args.engine_url) > 1:
+        raise CommandError("one --engine-url: several engine replicas run on Ray Serve "
+                           "(--ray ADDRESS|local --replicas N, see docs/deployment.md)")
     if args.engine_url and (args.model or args.kv_tokens):
         raise CommandError("--engine-url serves the replicas' model and KV capacity: "
                            "drop --model and --kv-tokens (set them on the replicas)")

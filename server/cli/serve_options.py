@@ -123,9 +123,9 @@ def register(commands: Commands) -> None:
     serve.add_argument("--max-dashboard-streams", type=positive_int, default=8, metavar="N",
                        help="open dashboard streams per tenant; more: 429 (default: 8)")
     serve.add_argument("--engine-url", action="append", default=[], metavar="URL",
-                       help="use a remote vLLM OpenAI server as the engine (repeatable: "
-                            "replicas; M is the sum of their KV capacities) instead of the "
-                            "in-process one; start replicas with --scheduling-policy priority")
+                       help="use a remote vLLM OpenAI server as the engine (M is its KV capacity) "
+                            "instead of the in-process one; start it with --scheduling-policy "
+                            "priority. Several engine replicas: --ray")
     serve.add_argument("--tokenizer", default=None, metavar="PATH_OR_ID",
                        help="tokenizer for --engine-url or --ray (default: the replicas' model)")
     serve.add_argument("--ray", default=None, metavar="ADDRESS|local",
@@ -137,7 +137,8 @@ def register(commands: Commands) -> None:
     serve.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                        help="--ray: engine replicas to start (default 1)")
     serve.add_argument("--min-replicas", type=positive_int, default=None, metavar="A",
-                       help="--ray: fewest replicas Ray Serve's autoscaling may keep (with --max-replicas)")
+                       help="--ray: fewest replicas Ray Serve's autoscaling may keep (with --max-replicas); "
+                            "it scales on the scheduler's KV demand over one replica's capacity")
     serve.add_argument("--max-replicas", type=positive_int, default=None, metavar="B",
                        help="--ray: most replicas Ray Serve's autoscaling may start (with --min-replicas)")
     serve.add_argument("--predictors", default=None, metavar="DIR",
