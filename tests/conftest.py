@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.fake_engine import FakeEngine, FakeServer
+from tests.support.fake_engine import FAST, FakeEngine, FakeServer
 from tests.support.servers import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN, ENGINES
 
 ENGINE_DIR = Path(__file__).parent / "engine"
@@ -103,8 +103,9 @@ def vllm_client(vllm_server) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
     """The app as `justitia serve` builds it, no keys or limits, on a FakeEngine with the
-    engine server's KV capacity and context (a server per test module)."""
-    engine = FakeEngine(kv_capacity_tokens=ENGINE_KV_TOKENS, max_model_len=ENGINE_MAX_MODEL_LEN)
+    engine server's KV capacity and context, its clock `FAST` (a server per test module)."""
+    engine = FakeEngine(kv_capacity_tokens=ENGINE_KV_TOKENS, max_model_len=ENGINE_MAX_MODEL_LEN,
+                        time_scale=FAST)
     with FakeServer(tmp_path_factory.mktemp("fake-server"), engine=engine) as srv:
         yield srv
 
@@ -122,7 +123,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if request.param == "vllm":
         yield request.getfixturevalue("vllm_server")
         return
-    engine = FakeEngine(kv_capacity_tokens=ENGINE_KV_TOKENS, max_model_len=ENGINE_MAX_MODEL_LEN)
+    engine = FakeEngine(kv_capacity_tokens=ENGINE_KV_TOKENS, max_model_len=ENGINE_MAX_MODEL_LEN,
+                        time_scale=FAST)
     with FakeServer(tmp_path_factory.mktemp("server"), engine=engine) as srv:
         yield srv
 

@@ -268,6 +268,33 @@ def test_steps_last_what_the_profile_says_for_their_shape() -> None:
     assert first.seconds >= 0.1 and first.seconds > 5 * statistics.median(s.seconds for s in rest)
 
 
+def test_a_time_scale_runs_the_same_steps_faster() -> None:
+    """`time_scale=k`: every step lasts the profile's time divided by k; the steps, their
+    shapes and the text are those of the engine at its own speed."""
+    profile = EngineProfile(name="slow-prefill", kv_tokens=4096, max_num_seqs=256, max_model_len=2048,
+                            base_s=0.004, per_seq_s=0.0, per_prefill_token_s=0.0001,
+                            per_kv_token_s=0.0)
+
+    def steps(engine: FakeEngine) -> tuple[list[StepSample], str]:
+        samples: list[StepSample] = []
+
+        async def body(e: FakeEngine) -> str:
+            e.add_sample_listener(lambda name, sample: samples.append(sample))
+            return (await collect(e, request("r", prompt_len=1000, max_tokens=20)))[-1].text
+
+        return samples, run(engine, body)
+
+    (slow, slow_text), (fast, fast_text) = steps(FakeEngine(profile=profile)), steps(
+        FakeEngine(profile=profile, time_scale=10.0))
+    shape = [(s.prefill_tokens, s.decode_seqs, s.kv_tokens) for s in slow]
+    assert shape == [(s.prefill_tokens, s.decode_seqs, s.kv_tokens) for s in fast] and fast_text == slow_text
+    assert FakeEngine(profile=profile, time_scale=10.0).step_time(1, 1000, 1000) == pytest.approx(0.0104)
+    # 0.104 s at its own speed, 0.0104 s ten times faster (sleeps may overrun, not underrun)
+    assert slow[0].seconds >= 0.1 and 0.01 <= fast[0].seconds < slow[0].seconds / 2
+    with pytest.raises(ValueError, match="time_scale"):
+        FakeEngine(time_scale=0)
+
+
 def test_the_default_profile_is_the_committed_cpu_profile() -> None:
     assert FakeEngine().profile == get_profile("cpu-tiny")
     assert FakeEngine(step_s=0.01).profile.iteration_s(7, 500, 900) == 0.01

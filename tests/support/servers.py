@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.fake_engine import FakeEngine, FakeServer
+from tests.support.fake_engine import FAST, FakeEngine, FakeServer
 
 # The shared engine server's KV capacity and context: small enough that a few dozen
 # concurrent requests contend for KV memory.
@@ -47,7 +47,7 @@ def either_server(request: pytest.FixtureRequest, *, kv_tokens: int, max_model_l
     kind = request.param
     if kind == "fake":
         data_dir = request.getfixturevalue("tmp_path_factory").mktemp("server")
-        engine = FakeEngine(kv_capacity_tokens=kv_tokens, max_model_len=max_model_len)
+        engine = FakeEngine(kv_capacity_tokens=kv_tokens, max_model_len=max_model_len, time_scale=FAST)
         api_keys = {key: tenant for tenant, key in (keys or {}).items()}
         with FakeServer(data_dir, engine=engine, **({"api_keys": api_keys} if keys else {}),
                         **(config or {})) as srv:

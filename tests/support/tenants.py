@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.fake_engine import FakeEngine, FakeServer
+from tests.support.fake_engine import FAST, FakeEngine, FakeServer
 
 #: tenant -> API key
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
@@ -21,7 +21,7 @@ def keyed_server(data_dir: Path, kv_tokens: int, keys: dict[str, str] = KEYS,
                  **config: Any) -> Iterator[FakeServer]:
     """A fake-engine server (`kv_tokens` of KV cache, a context of 1,024) where each of
     `keys`' tenants holds its key; `config`: more ServerConfig fields."""
-    engine = FakeEngine(kv_capacity_tokens=kv_tokens, max_model_len=1024)
+    engine = FakeEngine(kv_capacity_tokens=kv_tokens, max_model_len=1024, time_scale=FAST)
     with FakeServer(data_dir, engine=engine, api_keys={key: tenant for tenant, key in keys.items()},
                     **config) as srv:
         yield srv
