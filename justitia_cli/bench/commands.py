@@ -140,6 +140,7 @@ def register(commands: Commands) -> None:
     live.add_argument("--log-dir", metavar="DIR", default=None,
                       help="keep each server's log here (created if missing): server-POLICY.log, "
                            "server-POLICY-roundK.log with --repeat")
+    retain_option(live)
     live.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     live.add_argument("--teach", metavar="FILE", default=None,
                       help="replay this workload first on each policy's server, unmeasured, with other "

@@ -58,7 +58,8 @@ def live_command(args: argparse.Namespace) -> int:
                        las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight,
                        teach=teach, restart=args.restart, profile=measured_here(args.profile),
                        ray=args.ray, replicas=args.replicas if args.ray else 1,
-                       kill_replica_after_s=args.kill_replica_after, hang_timeout_s=args.hang_timeout)
+                       kill_replica_after_s=args.kill_replica_after, hang_timeout_s=args.hang_timeout,
+                       retain=args.retain)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if args.ray:  # one Ray cluster of this command's own for every policy's server
@@ -94,6 +95,7 @@ def live_command(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "teach": args.teach,
         "restart": args.restart,
+        "retain": args.retain,
         "las_half_life_s": args.las_half_life_s,
         "las_head_wait_weight": args.las_head_wait_weight,
         "repeat": args.repeat,

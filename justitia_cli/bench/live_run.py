@@ -96,6 +96,8 @@ class LiveOptions:
     kill_replica_after_s: float | None = None
     # An agent not done this long after the last arrival is lost (it hangs).
     hang_timeout_s: float = 900.0
+    # Each server's `serve --retain` (kept contexts of paused agents; policies that keep none: never).
+    retain: str = "auto"
 
 
 class PrefixTokens:
@@ -339,7 +341,7 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         log = Path(opts.log_dir) / name
         log.parent.mkdir(parents=True, exist_ok=True)
     args = ["--policy", policy, "--kv-tokens", str(opts.kv_tokens),
-            "--max-model-len", str(opts.max_model_len), "--data-dir", home]
+            "--max-model-len", str(opts.max_model_len), "--data-dir", home, "--retain", opts.retain]
     if opts.profile is not None:
         args += ["--profile", opts.profile]
     if opts.las_half_life_s is not None:
@@ -405,6 +407,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         "taught_steps": _fitted_steps(taught) if taught else 0,
         # what the engine computed in (a profile measured in another dtype measured another engine)
         "engine_dtype": (snap.get("engine") or {}).get("dtype"),
+        # kept contexts of paused agents: the mode, touches, yields, KV token-time charged
+        "retention": snap.get("retention"),
         # agents that ended with an error (a request failed), and agents that hung
         "agents_failed": sum("error" in o and not o.get("lost") for o in outs),
         "agents_lost": sum(bool(o.get("lost")) for o in outs),
