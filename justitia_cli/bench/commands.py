@@ -165,6 +165,9 @@ def register(commands: Commands) -> None:
     live.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
                       help="--ray: kill one engine replica's processes S seconds into each replay (Ray "
                            "replaces it; requests that produced nothing are resent, others fail)")
+    live.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
+                      help="seconds each policy's server may take to become ready (default 300; a "
+                           "loaded machine starts the engine slowly)")
     live.add_argument("--hang-timeout", type=float, default=900.0, metavar="S",
                       help="an agent not done S seconds after the last arrival is lost (default 900)")
     las_options(live)

@@ -29,6 +29,8 @@ def check_ray_options(args: argparse.Namespace) -> None:
                            f"{args.kv_tokens // args.replicas} tokens, below --max-model-len {args.max_model_len}")
     if args.kill_replica_after is not None and not 0 <= args.kill_replica_after < float("inf"):
         raise CommandError(f"--kill-replica-after must be seconds >= 0, not {args.kill_replica_after}")
+    if not 0 < args.startup_timeout < float("inf"):
+        raise CommandError(f"--startup-timeout must be a positive number of seconds, not {args.startup_timeout}")
     if not 0 < args.hang_timeout < float("inf"):
         raise CommandError(f"--hang-timeout must be a positive number of seconds, not {args.hang_timeout}")
 
@@ -59,7 +61,7 @@ def live_command(args: argparse.Namespace) -> int:
                        teach=teach, restart=args.restart, profile=measured_here(args.profile),
                        ray=args.ray, replicas=args.replicas if args.ray else 1,
                        kill_replica_after_s=args.kill_replica_after, hang_timeout_s=args.hang_timeout,
-                       retain=args.retain)
+                       retain=args.retain, startup_timeout_s=args.startup_timeout)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if args.ray:  # one Ray cluster of this command's own for every policy's server
