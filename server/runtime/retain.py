@@ -38,7 +38,16 @@ from typing import Any
 from server.engine.base import Engine, EngineOutput, EngineRequest, SamplingOptions
 from server.scheduler import Dispatcher
 from server.scheduler.policies import FOOTPRINT
-from server.scheduler.retention import Pin, Retention, check_mode, hold_charge, pins_to_release
+from server.scheduler.retention import (
+    Pin,
+    Retention,
+    charge_retained,
+    check_mode,
+    fair_order,
+    head_need,
+    hold_charge,
+    pins_to_release,
+)
 from server.scheduler.time_model import TimeModelBank
 
 log = logging.getLogger("justitia.retain")
@@ -182,7 +191,7 @@ class LiveRetention:
         if not self.kept:
             return False
         d = self.dispatcher
-        head = d.head_need(now)
+        head = head_need(d, now)
         if head is None:
             return False
         agent_id, need = head
@@ -190,9 +199,9 @@ class LiveRetention:
         free = d.ledger.budget(d.kv_capacity, footprint, None)
         if need <= free:
             return False
-        pins = [Pin(a, k.tokens, d.fair_order(a)) for a, k in self.kept.items()
+        pins = [Pin(a, k.tokens, fair_order(d, a)) for a, k in self.kept.items()
                 if a != agent_id and a in d.agents]
-        out = pins_to_release(pins, d.fair_order(agent_id) if agent_id in d.agents else math.inf, need, free)
+        out = pins_to_release(pins, fair_order(d, agent_id) if agent_id in d.agents else math.inf, need, free)
         for a in out:
             self._release(a)
         self.yields += len(out)
@@ -271,7 +280,7 @@ class LiveRetention:
         now = self.now()
         charge = hold_charge(kept.tokens, kept.since, min(now, kept.until))
         self.held_token_s += charge
-        self.dispatcher.charge_retained(agent_id, charge, now)
+        charge_retained(self.dispatcher, agent_id, charge, now)
 
     def _unpin(self, kept: _Kept) -> None:
         if kept.timer is not None:
