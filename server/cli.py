@@ -138,9 +138,9 @@ def register(commands: Commands) -> None:
     serve.add_argument("--max-dashboard-streams", type=_positive_int, default=8, metavar="N",
                        help="open dashboard streams per tenant; more: 429 (default: 8)")
     serve.add_argument("--engine-url", action="append", default=[], metavar="URL",
-                       help="use a remote vLLM OpenAI server as the engine (repeatable: "
-                            "replicas; M is the sum of their KV capacities) instead of the "
-                            "in-process one; start replicas with --scheduling-policy priority")
+                       help="use a remote vLLM OpenAI server as the engine (M is its KV capacity) "
+                            "instead of the in-process one; start it with --scheduling-policy "
+                            "priority. Several engine replicas: --ray")
     serve.add_argument("--tokenizer", default=None, metavar="PATH_OR_ID",
                        help="tokenizer for --engine-url or --ray (default: the replicas' model)")
     serve.add_argument("--ray", default=None, metavar="ADDRESS|local",
@@ -152,7 +152,8 @@ def register(commands: Commands) -> None:
     serve.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
                        help="--ray: engine replicas to start (default 1)")
     serve.add_argument("--min-replicas", type=_positive_int, default=None, metavar="A",
-                       help="--ray: fewest replicas Ray Serve's autoscaling may keep (with --max-replicas)")
+                       help="--ray: fewest replicas Ray Serve's autoscaling may keep (with --max-replicas); "
+                            "it scales on the scheduler's KV demand over one replica's capacity")
     serve.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B",
                        help="--ray: most replicas Ray Serve's autoscaling may start (with --min-replicas)")
     serve.add_argument("--predictors", default=None, metavar="DIR",
@@ -383,6 +384,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     keys = _parse_api_keys(args.api_key)
     limits = _parse_limits(args, set(keys.values()))
+    if len(args.engine_url) > 1:
+        raise CommandError("one --engine-url: several engine replicas run on Ray Serve "
+                           "(--ray ADDRESS|local --replicas N, see docs/deployment.md)")
     if args.engine_url and (args.model or args.kv_tokens):
         raise CommandError("--engine-url serves the replicas' model and KV capacity: "
                            "drop --model and --kv-tokens (set them on the replicas)")

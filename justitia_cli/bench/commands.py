@@ -168,6 +168,12 @@ def register(commands: Commands) -> None:
     live.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
                       help="seconds each policy's server may take to become ready (default 300; a "
                            "loaded machine starts the engine slowly)")
+    live.add_argument("--kill-scheduler-after", type=float, default=None, metavar="S",
+                      help="--ray: kill the server (the scheduler) S seconds into each replay and start "
+                           "it again, as its supervisor would; it schedules onto the running replicas. "
+                           "Requests in flight then fail, agents it no longer knows fail (404), agents "
+                           "arriving while it is down register once it is back; results add "
+                           "`scheduler_killed`")
     live.add_argument("--hang-timeout", type=float, default=900.0, metavar="S",
                       help="an agent not done S seconds after the last arrival is lost (default 900)")
     las_options(live)

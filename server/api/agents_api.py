@@ -18,7 +18,7 @@ from server.api.auth import rate_limited_tenant, require_admin, tenant_of
 from server.api.bodies import caller, is_large, json_response, parse_body, parsed
 from server.api.openai_schemas import SSE_EVENT
 from server.api.validation import RequestBody
-from server.engine.base import EngineError, ReplicaAdmin
+from server.engine.base import ReplicaList
 from server.runtime.agents import AgentEntry, AgentRecord, encode_metadata, metadata_size_floor
 from server.runtime.limits import Quotas
 from server.runtime.live import LiveScheduler
@@ -335,52 +335,23 @@ async def resume_admission(request: Request, tenant: str = Depends(tenant_of)) -
     return {"paused": False}
 
 
-class ReplicaRef(RequestBody):
-    url: str = Field(min_length=1, max_length=2048, description="A vLLM OpenAI server's base URL.")
-
-
-def _replicas(request: Request) -> ReplicaAdmin:
-    engine = _scheduler(request).capabilities.replica_admin
+def _replicas(request: Request) -> ReplicaList:
+    engine = _scheduler(request).capabilities.replicas
     if engine is None:
-        raise HTTPException(409, "this server runs an in-process engine; replicas exist only "
-                                 "with --engine-url")
+        raise HTTPException(409, "this server runs an in-process engine, which has no replicas "
+                                 "(they exist with --ray or --engine-url)")
     return engine
 
 
 @router.get("/v1/admin/replicas", tags=["operations"],
             responses=errors.responses(401, 403, 409))
 async def list_replicas(request: Request, tenant: str = Depends(tenant_of)) -> dict:
-    """The engine replicas: capacity, reservations, requests in flight, health."""
+    """The engine replicas (id, state, KV capacity, reserved tokens, requests in flight) and
+    the latest changes of M (when, over how many replicas)."""
     require_admin(request, tenant)
     engine = _replicas(request)
-    return {"kv_capacity_tokens": engine.capacity, "replicas": engine.describe_replicas()}
-
-
-@router.post("/v1/admin/replicas", tags=["operations"], status_code=201,
-             responses=errors.responses(400, 401, 403, 409, 413))
-async def add_replica(body: ReplicaRef, request: Request, tenant: str = Depends(tenant_of)) -> dict:
-    """Serve from one more vLLM replica (same model and block size): M grows by its KV
-    capacity and the virtual clock's rate with it."""
-    require_admin(request, tenant)
-    engine = _replicas(request)
-    try:
-        return await engine.add_replica(body.url)
-    except EngineError as exc:
-        raise HTTPException(400, str(exc)) from exc
-
-
-@router.delete("/v1/admin/replicas", tags=["operations"],
-               responses=errors.responses(400, 401, 403, 404, 409))
-async def remove_replica(request: Request, tenant: str = Depends(tenant_of),
-                         url: str = Query(min_length=1, max_length=2048)) -> dict:
-    """Stop sending requests to a replica: M shrinks now, the replica leaves once its
-    requests in flight have finished."""
-    require_admin(request, tenant)
-    engine = _replicas(request)
-    try:
-        return engine.remove_replica(url)
-    except LookupError as exc:
-        raise HTTPException(404, str(exc)) from exc
+    return {"kv_capacity_tokens": engine.capacity, "replicas": engine.describe_replicas(),
+            "capacity_changes": engine.capacity_changes()}
 
 
 @router.get("/v1/predictors", tags=["operations"], responses=errors.responses(401, 403))

@@ -153,6 +153,6 @@ def test_a_wrong_method_names_every_allowed_one(admin: httpx.Client) -> None:
     r = admin.put("/v1/agents")
     assert r.status_code == 405 and r.headers["Allow"] == "GET, POST", r.headers
     assert "allowed: GET, POST" in r.json()["detail"]
-    r = admin.request("PATCH", "/v1/admin/replicas")
-    assert r.status_code == 405 and r.headers["Allow"] == "DELETE, GET, POST"
+    r = admin.request("PATCH", "/v1/admin/pause")
+    assert r.status_code == 405 and r.headers["Allow"] == "POST"
     assert admin.delete("/v1/completions").headers["Allow"] == "POST"
