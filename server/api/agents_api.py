@@ -104,6 +104,11 @@ class AgentPause(RequestBody):
 
 # An `ids` filter longer than this is better served by the unfiltered stream.
 MAX_WATCH_IDS = 1000
+# Characters an `ids` filter may spend per id: an agent id ("agt-" and 16 hex digits) and
+# its comma, with room to spare.
+WATCH_ID_CHARS = 40
+# Cursors are SQLite rowids and registration counters: signed 64-bit integers.
+MAX_CURSOR = 2**63
 # Live agents whose records the stream without `ids` sends first; the rest are announced
 # by `event: more` (their count and a cursor of GET /v1/agents) and sent when they change.
 SNAPSHOT_AGENTS = 1000
@@ -114,6 +119,16 @@ _EVENTS: dict[int | str, dict[str, Any]] = {
                               "at every change until the agent ends; `: keep-alive` comments "
                               "every 15 s",
                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
+
+
+def _cursor(cursor: str | None) -> int:
+    """What a page's `cursor` continues after (0: the first page); a 400 for anything not a
+    `next_cursor` this server gave."""
+    if cursor is None:
+        return 0
+    if not cursor.isdigit() or int(cursor) >= MAX_CURSOR:
+        raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
+    return int(cursor)
 
 
 def _scheduler(request: Request) -> LiveScheduler:
@@ -144,11 +159,7 @@ async def list_agents(request: Request, tenant: str = Depends(tenant_of),
                                                  description="`next_cursor` of the page before"),
                       ) -> AgentList:
     """The caller's agents in registration order, a page at a time."""
-    after = 0
-    if cursor is not None:
-        if not cursor.isdigit() or int(cursor) >= 2**63:
-            raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
-        after = int(cursor)
+    after = _cursor(cursor)
     s = _scheduler(request)
     entries, last = s.page(tenant, limit, after, state)
     return AgentList(agents=[s.record(e) for e in entries],
@@ -159,7 +170,7 @@ async def list_agents(request: Request, tenant: str = Depends(tenant_of),
             responses={**_EVENTS, **errors.responses(400, 401)})
 async def agents_events(request: Request, tenant: str = Depends(tenant_of),
                         ids: str | None = Query(
-                            default=None, max_length=MAX_WATCH_IDS * 40,
+                            default=None, max_length=MAX_WATCH_IDS * WATCH_ID_CHARS,
                             description="Comma-separated agent ids (at most 1,000); "
                                         "default: every agent of the caller")) -> StreamingResponse:
     """One stream for many agents: `event: agent` with a record each time an agent of the
@@ -393,11 +404,7 @@ async def history_samples(request: Request, tenant: str = Depends(tenant_of),
     """Finished agents of the caller's tenant as predictor training samples, oldest first,
     a page at a time (`next_cursor`: null on the last page). A page ends at `limit` samples
     or `max_bytes`, whichever comes first, and is streamed as it is read."""
-    after = 0
-    if cursor is not None:
-        if not cursor.isdigit() or int(cursor) >= 2**63:
-            raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
-        after = int(cursor)
+    after = _cursor(cursor)
     history = request.app.state.history
 
     async def page() -> AsyncIterator[bytes]:
