@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from justitia_sdk._parallel import parallel_map, run_sync
     from justitia_sdk._profile import profile_agent, samples_of
     from justitia_sdk._sync import Client
+    from justitia_sdk._tools import tool
 
 # Where each public name lives. The package imports lazily, so that importing it (the command
 # line `justitia_cli` does, for `justitia --help`) does not pay for httpx, pydantic and rich.
@@ -70,7 +71,7 @@ _EXPORTS = {
     "openai_client": "_openai", "tagged_http_client": "_openai",
     "parallel_map": "_parallel", "run_sync": "_parallel",
     "AGENT_TYPE_MAX_LENGTH": "_names", "AGENT_TYPE_PATTERN": "_names",
-    "check_agent_type": "_names",
+    "check_agent_type": "_names", "tool": "_tools",
 }
 
 
@@ -127,4 +128,5 @@ __all__ = [
     "run_sync",
     "samples_of",
     "tagged_http_client",
+    "tool",
 ]

@@ -243,6 +243,20 @@ class APIClient:
             await self._request("POST", f"/v1/agents/{agent_id}/finish", json_body=body)
         )
 
+    async def pause_agent(self, agent_id: str, tool: str = "tool", *,
+                          expected_s: float | None = None) -> AgentRecord:
+        """Tell the server the agent is in tool call `tool` from now (and how long it is
+        expected to take, if known): the scheduler judges the rest of its pause from it."""
+        body: dict[str, Any] = {"tool": tool}
+        if expected_s is not None:
+            body["expected_s"] = expected_s
+        return AgentRecord.model_validate(
+            await self._request("POST", f"/v1/agents/{agent_id}/pause", json_body=body))
+
+    async def resume_agent(self, agent_id: str) -> AgentRecord:
+        """Tell the server the tool call announced by `pause_agent` has ended."""
+        return AgentRecord.model_validate(await self._request("POST", f"/v1/agents/{agent_id}/resume"))
+
     async def cancel_agent(self, agent_id: str) -> AgentRecord:
         """Cancel the agent: the server aborts its running requests in the engine."""
         return AgentRecord.model_validate(await self._request("DELETE", f"/v1/agents/{agent_id}"))

@@ -90,6 +90,18 @@ class AgentFinish(RequestBody):
                      "sample. Without it the agent ends `finished`."))
 
 
+class AgentPause(RequestBody):
+    model_config = ConfigDict(extra="forbid")
+
+    tool: str = Field(default="tool", min_length=1, max_length=AGENT_TYPE_MAX_LENGTH,
+                      pattern=AGENT_TYPE_PATTERN,
+                      description="The tool called (its calls are learned per agent type and tool).")
+    expected_s: float | None = Field(
+        default=None, ge=0, le=86_400, allow_inf_nan=False,
+        description=("How long the caller expects the call to take, seconds (default: what the "
+                     "server has seen of this tool's calls)."))
+
+
 # An `ids` filter longer than this is better served by the unfiltered stream.
 MAX_WATCH_IDS = 1000
 # Live agents whose records the stream without `ids` sends first; the rest are announced
@@ -170,13 +182,16 @@ async def agents_events(request: Request, tenant: str = Depends(tenant_of),
             initial, rest, last = s.live_page(tenant, SNAPSHOT_AGENTS)
             if rest:
                 more = {"more": rest, "shown": len(initial), "cursor": str(last)}
+        sent = 0
         async for records in s.watch(tenant, wanted, initial=initial):
             if records is None:
                 yield ": keep-alive\n\n"
                 continue
             yield "".join(f"event: agent\ndata: {json.dumps(r.model_dump())}\n\n"
                           for r in records)
-            if more is not None:
+            sent += len(records)
+            # `more` follows the whole snapshot, which the feed sends in chunks.
+            if more is not None and initial is not None and sent >= len(initial):
                 yield f"event: more\ndata: {json.dumps(more)}\n\n"
                 more = None
 
@@ -217,6 +232,28 @@ async def finish_agent(agent_id: str, request: Request, tenant: str = Depends(te
     s = _scheduler(request)
     error = body.error if body is not None else None
     return s.record(await s.finish(_entry(agent_id, request, tenant), error=error))
+
+
+@router.post("/v1/agents/{agent_id}/pause", response_model=AgentRecord,
+             responses=errors.responses(400, 401, 404, 409))
+async def pause_agent(agent_id: str, request: Request, body: AgentPause | None = None,
+                      tenant: str = Depends(tenant_of)) -> AgentRecord:
+    """The agent is in a tool call from now (`{"tool": "search", "expected_s": 2.0}`, both
+    optional): the scheduler knows the pause and judges its rest from the declared length or
+    the tool's calls seen; the record shows `tool` and `pause_remaining_s`. 409 once the
+    agent has ended."""
+    s = _scheduler(request)
+    body = body or AgentPause()
+    return s.record(s.tool_started(_entry(agent_id, request, tenant), body.tool, body.expected_s))
+
+
+@router.post("/v1/agents/{agent_id}/resume", response_model=AgentRecord,
+             responses=errors.responses(401, 404, 409))
+async def resume_agent(agent_id: str, request: Request, tenant: str = Depends(tenant_of)) -> AgentRecord:
+    """The tool call announced by `pause` ended (its length is learned); a no-op when none
+    is in progress. 409 once the agent has ended."""
+    s = _scheduler(request)
+    return s.record(s.tool_ended(_entry(agent_id, request, tenant)))
 
 
 class _Registration(NamedTuple):

@@ -278,6 +278,13 @@ class AgentRecord(BaseModel):
         "user's think time): when the pause began, unix seconds; null otherwise."))
     paused_for_s: float | None = Field(default=None, description=(
         "While `paused`: how long the pause has lasted so far, seconds; null otherwise."))
+    tool: str | None = Field(default=None, description=(
+        "The tool call the agent's client announced it is in (POST /v1/agents/{id}/pause, "
+        "the SDK's `tool()`), until it announces its end; null otherwise."))
+    pause_remaining_s: float | None = Field(default=None, description=(
+        "While paused (or in an announced tool call): the expected rest of the pause, "
+        "seconds, from the length its client declared or from the pauses (the tool's calls) "
+        "seen for its type; null when there is nothing to go on."))
     session: str | None = Field(default=None, description=(
         "The session id of an implicit session agent (OpenAI requests with a session header "
         "and no agent tag); null for other agents."))

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 from server.runtime.agents import AgentEntry, AgentRecord
 
+#: Records of a feed's first snapshot built and sent per turn of the event loop.
+SNAPSHOT_CHUNK = 100
+
 
 @dataclass(eq=False)
 class _Feed:
@@ -46,7 +49,15 @@ class Feeds:
         feed = _Feed(tenant, ids)
         self._by_tenant.setdefault(tenant, set()).add(feed)
         try:
-            yield [self._record(e) for e in initial()]
+            first = list(initial())
+            for start in range(0, max(len(first), 1), SNAPSHOT_CHUNK):
+                if start:
+                    # A turn of the event loop between chunks: a snapshot of 1,000 records
+                    # costs the loop ~0.1 s, and twenty streams opened at once would hold
+                    # health checks and every other request for seconds. Records are built
+                    # when sent, and a change meanwhile is sent again after the snapshot.
+                    await asyncio.sleep(0)
+                yield [self._record(e) for e in first[start:start + SNAPSHOT_CHUNK]]
             while True:
                 try:
                     await asyncio.wait_for(feed.wake.wait(), heartbeat_s)

@@ -314,7 +314,31 @@ class LiveScheduler:
 
     def record(self, entry: AgentEntry) -> AgentRecord:
         view = entry.final_view if entry.final_view is not None else self._view(entry)
-        return agent_record(entry, view, self.now())
+        now = self.now()
+        tool, rest = None, None
+        agent = self.dispatcher.agents.get(entry.id) if not entry.terminal else None
+        if agent is not None and (entry.state == "paused" or agent.tool is not None):
+            tool, rest = agent.tool, self.dispatcher.pauses.remaining_s(agent, now)
+        return agent_record(entry, view, now, tool=tool, pause_remaining_s=rest)
+
+    def tool_started(self, entry: AgentEntry, tool: str, expected_s: float | None = None) -> AgentEntry:
+        """The agent's client says it is in a tool call from now (the SDK's `tool()`), and
+        maybe how long it expects it to take: the scheduler judges the rest of the pause
+        from it (pauses.py). AgentConflict once the agent has ended."""
+        self.require_live(entry)
+        self.dispatcher.pauses.tool_started(self.dispatcher.agents[entry.id], tool, expected_s, self.now())
+        entry.last_activity_mono = self.now()
+        entry.touch()
+        return entry
+
+    def tool_ended(self, entry: AgentEntry) -> AgentEntry:
+        """The announced tool call ended (nothing to do if none was in progress): its length
+        is learned for the agent's type and that tool."""
+        self.require_live(entry)
+        self.dispatcher.pauses.tool_ended(self.dispatcher.agents[entry.id], self.now())
+        entry.last_activity_mono = self.now()
+        entry.touch()
+        return entry
 
     def _view(self, entry: AgentEntry) -> dict[str, Any]:
         return scheduler_view(self.dispatcher, entry.id, self.now())

@@ -34,9 +34,11 @@ def scheduler_view(dispatcher: Dispatcher, agent_id: str, now: float) -> dict[st
     }
 
 
-def agent_record(entry: AgentEntry, view: dict[str, Any], now: float | None = None) -> AgentRecord:
+def agent_record(entry: AgentEntry, view: dict[str, Any], now: float | None = None, *,
+                 tool: str | None = None, pause_remaining_s: float | None = None) -> AgentRecord:
     """The record of `entry` with the scheduler's `view` of it; `now` (the scheduler's
-    clock) times a pause in progress."""
+    clock) times a pause in progress; `tool` and `pause_remaining_s` are the scheduler's
+    view of that pause."""
     paused_for = (max(0.0, now - entry.paused_mono)
                   if entry.paused_mono is not None and now is not None else None)
     jct = entry.finished_at - entry.submitted_at if entry.state == "finished" and entry.finished_at else None
@@ -53,6 +55,8 @@ def agent_record(entry: AgentEntry, view: dict[str, Any], now: float | None = No
         finished_at=entry.finished_at,
         paused_at=entry.paused_at,
         paused_for_s=paused_for,
+        tool=tool,
+        pause_remaining_s=pause_remaining_s,
         first_eta_s=entry.first_eta_s,
         first_eta_interval_s=list(entry.first_eta_interval_s) if entry.first_eta_interval_s else None,
         session=entry.session,

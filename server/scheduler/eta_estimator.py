@@ -232,12 +232,19 @@ class EtaEstimator:
 
     def pause_ahead(self, agent: AgentState, now: float) -> float:
         """The tool time its ETA expects: its type's mean pause before each stage it has not
-        started, less what it has already paused before the next one."""
+        started, less what it has already paused before the next one. In a tool call its
+        client announced, the current pause is that call's expected rest (pauses.py); the
+        agent will come back from it even if it declared no further stage."""
         shape = agent.eta_shape or agent.shape
         left = stages_left(shape.stages, agent.stages_started)
+        pauses = self._d.pauses
+        if agent.tool is not None and agent.idle_since is not None:
+            rest = pauses.remaining_s(agent, now)
+            if rest is not None:
+                return rest + pauses.mean_s(agent.agent_type) * max(0, left - 1)
         if left == 0:
             return 0.0
-        mean = self._d.pauses.mean_s(agent.agent_type)
+        mean = pauses.mean_s(agent.agent_type)
         paused = now - agent.idle_since if agent.idle_since is not None else 0.0
         return max(0.0, mean * left - min(paused, mean))
 

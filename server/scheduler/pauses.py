@@ -18,6 +18,12 @@ boundaries (the tenants of the evaluation family, taught by its sessions, were t
 three times their JCTs), and a type's own recent boundaries are too few to tell (an agent
 of two stages crosses one). The worst case keeps the whole record (`WINDOW`).
 
+A client may also say when a tool call starts and ends (the SDK's `tool()`: the agent API's
+pause and resume calls), with the tool's name and, optionally, how long it expects it to
+take. Tool calls are learned per (type, tool), apart from the pauses: the expected rest of a
+pause in a named tool comes from that tool's calls (any type's, until the type has some),
+or from what the client said while the call has not outlasted it.
+
 Pure: callers pass the times.
 """
 
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,13 +43,23 @@ WINDOW = 200
 RECENT = 16
 
 
+def expected_remaining_s(seen: Sequence[float], elapsed_s: float) -> float:
+    """Mean of (pause - elapsed) over the pauses seen longer than `elapsed_s` (inf when none
+    was: the pause has outlasted everything seen)."""
+    longer = [x for x in seen if x > elapsed_s]
+    return sum(longer) / len(longer) - elapsed_s if longer else float("inf")
+
+
 class PauseStats:
-    """Pauses seen, per agent type and over all types: mean and 90th percentile."""
+    """Pauses seen, per agent type and over all types: mean and 90th percentile; tool calls
+    announced by clients, per (type, tool) and per tool."""
 
     def __init__(self, window: int = WINDOW) -> None:
         self._window = window
         self._by_type: dict[str | None, deque[float]] = {}
         self._all: deque[float] = deque(maxlen=window)
+        self._tools: dict[tuple[str | None, str], deque[float]] = {}
+        self._tool_any: dict[str, deque[float]] = {}
 
     def stage_started(self, agent: AgentState, now: float) -> None:
         """The agent submits a request: back from a pause, its next stage starts (the pause
@@ -96,6 +112,56 @@ class PauseStats:
     def p90_s(self, agent_type: str | None) -> float:
         seen = sorted(self._seen(agent_type))
         return seen[min(len(seen) - 1, int(0.9 * len(seen)))] if seen else 0.0
+
+    # -- tool calls a client announced -------------------------------------------
+    def tool_started(self, agent: AgentState, tool: str, expected_s: float | None, now: float) -> None:
+        """The agent's client says it is in tool call `tool` from `now` (a new one replaces
+        an announced call that did not end)."""
+        agent.tool, agent.tool_since = tool, now
+        agent.tool_expected_s = expected_s if expected_s is not None and expected_s >= 0.0 else None
+
+    def tool_ended(self, agent: AgentState, now: float) -> float | None:
+        """The announced tool call ended: its length is learned; returns it (None: none
+        was in progress)."""
+        if agent.tool is None or agent.tool_since is None:
+            return None
+        took = max(0.0, now - agent.tool_since)
+        self._tools.setdefault((agent.agent_type, agent.tool), deque(maxlen=self._window)).append(took)
+        self._tool_any.setdefault(agent.tool, deque(maxlen=self._window)).append(took)
+        agent.tool = agent.tool_since = agent.tool_expected_s = None
+        return took
+
+    def tool_seen(self, agent_type: str | None, tool: str) -> list[float]:
+        """The calls of `tool` its estimates use: the type's own, else every type's."""
+        own = self._tools.get((agent_type, tool))
+        return list(own if own else self._tool_any.get(tool, ()))
+
+    def pause_basis(self, agent: AgentState) -> tuple[float, list[float], float | None] | None:
+        """What the rest of the agent's current pause is judged from: since when (the
+        announced tool call's start, else the pause's), the lengths seen of such pauses
+        (the tool's calls, else the type's pauses) and the length its client declared (None:
+        not declared). None: it is not paused."""
+        if agent.tool is not None and agent.tool_since is not None:
+            seen = self.tool_seen(agent.agent_type, agent.tool) or self.seen(agent.agent_type)
+            return agent.tool_since, seen, agent.tool_expected_s
+        if agent.idle_since is not None:
+            return agent.idle_since, self.seen(agent.agent_type), None
+        return None
+
+    def remaining_s(self, agent: AgentState, now: float) -> float | None:
+        """The expected rest of the agent's current pause, seconds: what its client declared
+        less what has passed (while it has not outlasted it), else the mean rest of the
+        pauses seen that lasted longer. None: not paused, or nothing to go on (none seen,
+        or it has outlasted every one seen)."""
+        basis = self.pause_basis(agent)
+        if basis is None:
+            return None
+        since, seen, declared = basis
+        elapsed = max(0.0, now - since)
+        if declared is not None and elapsed <= declared:
+            return declared - elapsed
+        rest = expected_remaining_s(seen, elapsed)
+        return rest if rest != float("inf") else None
 
 
 def stages_left(declared_stages: int, started: int) -> int:

@@ -30,8 +30,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .pauses import PauseStats
+from .pauses import PauseStats, expected_remaining_s
+
+if TYPE_CHECKING:
+    from .state import AgentState
+
+__all__ = ["RETAIN_MODES", "Pin", "ReuseStats", "Retention", "break_even_pause_s", "expected_remaining_s",
+           "hold_charge", "keep_until_s", "pins_to_release"]
 
 RETAIN_MODES = ("auto", "always", "never")
 # A type's resend rate starts from this many resends out of as many pauses (optimistic: keep
@@ -51,13 +58,6 @@ def check_mode(mode: str) -> str:
 def break_even_pause_s(kv_capacity_tokens: float, prefill_token_s: float) -> float:
     """The pause below which holding a context costs less than prefilling it again: M x c."""
     return max(0.0, float(kv_capacity_tokens) * float(prefill_token_s))
-
-
-def expected_remaining_s(seen: Sequence[float], elapsed_s: float) -> float:
-    """Mean of (pause - elapsed) over the pauses seen longer than `elapsed_s` (inf when none
-    was: the pause has outlasted everything seen)."""
-    longer = [x for x in seen if x > elapsed_s]
-    return sum(longer) / len(longer) - elapsed_s if longer else float("inf")
 
 
 def keep_until_s(seen: Sequence[float], horizon_s: float) -> float:
@@ -136,6 +136,22 @@ class Retention:
             return float("inf")
         horizon = self.horizon_s(agent_type, kv_capacity_tokens, prefill_token_s)
         return paused_since + keep_until_s(self.pauses.seen(agent_type), horizon)
+
+    def keep_until_for(self, agent: AgentState, kv_capacity_tokens: float, prefill_token_s: float) -> float | None:
+        """`keep_until` for a paused agent as the scheduler sees it (None: not paused): in a
+        tool call its client announced, judged from that tool's calls; with a declared
+        length L, kept when L is under the horizon, until L plus the horizon (overrunning
+        the horizon's length costs what one prefill would)."""
+        basis = self.pauses.pause_basis(agent)
+        if basis is None:
+            return None
+        since, seen, declared = basis
+        if self.mode != "auto":
+            return self.keep_until(agent.agent_type, since, kv_capacity_tokens, prefill_token_s)
+        horizon = self.horizon_s(agent.agent_type, kv_capacity_tokens, prefill_token_s)
+        if declared is not None:
+            return since + declared + horizon if declared < horizon else since
+        return since + keep_until_s(seen, horizon)
 
     def keeps(self, agent_type: str | None, paused_since: float, now: float, kv_capacity_tokens: float,
               prefill_token_s: float) -> bool:

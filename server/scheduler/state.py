@@ -157,6 +157,11 @@ class AgentState:
     # not started), and how many stages it has started.
     idle_since: float | None = None
     stages_started: int = 0
+    # In a tool call its client announced (pauses.py, `tool_started`): the tool's name, since
+    # when, and how long the client expects it to take (None: not said).
+    tool: str | None = None
+    tool_since: float | None = None
+    tool_expected_s: float | None = None
     requests_total: int = 0
     requests_done: int = 0
     # Owned by AgentHeapQueue (queues.py): the agent's pending requests in `order`, and the

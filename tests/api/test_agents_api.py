@@ -408,3 +408,44 @@ def test_an_agent_between_its_requests_is_paused_for_as_long_as_it_waits(client:
     assert second["paused_for_s"] < later["paused_for_s"]
     done = client.post(f"/v1/agents/{rec['id']}/finish").json()
     assert done["state"] == "finished" and done["paused_at"] is None and done["paused_for_s"] is None
+
+
+def test_an_announced_tool_call_tells_the_scheduler_its_pause(client: httpx.Client) -> None:
+    """POST /pause names the tool call the agent is in (and how long it should take): the
+    record shows it and the rest of the pause; POST /resume ends it and its length is learned,
+    so the next agent of the type in the same tool is judged from it."""
+    rec = register(client, type_="tool_user")
+    assert complete(client, rec["id"], 4).status_code == 200
+    r = client.post(f"/v1/agents/{rec['id']}/pause", json={"tool": "search", "expected_s": 30.0})
+    assert r.status_code == 200, r.text
+    inside = r.json()
+    assert inside["state"] == "paused" and inside["tool"] == "search"
+    assert 29.0 < inside["pause_remaining_s"] <= 30.0  # the declared length, less what passed
+    wait_until(lambda: client.get(f"/v1/agents/{rec['id']}").json()["paused_for_s"] >= 0.3, limit_s=10)
+    ended = client.post(f"/v1/agents/{rec['id']}/resume").json()
+    assert ended["tool"] is None and ended["state"] == "paused"  # back, not sent anything yet
+    took = ended["paused_for_s"]
+    assert client.post(f"/v1/agents/{rec['id']}/resume").status_code == 200  # nothing to end: a no-op
+    client.post(f"/v1/agents/{rec['id']}/finish")
+
+    # the next of its type in the same tool, with no length declared: the call seen (>= 0.3 s)
+    other = register(client, type_="tool_user")
+    assert complete(client, other["id"], 4).status_code == 200
+    seen = client.post(f"/v1/agents/{other['id']}/pause", json={"tool": "search"}).json()
+    assert seen["tool"] == "search" and 0.0 < seen["pause_remaining_s"] <= took + 0.05
+    done = client.post(f"/v1/agents/{other['id']}/finish").json()
+    assert done["tool"] is None and done["pause_remaining_s"] is None
+    r = client.post(f"/v1/agents/{other['id']}/pause", json={"tool": "search"})
+    assert r.status_code == 409 and "finished" in r.json()["detail"]
+    assert client.post(f"/v1/agents/{other['id']}/resume").status_code == 409
+    assert client.post("/v1/agents/agt-nope/pause").status_code == 404
+
+
+def test_bad_tool_announcements_are_400(client: httpx.Client) -> None:
+    rec = register(client, type_="tool_user")
+    for body in ({"tool": ""}, {"tool": "has space"}, {"expected_s": -1}, {"expected_s": "soon"},
+                 {"tool": "t", "unknown": 1}):
+        r = client.post(f"/v1/agents/{rec['id']}/pause", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert isinstance(r.json()["detail"], str)
+    client.delete(f"/v1/agents/{rec['id']}")

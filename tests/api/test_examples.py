@@ -96,3 +96,16 @@ def test_the_notebook_starts_its_server_through_the_public_api() -> None:
         (EXAMPLES / "notebook.ipynb").read_text())["cells"] if c["cell_type"] == "code")
     assert "from server import EmbeddedServer" in code
     assert "server.launcher" not in code
+
+
+def test_the_react_tools_example_announces_its_tool_calls(server) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "react_tools.py"), "--url", server.url, "--agents", "2", "--turns", "2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    inside = [line for line in lines if " in search, " in line]
+    assert len(inside) == 4, proc.stdout  # two agents, two tool calls each
+    assert all(": paused in search, " in line and "expected left" in line for line in inside), proc.stdout
+    assert sum(" finished in " in line for line in lines) == 2, proc.stdout

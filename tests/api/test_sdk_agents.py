@@ -19,6 +19,7 @@ from justitia_sdk import (
     llm,
     parallel_map,
     run_sync,
+    tool,
 )
 
 pytestmark = pytest.mark.anyio
@@ -255,3 +256,32 @@ async def _idle(client: AsyncClient) -> bool:
 
 async def _false() -> bool:
     return False
+
+
+async def test_a_tool_call_wrapped_by_the_sdk_reaches_the_server(server) -> None:
+    """`tool()` announces the call's start (name, expected length) and its end, as a context
+    manager and as a decorator; outside an agent it does nothing."""
+    seen: list = []
+
+    @tool("fetch")
+    async def fetch(client: AsyncClient) -> None:
+        seen.append(await client.get_agent(current_agent_id() or ""))
+
+    @agent
+    async def researcher(client: AsyncClient) -> str | None:
+        await llm("look it up", max_tokens=2)
+        async with tool("search", expected_s=12.0):
+            seen.append(await client.get_agent(current_agent_id() or ""))
+        seen.append(await client.get_agent(current_agent_id() or ""))
+        await fetch(client)
+        return current_agent_id()
+
+    async with AsyncClient(server.url) as client:
+        async with tool("outside"):  # no agent: nothing to tell, nothing fails
+            pass
+        await client.run(researcher, client)
+    inside, after, decorated = seen
+    assert inside.state == "paused" and inside.tool == "search"
+    assert 0.0 < inside.pause_remaining_s <= 12.0
+    assert after.tool is None
+    assert decorated.tool == "fetch"
