@@ -140,7 +140,7 @@ class Promises:
         # broken).
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
-        factor, seen = promise_factor(d.etas.calibration, agent.promise_context)
+        factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context)
         tight = worst
         if left == 0 or (d.pauses.any_seen and not d.pauses.paused_lately()):
             cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
@@ -149,7 +149,7 @@ class Promises:
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later
         agent.deadline_at = deadline
-        agent.promise_assumes = assumption(factor, seen, d.arrivals.promise_rate, agent.promise_context) \
+        agent.promise_assumes = assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context) \
             if tight < worst else ""
         if not isinstance(d.policy, Justitia):
             agent.promise = "none"
