@@ -118,12 +118,12 @@ def bench_dataset(samples, splits: int, per_type: int, ablation: bool, fresh: di
             if ablation:
                 preds["mlp_paper"] = fit_predictor(train, t, seed=seed, candidate=PAPER_MLP).predict
             cold = ColdStartEstimator()
-            preds["cold_start_prior"] = lambda q, f, c=cold, t=t: c.predict(t, q, f)
+            preds["cold_start_prior"] = cold.for_type(t).predict
             prior = [preds["cold_start_prior"](s.prompt, s.features) for s in val]
             errs[t]["cold_start_prior"] += list(relative_errors(prior, y))
             for s in train:
                 cold.observe(t, s.prompt, s.cost, s.features)
-            preds["cold_start"] = lambda q, f, c=cold, t=t: c.predict(t, q, f)
+            preds["cold_start"] = cold.for_type(t).predict
             for name, fn in preds.items():
                 if name == "cold_start_prior":
                     continue

@@ -11,14 +11,14 @@ not seen yet, and an agent that went on to cost 100,000 was predicted 200.
 **Observations of the type** (:meth:`ColdStartEstimator.observe`) feed a per-type log-log
 ridge regression ``log cost = a + b * log(1 + P)`` whose slope is pulled towards 1 (cost
 proportional to prompt size) with ``prior_strength`` pseudo-observations; six running sums
-per type, so ``observe`` and ``predict`` are O(1) (a few microseconds). The estimate blends
+per type, so ``observe`` and ``estimate`` are O(1) (a few microseconds). The estimate blends
 the regression into the prior gradually, in log space, with weight ``n^2 / (n^2 + k^2)`` for
 ``n`` observations (``k = blend_observations``, 3: weights 0.1, 0.31, 0.5, 0.64 after 1-4
 agents, 0.92 after 10, 0.98 after 20): a few agents, perhaps unrepresentative, do not
 decide a type's cost by themselves.
 
-:meth:`ColdStartEstimator.predict_interval` gives ``(p50, p90)``: the estimate, and the
-estimate times ``exp(1.28 sigma)``. ``sigma`` combines the spread of the type's agents about
+:meth:`ColdStartPredictor.predict_interval` (``estimator.for_type(t)``) gives ``(p50, p90)``:
+the estimate, and the estimate times ``exp(1.28 sigma)``. ``sigma`` combines the spread of the type's agents about
 their regression (shrunk towards the prior's) with the uncertainty of the estimate's level:
 the prior's share of it while the prior weighs, the regression's standard error as
 observations come in. Before any observation ``sigma`` is ``prior_log_sigma`` (1.0: a factor
@@ -100,19 +100,14 @@ class ColdStartEstimator:
             d = cp / stages if cp > 0 else self.default_output_tokens
         return max(1.0, requests * (tokens * d + d * (d + 1.0) / 2.0))
 
-    def predict(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None = None) -> float:
-        """Estimated total cost of an agent of ``agent_type`` with this prompt."""
-        return self._fit(agent_type, prompt, features)[0]
+    def for_type(self, agent_type: str) -> ColdStartPredictor:
+        """The estimates of ``agent_type`` as a :class:`~predictors.base.Predictor`."""
+        return ColdStartPredictor(self, agent_type)
 
-    def predict_interval(self, agent_type: str, prompt: str,
-                         features: Mapping[str, Any] | None = None) -> tuple[float, float]:
-        """``(p50, p90)`` of the agent's total cost: the estimate, and the estimate times
-        ``exp(1.28 sigma)``, ``sigma`` the uncertainty of the estimate (see the module)."""
-        estimate, sigma = self._fit(agent_type, prompt, features)
-        return estimate, estimate * math.exp(_Z90 * sigma)
-
-    def _fit(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None) -> tuple[float, float]:
-        """The estimate and the spread (sigma of log cost) around it."""
+    def estimate(self, agent_type: str, prompt: str,
+                 features: Mapping[str, Any] | None = None) -> tuple[float, float]:
+        """The estimated total cost of an agent of ``agent_type`` with this prompt, and the
+        uncertainty of that estimate (sigma of log cost; see the module)."""
         prior = math.log(self.prior(prompt, features))
         # The prior's uncertainty, split evenly between the spread of agents about a type's
         # typical cost and the uncertainty of where that typical cost lies.
@@ -150,7 +145,8 @@ class ColdStartEstimator:
 
 
 class ColdStartPredictor:
-    """``predict(prompt, features)`` for one agent type, backed by a :class:`ColdStartEstimator`."""
+    """The :class:`~predictors.base.Predictor` of one agent type, backed by a
+    :class:`ColdStartEstimator`."""
 
     is_cold_start = True
 
@@ -164,10 +160,14 @@ class ColdStartPredictor:
                 "observations": self.estimator.observations(self.agent_type)}
 
     def predict(self, prompt: str, features: Mapping[str, Any] | None = None) -> float:
-        return self.estimator.predict(self.agent_type, prompt, features)
+        """Estimated total cost of an agent of this type with this prompt."""
+        return self.estimator.estimate(self.agent_type, prompt, features)[0]
 
     def predict_interval(self, prompt: str, features: Mapping[str, Any] | None = None) -> tuple[float, float]:
-        return self.estimator.predict_interval(self.agent_type, prompt, features)
+        """``(p50, p90)`` of the agent's total cost: the estimate, and the estimate times
+        ``exp(1.28 sigma)``, ``sigma`` the uncertainty of the estimate (see the module)."""
+        estimate, sigma = self.estimator.estimate(self.agent_type, prompt, features)
+        return estimate, estimate * math.exp(_Z90 * sigma)
 
     def observe(self, prompt: str, cost: float, features: Mapping[str, Any] | None = None) -> None:
         self.estimator.observe(self.agent_type, prompt, cost, features)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .base import Features, PointPredictor, Predictor
 from .features import estimate_tokens
 from .samples import Sample
 
@@ -28,7 +29,7 @@ def error_summary(predicted: Sequence[float], actual: Sequence[float]) -> dict[s
     }
 
 
-def measure_latency(predict: Callable[[str, dict], float], samples: Sequence[Sample],
+def measure_latency(predict: Callable[[str, Mapping[str, Any]], float], samples: Sequence[Sample],
                     min_calls: int = 300, max_seconds: float = 5.0) -> dict[str, float]:
     """Wall time of single predictions (one agent per call), in milliseconds.
 
@@ -55,24 +56,24 @@ def measure_latency(predict: Callable[[str, dict], float], samples: Sequence[Sam
     }
 
 
-def coverage(predictor, samples: Sequence[Sample]) -> dict[str, float | None]:
+def coverage(predictor: Predictor, samples: Sequence[Sample]) -> dict[str, float | None]:
     """Share of ``samples`` whose real cost is at most the predictor's p50 and p90
-    (``None`` for a predictor that predicts no interval)."""
-    interval = getattr(predictor, "predict_interval", None)
-    if interval is None or not (getattr(predictor, "metadata", {}) or {}).get("interval"):
+    (``None`` for a predictor whose interval is not its own: one without out-of-fold
+    residuals in its metadata returns its point estimate twice)."""
+    if not predictor.metadata.get("interval"):
         return {"p50_coverage": None, "p90_coverage": None}
-    bounds = [interval(s.prompt, s.features) for s in samples]
+    bounds = [predictor.predict_interval(s.prompt, s.features) for s in samples]
     costs = np.array([s.cost for s in samples])
     return {"p50_coverage": float(np.mean(costs <= np.array([b[0] for b in bounds]))),
             "p90_coverage": float(np.mean(costs <= np.array([b[1] for b in bounds])))}
 
 
-def evaluate(predictor, samples: Sequence[Sample], latency: bool = True) -> dict[str, Any]:
+def evaluate(predictor: Predictor, samples: Sequence[Sample], latency: bool = True) -> dict[str, Any]:
     """Relative error of ``predictor`` on ``samples``, its kind, the coverage of its p50 and
     p90 (the share of real costs at most each) and its per-call latency."""
     actual = [s.cost for s in samples]
     predicted = [predictor.predict(s.prompt, s.features) for s in samples]
-    meta = getattr(predictor, "metadata", {}) or {}
+    meta = predictor.metadata
     out: dict[str, Any] = {"n": len(samples), "kind": meta.get("kind", "mlp"), "model": meta.get("model"),
                            **error_summary(predicted, actual), **coverage(predictor, samples)}
     if latency:
@@ -82,7 +83,7 @@ def evaluate(predictor, samples: Sequence[Sample], latency: bool = True) -> dict
 
 # -- baselines ------------------------------------------------------------------------------
 
-class MeanBaseline:
+class MeanBaseline(PointPredictor):
     """Predicts the mean training cost for every agent."""
 
     name = "training mean"
@@ -91,11 +92,11 @@ class MeanBaseline:
         self.mean_ = float(np.mean([s.cost for s in samples]))
         return self
 
-    def predict(self, prompt: str, features: dict | None = None) -> float:
+    def predict(self, prompt: str, features: Features | None = None) -> float:
         return self.mean_
 
 
-class MedianBaseline:
+class MedianBaseline(PointPredictor):
     """Predicts the median training cost for every agent (what a per-type average gives
     when a few huge agents would skew the mean)."""
 
@@ -105,11 +106,11 @@ class MedianBaseline:
         self.median_ = float(np.median([s.cost for s in samples]))
         return self
 
-    def predict(self, prompt: str, features: dict | None = None) -> float:
+    def predict(self, prompt: str, features: Features | None = None) -> float:
         return self.median_
 
 
-class LengthLinearBaseline:
+class LengthLinearBaseline(PointPredictor):
     """Least squares ``cost = a + b * prompt_tokens`` (estimated tokens of the prompt)."""
 
     name = "length-only linear"
@@ -122,6 +123,6 @@ class LengthLinearBaseline:
         self.floor_ = float(y.min())
         return self
 
-    def predict(self, prompt: str, features: dict | None = None) -> float:
+    def predict(self, prompt: str, features: Features | None = None) -> float:
         # Clipped at the smallest training cost: a negative or zero prediction is meaningless.
         return max(self.floor_, float(self.a_ + self.b_ * estimate_tokens(prompt)))

@@ -218,11 +218,14 @@ def _layers(reg: Any, n_inputs: int) -> tuple[np.ndarray, np.ndarray, list[tuple
 
 
 class CostPredictor:
-    """A trained predictor of one agent type's total KV token-time cost.
+    """A trained predictor of one agent type's total KV token-time cost (a
+    :class:`~predictors.base.Predictor`).
 
     ``predict(prompt, features)`` returns the predicted cost of one agent, in token-time
     units: the sum over its requests of ``p*d + d*(d+1)/2``.
     """
+
+    is_cold_start = False
 
     def __init__(self, model: TransformedTargetRegressor, metadata: Mapping[str, Any]):
         self.model = model

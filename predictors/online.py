@@ -31,9 +31,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .model import CostPredictor
 
 log = logging.getLogger("justitia.predictors")
 
@@ -69,7 +72,7 @@ class TypeState:
     samples: collections.deque[_Served] = field(default_factory=lambda: collections.deque(maxlen=MAX_SAMPLES))
     new: int = 0  # samples since the last job was queued
     job: concurrent.futures.Future[dict[str, Any]] | None = None
-    model: Any = None  # the online CostPredictor serving this (tenant, type), if any
+    model: CostPredictor | None = None  # the online model serving this (tenant, type), if any
     last_trained: str | None = None
     last_decision: str | None = None
     retrains: int = 0
@@ -204,7 +207,7 @@ class OnlineTrainer:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
-    def get(self, agent_type: str, tenant: str | None) -> Any:
+    def get(self, agent_type: str, tenant: str | None) -> CostPredictor | None:
         """The online model serving (tenant, type), or None."""
         state = self._types.get((tenant or "", agent_type))
         return state.model if state is not None else None

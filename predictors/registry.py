@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .cold_start import ColdStartEstimator, ColdStartPredictor
+from .base import Predictor
+from .cold_start import ColdStartEstimator
 from .persistence import METADATA_FILE, PredictorLoadError, load_predictor, read_metadata
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class PredictorRegistry:
         self._cold_by_tenant: dict[str, ColdStartEstimator] = {}
         self.errors: dict[str, str] = {}
         self._paths: dict[str, Path] = {}
-        self._loaded: dict[str, Any] = {}
+        self._loaded: dict[str, Predictor] = {}
         self._lock = threading.Lock()
         self.refresh()
 
@@ -90,13 +91,13 @@ class PredictorRegistry:
         """Agent types with a trained predictor."""
         return sorted(set(self._paths) | set(self._loaded))
 
-    def add(self, predictor) -> None:
+    def add(self, predictor: Predictor) -> None:
         """Use ``predictor`` (already loaded) for its ``agent_type``."""
         with self._lock:
             self._loaded[predictor.agent_type] = predictor
 
     def has_model(self, agent_type: str) -> bool:
-        return not getattr(self.get(agent_type), "is_cold_start", False)
+        return not self.get(agent_type).is_cold_start
 
     def cold_start_of(self, tenant: str | None) -> ColdStartEstimator:
         """The cold-start estimator that learns from ``tenant``'s agents only."""
@@ -113,7 +114,7 @@ class PredictorRegistry:
                                                self.cold_start.blend_observations))
         return estimator
 
-    def get(self, agent_type: str, tenant: str | None = None):
+    def get(self, agent_type: str, tenant: str | None = None) -> Predictor:
         """The online model of (``tenant``, ``agent_type``), else the trained predictor of
         ``agent_type`` (an operator's, shared by every tenant), else a cold-start predictor
         for it that learns from ``tenant``'s agents only."""
@@ -123,8 +124,8 @@ class PredictorRegistry:
                 return p
         return self._trained_or_cold(agent_type, tenant)
 
-    def _trained_or_cold(self, agent_type: str, tenant: str | None):
-        p = self._loaded.get(agent_type)
+    def _trained_or_cold(self, agent_type: str, tenant: str | None) -> Predictor:
+        p: Predictor | None = self._loaded.get(agent_type)
         if p is not None:
             return p
         path = self._paths.get(agent_type)
@@ -143,12 +144,7 @@ class PredictorRegistry:
                         self._loaded[agent_type] = p
             if p is not None:
                 return p
-        return ColdStartPredictor(self.cold_start_of(tenant), agent_type)
-
-    def predict(self, agent_type: str, prompt: str, features: Mapping[str, Any] | None = None,
-                tenant: str | None = None) -> float:
-        """Predicted total KV token-time cost of an agent of ``agent_type``."""
-        return self.get(agent_type, tenant).predict(prompt, features)
+        return self.cold_start_of(tenant).for_type(agent_type)
 
     def observe(self, agent_type: str, prompt: str, cost: float, features: Mapping[str, Any] | None = None,
                 tenant: str | None = None) -> None:
@@ -173,7 +169,8 @@ class PredictorRegistry:
         what online learning has seen and serves (``GET /v1/predictors``)."""
         out = []
         for agent_type in self.agent_types:
-            meta = dict(getattr(self._loaded.get(agent_type), "metadata", None) or {})
+            loaded = self._loaded.get(agent_type)
+            meta = dict(loaded.metadata) if loaded is not None else {}
             if not meta and agent_type in self._paths:
                 try:
                     meta = read_metadata(self._paths[agent_type])

@@ -307,7 +307,7 @@ def train_predictor(samples: Sequence[Sample], agent_type: str, *, alpha: float 
     cold = ColdStartEstimator()
     for s in train:
         cold.observe(agent_type, s.prompt, s.cost, s.features)
-    cold_start = _score(lambda p, f: cold.predict(agent_type, p, f), val)
+    cold_start = _score(cold.for_type(agent_type).predict, val)
 
     predictor.metadata.update(
         sample_count=len(own),

@@ -31,7 +31,7 @@ MAX_PROMPT_CHARS = 1_000_000
 # Far above any real agent (1e18 is about a million requests of a million tokens each); a
 # larger declared cost let the record's times overflow to infinity, which JSON cannot carry.
 MAX_PREDICTED_COST = 1e18
-# The metadata keys the bound uses (server/runtime/cost_estimate.py: declared_shape), and the ranges that keep the
+# The metadata keys the bound uses (server/runtime/declared.py), and the ranges that keep the
 # bound's arithmetic finite.
 _SHAPE_RANGES = {"stages": (1, 1_000_000), "critical_path_tokens": (0, 10**12), "prefill_tokens": (0, 10**12)}
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from server.runtime.data_dir import HistoryUnwritable
 
 if TYPE_CHECKING:
+    from predictors.base import Predictor
     from server.engine.base import EngineOutput
     from server.runtime.agents import AgentEntry
     from server.runtime.metrics import Metrics
@@ -141,7 +142,7 @@ class HistoryWriter(AgentListener):
 class Predictors(Protocol):
     """predictors' `PredictorRegistry`, as far as the scheduler uses it."""
 
-    def get(self, agent_type: str, tenant: str | None = ...) -> Any: ...
+    def get(self, agent_type: str, tenant: str | None = ...) -> Predictor: ...
 
     def observe(self, agent_type: str, prompt: str, cost: float,
                 features: Mapping[str, Any] | None = ..., tenant: str | None = ...) -> None:

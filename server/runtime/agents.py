@@ -19,6 +19,7 @@ this module owns identity, tenancy, lifecycle and the request log written to the
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import os
 from collections.abc import Callable
@@ -27,8 +28,25 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-AgentStateName = Literal["queued", "running", "paused", "finished", "failed", "cancelled", "expired"]
-TERMINAL: frozenset[str] = frozenset({"finished", "failed", "cancelled", "expired"})
+from server.runtime.declared import declared_shape
+from server.scheduler import AgentShape, AgentView, PromiseKind
+
+
+class AgentStatus(enum.StrEnum):
+    """Where an agent is in its life (the diagram above; server/runtime/lifecycle.py has
+    its transitions). The values are the API's `state` strings."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+TERMINAL: frozenset[AgentStatus] = frozenset(
+    {AgentStatus.FINISHED, AgentStatus.FAILED, AgentStatus.CANCELLED, AgentStatus.EXPIRED})
 MAX_ERROR_CHARS = 2000
 
 #: Where an agent's predicted_cost came from (docs/predictors.md, "Where a cost came from"):
@@ -137,7 +155,7 @@ class AgentEntry:
     session: str | None = None  # the session id of an implicit session agent (server/api/sessions.py)
     lease_s: float | None = None  # None: the server's lease
     cost_source: CostSource = "fallback"
-    state: AgentStateName = "queued"
+    state: AgentStatus = AgentStatus.QUEUED
     finished_at: float | None = None
     # While paused: since when, on the scheduler's clock and in unix seconds (None otherwise).
     paused_mono: float | None = None
@@ -157,13 +175,13 @@ class AgentEntry:
     error: str | None = None  # why a failed agent failed, as its client reported it
     # Frozen at the end so that a finished agent's record stays readable after the
     # dispatcher forgets it.
-    final_view: dict[str, Any] | None = None
+    final_view: AgentView | None = None
     version: int = 0
     seq: int = 0  # registration order in this server (the cursor of GET /v1/agents)
     held_bytes: int = 0  # its prompt and metadata, against the tenant's --max-agent-bytes
     metadata_json: bytes = b"{}"
-    # `metadata.stages` when it is an int (re-prediction reads it after every request).
-    declared_stages: int | None = None
+    # The structure its metadata declared (server/runtime/declared.py), parsed once.
+    declared: AgentShape | None = None
     # An ended agent's metadata over ENDED_METADATA_BYTES is let go (the history has it).
     metadata_dropped: bool = False
     # Made only while someone watches (SSE): touch() runs several times per request.
@@ -174,9 +192,8 @@ class AgentEntry:
     def __post_init__(self, metadata: dict[str, Any] | None) -> None:
         if metadata:
             self.metadata_json = encode_metadata(metadata)
-            stages = metadata.get("stages")
-            if isinstance(stages, int) and not isinstance(stages, bool):
-                self.declared_stages = stages
+            if self.declared is None:
+                self.declared = declared_shape(metadata)
 
     def meta(self) -> dict[str, Any]:
         """The metadata, parsed (a new dict each call)."""
@@ -191,6 +208,11 @@ class AgentEntry:
         if len(self.metadata_json) > ENDED_METADATA_BYTES:
             self.metadata_json = b"{}"
             self.metadata_dropped = True
+
+    @property
+    def declared_stages(self) -> int | None:
+        """The stages its metadata declared (None: not declared)."""
+        return self.declared.stages if self.declared is not None else None
 
     @property
     def terminal(self) -> bool:
@@ -219,7 +241,7 @@ class AgentRecord(BaseModel):
     id: str
     type: str
     tenant: str
-    state: AgentStateName
+    state: AgentStatus
     predicted_cost: float = Field(description="Predicted total KV token-time cost.")
     virtual_finish: float = Field(description="The agent's GPS virtual finish tag.")
     predicted_cost_p90: float | None = Field(default=None, description=(
@@ -253,7 +275,7 @@ class AgentRecord(BaseModel):
         "expected to arrive ahead of the agent, at a pessimistic rate, plus delay_bound_s) and "
         "the ETA scaled by how far first ETAs have fallen short (promise_assumes says so). "
         "Moves only by the agent's own doing (it starts late, or uses more than predicted)."))
-    promise: Literal["firm", "widened", "none"] = Field(default="firm", description=(
+    promise: PromiseKind = Field(default=PromiseKind.FIRM, description=(
         "firm: the server expects to keep deadline_s; widened: it could not promise firmly "
         "and widened the deadline by its uncertainty (promise_reason says why); none: the "
         "policy keeps no delay bound."))

@@ -3,7 +3,7 @@
 The guess stands for one request of the prompt's size decoding `FALLBACK_OUTPUT_TOKENS`, as
 uncertain as a cold start's guess (its promise allows for the same spread). Where the cost is
 a guess, the shape it was guessed as goes with it, so that the ETA expects that one request.
-An agent may also declare its structure in its metadata (`declared_shape`).
+An agent may also declare its structure in its metadata (server/runtime/declared.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from server.runtime.agents import CostSource
 from server.scheduler import AgentShape, decode_for_kv_cost, kv_cost
-from server.scheduler.declared import BatchDeclaration
 from server.scheduler.reprediction import DEFAULT_P90_RATIO
 
 if TYPE_CHECKING:
@@ -51,10 +50,9 @@ def estimate_cost(predictors: Predictors | None, agent_type: str, prompt: str, t
         features = submission_features(metadata)
         try:
             predictor = predictors.get(agent_type, tenant)
-            interval = getattr(predictor, "predict_interval", None)
-            bounds = interval(prompt, features) if interval is not None else None
+            bounds = predictor.predict_interval(prompt, features)
             cost = float(predictor.predict(prompt, features))
-            if not getattr(predictor, "is_cold_start", False):
+            if not predictor.is_cold_start:
                 return CostEstimate(cost, "model", bounds, None)
             # the cold start's guess is one request of the prompt's estimated tokens
             return CostEstimate(cost, "cold_start", bounds, one_request(estimate_tokens(prompt), cost))
@@ -70,31 +68,3 @@ def one_request(prompt_tokens: int, cost: float) -> AgentShape:
     """The shape of one request of `prompt_tokens` whose KV cost is `cost` (the cold start
     reports its guess's cost, not the output length it assumed)."""
     return AgentShape(stages=1, critical_path_tokens=decode_for_kv_cost(prompt_tokens, cost))
-
-
-def declared_shape(metadata: dict[str, Any]) -> AgentShape | None:
-    """An agent may declare its structure (`stages`, `critical_path_tokens`, and for its ETA
-    `prefill_tokens`) in its metadata; the bound then covers its own critical path instead
-    of a one-stage guess."""
-    stages = metadata.get("stages")
-    cp = metadata.get("critical_path_tokens")
-    prefill = metadata.get("prefill_tokens")
-    if isinstance(stages, int) and stages >= 1:
-        return AgentShape(stages=stages, critical_path_tokens=cp if isinstance(cp, int) else None,
-                          prefill_tokens=prefill if isinstance(prefill, int) else None)
-    return None
-
-
-def declared_batch(metadata: dict[str, Any], tenant: str | None) -> BatchDeclaration | None:
-    """The batch an agent's client declared it part of (`metadata["batch"]`: its `id`, its
-    `size` and the agent's `index` in it, as the SDK sends), for the ETAs to expect the
-    inputs the client still holds back; None where the declaration is missing or malformed."""
-    batch = metadata.get("batch")
-    if not isinstance(batch, dict):
-        return None
-    batch_id, size, index = batch.get("id"), batch.get("size"), batch.get("index")
-    if not isinstance(batch_id, str) or not batch_id or type(size) is not int or size < 1:
-        return None
-    # by tenant: one tenant's declaration never counts toward another's batch of the same id
-    return BatchDeclaration(f"{tenant}/{batch_id[:64]}", size,
-                            index if type(index) is int and index >= 0 else None)

@@ -19,23 +19,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from server.runtime.agents import TERMINAL, AgentStateName
+from server.runtime.agents import TERMINAL, AgentStatus
 
 if TYPE_CHECKING:
     from server.runtime.agents import AgentEntry
 
 # The states each state may move to.
-TRANSITIONS: dict[AgentStateName, frozenset[AgentStateName]] = {
-    "queued": frozenset({"running", "finished", "failed", "cancelled", "expired"}),
-    "running": frozenset({"paused", "finished", "failed", "cancelled", "expired"}),
-    "paused": frozenset({"running", "finished", "failed", "cancelled", "expired"}),
-    "finished": frozenset(),
-    "failed": frozenset(),
-    "cancelled": frozenset(),
-    "expired": frozenset(),
+TRANSITIONS: dict[AgentStatus, frozenset[AgentStatus]] = {
+    AgentStatus.QUEUED: frozenset({AgentStatus.RUNNING, *TERMINAL}),
+    AgentStatus.RUNNING: frozenset({AgentStatus.PAUSED, *TERMINAL}),
+    AgentStatus.PAUSED: frozenset({AgentStatus.RUNNING, *TERMINAL}),
+    **{end: frozenset() for end in AgentStatus if end in TERMINAL},  # in a stable order
 }
 # The ends under an agent's running requests: they are aborted, their outputs dropped.
-ABANDONED: frozenset[AgentStateName] = frozenset({"cancelled", "expired"})
+ABANDONED: frozenset[AgentStatus] = frozenset({AgentStatus.CANCELLED, AgentStatus.EXPIRED})
 
 
 class AgentNotFound(LookupError):
@@ -50,7 +47,7 @@ class IllegalTransition(AgentConflict):
     """A transition the lifecycle does not have (e.g. from an end state)."""
 
 
-def transition(entry: AgentEntry, to: AgentStateName, *, wall: float, now: float) -> None:
+def transition(entry: AgentEntry, to: AgentStatus, *, wall: float, now: float) -> None:
     """Move `entry` to state `to`, or raise IllegalTransition and leave it as it was.
 
     An end state also stamps the end: `finished_at` (unix seconds, `wall`) and the last
@@ -60,7 +57,7 @@ def transition(entry: AgentEntry, to: AgentStateName, *, wall: float, now: float
     if to not in TRANSITIONS[entry.state]:
         raise IllegalTransition(f"agent {entry.id} is {entry.state}; it cannot become {to}")
     entry.state = to
-    if to == "paused":
+    if to is AgentStatus.PAUSED:
         entry.paused_at, entry.paused_mono = wall, now
     else:
         entry.paused_at = entry.paused_mono = None

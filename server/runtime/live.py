@@ -56,20 +56,21 @@ from server.runtime.agents import (
     MAX_ERROR_CHARS,
     AgentEntry,
     AgentRecord,
-    AgentStateName,
+    AgentStatus,
     encode_metadata,
     new_agent_id,
 )
-from server.runtime.cost_estimate import declared_batch, declared_shape, estimate_cost
+from server.runtime.cost_estimate import estimate_cost
+from server.runtime.declared import declared_batch, declared_shape
 from server.runtime.engine_upkeep import EngineUpkeep
 from server.runtime.feeds import Feeds, agent_events
 from server.runtime.lifecycle import AgentConflict, AgentNotFound, transition
 from server.runtime.live_config import LiveConfig
-from server.runtime.records import agent_record, scheduler_view
+from server.runtime.records import agent_record
 from server.runtime.relearn import Recalled
 from server.runtime.request_path import RequestPath
 from server.runtime.type_shapes import ETA_QUANTILE, TypeShapes
-from server.scheduler import AgentShape, Dispatcher, RequestStatus, get_policy
+from server.scheduler import AgentShape, AgentView, Dispatcher, RequestStatus, get_policy
 
 if TYPE_CHECKING:
     from server.runtime.history import History
@@ -190,7 +191,7 @@ class LiveScheduler:
                 if self.now() - last < self.config.housekeeping_s:
                     continue
                 last = self.now()
-                self._update_tau()
+                self.upkeep.update()  # tau, the step-time model and the rates ETAs divide by
                 await self.upkeep.save_every(self.history)
                 await self._expire_idle_agents()
                 self.table.prune(self.now(), self.config.retention_s)
@@ -198,9 +199,6 @@ class LiveScheduler:
                     self.admission.fail_waiting(EngineError("the engine is not running"))
             except Exception:  # housekeeping must survive anything one round throws
                 log.exception("housekeeping round failed")
-
-    def _update_tau(self) -> None:
-        self.upkeep.update()
 
     # -- agents -------------------------------------------------------------------
     def register(
@@ -270,12 +268,10 @@ class LiveScheduler:
             last_activity_mono=now,
             first_eta_s=view.eta_s,
             first_eta_interval_s=view.eta_interval_s,
+            declared=declared,
             on_change=self.feeds.changed,
         )
         entry.metadata_json = metadata_json  # the bytes counted above, not encoded twice
-        stages = metadata.get("stages")
-        if isinstance(stages, int) and not isinstance(stages, bool):
-            entry.declared_stages = stages
         self.table.add(entry, held)
         self.listeners.on_agent_registered(entry)
         self.feeds.changed(entry)
@@ -314,12 +310,7 @@ class LiveScheduler:
 
     def record(self, entry: AgentEntry) -> AgentRecord:
         view = entry.final_view if entry.final_view is not None else self._view(entry)
-        now = self.now()
-        tool, rest = None, None
-        agent = self.dispatcher.agents.get(entry.id) if not entry.terminal else None
-        if agent is not None and (entry.state == "paused" or agent.tool is not None):
-            tool, rest = agent.tool, self.dispatcher.pauses.remaining_s(agent, now)
-        return agent_record(entry, view, now, tool=tool, pause_remaining_s=rest)
+        return agent_record(entry, view, self.now())
 
     def tool_started(self, entry: AgentEntry, tool: str, expected_s: float | None = None) -> AgentEntry:
         """The agent's client says it is in a tool call from now (the SDK's `tool()`), and
@@ -340,8 +331,8 @@ class LiveScheduler:
         entry.touch()
         return entry
 
-    def _view(self, entry: AgentEntry) -> dict[str, Any]:
-        return scheduler_view(self.dispatcher, entry.id, self.now())
+    def _view(self, entry: AgentEntry) -> AgentView:
+        return self.dispatcher.view(entry.id, self.now())
 
     async def finish(self, entry: AgentEntry, error: str | None = None) -> AgentEntry:
         """The agent is done: `finished`, or `failed` when its client reports an `error`
@@ -352,7 +343,7 @@ class LiveScheduler:
             return entry
         self.require_live(entry)
         self._check_history()
-        state: AgentStateName = "finished" if error is None else "failed"
+        state = AgentStatus.FINISHED if error is None else AgentStatus.FAILED
         if error is not None:
             entry.error = error[:MAX_ERROR_CHARS]
         if entry.in_flight:
@@ -368,7 +359,7 @@ class LiveScheduler:
             return entry
         self.require_live(entry)
         self._check_history()
-        await self._cancel(entry, "cancelled")
+        await self._cancel(entry, AgentStatus.CANCELLED)
         await self._durable(entry)
         return entry
 
@@ -391,10 +382,10 @@ class LiveScheduler:
             await self._history_writer.durable(entry)
 
 
-    async def _cancel(self, entry: AgentEntry, state: AgentStateName) -> None:
+    async def _cancel(self, entry: AgentEntry, state: AgentStatus) -> None:
         entry.final_view = self._view(entry)
         now = self.now()
-        if state in ("finished", "failed"):
+        if state in (AgentStatus.FINISHED, AgentStatus.FAILED):
             # Its GPS work stays charged (the agent ran); only its requests go.
             running = [rid for rid, r in self.dispatcher.requests.items()
                        if r.spec.agent_id == entry.id and r.status is RequestStatus.RUNNING]
@@ -414,12 +405,12 @@ class LiveScheduler:
             raise AgentConflict(f"agent {entry.id} is {entry.state}")
 
 
-    def _close(self, entry: AgentEntry, state: AgentStateName, forget: bool = True) -> None:
+    def _close(self, entry: AgentEntry, state: AgentStatus, forget: bool = True) -> None:
         """End the agent: its state changes (IllegalTransition, before anything else, if it
         had ended), the dispatcher forgets it (unless `forget` is False: the caller did),
         it leaves the live agents, and the listeners hear of it."""
         transition(entry, state, wall=self._wall(), now=self.now())
-        if state == "finished" and entry.session is None and entry.first_eta_s is not None \
+        if state is AgentStatus.FINISHED and entry.session is None and entry.first_eta_s is not None \
                 and entry.finished_at is not None:
             # What the ETA intervals are calibrated on (a session's end comes after its idle
             # timeout, which no ETA forecasts).
@@ -443,13 +434,13 @@ class LiveScheduler:
             if entry.session is not None and now - entry.last_activity_mono > self.config.session_idle_s:
                 # A session has no finish call: its idleness is its end, a normal one.
                 log.info("session agent %s finished after %.0f s idle", entry.id, now - entry.last_activity_mono)
-                self._close(entry, "finished")
+                self._close(entry, AgentStatus.FINISHED)
                 continue
             lease = entry.lease_s or self.config.lease_s
             if now - entry.last_activity_mono > lease:
                 log.info("agent %s expired after %.0f s without activity", entry.id,
                          now - entry.last_activity_mono)
-                await self._cancel(entry, "expired")
+                await self._cancel(entry, AgentStatus.EXPIRED)
 
 
     # -- requests -----------------------------------------------------------------

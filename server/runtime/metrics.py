@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from server.runtime.agents import AgentStatus
+
 if TYPE_CHECKING:
     from server.engine.base import Engine, EngineOutput
     from server.runtime.agents import AgentEntry
@@ -90,8 +92,8 @@ class _SchedulerCollector:
         counts: dict[str, int] = {}
         for a in s.agents.values():
             counts[a.state] = counts.get(a.state, 0) + 1
-        for state in ("queued", "running", "paused", "finished", "failed", "cancelled", "expired"):
-            states.add_metric([state], counts.get(state, 0))
+        for state in AgentStatus:
+            states.add_metric([state.value], counts.get(state, 0))
         yield states
         yield from _time_model_gauges(s)
 

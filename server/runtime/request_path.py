@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Callable
 from server.engine.base import Engine, EngineOutput, EngineRequest, SamplingOptions
 from server.runtime.admission import Admission, Ticket
 from server.runtime.agent_listeners import AgentListeners
-from server.runtime.agents import AgentEntry, AgentStateName, RequestLog
+from server.runtime.agents import AgentEntry, AgentStatus, RequestLog
 from server.runtime.lifecycle import ABANDONED, AgentConflict, transition
 from server.runtime.limits import QuotaExceeded
 from server.scheduler import Dispatcher, RequestSpec
@@ -26,7 +26,7 @@ from server.scheduler.reprediction import expected_total
 class RequestPath:
     def __init__(self, dispatcher: Dispatcher, admission: Admission, engine: Engine,
                  listeners: AgentListeners, *, now: Callable[[], float], wall: Callable[[], float],
-                 close: Callable[[AgentEntry, AgentStateName], None]) -> None:
+                 close: Callable[[AgentEntry, AgentStatus], None]) -> None:
         self.dispatcher = dispatcher
         self.admission = admission
         self.engine = engine
@@ -56,12 +56,12 @@ class RequestPath:
             ticket = self.admission.submit(entry, spec, now)
         except QuotaExceeded:
             if entry.auto and entry.in_flight == 0:  # its one request was refused
-                self._close(entry, "cancelled")
+                self._close(entry, AgentStatus.CANCELLED)
             raise
         entry.in_flight += 1
         entry.last_activity_mono = now
-        if entry.state == "paused":  # back from its pause: its next stage starts
-            transition(entry, "running", wall=self._wall(), now=now)
+        if entry.state is AgentStatus.PAUSED:  # back from its pause: its next stage starts
+            transition(entry, AgentStatus.RUNNING, wall=self._wall(), now=now)
         entry.touch()
         last: EngineOutput | None = None
         try:
@@ -69,8 +69,8 @@ class RequestPath:
             await ticket.opened.wait()
             if ticket.error is not None:
                 raise ticket.error
-            if entry.state == "queued":
-                transition(entry, "running", wall=self._wall(), now=self.now())
+            if entry.state is AgentStatus.QUEUED:
+                transition(entry, AgentStatus.RUNNING, wall=self._wall(), now=self.now())
                 entry.touch()
             request = EngineRequest(
                 request_id=request_id,
@@ -131,13 +131,13 @@ class RequestPath:
             ))
         if last is not None:
             self.listeners.on_request_finished(entry, last)
-        if entry.state == "running" and entry.in_flight == 0 and not entry.auto:
+        if entry.state is AgentStatus.RUNNING and entry.in_flight == 0 and not entry.auto:
             # Nothing left in flight: the agent is between its stages (a tool call, a
             # user's think time) until it sends again or ends.
-            transition(entry, "paused", wall=self._wall(), now=now)
+            transition(entry, AgentStatus.PAUSED, wall=self._wall(), now=now)
         entry.touch()
         if entry.auto and not entry.terminal and entry.in_flight == 0:
-            self._close(entry, "finished")
+            self._close(entry, AgentStatus.FINISHED)
         elif ticket.admitted is not None and entry.id in self.dispatcher.agents:
             self._repredict(entry, now)
         self.admission.pump()

@@ -24,7 +24,7 @@ from .gps_reference import gps_finish_times, hierarchical_gps_finish_times
 from .policies import LIVE_ONLY, POLICIES, POLICY_NAMES, Policy, get_policy
 from .queues import AgentHeapQueue, RequestQueue
 from .rate import TauEstimator
-from .state import AgentState, AgentView, RequestSpec, RequestState, RequestStatus, SchedulerContext
+from .state import AgentState, AgentView, PromiseKind, RequestSpec, RequestState, RequestStatus, SchedulerContext
 from .tenant_clock import TenantClock
 from .virtual_clock import VirtualClock
 
@@ -42,6 +42,7 @@ __all__ = [
     "POLICY_NAMES",
     "LIVE_ONLY",
     "Policy",
+    "PromiseKind",
     "RequestQueue",
     "RequestSpec",
     "RequestState",

@@ -28,7 +28,7 @@ Invariants:
 - over-runs: an agent is charged its predicted cost when it arrives; each request adds its
   estimated cost to the agent's committed cost when submitted, corrected to its real cost
   when it finishes, and whenever committed exceeds charged the excess is charged with WFQ's
-  rule for new work, F = max(F, V(now)) + excess (`_commit`): an agent that under-predicts
+  rule for new work, F = max(F, V(now)) + excess (`commit`): an agent that under-predicts
   never runs ahead for free. Under-runs are not refunded;
 - an agent enters the GPS reference with its first request; when it ends, the charge it
   did not use is settled out of it, and ended agents' leftover fluid work is flushed when
@@ -51,12 +51,12 @@ from typing import Any
 from .admit import admit_in_order
 from .bounds import AgentShape, BoundLimits
 from .charges import RequestCosts
-from .cost import COMPUTE, KV
+from .cost import COMPUTE
 from .eta import StepTimeSource, WorkArrivals
 from .eta_estimator import EtaEstimator
 from .kv_ledger import KvLedger
 from .pauses import PauseStats
-from .policies import FOOTPRINT, Policy, get_policy
+from .policies import Policy, get_policy
 from .prefix import uncached_prompt
 from .promises import Promises
 from .queues import RequestQueue, TenantQueue
@@ -328,7 +328,7 @@ class Dispatcher:
         self.queue.push(agent, req)
         if self._hooked:
             self.policy.on_submit(self, agent, req, now, first)
-        self._commit(agent, req.est_cost, now)
+        self.commit(agent, req.est_cost, now)
         self.queue.requeue(agent)
 
     def on_request_finished(self, request_id: str, prompt_tokens: int, output_tokens: int,
@@ -374,13 +374,14 @@ class Dispatcher:
         agent.requests_done += 1
         if agent.pending == 0 and agent.running == 0:
             agent.idle_since = now  # paused until it submits again (or finishes)
-        self._commit(agent, real - req.est_cost, now)
+        self.commit(agent, real - req.est_cost, now)
         self.queue.requeue(agent)
         self._flush_if_dry(now)
         return True
 
-    def _commit(self, agent: AgentState, delta: float, now: float) -> None:
-        """Add to the agent's committed cost; charge any excess over what it was charged."""
+    def commit(self, agent: AgentState, delta: float, now: float) -> None:
+        """Add to the agent's committed cost; charge any excess over what it was charged (its
+        tag moves by it: the over-run rule)."""
         agent.committed_cost += delta
         excess = agent.committed_cost - agent.charged_cost
         if excess > 1e-9 * max(1.0, agent.charged_cost):
@@ -402,28 +403,6 @@ class Dispatcher:
         replicas; `place(spec, footprint)` finds a replica and reserves there)."""
         self.clock.advance(now)
         return admit_in_order(self, now, engine_free_kv_tokens, engine_free_slots, place)
-
-    def head_need(self, now: float) -> tuple[str, int] | None:
-        """The agent whose request is admitted next and the memory it needs (None: nothing
-        queued): what a kept context gives way to (retention.py)."""
-        req = self.queue.peek(now)
-        if req is None:
-            return None
-        return req.spec.agent_id, self.ledger.need(req, self.policy.admission == FOOTPRINT)
-
-    def fair_order(self, agent_id: str) -> float:
-        """The agent's place in the fair order: its virtual finish tag."""
-        return float(self._agent(agent_id).virtual_finish)
-
-    def charge_retained(self, agent_id: str, kv_token_s: float, now: float) -> None:
-        """Charge KV token-time held for the agent while it was paused (its kept context,
-        retention.py) as if it had been running: its tag moves by it."""
-        agent = self.agents.get(agent_id)
-        if agent is None or kv_token_s <= 0 or self.policy.cost_model != KV:
-            return
-        agent.consumed_cost += kv_token_s
-        self._commit(agent, kv_token_s, now)
-        self.queue.requeue(agent)
 
     def mark_running(self, agent: AgentState, req: RequestState, now: float) -> None:
         """A pending request the queue has let go enters the engine."""
@@ -514,9 +493,4 @@ class Dispatcher:
 
     def is_idle(self) -> bool:
         """True when no agent, request or reservation is left (accounting back to zero)."""
-        return (
-            not self.agents
-            and not self.requests
-            and self.ledger.is_empty()
-            and self.policy.is_idle()
-        )
+        return not self.agents and not self.requests and self.ledger.is_empty() and self.policy.is_idle()

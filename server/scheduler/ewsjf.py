@@ -423,7 +423,12 @@ class EwsjfState:
             fewer = len(part.edges) < len(old) and sse_new <= (1 + cfg.hysteresis) * sse_old
             if not (sse_new < (1 - cfg.hysteresis) * sse_old or fewer):
                 part = kept  # not materially better: keep the groups the queues are in
-        moved = part.edges != old
+        self.use_partition(part)
+
+    def use_partition(self, part: Partition) -> None:
+        """Route by `part` from now on: queued requests move to its groups where its edges
+        differ from the current ones, and the groups' urgencies follow its means."""
+        moved = part.edges != self.partition.edges
         self.partition = part
         if moved:
             self._reroute()

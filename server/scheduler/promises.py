@@ -30,7 +30,7 @@ from .cost import kv_cost
 from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S
 from .pauses import stages_left
 from .policies import Justitia
-from .state import AgentState, ObservedLimits
+from .state import AgentState, ObservedLimits, PromiseKind
 from .tight_promise import assumption, context_of, promise_factor, tight_deadline
 
 if TYPE_CHECKING:
@@ -152,10 +152,10 @@ class Promises:
         agent.promise_assumes = assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context) \
             if tight < worst else ""
         if not isinstance(d.policy, Justitia):
-            agent.promise = "none"
+            agent.promise = PromiseKind.NONE
             agent.promise_reason = f"policy {d.policy.name} does not keep the delay bound (Justitia's)"
         else:
-            agent.promise = "widened" if reasons else "firm"
+            agent.promise = PromiseKind.WIDENED if reasons else PromiseKind.FIRM
             agent.promise_reason = "; ".join(reasons)
 
     def fair_finish_with(self, agent: AgentState, extra: float, now: float) -> float:

@@ -32,13 +32,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .cost import KV
 from .pauses import PauseStats, expected_remaining_s
+from .policy_base import FOOTPRINT
 
 if TYPE_CHECKING:
+    from .dispatcher import Dispatcher
     from .state import AgentState
 
-__all__ = ["RETAIN_MODES", "Pin", "ReuseStats", "Retention", "break_even_pause_s", "expected_remaining_s",
-           "hold_charge", "keep_until_s", "pins_to_release"]
+__all__ = ["RETAIN_MODES", "Pin", "ReuseStats", "Retention", "break_even_pause_s", "charge_retained",
+           "expected_remaining_s", "fair_order", "head_need", "hold_charge", "keep_until_s",
+           "pins_to_release"]
 
 RETAIN_MODES = ("auto", "always", "never")
 # A type's resend rate starts from this many resends out of as many pauses (optimistic: keep
@@ -189,3 +193,29 @@ def pins_to_release(pins: Sequence[Pin], ahead_of: float, need_tokens: int, free
 def hold_charge(tokens: int, since: float, until: float) -> float:
     """KV token-time of a context held from `since` to `until`."""
     return float(tokens) * max(0.0, until - since)
+
+
+# -- what retention asks of the dispatcher ----------------------------------------------------
+def head_need(d: Dispatcher, now: float) -> tuple[str, int] | None:
+    """The agent whose request is admitted next and the memory it needs (None: nothing
+    queued): what a kept context gives way to."""
+    req = d.queue.peek(now)
+    if req is None:
+        return None
+    return req.spec.agent_id, d.ledger.need(req, d.policy.admission == FOOTPRINT)
+
+
+def fair_order(d: Dispatcher, agent_id: str) -> float:
+    """The agent's place in the fair order: its virtual finish tag."""
+    return float(d.agents[agent_id].virtual_finish)
+
+
+def charge_retained(d: Dispatcher, agent_id: str, kv_token_s: float, now: float) -> None:
+    """Charge KV token-time held for the agent while it was paused (its kept context) as if
+    it had been running: its tag moves by it."""
+    agent = d.agents.get(agent_id)
+    if agent is None or kv_token_s <= 0 or d.policy.cost_model != KV:
+        return
+    agent.consumed_cost += kv_token_s
+    d.commit(agent, kv_token_s, now)
+    d.queue.requeue(agent)

@@ -45,6 +45,15 @@ class RequestSpec:
         return max(0, min(self.expected_output_tokens, self.max_tokens))
 
 
+class PromiseKind(enum.StrEnum):
+    """How far an agent's deadline can be trusted. The values are the API's `promise`
+    strings."""
+
+    FIRM = "firm"  # the server expects to keep it
+    WIDENED = "widened"  # widened by its uncertainty (promise_reason says why)
+    NONE = "none"  # the policy keeps no delay bound
+
+
 class RequestStatus(enum.Enum):
     """Where a request is. A request leaves the dispatcher's table when it is DONE."""
 
@@ -141,7 +150,7 @@ class AgentState:
     eta_at: float | None = None  # ETA (caller's clock) from the last refresh_etas pass
     fair_at: float | None = None  # GPS finish from that pass (None: its tag changed since)
     deadline_at: float | None = None  # the promised deadline (caller's clock), set at registration
-    promise: str = "firm"  # "firm", "widened" (promise_reason says why) or "none"
+    promise: PromiseKind = PromiseKind.FIRM
     promise_reason: str = ""
     promise_assumes: str = ""  # what a deadline tighter than the worst case rests on (tight_promise.py)
     promise_context: int | None = None  # its place in the queue at registration (tight_promise.py)
@@ -188,9 +197,12 @@ class AgentState:
         return max(0.0, self.predicted_cost - self.consumed_kv)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AgentView:
-    """What the scheduler promises an agent; the times are seconds from its submission."""
+    """What the scheduler tells of an agent at one moment (`Dispatcher.view`): its tag,
+    costs, ETA and promise; the times are seconds from its submission. The runtime joins
+    it with its own entry into the API's record (server/runtime/records.py), and keeps an
+    ended agent's last one."""
 
     agent_id: str
     agent_type: str | None
@@ -208,11 +220,13 @@ class AgentView:
     requests_done: int
     pending: int
     running: int
-    promise: str = "firm"  # "firm" | "widened" | "none": how far deadline_s can be trusted
+    promise: PromiseKind = PromiseKind.FIRM  # how far deadline_s can be trusted
     promise_reason: str = ""  # why a promise is widened (or none)
     promise_assumes: str = ""  # what deadline_s rests on where it is tighter than the worst case
     expected_cost: float | None = None  # re-predicted total KV cost (None: not re-predicted)
     eta_interval_s: tuple[float, float] | None = None  # [p10, p90] around eta_s (eta_interval.py)
+    tool: str | None = None  # the tool call its client announced it is in (pauses.py)
+    pause_remaining_s: float | None = None  # the expected rest of its pause (None: not paused, or unknown)
 
 
 # -- what the dispatcher has observed ------------------------------------------------------

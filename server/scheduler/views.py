@@ -8,7 +8,7 @@ import functools
 import heapq
 from typing import TYPE_CHECKING, Any
 
-from .state import AgentState, AgentView
+from .state import AgentState, AgentView, PromiseKind
 
 if TYPE_CHECKING:
     from .dispatcher import Dispatcher
@@ -42,7 +42,15 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
         promise_reason=agent.promise_reason,
         promise_assumes=agent.promise_assumes,
         expected_cost=agent.expected_kv,
+        tool=agent.tool,
+        pause_remaining_s=d.pauses.remaining_s(agent, now),
     )
+
+
+def server_promise(d: Dispatcher) -> PromiseKind:
+    """What the server can promise now: widened while it is uncertain (`d.uncertainty`
+    says why), else firm."""
+    return PromiseKind.WIDENED if d.uncertainty else PromiseKind.FIRM
 
 
 def snapshot(d: Dispatcher, now: float, max_queue: int = 50) -> dict[str, Any]:
@@ -63,7 +71,7 @@ def snapshot(d: Dispatcher, now: float, max_queue: int = 50) -> dict[str, Any]:
         "bound_tau": d.bound_tau,
         "bound_iteration_s": d.bound_iteration_s,
         "bound_step_s": d.promises.bound_step_s,
-        "promise": "widened" if d.uncertainty else "firm",
+        "promise": server_promise(d),
         "promise_reason": d.uncertainty or "",
         "rate": d.rate,
         "eta_rate": d.eta_rate,

@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 
 from server.scheduler import Dispatcher
 from server.scheduler.policies import FOOTPRINT
-from server.scheduler.retention import Pin, Retention, hold_charge, pins_to_release
+from server.scheduler.retention import (
+    Pin,
+    Retention,
+    charge_retained,
+    fair_order,
+    head_need,
+    hold_charge,
+    pins_to_release,
+)
 
 from .engine import EngineModel
 
@@ -105,7 +113,7 @@ class SimRetention:
             self.engine.cache.unpin(k)
         charge = hold_charge(held.tokens, held.since, min(now, held.until))
         self.held_token_s += charge
-        self.disp.charge_retained(agent_id, charge, now)
+        charge_retained(self.disp, agent_id, charge, now)
 
     def expire(self, now: float) -> None:
         """Pins the rule no longer keeps (the pause outlasted what pays)."""
@@ -117,14 +125,14 @@ class SimRetention:
         some did; admission should run again)."""
         if not self.pins:
             return False
-        head = self.disp.head_need(now)
+        head = head_need(self.disp, now)
         if head is None:
             return False
         agent_id, need = head
         if self.disp.policy.admission == FOOTPRINT and self.disp.kv_capacity - self.disp.ledger.reserved_kv < need:
             return False  # its reservation does not fit anyway: memory held by pins is not why
-        pins = [Pin(a, h.tokens, self.disp.fair_order(a)) for a, h in self.pins.items() if a != agent_id]
-        out = pins_to_release(pins, self.disp.fair_order(agent_id), need, self.engine.free_kv)
+        pins = [Pin(a, h.tokens, fair_order(self.disp, a)) for a, h in self.pins.items() if a != agent_id]
+        out = pins_to_release(pins, fair_order(self.disp, agent_id), need, self.engine.free_kv)
         for a in out:
             self.release(a, now)
         self.yielded += len(out)

@@ -12,10 +12,12 @@ import pytest
 
 from server.engine.base import EngineOutput, SamplingOptions
 from server.runtime.agent_listeners import AgentListener
-from server.runtime.agents import TERMINAL, AgentEntry
+from server.runtime.agents import TERMINAL, AgentEntry, AgentStatus
+from server.runtime.declared import declared_shape
 from server.runtime.lifecycle import TRANSITIONS, AgentConflict, IllegalTransition, transition
 from server.runtime.limits import PerTenant, QuotaExceeded, Quotas
 from server.runtime.live import LiveConfig, LiveScheduler
+from server.scheduler import AgentShape
 from tests.support.fake_engine import FakeEngine
 
 STATES = list(TRANSITIONS)
@@ -26,6 +28,21 @@ def entry(state: str = "queued") -> AgentEntry:
                    submitted_at=0.0, submitted_mono=0.0, predicted_cost=1.0)
     e.state = state  # type: ignore[assignment]
     return e
+
+
+def test_the_declared_shape_is_parsed_once_into_one_typed_value() -> None:
+    """`metadata.stages` (with `critical_path_tokens` and `prefill_tokens`) becomes one
+    AgentShape at registration; the entry's declared stages are that shape's."""
+    assert declared_shape({"stages": 3, "critical_path_tokens": 900, "prefill_tokens": 40}) == \
+        AgentShape(stages=3, critical_path_tokens=900, prefill_tokens=40)
+    assert declared_shape({"stages": 2, "critical_path_tokens": "9"}) == AgentShape(stages=2)
+    # not an integer number of stages (a boolean, a string, a float, none): nothing declared
+    for stages in (True, "3", 3.0, 0, None):
+        assert declared_shape({"stages": stages}) is None, stages
+    e = AgentEntry(id="agt-2", type="t", tenant="x", prompt="p", metadata={"stages": 4},
+                   submitted_at=0.0, submitted_mono=0.0, predicted_cost=1.0)
+    assert e.declared == AgentShape(stages=4) and e.declared_stages == 4
+    assert entry().declared_stages is None
 
 
 @pytest.mark.parametrize("start", STATES)
@@ -103,7 +120,7 @@ def test_listeners_hear_each_event_once_and_a_broken_one_stops_nothing() -> None
         with pytest.raises(AgentConflict):
             await live.cancel(e)
         with pytest.raises(IllegalTransition):
-            live._close(e, "cancelled")
+            transition(e, AgentStatus.CANCELLED, wall=0.0, now=live.now())
         return e
 
     e = live_run(body, listeners=[Broken(), recorder])
@@ -170,10 +187,10 @@ def test_a_prior_measured_elsewhere_sets_the_eta_rate_only_once_fitted_to_enough
         fast = StepSample(seconds=0.0005, decode_seqs=4, prefill_tokens=0, kv_tokens=200)
         for _ in range(TRUSTED_STEPS - 1):
             live.time_models.observe("local", fast)
-        live._update_tau()
+        live.upkeep.update()
         few = (live.dispatcher.eta_rate, live.dispatcher.rate)
         live.time_models.observe("local", fast)
-        live._update_tau()
+        live.upkeep.update()
         return (*few, live.dispatcher.eta_rate, live.dispatcher.rate)
 
     eta_few, rate_few, eta_enough, rate_enough = live_run(body)
@@ -195,10 +212,10 @@ def test_a_calibrated_prior_times_etas_until_the_fit_has_seen_enough_steps() -> 
         slow = StepSample(seconds=0.05, decode_seqs=4, prefill_tokens=0, kv_tokens=200)
         for _ in range(TRUSTED_STEPS - 1):
             live.time_models.observe("local", slow)
-        live._update_tau()
+        live.upkeep.update()
         few = live.dispatcher.etas.time_model
         live.time_models.observe("local", slow)
-        live._update_tau()
+        live.upkeep.update()
         return few, live.dispatcher.etas.time_model
 
     few, enough = live_run(body, time_model_prior=calibration, prior_measured=True)
@@ -210,10 +227,10 @@ def test_a_calibrated_prior_times_etas_until_the_fit_has_seen_enough_steps() -> 
         step = StepSample(seconds=0.05, decode_seqs=4, prefill_tokens=0, kv_tokens=200)
         for _ in range(31):  # not yet a refit: the built-in prior is no fit, tau times paths
             live.time_models.observe("local", step)
-        live._update_tau()
+        live.upkeep.update()
         before = live.dispatcher.etas.time_model
         live.time_models.observe("local", step)  # the first refit
-        live._update_tau()
+        live.upkeep.update()
         return before, live.dispatcher.etas.time_model is live.time_models.models()["local"]
 
     before, fitted = live_run(unmeasured)

@@ -56,7 +56,7 @@ def test_a_model_better_than_the_served_predictions_is_swapped_in(trainer: Onlin
     # it learned the declared fan-out: a wider agent is predicted to cost more
     assert served.predict(rows[0].prompt, {"fan_out": 12}) > 2 * served.predict(rows[0].prompt, {"fan_out": 2})
     # another tenant's agents of the same type are not predicted by it
-    assert getattr(registry.get("fan_out_research", "t2"), "is_cold_start", False)
+    assert registry.get("fan_out_research", "t2").is_cold_start
 
 
 def test_no_swap_when_the_served_predictions_were_better(trainer: OnlineTrainer) -> None:

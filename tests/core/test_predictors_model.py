@@ -182,7 +182,7 @@ def test_cold_start_prior_and_online_improvement():
     cold = ColdStartEstimator(default_output_tokens=100)
     prompt = "word " * 50
     p_tokens = estimate_tokens(prompt)
-    assert cold.predict("new", prompt) == pytest.approx(p_tokens * 100 + 100 * 101 / 2)
+    assert cold.for_type("new").predict(prompt) == pytest.approx(p_tokens * 100 + 100 * 101 / 2)
     # agents of this type cost 1000 per prompt token: the estimate converges to it
     rng = np.random.default_rng(0)
     for _ in range(30):
@@ -190,10 +190,10 @@ def test_cold_start_prior_and_online_improvement():
         text = "tok " * n
         cold.observe("new", text, 1000.0 * estimate_tokens(text))
     assert cold.observations("new") == 30
-    assert cold.predict("new", prompt) == pytest.approx(1000.0 * p_tokens, rel=0.05)
+    assert cold.for_type("new").predict(prompt) == pytest.approx(1000.0 * p_tokens, rel=0.05)
     # other types are untouched: neither their costs nor their output lengths set the prior
     cold.observe("other", "x", 10.0, {"output_tokens": 40, "n_requests": 2})
-    assert cold.predict("third", prompt) == pytest.approx(p_tokens * 100 + 100 * 101 / 2)
+    assert cold.for_type("third").predict(prompt) == pytest.approx(p_tokens * 100 + 100 * 101 / 2)
     # bad observations are ignored
     cold.observe("new", prompt, -5.0)
     cold.observe("new", prompt, float("nan"))
@@ -206,17 +206,17 @@ def test_cold_start_interval_is_the_prior_spread_then_the_types_own():
     a type whose costs scatter a wide one."""
     cold = ColdStartEstimator(default_output_tokens=100)
     prompt = "word " * 50
-    p50, p90 = cold.predict_interval("new", prompt)
-    assert p50 == pytest.approx(cold.predict("new", prompt))
+    p50, p90 = cold.for_type("new").predict_interval(prompt)
+    assert p50 == pytest.approx(cold.for_type("new").predict(prompt))
     assert p90 / p50 == pytest.approx(math.exp(1.2816 * 1.0), rel=1e-3)
     rng = np.random.default_rng(1)
     for _ in range(40):
         text = "tok " * int(rng.integers(10, 400))
         cold.observe("steady", text, 1000.0 * estimate_tokens(text))
         cold.observe("erratic", text, 1000.0 * estimate_tokens(text) * math.exp(rng.normal(0.0, 3.0)))
-    p50, p90 = cold.predict_interval("steady", prompt)
-    assert p50 == pytest.approx(cold.predict("steady", prompt)) and 1.0 < p90 / p50 < 1.5
-    p50, p90 = cold.predict_interval("erratic", prompt)
+    p50, p90 = cold.for_type("steady").predict_interval(prompt)
+    assert p50 == pytest.approx(cold.for_type("steady").predict(prompt)) and 1.0 < p90 / p50 < 1.5
+    p50, p90 = cold.for_type("erratic").predict_interval(prompt)
     assert p90 / p50 > math.exp(1.2816 * 1.5)
 
 
@@ -239,36 +239,36 @@ def test_three_small_agents_of_one_type_do_not_set_another_types_cold_start():
     assert declared == {"stages": 3.0, "fan_out": 5.0, "max_tokens": 512.0}
     p = estimate_tokens(prompt)
     big = 15 * kv_cost(p, 512)  # what the declared shape implies
-    assert reg.predict("research_agent", prompt, declared) == pytest.approx(big)
+    assert reg.get("research_agent").predict(prompt, declared) == pytest.approx(big)
     # undeclared, the prior is still one request of 256 tokens, not of A's 8
-    assert reg.predict("research_agent", prompt) == pytest.approx(kv_cost(p, 256))
+    assert reg.get("research_agent").predict(prompt) == pytest.approx(kv_cost(p, 256))
     # and no tenant's A moves another's prior either
-    assert reg.predict("research_agent", prompt, declared, tenant="t2") == pytest.approx(big)
+    assert reg.get("research_agent", "t2").predict(prompt, declared) == pytest.approx(big)
 
 
 def test_a_types_own_agents_move_its_cold_start_gradually_and_narrow_its_interval():
     cold = ColdStartEstimator()
     prompt = "word " * 40
-    prior = cold.predict("t", prompt)
-    p50_0, p90_0 = cold.predict_interval("t", prompt)
+    prior = cold.for_type("t").predict(prompt)
+    p50_0, p90_0 = cold.for_type("t").predict_interval(prompt)
     assert p50_0 == pytest.approx(prior)
     truth = prior / 20  # this type's agents cost 20 times less than the prior guesses
     seen = []
     for n in range(1, 21):
         cold.observe("t", prompt, truth)
-        seen.append(cold.predict("t", prompt))
+        seen.append(cold.for_type("t").predict(prompt))
         if n == 1:
             # one agent weighs 1/10 (n^2 / (n^2 + 9)) in log space: not the whole story
             assert seen[-1] == pytest.approx(prior * (truth / prior) ** 0.1)
     assert all(a > b for a, b in zip(seen, seen[1:], strict=False))  # each agent moves it on
     assert seen[2] == pytest.approx(math.sqrt(prior * truth))  # three agents: half-way
     assert seen[-1] == pytest.approx(truth, rel=0.1)
-    p50_20, p90_20 = cold.predict_interval("t", prompt)
+    p50_20, p90_20 = cold.for_type("t").predict_interval(prompt)
     assert p90_0 / p50_0 == pytest.approx(math.exp(1.2816), rel=1e-3)  # the prior's spread
     assert p90_20 / p50_20 < p90_0 / p50_0  # consistent agents: narrower than never seen
     # a few agents of a type leave its interval about as wide as the prior's
     cold.observe("u", prompt, truth)
-    p50_1, p90_1 = cold.predict_interval("u", prompt)
+    p50_1, p90_1 = cold.for_type("u").predict_interval(prompt)
     assert p90_1 / p50_1 > math.exp(1.2816 * 0.85)
 
 
@@ -280,17 +280,17 @@ def test_registry_uses_models_and_falls_back_to_cold_start(saved, tmp_path, samp
     assert reg.agent_types == ["self_consistency"]
     s = samples[0]
     assert reg.has_model("self_consistency")
-    assert reg.predict("self_consistency", s.prompt, s.features) == pytest.approx(
+    assert reg.get("self_consistency").predict(s.prompt, s.features) == pytest.approx(
         load_predictor(saved).predict(s.prompt, s.features)
     )
     unseen = reg.get("unseen_type")
-    assert getattr(unseen, "is_cold_start", False) and not reg.has_model("unseen_type")
-    before = reg.predict("unseen_type", "some prompt text")
+    assert unseen.is_cold_start and not reg.has_model("unseen_type")
+    before = reg.get("unseen_type").predict("some prompt text")
     for _ in range(30):
         reg.observe("unseen_type", "some prompt text", 1234.0)
-    assert reg.predict("unseen_type", "some prompt text") == pytest.approx(1234.0, rel=0.05)
+    assert reg.get("unseen_type").predict("some prompt text") == pytest.approx(1234.0, rel=0.05)
     assert before != pytest.approx(1234.0, rel=0.5)
-    assert math.isfinite(PredictorRegistry(None).predict("x", "y"))
+    assert math.isfinite(PredictorRegistry(None).get("x").predict("y"))
 
 
 def test_registry_skips_unloadable_model(saved, tmp_path):
@@ -424,3 +424,25 @@ def test_numeric_features_pickled_before_the_loop_features_keep_their_columns():
         *(values[k] for k in LEGACY_TEXT_FEATURES), 2.0]
     new = NumericFeatures(("n_items",)).fit([])
     assert len(new.row("x", {"n_items": 2})) == len(new.columns_) == 7 + 1
+
+
+def test_every_predictor_implements_the_whole_protocol(saved, samples):
+    """The trained model, the cold start's per-type view and the baselines answer the same
+    calls: a caller never probes for a method."""
+    from predictors.base import Predictor
+    from predictors.evaluation import LengthLinearBaseline, MeanBaseline, MedianBaseline
+
+    trained = load_predictor(saved)
+    cold = ColdStartEstimator().for_type("new_type")
+    baselines = [cls().fit(samples) for cls in (MeanBaseline, MedianBaseline, LengthLinearBaseline)]
+    s = samples[0]
+    for p in [trained, cold, *baselines]:
+        assert isinstance(p, Predictor), p
+        p50, p90 = p.predict_interval(s.prompt, s.features)
+        assert p50 == pytest.approx(p.predict(s.prompt, s.features)) or trained is p
+        assert 0 < p50 <= p90
+    assert cold.is_cold_start and cold.metadata["kind"] == "cold_start"
+    assert not trained.is_cold_start and trained.agent_type == "self_consistency"
+    # a baseline's interval is its point estimate twice: it has no spread of its own
+    assert not any(b.is_cold_start for b in baselines)
+    assert all(b.predict_interval(s.prompt)[0] == b.predict_interval(s.prompt)[1] for b in baselines)

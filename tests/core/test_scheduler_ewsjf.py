@@ -63,9 +63,7 @@ def test_requests_are_routed_to_their_group_and_fifo_within_it():
     d = Dispatcher("ewsjf", 10**6, 0.01)
     state = d.policy.state
     # a partition with an edge between 1e4 and 1e6 units of work (set as a refit would)
-    state.partition = refine_and_prune(clusters([(8.0, 0.0, 40), (13.0, 2.0, 40)]), 0.5, 12, 8, 0.25)
-    state._reroute()
-    state._set_weights()
+    state.use_partition(refine_and_prune(clusters([(8.0, 0.0, 40), (13.0, 2.0, 40)]), 0.5, 12, 8, 0.25))
     d.register_agent("a", 1.0, 0.0)
     d.submit(req("long1", "a", 2000, 1000), 0.0)
     d.submit(req("short1", "a", 50, 20), 0.0)
@@ -81,9 +79,7 @@ def test_requests_are_routed_to_their_group_and_fifo_within_it():
 def two_group_dispatcher():
     d = Dispatcher("ewsjf", 10**6, 0.01)
     state = d.policy.state
-    state.partition = refine_and_prune(clusters([(8.0, 0.0, 40), (13.0, 2.0, 40)]), 0.5, 12, 8, 0.25)
-    state._reroute()
-    state._set_weights()
+    state.use_partition(refine_and_prune(clusters([(8.0, 0.0, 40), (13.0, 2.0, 40)]), 0.5, 12, 8, 0.25))
     d.register_agent("a", 1.0, 0.0)
     return d, state.weights[0] / state.weights[1]  # how much more urgent short requests are
 

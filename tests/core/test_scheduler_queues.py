@@ -111,9 +111,7 @@ def test_ewsjf_group_queues_are_fifo_in_one_group_and_score_ordered_across_group
     q = EwsjfState(EwsjfConfig(), seed=0).attach(ctx)
     obs = [(8.0 + random.Random(i).uniform(-0.2, 0.2), 0.0) for i in range(40)]
     obs += [(13.0 + random.Random(i).uniform(-0.2, 0.2), 2.0) for i in range(40)]
-    q.partition = refine_and_prune(obs, 0.5, 12, 8, 0.25)
-    q._reroute()  # one queue per group
-    q._set_weights()
+    q.use_partition(refine_and_prune(obs, 0.5, 12, 8, 0.25))  # one queue per group
     a = agents["a"]
     long_, short = request(a, "long", 2000, 1000), request(a, "short", 50, 20)
     for r in (long_, short):

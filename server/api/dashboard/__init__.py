@@ -88,13 +88,12 @@ class DashboardHub(AgentListener):
         self._order = None
         if entry.state != "finished" or entry.finished_at is None:
             return
-        view = entry.final_view or {}
         self._finished_seq += 1
         self.finished_total[entry.tenant] += 1
         self.finished.append(Finished(
             seq=self._finished_seq, tenant=entry.tenant, id=entry.id, type=entry.type,
             jct_s=entry.finished_at - entry.submitted_at, first_eta_s=entry.first_eta_s,
-            deadline_s=view.get("deadline_s")))
+            deadline_s=entry.final_view.deadline_s if entry.final_view is not None else None))
 
     def on_request_finished(self, entry: AgentEntry, out: EngineOutput) -> None:
         self._output_tokens += out.output_tokens

@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 
 from server.api.dashboard import DashboardHub, _r
+from server.scheduler.views import server_promise
 
 MAX_ROWS = 200
 INTERVAL_S = 0.5  # at most two frames a second per stream
@@ -91,7 +92,8 @@ class DashboardFeed:
         registry = s.predictors
         info = {
             "policy": d.policy.name, "V": _r(gps.V, 1), "M": d.kv_capacity, "tau": _r(d.tau, 4),
-            "bound_tau": _r(d.bound_tau, 4), "rate": _r(d.rate, 1), "promise": "widened" if d.uncertainty else "firm",
+            "bound_tau": _r(d.bound_tau, 4), "rate": _r(d.rate, 1),
+            "promise": server_promise(d),
             "promise_reason": d.uncertainty or "", "paused": s.paused, "backlog": gps.backlog,
             "time_model": _time_model(s.time_models.describe()),
             "predictors": sorted(getattr(registry, "agent_types", [])) if registry is not None else [],
