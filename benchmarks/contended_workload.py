@@ -1,4 +1,4 @@
-"""The contended 48-agent workload of issue 18's live run, for any seed.
+"""The contended 48-agent workload of the live promise runs, for any seed.
 
     .venv/bin/python benchmarks/contended_workload.py --seed 4 --out benchmarks/workloads/contended48_seed4.jsonl
 

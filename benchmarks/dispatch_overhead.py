@@ -20,7 +20,7 @@ decision), against the same loop without it. The upkeep per decision is the diff
 median steps; the refresh itself is amortised over the decisions between two refreshes (mean).
 
 The rows `justitia-prefixes` and `justitia-blockhash` time justitia's decision with shared
-prompt prefixes (issue 17): every request names its agent type's system prompt and its
+prompt prefixes: every request names its agent type's system prompt and its
 agent's instructions (two named prefixes, as a workload file does), or carries the prefix
 chain the live server hashes from token ids (one id per unit of 128 tokens, 4 blocks of 32,
 the heads shared per agent type and per agent; a request's own tokens are slices of one
@@ -59,8 +59,8 @@ PREFIX_ROWS = ("justitia-prefixes", "justitia-blockhash")
 @functools.cache
 def _token_pool() -> list[int]:
     """Token ids of the requests' own text: slices of one random pool (built on first use).
-    Drawing each prompt's ids with about 1,500 calls of `random` between two decisions (as
-    this benchmark did before session 8) runs enough Python to evict the scheduler's data from
+    Drawing each prompt's ids with about 1,500 calls of `random` between two decisions
+    (`--token-source random`) runs enough Python to evict the scheduler's data from
     the core's caches before every timed decision, in this row only: 21 us against 17.6."""
     return random.Random(5).choices(range(10, 700), k=1 << 20)
 
@@ -75,7 +75,7 @@ def _prefix(mode: str, agent: int, p: int, rid: str, unit: int, tokens: str = "p
         return tuple(chain)
     ids = ([agent % 8] * 400 + [1000 + agent] * 300)[:p]
     rng = random.Random(rid)
-    if tokens == "random":  # one call of `random` per token (the harness before session 8)
+    if tokens == "random":  # one call of `random` per token: evicts the caches
         ids += [rng.randrange(10, 700) for _ in range(p - len(ids))]
     else:  # the request's own tokens, as a tokenizer hands them over
         pool = _token_pool()
@@ -186,7 +186,7 @@ def bench_eta(agents: int, steps: int, refresh_every: int, refresh: bool, seed: 
     every `refresh_every` decisions (its cost lands in the step it follows)."""
     rng = random.Random(seed)
     # as in a live server: a time model (the profile prior at least) and agents that declare
-    # their shape, so that the pass takes its per-agent prefill path (session 16)
+    # their shape, so that the pass takes its per-agent prefill path
     d = Dispatcher("justitia", kv_capacity_tokens=10**9, iteration_time_s=0.025,
                    time_model=get_profile("cpu-tiny").time_model())
     now, lengths = 0.0, {}
@@ -253,7 +253,7 @@ def main() -> int:
     ap.add_argument("--token-source", choices=("pool", "random"), default="pool",
                     help="how the hashed-chain row makes each new prompt's own token ids: slices of a "
                          "pool (default), or one call of `random` per token between two decisions "
-                         "(the harness before session 8, which evicts the caches in that row only)")
+                         "(which evicts the caches in that row only)")
     ap.add_argument("--flush-kib", type=int, default=0,
                     help="overwrite this much memory between two decisions (untimed), so that each "
                          "decision starts with cold caches, as in a live server (4096 > a core's L2)")

@@ -2,7 +2,7 @@
 
 For each attack, a prober measures `/healthz` latency every 20 ms while the attack runs
 (p50, p99, max); the API process's RSS is read before and after; answers with status >= 500
-are counted. Attacks (issue 19):
+are counted. Attacks:
 
 - `agents`: one tenant registers `--agents` idle agents (20,000 by default), then reads
   `GET /v1/agents` page by page;

@@ -343,7 +343,7 @@ def main() -> None:
             "below_mean_baseline": o["model"]["mean_relative_error"] < o["mean"]["mean_relative_error"],
             "p50_latency<=0.5ms": o["p50_latency_ms"] <= 0.5,
             "train_100_samples<=10s": (o["train_seconds_100_samples_max"] or 0) <= 10.0,
-            # issue 15, per type: at least 0.02 below the median baseline and at most 0.33
+            # the predictors' targets, per type: at least 0.02 below the median baseline and at most 0.33
             "below_median_baseline_by_0.02_every_type": all(
                 r["model"]["mean_relative_error"] <= r["median"]["mean_relative_error"] - 0.02
                 for r in per_type.values()),

@@ -5,7 +5,7 @@ its OpenAI API: N requests at once with one common head of H tokens and tails of
 then one request with the same head after they finished; then N more at once. After each
 group it reads `justitia_prefix_cached_tokens` from /metrics (the sum of vLLM's per-request
 `num_cached_tokens`). Prefix-aware admission reserves a shared head once for requests that
-run side by side (issue 17); this checks that the engine does too, for siblings of one
+run side by side; this checks that the engine does too, for siblings of one
 `parallel_map` admitted in the same step.
 
     .venv/bin/python benchmarks/prefix_siblings.py [--siblings 4] [--head 1024]

@@ -1,4 +1,4 @@
-"""Issue 17's targets on the simulator: prefix-aware accounting on the 300-agent mixes
+"""The targets of prefix-aware accounting on the simulator: prefix-aware accounting on the 300-agent mixes
 whose requests share the prefixes their sources share (benchmarks/workloads/mix300p_*x.jsonl,
 about 40% of prompt tokens), at 2x, 3x, 6x and 10x density, one run per density with
 justitia, justitia-nocache and vtc (oracle costs, a100-llama7b, M = 45,000).

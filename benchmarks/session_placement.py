@@ -12,8 +12,9 @@ script measures it, both ways, side by side:
     # `bench live` on contended48 (justitia, vtc), alternating the two placements
     python benchmarks/session_placement.py live --rounds 2 --out-dir benchmarks/results
 
-`own` is how `EmbeddedServer` started the server until session 7 (start_new_session=True),
-`caller` is how it does now (process_group=0).
+`own` starts the server in a session of its own (start_new_session=True); `caller` in a
+process group of its own within the caller's session (process_group=0), as `EmbeddedServer`
+does.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ requests decoding side by side over contexts of H + T tokens in two cases, alter
 
 Prefill is the same in both: every prompt is put in the prefix cache first (one request at a
 time, one output token), so the timed batch prefills its last tokens only and the two cases
-differ only in the memory their decode steps read. Prefix-aware accounting (issue 17) counts
+differ only in the memory their decode steps read. Prefix-aware accounting counts
 a shared head once in memory; this measures whether the engine's decode time follows.
 
     .venv/bin/python benchmarks/shared_head_decode.py [--requests 8] [--head 1024]

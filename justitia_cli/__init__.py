@@ -1,6 +1,6 @@
 """The `justitia` command line: its one host.
 
-Each command lives beside the code it drives (`server/cli.py`, `justitia_cli/bench/`,
+Each command lives beside the code it drives (`server/cli/`, `justitia_cli/bench/`,
 `predictors/cli.py`, and here the client-side `demo` and `status`): this module builds the
 top-level parser, asks every command module to register its subcommands, and holds what they
 share (`CommandError`, `formatter`). The SDK (`justitia_sdk`) is not a host: it talks HTTP

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from justitia_cli import CommandError, Commands, formatter
+from justitia_cli import CommandError, Commands
+from justitia_cli.options import add_command, json_option, kv_tokens_option, positive_int
 from server.scheduler import POLICY_NAMES
 
 # The example agents the demo runs, one module (and inputs file) each, in examples/.
@@ -30,15 +31,10 @@ DEMO_AGENTS = (
 )
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
 
 def register(commands: Commands) -> None:
-    demo = commands.root.add_parser(
+    demo = add_command(
+        commands.root,
         "demo",
         help="Start the embedded server and run a batch of example agents through it, live.",
         description=(
@@ -53,26 +49,23 @@ def register(commands: Commands) -> None:
             "The tiny model's weights are random, so the text is noise; the engine and the "
             "scheduling are real."
         ),
-        formatter_class=formatter,
+        handler=run_demo,
     )
-    demo.add_argument("--agents", type=_positive, default=18, metavar="N",
+    demo.add_argument("--agents", type=positive_int, default=18, metavar="N",
                       help="how many agents to submit (cycling through the six kinds)")
-    demo.add_argument("--waves", type=_positive, default=2, metavar="N",
+    demo.add_argument("--waves", type=positive_int, default=2, metavar="N",
                       help="submit the batch this many times, one wave after another, each on the "
                            "next inputs of every kind (1: only a fresh server's guesses)")
-    demo.add_argument("--kv-tokens", type=int, default=6144, metavar="N",
-                      help="KV cache capacity of the embedded engine in tokens")
+    kv_tokens_option(demo, "KV cache capacity of the embedded engine in tokens", default=6144, metavar="N")
     demo.add_argument("--policy", default="justitia", choices=POLICY_NAMES,
                       help="scheduling policy of the embedded server")
-    demo.add_argument("--max-tokens", type=_positive, default=96, metavar="N",
+    demo.add_argument("--max-tokens", type=positive_int, default=96, metavar="N",
                       help="output tokens per request of the example agents' first stage")
     demo.add_argument("--url", default=None,
                       help="use this running server instead of starting the embedded one")
     demo.add_argument("--examples", default=None, metavar="DIR",
                       help="the examples folder (default: the repository's examples/)")
-    demo.add_argument("--json", default=None, metavar="OUT",
-                      help="also write each agent's JCT, ETA, fair finish and bound here")
-    demo.set_defaults(handler=run_demo)
+    json_option(demo, "also write each agent's JCT, ETA, fair finish and bound here")
 
 
 def examples_dir(given: str | None) -> Path:

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import argparse
 
-from justitia_cli import CommandError, Commands, formatter
+from justitia_cli import CommandError, Commands
+from justitia_cli.options import add_command
 
 
 def register(commands: Commands) -> None:
-    status = commands.root.add_parser(
+    status = add_command(
+        commands.root,
         "status",
         help="Show a server's scheduler and agents (ETA, fair finish, bound).",
         description="A table of the caller's agents on a Justitia server, with the "
                     "scheduler's state.",
-        formatter_class=formatter,
+        handler=run_status,
     )
     status.add_argument("url", nargs="?", default=None,
                         help="server URL (default: JUSTITIA_URL, else http://127.0.0.1:8000)")
@@ -25,7 +27,6 @@ def register(commands: Commands) -> None:
     status.add_argument("--all", action="store_true",
                         help="include finished, cancelled and expired agents")
     status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
-    status.set_defaults(handler=run_status)
 
 
 def run_status(args: argparse.Namespace) -> int:

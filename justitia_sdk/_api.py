@@ -12,10 +12,11 @@ server's `detail`.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, Self
+from typing import Any, Self, TypedDict, TypeVar, Unpack
 
 import httpx
 
@@ -65,9 +66,60 @@ def _is_json(response: httpx.Response) -> bool:
     return "json" in response.headers.get("content-type", "")
 
 
-def _sampling(**fields: Any) -> dict[str, Any]:
-    """Only the sampling fields the caller set: the server's defaults apply to the rest."""
-    return {k: v for k, v in fields.items() if v is not None}
+class ClientOptions(TypedDict, total=False):
+    """The keyword options of a client, as `APIClient` takes them (its signature gives their
+    defaults): `AsyncClient` and the blocking `Client` pass them on unchanged."""
+
+    api_key: str | None
+    timeout: float
+    request_timeout: float | None
+    max_retries: int | None
+    retry_window_s: float
+    server_gone_s: float
+    max_connections: int
+    transport: httpx.AsyncBaseTransport | None
+
+
+class Sampling(TypedDict, total=False):
+    """How a completion or a chat is sampled; a field left out (or None) is the server's
+    default. Other fields of the OpenAI request body may be passed too, as they are."""
+
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+    ignore_eos: bool | None
+    min_tokens: int | None
+    model: str | None
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def parameters_of(model: Callable[..., Any]) -> Callable[[F], F]:
+    """Decorator: the decorated callable, which passes its options on to `model`, shows
+    `model`'s parameters and defaults (to `inspect.signature`, `help()` and the parity check
+    of the blocking client)."""
+
+    def show(fn: F) -> F:
+        fn.__signature__ = inspect.signature(model)  # type: ignore[attr-defined]
+        return fn
+
+    return show
+
+
+def _body(head: dict[str, Any], max_tokens: int, sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """A completion's or chat's body: `head` (the prompt or messages), `max_tokens`, the
+    sampling fields the caller set (the server's defaults apply to the rest) and any other
+    field as given."""
+    fields = {k: v for k, v in sampling.items() if not (k in Sampling.__annotations__ and v is None)}
+    stop = fields.get("stop")
+    if isinstance(stop, (list, tuple)):
+        fields["stop"] = list(stop)
+    if max_tokens is not None:  # None: the server's default, as for the sampling fields
+        head = {**head, "max_tokens": max_tokens}
+    return {**head, **fields}
 
 
 def _io_transport(limits: httpx.Limits) -> httpx.AsyncBaseTransport:
@@ -366,28 +418,11 @@ class APIClient:
             run.add_usage(completion.usage)
         return completion
 
-    async def complete(
-        self,
-        /,
-        prompt: str,
-        *,
-        max_tokens: int = 256,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        ignore_eos: bool | None = None,
-        min_tokens: int | None = None,
-        model: str | None = None,
-        agent_id: str | None = None,
-        **extra: Any,
-    ) -> Completion:
-        """One completion. Inside an agent it is tagged with the agent's id (or `agent_id`)."""
-        body = {"prompt": prompt, **_sampling(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=list(stop) if isinstance(stop, (list, tuple)) else stop,
-            ignore_eos=ignore_eos, min_tokens=min_tokens, model=model), **extra}
+    async def complete(self, /, prompt: str, *, max_tokens: int = 256, agent_id: str | None = None,
+                       **sampling: Unpack[Sampling]) -> Completion:
+        """One completion. Inside an agent it is tagged with the agent's id (or `agent_id`).
+        `sampling`: the fields of `Sampling`, and any other field of the request body."""
+        body = _body({"prompt": prompt}, max_tokens, sampling)
         return await self._inference("/v1/completions", body, agent_id, lambda c: c.get("text", ""))
 
     async def chat(
@@ -397,26 +432,16 @@ class APIClient:
         *,
         system: str | None = None,
         max_tokens: int = 256,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        ignore_eos: bool | None = None,
-        min_tokens: int | None = None,
-        model: str | None = None,
         agent_id: str | None = None,
-        **extra: Any,
+        **sampling: Unpack[Sampling],
     ) -> Completion:
-        """One chat completion; `messages` may be a plain string (one user message)."""
+        """One chat completion; `messages` may be a plain string (one user message).
+        `sampling`: as `complete`'s."""
         msgs = [{"role": "user", "content": messages}] if isinstance(messages, str) else [
             dict(m) for m in messages]
         if system is not None:
             msgs.insert(0, {"role": "system", "content": system})
-        body = {"messages": msgs, **_sampling(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=list(stop) if isinstance(stop, (list, tuple)) else stop,
-            ignore_eos=ignore_eos, min_tokens=min_tokens, model=model), **extra}
+        body = _body({"messages": msgs}, max_tokens, sampling)
         return await self._inference(
             "/v1/chat/completions", body, agent_id,
             lambda c: (c.get("message") or {}).get("content") or "")

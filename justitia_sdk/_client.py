@@ -7,16 +7,14 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import anyio
-import httpx
 
 from justitia_sdk._agent import Agent
-from justitia_sdk._api import MAX_CONNECTIONS, APIClient, current_client, default_url
+from justitia_sdk._api import APIClient, ClientOptions, current_client, default_url, parameters_of
 from justitia_sdk._batch import Batch
 from justitia_sdk._runner import make_batch, resolve_agents, run_batch
-from justitia_sdk._transport import SERVER_GONE_S
 
 T = TypeVar("T")
 
@@ -44,23 +42,9 @@ class AsyncClient(APIClient):
     `max_connections` bounds the connections it opens (requests past it wait their turn).
     """
 
-    def __init__(
-        self,
-        base_url: str | None = None,
-        *,
-        api_key: str | None = None,
-        timeout: float = 30.0,
-        request_timeout: float | None = 900.0,
-        max_retries: int | None = None,
-        retry_window_s: float = 120.0,
-        server_gone_s: float = SERVER_GONE_S,
-        max_connections: int = MAX_CONNECTIONS,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        super().__init__(base_url, api_key=api_key, timeout=timeout,
-                         request_timeout=request_timeout, max_retries=max_retries,
-                         retry_window_s=retry_window_s, server_gone_s=server_gone_s,
-                         max_connections=max_connections, transport=transport)
+    @parameters_of(APIClient.__init__)
+    def __init__(self, base_url: str | None = None, **options: Unpack[ClientOptions]) -> None:
+        super().__init__(base_url, **options)
         #: The latest batch started on this client: still here after an interrupt.
         self.last_batch: Batch | None = None
 

@@ -19,17 +19,15 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack
 
 import anyio
 import anyio.from_thread
-import httpx
 
-from justitia_sdk._api import MAX_CONNECTIONS
+from justitia_sdk._api import ClientOptions, parameters_of
 from justitia_sdk._batch import Batch
 from justitia_sdk._client import AsyncClient
 from justitia_sdk._handle import AgentHandle
-from justitia_sdk._transport import SERVER_GONE_S
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -140,23 +138,8 @@ class Client:
     portal). Close it (or use `with Client() as c:`) to stop that thread.
     """
 
-    def __init__(
-        self,
-        base_url: str | None = None,
-        *,
-        api_key: str | None = None,
-        timeout: float = 30.0,
-        request_timeout: float | None = 900.0,
-        max_retries: int | None = None,
-        retry_window_s: float = 120.0,
-        server_gone_s: float = SERVER_GONE_S,
-        max_connections: int = MAX_CONNECTIONS,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        options = dict(api_key=api_key, timeout=timeout, request_timeout=request_timeout,
-                       max_retries=max_retries, retry_window_s=retry_window_s,
-                       server_gone_s=server_gone_s, max_connections=max_connections,
-                       transport=transport)
+    @parameters_of(AsyncClient.__init__)
+    def __init__(self, base_url: str | None = None, **options: Unpack[ClientOptions]) -> None:
         self._portal_cm: Any = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         try:
@@ -302,6 +285,8 @@ class Client:
     list_agents = _blocking(AsyncClient.list_agents)
     finish_agent = _blocking(AsyncClient.finish_agent)
     cancel_agent = _blocking(AsyncClient.cancel_agent)
+    pause_agent = _blocking(AsyncClient.pause_agent)
+    resume_agent = _blocking(AsyncClient.resume_agent)
     watch_agent = _iterating(AsyncClient.watch_agent)
     watch_agents = _iterating(AsyncClient.watch_agents)
     scheduler = _blocking(AsyncClient.scheduler)
@@ -317,7 +302,7 @@ class Client:
     batch = _holding(AsyncClient.batch, Batch.cancel)
 
 
-async def _make(base_url: str | None, options: dict[str, Any]) -> AsyncClient:
+async def _make(base_url: str | None, options: ClientOptions) -> AsyncClient:
     return AsyncClient(base_url, **options)
 
 

@@ -113,7 +113,7 @@ def doc_merge(documents: Sequence[str], lengths: OutputLengths, seed: int = 0, n
 AGENT_TYPES = ("mapreduce_summary", "fact_verification", "self_consistency", "code_checking", "doc_merge")
 
 
-# -- loop-shaped agents (issue 15): the number of steps depends on the task ---------------
+# -- loop-shaped agents: the number of steps depends on the task ---------------
 REACT_INSTR, OBSERVATION_TOKENS = 300, 90
 RESEARCH_INSTR, SYNTH_INSTR = 120, 150
 

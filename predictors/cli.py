@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from justitia_cli import Commands, formatter
+from justitia_cli import Commands
+from justitia_cli.options import add_command, json_option, quiet_option, seed_option
 
 
 def register(commands: Commands) -> None:
-    p = commands.root.add_parser(
+    p = add_command(
+        commands.root,
         "train-predictor",
         help="Train the cost predictor of one agent type (TF-IDF + MLP, ridge or median, by cross-validation).",
         description=(
@@ -24,7 +26,7 @@ def register(commands: Commands) -> None:
             "profiled (--inputs) or fetched (--from-server) are kept in DIR/samples.jsonl "
             "(or --save-samples FILE), written before training starts."
         ),
-        formatter_class=formatter,
+        handler=_train,
     )
     p.add_argument("agent", metavar="AGENT",
                    help="agent type: the name its @agent registered (selects the samples' agent_type)")
@@ -49,7 +51,7 @@ def register(commands: Commands) -> None:
                         "with --samples, which is already a file)")
     p.add_argument("--alpha", type=float, default=None,
                    help="fix the MLP's L2 penalty (unset: cross-validation chooses among the candidates)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split and of the MLP")
+    seed_option(p, "seed of the train/validation split and of the MLP")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="predict the median cost instead of scaling it down to minimise the mean relative error")
     p.add_argument("--server", metavar="URL", default=None,
@@ -61,11 +63,11 @@ def register(commands: Commands) -> None:
     p.add_argument("--api-key", metavar="KEY", default=None,
                    help="bearer token for --from-server / --inputs (default: $JUSTITIA_API_KEY)")
     p.add_argument("--timeout", type=float, default=30.0, help="HTTP timeout in seconds for --from-server")
-    p.add_argument("--json", metavar="OUT", default=None, help="also write the training report as JSON")
-    p.add_argument("--quiet", action="store_true", help="print only the output directory")
-    p.set_defaults(handler=_train)
+    json_option(p, "also write the training report as JSON")
+    quiet_option(p, "print only the output directory")
 
-    e = commands.predictor.add_parser(
+    e = add_command(
+        commands.predictor,
         "eval",
         help="Measure a trained predictor's error and latency on samples.",
         description=(
@@ -74,16 +76,15 @@ def register(commands: Commands) -> None:
             "--samples, on the held-out samples stored with the model (DIR/heldout.jsonl: the "
             "runs `justitia train-predictor` held out from training and validated it on)."
         ),
-        formatter_class=formatter,
+        handler=_eval,
     )
     e.add_argument("dir", metavar="DIR", help="predictor directory written by `justitia train-predictor`")
     e.add_argument("--samples", metavar="FILE", default=None,
                    help="JSON Lines samples; only those of the predictor's agent type are used "
                         "(unset: the held-out samples stored with the model, DIR/heldout.jsonl)")
-    e.add_argument("--json", metavar="OUT", default=None, help="write the results as JSON to this file")
+    json_option(e, "write the results as JSON to this file")
     e.add_argument("--all-types", action="store_true",
                    help="use every sample, whatever its agent_type (e.g. to test a global model)")
-    e.set_defaults(handler=_eval)
 
 
 def _train(args: argparse.Namespace) -> int:

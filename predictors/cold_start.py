@@ -5,8 +5,8 @@ its requests are its declared ``stages`` times ``fan_out`` (1 each when not decl
 with the agent's prompt (``P`` estimated tokens) and ``d`` output tokens, so the cost is
 ``requests * (P*d + d*(d+1)/2)``. ``d`` is the declared ``max_tokens`` feature, else the
 declared ``critical_path_tokens / stages``, else ``default_output_tokens`` (256). Agents of
-other types never move it: three 8-token agents of one type used to set ``d`` for every type
-not seen yet, and an agent that went on to cost 100,000 was predicted 200.
+other types never move it: otherwise three 8-token agents of one type would set ``d`` for
+every type not seen yet, and an agent that goes on to cost 100,000 would be predicted 200.
 
 **Observations of the type** (:meth:`ColdStartEstimator.observe`) feed a per-type log-log
 ridge regression ``log cost = a + b * log(1 + P)`` whose slope is pulled towards 1 (cost

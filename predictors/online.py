@@ -95,7 +95,7 @@ PARENT_POLL_S = 0.5
 def exit_with_parent(parent: int, kernel: bool, poll_s: float = PARENT_POLL_S) -> None:
     """End this process soon after process `parent` ends, however it ends (kill -9
     included). A pool worker waits on a pipe whose other end it holds itself, so it never
-    sees its server die: each kill of the server used to leave one behind for ever.
+    sees its server die: without this, each kill of the server would leave one behind for ever.
 
     A thread polls the parent's pid. With `kernel` (the worker was started by the parent's
     main thread: the kernel ties the signal to the thread that forked, not the process), on

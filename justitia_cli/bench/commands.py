@@ -7,18 +7,21 @@ servers when a command runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from justitia_cli import Commands, formatter
+from justitia_cli import Commands
 from justitia_cli.bench.live import live_command
 from justitia_cli.bench.options import las_options
 from justitia_cli.bench.sim import calibrate_command, make_workload_command, sim_command, starvation_command
+from justitia_cli.options import (
+    add_command,
+    json_option,
+    kv_tokens_option,
+    max_model_len_option,
+    quiet_option,
+    seed_option,
+)
 from server.scheduler import POLICY_NAMES
-
-if TYPE_CHECKING:
-
-    pass
-
 
 ALL_POLICIES = ",".join(POLICY_NAMES)
 
@@ -32,7 +35,8 @@ def retain_option(parser: Any) -> None:
 
 
 def register(commands: Commands) -> None:
-    sim = commands.bench.add_parser(
+    sim = add_command(
+        commands.bench,
         "sim",
         help="Compare scheduling policies on a workload with the discrete-event simulator.",
         description=(
@@ -40,22 +44,21 @@ def register(commands: Commands) -> None:
             "per policy, with the same scheduler core as the server. Prints a table; --json writes "
             "every agent's arrival, finish, GPS finish time and delay bound per policy."
         ),
-        formatter_class=formatter,
+        handler=sim_command,
     )
     sim.add_argument("--workload", required=True, metavar="FILE",
                      help='workload file: JSON Lines, one agent per line, '
                           '{"id", "arrival", "stages": [[{"p", "d"}, ...], ...]}')
     sim.add_argument("--policies", default=ALL_POLICIES, metavar="LIST",
                      help=f"comma-separated policies: {', '.join(POLICY_NAMES)}")
-    sim.add_argument("--kv-tokens", type=int, default=None, metavar="M",
-                     help="KV cache capacity in tokens (default: the profile's)")
-    sim.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
+    kv_tokens_option(sim, "KV cache capacity in tokens (default: the profile's)")
+    json_option(sim)
     sim.add_argument("--prediction", default="oracle", metavar="MODE",
                      help="agent cost predictions: oracle, noisy:LAMBDA (true x LAMBDA^U(-1,1)), or model:DIR "
                           "(a trained predictor, or a folder with one per agent type)")
     sim.add_argument("--profile", default="a100-llama7b", metavar="NAME|FILE",
                      help="engine profile: a100-llama7b, cpu-tiny, or a file written by `bench calibrate`")
-    sim.add_argument("--seed", type=int, default=0, help="seed of the noisy predictions and of ewsjf's online tuner")
+    seed_option(sim, "seed of the noisy predictions and of ewsjf's online tuner")
     las_options(sim)
     sim.add_argument("--backfill", action="store_true", help="let footprint policies admit past a blocked head")
     # simulator.TAU_SOURCES, spelled out: this module imports nothing of the simulator
@@ -67,10 +70,10 @@ def register(commands: Commands) -> None:
     sim.add_argument("--plot", metavar="FILE.png", default=None, help="draw the JCT CDF of every policy")
     sim.add_argument("--html", metavar="OUT.html", default=None,
                      help="write a self-contained HTML report (policy table, JCT CDFs, slowdown vs GPS, promises)")
-    sim.add_argument("--quiet", action="store_true", help="no table on the terminal")
-    sim.set_defaults(handler=sim_command)
+    quiet_option(sim)
 
-    mk = commands.bench.add_parser(
+    mk = add_command(
+        commands.bench,
         "make-workload",
         help="Build the paper's nine-type agent mix from the shipped public traces.",
         description=(
@@ -78,7 +81,7 @@ def register(commands: Commands) -> None:
             "arXiv summarization, Mooncake and MetaGPT token counts, Mooncake arrivals scaled so that "
             "density 1 offers LOAD of what the profile's engine sustains on the mix."
         ),
-        formatter_class=formatter,
+        handler=make_workload_command,
     )
     mk.add_argument("--out", required=True, metavar="FILE", help="workload file to write (JSON Lines)")
     mk.add_argument("--agents", type=int, default=300, help="number of agents")
@@ -88,10 +91,10 @@ def register(commands: Commands) -> None:
                     help="offered load at density 1, as a fraction of the engine's sustained rate")
     mk.add_argument("--profile", default="a100-llama7b", metavar="NAME",
                     help="engine profile the load and lengths are fitted to")
-    mk.add_argument("--kv-tokens", type=int, default=None, metavar="M", help="KV capacity (default: the profile's)")
+    kv_tokens_option(mk, "KV capacity (default: the profile's)")
     mk.add_argument("--length-scale", type=float, default=None,
                     help="multiply trace lengths by this (default: the profile's; cpu-tiny shrinks them)")
-    mk.add_argument("--seed", type=int, default=0, help="random seed (same seed: same agents at every density)")
+    seed_option(mk, "random seed (same seed: same agents at every density)")
     mk.add_argument("--prefixes", action="store_true",
                     help="requests name the prompt prefixes their sources share (app system prompts, "
                          "shared instructions, self-consistency prompts, growing ReAct contexts); "
@@ -105,9 +108,9 @@ def register(commands: Commands) -> None:
                          "the first (pauses_s); multi-turn: the ReAct and chat agents resend their whole "
                          "conversation each turn (ctx); single-turn: the mix without them. --load is then the "
                          "offered load of the whole span (--density, --prefixes, --shape do not apply)")
-    mk.set_defaults(handler=make_workload_command)
 
-    live = commands.bench.add_parser(
+    live = add_command(
+        commands.bench,
         "live",
         help="Compare policies on the real server and the real vLLM CPU engine.",
         description=(
@@ -116,19 +119,17 @@ def register(commands: Commands) -> None:
             "that output lengths are exact, and stop it. Writes the same JSON as `bench sim`, "
             "plus the simulator's prediction of each policy (sim_mean_jct_s, with --profile) beside it."
         ),
-        formatter_class=formatter,
+        handler=live_command,
     )
     live.add_argument("--workload", required=True, metavar="FILE",
                       help="workload file (build one with `bench make-workload --profile cpu-tiny`)")
     live.add_argument("--policies", default="fcfs,vtc,justitia", metavar="LIST",
                       help=f"comma-separated policies, run one after another (any of {', '.join(POLICY_NAMES)})")
-    live.add_argument("--kv-tokens", type=int, required=True, metavar="M",
-                      help="KV cache capacity of the engine in tokens")
-    live.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
+    kv_tokens_option(live, "KV cache capacity of the engine in tokens", required=True)
+    json_option(live)
     live.add_argument("--html", metavar="OUT.html", default=None,
                       help="write a self-contained HTML report (policy table, JCT CDFs, slowdown vs GPS, promises)")
-    live.add_argument("--max-model-len", type=int, default=2048, metavar="N",
-                      help="engine context length (longest p + d of the workload must fit)")
+    max_model_len_option(live, "engine context length (longest p + d of the workload must fit)")
     live.add_argument("--prediction", default="oracle", choices=["oracle", "server"],
                       help="oracle: agents declare their true cost; server: the server's predictor")
     live.add_argument("--profile", default="cpu-tiny", metavar="NAME|FILE",
@@ -140,7 +141,7 @@ def register(commands: Commands) -> None:
     live.add_argument("--log-dir", metavar="DIR", default=None,
                       help="keep each server's log here (created if missing): server-POLICY.log, "
                            "server-POLICY-roundK.log with --repeat")
-    live.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    seed_option(live, "seed of the random prompt token ids")
     live.add_argument("--teach", metavar="FILE", default=None,
                       help="replay this workload first on each policy's server, unmeasured, with other "
                            "token ids: the measured run meets a server taught by another sample of the "
@@ -164,13 +165,19 @@ def register(commands: Commands) -> None:
     live.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
                       help="--ray: kill one engine replica's processes S seconds into each replay (Ray "
                            "replaces it; requests that produced nothing are resent, others fail)")
+    live.add_argument("--kill-scheduler-after", type=float, default=None, metavar="S",
+                      help="--ray: kill the server (the scheduler) S seconds into each replay and start "
+                           "it again, as its supervisor would; it schedules onto the running replicas. "
+                           "Requests in flight then fail, agents it no longer knows fail (404), agents "
+                           "arriving while it is down register once it is back; results add "
+                           "`scheduler_killed`")
     live.add_argument("--hang-timeout", type=float, default=900.0, metavar="S",
                       help="an agent not done S seconds after the last arrival is lost (default 900)")
     las_options(live)
-    live.add_argument("--quiet", action="store_true", help="no table on the terminal")
-    live.set_defaults(handler=live_command)
+    quiet_option(live)
 
-    cal = commands.bench.add_parser(
+    cal = add_command(
+        commands.bench,
         "calibrate",
         help="Measure the embedded engine and fit its step-time model into a profile file.",
         description=(
@@ -184,19 +191,17 @@ def register(commands: Commands) -> None:
             "a profile JSON for `bench sim --profile FILE` and `bench live --profile FILE`. "
             "About 2-4 minutes on 2 cores (--quick: one minute, four points)."
         ),
-        formatter_class=formatter,
+        handler=calibrate_command,
     )
-    cal.add_argument("--kv-tokens", type=int, required=True, metavar="M",
-                     help="KV cache capacity of the engine in tokens")
-    cal.add_argument("--max-model-len", type=int, default=2048, metavar="N",
-                     help="engine context length; prompts of the grid go up to it")
+    kv_tokens_option(cal, "KV cache capacity of the engine in tokens", required=True)
+    max_model_len_option(cal, "engine context length; prompts of the grid go up to it")
     cal.add_argument("--out", required=True, metavar="PROFILE.json", help="profile file to write")
     cal.add_argument("--name", default=None, help="profile name (default: the file's stem)")
     cal.add_argument("--quick", action="store_true", help="a four-point grid (a smoke test, not a calibration)")
-    cal.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
-    cal.set_defaults(handler=calibrate_command)
+    seed_option(cal, "seed of the random prompt token ids")
 
-    st = commands.bench.add_parser(
+    st = add_command(
+        commands.bench,
         "starvation",
         help="One large MapReduce agent under a flood of small agents: does it starve?",
         description=(
@@ -204,7 +209,7 @@ def register(commands: Commands) -> None:
             "of the engine's rate) that lasts MINUTES; reports the large agent's JCT per flood length and "
             "policy, with its GPS finish time and delay bound."
         ),
-        formatter_class=formatter,
+        handler=starvation_command,
     )
     st.add_argument("--minutes", default="2,4,6,8,10", metavar="LIST", help="flood lengths in simulated minutes")
     st.add_argument("--policies", default="srjf,justitia,vtc,ewsjf,equinox", metavar="LIST", help="policies to compare")
@@ -212,8 +217,7 @@ def register(commands: Commands) -> None:
                     help="offered load of the small agents, as a fraction of the (conservative) rate "
                          "the engine sustains on them")
     st.add_argument("--profile", default="a100-llama7b", metavar="NAME", help="engine profile")
-    st.add_argument("--kv-tokens", type=int, default=None, metavar="M", help="KV capacity (default: the profile's)")
-    st.add_argument("--seed", type=int, default=0, help="random seed")
+    kv_tokens_option(st, "KV capacity (default: the profile's)")
+    seed_option(st, "random seed")
     las_options(st)
-    st.add_argument("--json", metavar="OUT", default=None, help="write the results JSON here")
-    st.set_defaults(handler=starvation_command)
+    json_option(st)

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 
-from justitia_cli import CommandError, Commands, formatter
+from justitia_cli import CommandError, Commands
+from justitia_cli.options import add_command, json_option, kv_tokens_option
 
 SHAPE_NAMES = ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")  # shapes.SHAPES
 
 
 def register(commands: Commands) -> None:
-    fam = commands.bench.add_parser(
+    fam = add_command(
+        commands.bench,
         "family",
         help="Run the family of arrival shapes (tuning or held-out seeds) and report the promises per shape.",
         description=(
@@ -22,7 +24,7 @@ def register(commands: Commands) -> None:
             "shape: first-ETA error p50/p90, promises kept, median deadline / JCT and interval "
             "coverage. Tune rules on some seeds (e.g. 0-4), report on others (e.g. 100-104)."
         ),
-        formatter_class=formatter,
+        handler=family_command,
     )
     fam.add_argument("--shapes", default=",".join(SHAPE_NAMES), metavar="LIST",
                      help=f"comma-separated shapes: {', '.join(SHAPE_NAMES)}")
@@ -37,9 +39,8 @@ def register(commands: Commands) -> None:
                      help="offered load over each workload's span, as a fraction of what the engine sustains")
     fam.add_argument("--profile", default="cpu-tiny", metavar="NAME|FILE",
                      help="engine profile: a100-llama7b, cpu-tiny, or a file written by `bench calibrate`")
-    fam.add_argument("--kv-tokens", type=int, default=4096, metavar="M", help="KV cache capacity in tokens")
-    fam.add_argument("--json", metavar="OUT", default=None, help="write every run and the per-shape summary here")
-    fam.set_defaults(handler=family_command)
+    kv_tokens_option(fam, "KV cache capacity in tokens", default=4096)
+    json_option(fam, "write every run and the per-shape summary here")
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -19,16 +19,20 @@ if TYPE_CHECKING:
 
 def check_ray_options(args: argparse.Namespace) -> None:
     if not args.ray:
-        if args.kill_replica_after is not None:
-            raise CommandError("--kill-replica-after kills a replica on Ray: add --ray")
+        for option, value in (("--kill-replica-after", args.kill_replica_after),
+                              ("--kill-scheduler-after", args.kill_scheduler_after)):
+            if value is not None:
+                raise CommandError(f"{option} kills a process of Justitia on Ray: add --ray")
         return
     if args.replicas < 1:
         raise CommandError(f"--replicas must be at least 1, not {args.replicas}")
     if args.kv_tokens // args.replicas < args.max_model_len:
         raise CommandError(f"--kv-tokens {args.kv_tokens} over {args.replicas} replicas leaves each "
                            f"{args.kv_tokens // args.replicas} tokens, below --max-model-len {args.max_model_len}")
-    if args.kill_replica_after is not None and not 0 <= args.kill_replica_after < float("inf"):
-        raise CommandError(f"--kill-replica-after must be seconds >= 0, not {args.kill_replica_after}")
+    for option, value in (("--kill-replica-after", args.kill_replica_after),
+                          ("--kill-scheduler-after", args.kill_scheduler_after)):
+        if value is not None and not 0 <= value < float("inf"):
+            raise CommandError(f"{option} must be seconds >= 0, not {value}")
     if not 0 < args.hang_timeout < float("inf"):
         raise CommandError(f"--hang-timeout must be a positive number of seconds, not {args.hang_timeout}")
 
@@ -58,7 +62,8 @@ def live_command(args: argparse.Namespace) -> int:
                        las_half_life_s=args.las_half_life_s, las_head_wait_weight=args.las_head_wait_weight,
                        teach=teach, restart=args.restart, profile=measured_here(args.profile),
                        ray=args.ray, replicas=args.replicas if args.ray else 1,
-                       kill_replica_after_s=args.kill_replica_after, hang_timeout_s=args.hang_timeout)
+                       kill_replica_after_s=args.kill_replica_after,
+                       kill_scheduler_after_s=args.kill_scheduler_after, hang_timeout_s=args.hang_timeout)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if args.ray:  # one Ray cluster of this command's own for every policy's server
@@ -89,6 +94,7 @@ def live_command(args: argparse.Namespace) -> int:
         "ray": args.ray,
         "replicas": args.replicas if args.ray else 1,
         "kill_replica_after_s": args.kill_replica_after,
+        "kill_scheduler_after_s": args.kill_scheduler_after,
         "profile": profile.as_dict(),
         "prediction": args.prediction,
         "seed": args.seed,

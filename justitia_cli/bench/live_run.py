@@ -54,6 +54,7 @@ from typing import Any
 
 import aiohttp
 
+from justitia_cli.bench.scheduler_kill import SchedulerRestart, delete_engines
 from server.scheduler import get_policy, gps_finish_times
 from server.scheduler.cost import KV
 from server.scheduler.policies import Justitia
@@ -94,6 +95,9 @@ class LiveOptions:
     # With `ray`: kill one engine replica's process (and its engine) this many seconds
     # into the replay; Ray replaces it.
     kill_replica_after_s: float | None = None
+    # With `ray`: SIGKILL the server (the scheduler) this many seconds into the replay and
+    # start it again on the same port (justitia_cli/bench/scheduler_kill.py).
+    kill_scheduler_after_s: float | None = None
     # An agent not done this long after the last arrival is lost (it hangs).
     hang_timeout_s: float = 900.0
 
@@ -150,6 +154,19 @@ async def _call(session: aiohttp.ClientSession, method: str, path: str, **kw) ->
         return json.loads(body) if body else {}
 
 
+async def _register(session: aiohttp.ClientSession, body: dict[str, Any], patience_s: float) -> dict:
+    """Register an agent; while the server does not answer (it is being restarted), try
+    again every second for `patience_s`, as a client would."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return await _call(session, "POST", "/v1/agents", json=body)
+        except aiohttp.ClientError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+
+
 async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float,
                      opts: LiveOptions, prompts: dict[tuple[int, int], list[int]], cost: float,
                      block_size: int = 1) -> dict:
@@ -158,7 +175,7 @@ async def _run_agent(session: aiohttp.ClientSession, agent: AgentSpec, t0: float
     state: dict[str, Any] = {}
     try:
         return await _agent_steps(session, agent, t0, opts, prompts, cost, block_size, state)
-    except RuntimeError as exc:
+    except (RuntimeError, aiohttp.ClientError) as exc:  # an error answer, or the server went away
         if "id" in state:
             with contextlib.suppress(RuntimeError, aiohttp.ClientError):
                 await _call(session, "DELETE", f"/v1/agents/{state['id']}")
@@ -181,7 +198,7 @@ async def _agent_steps(session: aiohttp.ClientSession, agent: AgentSpec, t0: flo
     }
     if opts.prediction == "oracle":
         body["predicted_cost"] = cost
-    first = state["first"] = await _call(session, "POST", "/v1/agents", json=body)
+    first = state["first"] = await _register(session, body, opts.hang_timeout_s)
     agent_id = state["id"] = first["id"]
     headers = {"X-Justitia-Agent": agent_id}
     talk = _Conversations(block_size)
@@ -236,8 +253,8 @@ class _Conversations:
 
 
 async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: str,
-                  progress: Callable[[int], None] | None, cluster_pid: int | None = None
-                  ) -> tuple[list[dict], dict]:
+                  progress: Callable[[int], None] | None, cluster_pid: int | None = None,
+                  restart: SchedulerRestart | None = None) -> tuple[list[dict], dict]:
     # Idle connections are dropped here before the server would close them (its keep-alive
     # is 30 s), so a request never goes out on a connection the server is closing.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)
@@ -264,6 +281,9 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
         killer = None
         if opts.kill_replica_after_s is not None and cluster_pid is not None:
             killer = asyncio.ensure_future(_kill_replica_later(cluster_pid, t0, opts.kill_replica_after_s))
+        restarter = None
+        if restart is not None and opts.kill_scheduler_after_s is not None:
+            restarter = asyncio.ensure_future(restart.kill_later(t0, opts.kill_scheduler_after_s))
         last_arrival = max((a.arrival for a in agents), default=0.0)
         await asyncio.wait(tasks, timeout=max(0.0, t0 + last_arrival + opts.hang_timeout_s - time.monotonic()))
         outs = []
@@ -274,8 +294,10 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
                 task.cancel()
                 outs.append({"lost": True, "error": f"not done {opts.hang_timeout_s:.0f} s after the last arrival"})
         killed = await killer if killer is not None else None
+        scheduler_killed = await restarter if restarter is not None else None
         snapshot = await _call(session, "GET", "/v1/scheduler")
         snapshot["replica_killed"] = killed
+        snapshot["scheduler_killed"] = scheduler_killed
         async with session.get("/metrics") as r:
             snapshot["metrics_text"] = await r.text()
     return outs, snapshot
@@ -325,6 +347,21 @@ def _off_worker_cores(server_pid: int | None) -> Iterator[None]:
             pin_threads(os.getpid(), before)
 
 
+def _serve_args(policy: str, opts: LiveOptions, home: str) -> list[str]:
+    """The `justitia serve` options of a policy's server."""
+    args = ["--policy", policy, "--kv-tokens", str(opts.kv_tokens),
+            "--max-model-len", str(opts.max_model_len), "--data-dir", home]
+    if opts.profile is not None:
+        args += ["--profile", opts.profile]
+    if opts.las_half_life_s is not None:
+        args += ["--las-half-life-s", str(opts.las_half_life_s)]
+    if opts.las_head_wait_weight is not None:
+        args += ["--las-head-wait-weight", str(opts.las_head_wait_weight)]
+    if opts.ray:
+        args += ["--ray", opts.ray_address or "local", "--replicas", str(opts.replicas)]
+    return args
+
+
 def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
                progress: Callable[[int], None] | None = None, round_index: int | None = None) -> PolicyResult:
     """Start a server with `policy`, replay the workload, stop the server. `round_index`:
@@ -338,16 +375,7 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         name = f"server-{policy}.log" if round_index is None else f"server-{policy}-round{round_index + 1}.log"
         log = Path(opts.log_dir) / name
         log.parent.mkdir(parents=True, exist_ok=True)
-    args = ["--policy", policy, "--kv-tokens", str(opts.kv_tokens),
-            "--max-model-len", str(opts.max_model_len), "--data-dir", home]
-    if opts.profile is not None:
-        args += ["--profile", opts.profile]
-    if opts.las_half_life_s is not None:
-        args += ["--las-half-life-s", str(opts.las_half_life_s)]
-    if opts.las_head_wait_weight is not None:
-        args += ["--las-head-wait-weight", str(opts.las_head_wait_weight)]
-    if opts.ray:
-        args += ["--ray", opts.ray_address or "local", "--replicas", str(opts.replicas)]
+    args = _serve_args(policy, opts, home)
     if opts.ray:
         # a Ray cluster and N engines: minutes on a busy machine
         opts = replace(opts, startup_timeout_s=max(opts.startup_timeout_s, RAY_STARTUP_TIMEOUT_S))
@@ -361,7 +389,14 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
             _, taught = asyncio.run(_replay(srv.url, opts.teach, replace(opts, seed=opts.seed + TEACH_SEED),
                                             policy, None))
         if not restart:
-            outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress, opts.ray_pid))
+            restarter = (SchedulerRestart(srv, opts.startup_timeout_s, log)
+                         if opts.ray and opts.kill_scheduler_after_s is not None else None)
+            try:
+                outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress, opts.ray_pid, restarter))
+            finally:
+                if restarter is not None:
+                    restarter.stop()  # it attached: the engines it leaves running go next
+                    delete_engines(opts.ray_address)
     if restart:  # the same data dir: the history the taught server wrote
         log = log.with_name(log.stem + "-restarted.log") if log is not None else None
         with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
@@ -414,6 +449,7 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     if opts.ray:
         extra["replicas"] = opts.replicas
         extra["replica_killed"] = snap.get("replica_killed")
+        extra["scheduler_killed"] = snap.get("scheduler_killed")
     return PolicyResult(policy=policy, agents=results, preemptions=int(preemptions),
                         accounting_zero=(snap["pending_requests"] == 0 and snap["running_requests"] == 0
                                          and snap["reserved_kv"] == 0),

@@ -4,14 +4,9 @@ options, read and checked (bad input is a `CommandError` naming the option)."""
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from justitia_cli import CommandError
 from server.scheduler import LIVE_ONLY, POLICY_NAMES
-
-if TYPE_CHECKING:
-
-    pass
 
 
 def las_options(parser: argparse.ArgumentParser) -> None:

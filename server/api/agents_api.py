@@ -18,7 +18,7 @@ from server.api.auth import rate_limited_tenant, require_admin, tenant_of
 from server.api.bodies import caller, is_large, json_response, parse_body, parsed
 from server.api.openai_schemas import SSE_EVENT
 from server.api.validation import RequestBody
-from server.engine.base import EngineError, ReplicaAdmin
+from server.engine.base import ReplicaList
 from server.runtime.agents import AgentEntry, AgentRecord, encode_metadata, metadata_size_floor
 from server.runtime.limits import Quotas
 from server.runtime.live import LiveScheduler
@@ -104,6 +104,11 @@ class AgentPause(RequestBody):
 
 # An `ids` filter longer than this is better served by the unfiltered stream.
 MAX_WATCH_IDS = 1000
+# Characters an `ids` filter may spend per id: an agent id ("agt-" and 16 hex digits) and
+# its comma, with room to spare.
+WATCH_ID_CHARS = 40
+# Cursors are SQLite rowids and registration counters: signed 64-bit integers.
+MAX_CURSOR = 2**63
 # Live agents whose records the stream without `ids` sends first; the rest are announced
 # by `event: more` (their count and a cursor of GET /v1/agents) and sent when they change.
 SNAPSHOT_AGENTS = 1000
@@ -114,6 +119,16 @@ _EVENTS: dict[int | str, dict[str, Any]] = {
                               "at every change until the agent ends; `: keep-alive` comments "
                               "every 15 s",
                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
+
+
+def _cursor(cursor: str | None) -> int:
+    """What a page's `cursor` continues after (0: the first page); a 400 for anything not a
+    `next_cursor` this server gave."""
+    if cursor is None:
+        return 0
+    if not cursor.isdigit() or int(cursor) >= MAX_CURSOR:
+        raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
+    return int(cursor)
 
 
 def _scheduler(request: Request) -> LiveScheduler:
@@ -144,11 +159,7 @@ async def list_agents(request: Request, tenant: str = Depends(tenant_of),
                                                  description="`next_cursor` of the page before"),
                       ) -> AgentList:
     """The caller's agents in registration order, a page at a time."""
-    after = 0
-    if cursor is not None:
-        if not cursor.isdigit() or int(cursor) >= 2**63:
-            raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
-        after = int(cursor)
+    after = _cursor(cursor)
     s = _scheduler(request)
     entries, last = s.page(tenant, limit, after, state)
     return AgentList(agents=[s.record(e) for e in entries],
@@ -159,7 +170,7 @@ async def list_agents(request: Request, tenant: str = Depends(tenant_of),
             responses={**_EVENTS, **errors.responses(400, 401)})
 async def agents_events(request: Request, tenant: str = Depends(tenant_of),
                         ids: str | None = Query(
-                            default=None, max_length=MAX_WATCH_IDS * 40,
+                            default=None, max_length=MAX_WATCH_IDS * WATCH_ID_CHARS,
                             description="Comma-separated agent ids (at most 1,000); "
                                         "default: every agent of the caller")) -> StreamingResponse:
     """One stream for many agents: `event: agent` with a record each time an agent of the
@@ -335,52 +346,23 @@ async def resume_admission(request: Request, tenant: str = Depends(tenant_of)) -
     return {"paused": False}
 
 
-class ReplicaRef(RequestBody):
-    url: str = Field(min_length=1, max_length=2048, description="A vLLM OpenAI server's base URL.")
-
-
-def _replicas(request: Request) -> ReplicaAdmin:
-    engine = _scheduler(request).capabilities.replica_admin
+def _replicas(request: Request) -> ReplicaList:
+    engine = _scheduler(request).capabilities.replicas
     if engine is None:
-        raise HTTPException(409, "this server runs an in-process engine; replicas exist only "
-                                 "with --engine-url")
+        raise HTTPException(409, "this server runs an in-process engine, which has no replicas "
+                                 "(they exist with --ray or --engine-url)")
     return engine
 
 
 @router.get("/v1/admin/replicas", tags=["operations"],
             responses=errors.responses(401, 403, 409))
 async def list_replicas(request: Request, tenant: str = Depends(tenant_of)) -> dict:
-    """The engine replicas: capacity, reservations, requests in flight, health."""
+    """The engine replicas (id, state, KV capacity, reserved tokens, requests in flight) and
+    the latest changes of M (when, over how many replicas)."""
     require_admin(request, tenant)
     engine = _replicas(request)
-    return {"kv_capacity_tokens": engine.capacity, "replicas": engine.describe_replicas()}
-
-
-@router.post("/v1/admin/replicas", tags=["operations"], status_code=201,
-             responses=errors.responses(400, 401, 403, 409, 413))
-async def add_replica(body: ReplicaRef, request: Request, tenant: str = Depends(tenant_of)) -> dict:
-    """Serve from one more vLLM replica (same model and block size): M grows by its KV
-    capacity and the virtual clock's rate with it."""
-    require_admin(request, tenant)
-    engine = _replicas(request)
-    try:
-        return await engine.add_replica(body.url)
-    except EngineError as exc:
-        raise HTTPException(400, str(exc)) from exc
-
-
-@router.delete("/v1/admin/replicas", tags=["operations"],
-               responses=errors.responses(400, 401, 403, 404, 409))
-async def remove_replica(request: Request, tenant: str = Depends(tenant_of),
-                         url: str = Query(min_length=1, max_length=2048)) -> dict:
-    """Stop sending requests to a replica: M shrinks now, the replica leaves once its
-    requests in flight have finished."""
-    require_admin(request, tenant)
-    engine = _replicas(request)
-    try:
-        return engine.remove_replica(url)
-    except LookupError as exc:
-        raise HTTPException(404, str(exc)) from exc
+    return {"kv_capacity_tokens": engine.capacity, "replicas": engine.describe_replicas(),
+            "capacity_changes": engine.capacity_changes()}
 
 
 @router.get("/v1/predictors", tags=["operations"], responses=errors.responses(401, 403))
@@ -422,11 +404,7 @@ async def history_samples(request: Request, tenant: str = Depends(tenant_of),
     """Finished agents of the caller's tenant as predictor training samples, oldest first,
     a page at a time (`next_cursor`: null on the last page). A page ends at `limit` samples
     or `max_bytes`, whichever comes first, and is streamed as it is read."""
-    after = 0
-    if cursor is not None:
-        if not cursor.isdigit() or int(cursor) >= 2**63:
-            raise HTTPException(400, "cursor must be the next_cursor of an earlier page")
-        after = int(cursor)
+    after = _cursor(cursor)
     history = request.app.state.history
 
     async def page() -> AsyncIterator[bytes]:

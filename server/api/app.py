@@ -128,7 +128,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
     if config.engine_urls:
         from server.engine.remote import RemoteVLLMEngine
 
-        remote = RemoteVLLMEngine(config.engine_urls, tokenizer=config.tokenizer)
+        remote = RemoteVLLMEngine(config.engine_urls[0], tokenizer=config.tokenizer)
         return remote, config.served_model_name or ""
 
     if config.model is None:

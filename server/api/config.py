@@ -52,8 +52,9 @@ class ServerConfig(BaseModel):
         description="Retrain a (tenant, agent type)'s predictor in the background after this "
                     "many new finished agents of it (0: no online learning).")
     engine_urls: list[str] = Field(
-        default_factory=list, description="Remote vLLM OpenAI servers; empty: in-process engine."
-    )
+        default_factory=list, max_length=1,
+        description="A remote vLLM OpenAI server (one; several replicas run on Ray); empty: "
+                    "the in-process engine.")
     tokenizer: str | None = None
     ray_address: str | None = Field(
         default=None, description="Ray cluster of the engine replicas (HOST:PORT, ray://..., auto, "

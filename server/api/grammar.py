@@ -37,6 +37,8 @@ log = logging.getLogger("justitia.grammar")
 
 #: Schemas whose outcome is remembered (each entry: a hash and a short message).
 CACHE_SIZE = 4096
+#: A compiler's refusal is cut to this many characters in the 400 (some quote the schema).
+MAX_REFUSAL_CHARS = 500
 
 _compiler: Any = None
 
@@ -104,7 +106,7 @@ def compile_schema(schema_text: str) -> str | None:
             _compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         _compiler.compile_json_schema(schema_text, any_whitespace=False)
     except Exception as exc:  # noqa: BLE001 - any refusal of the compiler is the request's
-        return f"{type(exc).__name__}: {exc}"[:500]
+        return f"{type(exc).__name__}: {exc}"[:MAX_REFUSAL_CHARS]
     return None
 
 

@@ -34,6 +34,9 @@ BEAT_S = 0.5
 #: Seconds a health-port connection may take to send its request (a slow client there
 #: holds one thread, not the server).
 PROBE_TIMEOUT_S = 5.0
+#: How often the health listener's thread looks whether it is asked to stop (its stop
+#: waits at most this long).
+STOP_POLL_S = 0.2
 
 
 def engine_status(app: Any) -> tuple[str, str]:
@@ -137,7 +140,7 @@ class HealthListener:
         self.app = app
         self._server = _HealthHTTPServer((host, port), self)
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": STOP_POLL_S},
                                         name="justitia-health", daemon=True)
         self._beat_at: float | None = None
         self._beat_task: asyncio.Task[None] | None = None

@@ -77,14 +77,19 @@ def concurrency_limit(open_files: int) -> int | None:
     connection is answered 503 at once instead of the process failing to accept (EMFILE)
     and every client, health checks included, waiting. None: no limit (an unlimited or
     very high open-files limit)."""
-    if open_files <= 0 or open_files >= 1 << 30:
+    if open_files <= 0 or open_files >= UNLIMITED_FILES:
         return None
-    return max(64, open_files - min(FILES_RESERVED, open_files // 4))
+    return max(MIN_CONCURRENCY, open_files - min(FILES_RESERVED, open_files // RESERVED_SHARE))
 
 
 #: Open files kept for what is not a client connection (the engine's sockets and pipes, the
 #: history database, the health port, log files); at most a quarter of the limit.
 FILES_RESERVED = 512
+RESERVED_SHARE = 4  # that quarter: 1 / RESERVED_SHARE of the open-files limit
+#: The fewest client connections served at once, however low the open-files limit.
+MIN_CONCURRENCY = 64
+#: An open-files limit this high is no limit (RLIM_INFINITY reads as a huge number).
+UNLIMITED_FILES = 1 << 30
 #: The largest request head (request line and headers) h11 buffers; larger ones are refused.
 MAX_HEAD_BYTES = 64 * 1024
 

@@ -185,6 +185,11 @@ async def _start(request: Request, body: SamplingFields, prompt: str | list[int]
 
 #: A schema longer than this is checked in a worker thread, off the event loop.
 OFF_LOOP_SCHEMA_BYTES = 16 * 1024
+#: A chat of more messages than this is rendered in a worker thread, off the event loop.
+OFF_LOOP_MESSAGES = 1000
+#: The status logged for a request whose client went away before the answer (nginx's
+#: "client closed request"; nobody receives it).
+CLIENT_CLOSED = 499
 
 
 async def check_request_limits(request: Request, body: SamplingFields, tool_schema: str | None = None) -> None:
@@ -273,7 +278,7 @@ async def completions(
     try:
         final = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))
     except ClientDisconnected:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
     out = final.out
     return JSONResponse(chunk(
         [{"index": q.index, "text": q.text,
@@ -297,7 +302,7 @@ async def chat_completions(
     plan = plan_tools(body.functions(), body.tool_choice_value(), body.parallel_tool_calls,
                       parser.name if parser is not None else None)
     tools = [{"type": "function", "function": f} for f in body.functions()] or None
-    prompt = await off_loop_if(len(body.messages) > 1000, render_chat,
+    prompt = await off_loop_if(len(body.messages) > OFF_LOOP_MESSAGES, render_chat,
                                [m.for_template() for m in body.messages], _service(request).engine, tools)
     service, prepared, agent = await _start(request, body, prompt, prompt, x_justitia_agent,
                                             tenant, "chatcmpl", plan.json_schema())
@@ -335,7 +340,7 @@ async def chat_completions(
     try:
         final = await run_unless_disconnected(request, lambda: _final(service, prepared, agent))
     except ClientDisconnected:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
     out = final.out
     return JSONResponse(
         {

@@ -21,7 +21,7 @@ from pydantic import BaseModel, model_validator
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 #: Nesting deeper than this is refused: no field here needs it, and deep values cost
-#: recursion in every encoder and validator after this one (depth 600 used to be a 500).
+#: recursion in every encoder and validator after this one (depth 600 overflows it: a 500).
 MAX_JSON_DEPTH = 32
 
 

@@ -1,6 +1,7 @@
 """Engine backends behind one interface (see `server.engine.base`)."""
 
 from server.engine.base import (
+    Autoscaled,
     Capabilities,
     CapacityChanges,
     Engine,
@@ -11,13 +12,14 @@ from server.engine.base import (
     EngineStats,
     InvalidRequestError,
     Placement,
-    ReplicaAdmin,
+    ReplicaList,
     SamplingOptions,
     StepStatistics,
     Supervised,
 )
 
 __all__ = [
+    "Autoscaled",
     "Capabilities",
     "CapacityChanges",
     "Engine",
@@ -28,7 +30,7 @@ __all__ = [
     "EngineStats",
     "InvalidRequestError",
     "Placement",
-    "ReplicaAdmin",
+    "ReplicaList",
     "SamplingOptions",
     "StepStatistics",
     "Supervised",

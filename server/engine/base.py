@@ -6,7 +6,7 @@ test suite's `FakeEngine`. The server never talks to vLLM directly; it hands an
 `EngineRequest` to `Engine.generate` and reads `EngineOutput`s until one is `finished`.
 
 `Engine` is what every backend offers. What only some offer is a capability, each its own
-small protocol (`StepStatistics`, `StepSamples`, `Placement`, `CapacityChanges`, `ReplicaAdmin`,
+small protocol (`StepStatistics`, `StepSamples`, `Placement`, `CapacityChanges`, `ReplicaList`, `Autoscaled`,
 `Supervised`); `Capabilities.of(engine)` finds which an engine has, once, when the
 scheduler and the application are built, so that no other code probes engines with
 `getattr`.
@@ -249,23 +249,28 @@ class CapacityChanges(Protocol):
 
 
 @runtime_checkable
-class ReplicaAdmin(Protocol):
-    """Replicas an operator adds and removes while serving (/v1/admin/replicas)."""
+class ReplicaList(Protocol):
+    """The engine runs on replicas it can list (/v1/admin/replicas, the dashboard): each
+    one's id, state, KV capacity, reserved tokens and requests in flight."""
 
     @property
     def capacity(self) -> int:
-        """M: the KV tokens of the replicas taking requests now."""
+        """M: the KV tokens of the replicas serving now."""
         ...
 
     def describe_replicas(self) -> list[dict[str, Any]]: ...
 
-    async def add_replica(self, url: str) -> dict[str, Any]:
-        """InvalidRequestError (or EngineError) when the replica cannot join."""
+    def capacity_changes(self) -> list[dict[str, Any]]:
+        """Each M the scheduler was told: `{"at": unix time, "replicas": n, "M": tokens}`."""
         ...
 
-    def remove_replica(self, url: str) -> dict[str, Any]:
-        """LookupError for an unknown replica, InvalidRequestError for the last one."""
-        ...
+
+@runtime_checkable
+class Autoscaled(Protocol):
+    """The engine scales its replicas on the scheduler's KV demand (tokens reserved by
+    running requests plus the footprints of queued ones), which it reads through `demand`."""
+
+    def set_demand_source(self, demand: Callable[[], int]) -> None: ...
 
 
 @runtime_checkable
@@ -294,7 +299,8 @@ class Capabilities:
     step_samples: StepSamples | None = None
     placement: Placement | None = None
     capacity_changes: CapacityChanges | None = None
-    replica_admin: ReplicaAdmin | None = None
+    replicas: ReplicaList | None = None
+    autoscaled: Autoscaled | None = None
     supervision: Supervised | None = None
 
     @classmethod
@@ -304,7 +310,8 @@ class Capabilities:
             step_samples=engine if isinstance(engine, StepSamples) else None,
             placement=engine if isinstance(engine, Placement) else None,
             capacity_changes=engine if isinstance(engine, CapacityChanges) else None,
-            replica_admin=engine if isinstance(engine, ReplicaAdmin) else None,
+            replicas=engine if isinstance(engine, ReplicaList) else None,
+            autoscaled=engine if isinstance(engine, Autoscaled) else None,
             supervision=engine if isinstance(engine, Supervised) else None,
         )
 

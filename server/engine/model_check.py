@@ -2,7 +2,7 @@
 
 The engine runs offline (nothing is downloaded from a model hub), so `--model` must name a
 local folder holding the model's `config.json`, or the id of a model already in the local
-Hugging Face cache. Anything else used to end, after the engine had begun to start, in a
+Hugging Face cache. Anything else would end, after the engine had begun to start, in a
 long traceback from the hub library (`HFValidationError: Repo id must be in the form ...`);
 this check answers with one sentence instead.
 """

@@ -10,8 +10,12 @@ embedded server runs. The scheduler (server/engine/ray_serve.py) talks to it thr
   replica the scheduler placed it on, and `PinnedRouter` (this deployment's request router)
   sends it there. Without `replica`, Ray Serve's own power-of-two-choices routing decides
   (policy `ray`: what a Ray user has without Justitia);
-- `report()` (broadcast to every replica): its id, its engine's limits, its statistics and
-  the busy steps since the last report.
+- `report(demand_tokens)` (broadcast to every replica): its id, its engine's limits, its
+  statistics and the busy steps since the last report. `demand_tokens` is the scheduler's
+  KV demand (tokens reserved by running requests plus the footprints of queued ones), which
+  the replica hands to Ray Serve's autoscaler as a custom metric (`record_autoscaling_stats`);
+  `backlog_policy`, the deployment's autoscaling policy, asks for as many replicas as that
+  demand fills (Ray applies the `--min-replicas`/`--max-replicas` bounds and the delays).
 
 Cancelling a streamed call (the scheduler's `abort`, or its consumer going away) cancels
 the replica's task, which aborts the request in vLLM and frees its KV cache.
@@ -22,7 +26,9 @@ import it, never the fast tier or the server without `--ray`.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import asdict
 from typing import Any
@@ -35,6 +41,18 @@ from server.engine.base import EngineOutput, EngineRequest
 # A report keeps at most this many busy steps (the scheduler polls twice a second; a
 # replica steps at most a few hundred times a second).
 STEP_BUFFER = 4096
+# A request pinned to a replica that is no longer a candidate (Ray stopped it to scale down,
+# or it died) waits this long for it, then goes to any replica: the scheduler re-places it
+# only on a resend, and a request must not wait for a replica that will not come back.
+PIN_WAIT_S = 3.0
+# The custom autoscaling metrics (Ray Serve aggregates each over its look-back window).
+DEMAND = "justitia_demand_tokens"
+KV_TOKENS = "justitia_kv_tokens"
+# Autoscaling: how quickly Ray acts on the demand (seconds). Scaling up waits out a blip;
+# scaling down waits out a pause between bursts (a replica takes a minute to start here).
+LOOK_BACK_S = 12.0  # over Ray's default push interval of the replicas' metrics (10 s)
+UPSCALE_DELAY_S = 2.0
+DOWNSCALE_DELAY_S = 30.0
 
 
 class PinnedRouter(RequestRouter):
@@ -47,7 +65,9 @@ class PinnedRouter(RequestRouter):
         wanted = pending_request.kwargs.get("replica") if pending_request is not None else None
         if wanted is not None:
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == wanted]
-            return [pinned]  # empty while it is not (yet, or any more) a candidate: wait
+            assert pending_request is not None
+            if pinned or time.time() - pending_request.created_at < PIN_WAIT_S:
+                return [pinned]  # empty while it is not (yet) a candidate: wait a little
         return [candidate_replicas]
 
 
@@ -69,6 +89,7 @@ class EngineReplica:
         self._id = context.replica_id.unique_id
         self._node = context.rank.node_rank
         self._steps: list[tuple[float, float]] = []
+        self._demand = 0.0
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[context.rank.local_rank % len(cores)])
@@ -93,7 +114,14 @@ class EngineReplica:
             raise RuntimeError(f"the vLLM engine of replica {self._id} is not running: "
                                f"{self._engine.state_detail}")
 
-    async def report(self) -> dict[str, Any]:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics: the scheduler's KV demand as of its last
+        report, and this replica's KV capacity."""
+        return {DEMAND: self._demand, KV_TOKENS: float(self._engine.info.kv_capacity_tokens)}
+
+    async def report(self, demand_tokens: float | None = None) -> dict[str, Any]:
+        if demand_tokens is not None:
+            self._demand = float(demand_tokens)
         engine = self._engine
         steps, self._steps = self._steps, []
         return {"replica": self._id, "info": asdict(engine.info),
@@ -119,6 +147,30 @@ class EngineReplica:
         await self._engine.close()
 
 
+def backlog_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
+    """Ray Serve autoscaling policy: as many replicas as the scheduler's KV demand fills
+    (demand over one replica's KV capacity, rounded up). Ray's wrapper clamps the answer to
+    min/max replicas and applies the up/down-scaling delays. No report yet: stay."""
+    metrics = ctx.aggregated_metrics or {}
+    demand = max(metrics.get(DEMAND, {}).values(), default=None)
+    capacities = [v for v in metrics.get(KV_TOKENS, {}).values() if v > 0]
+    if demand is None or not capacities:
+        return ctx.target_num_replicas, {}
+    # Self-contained (Ray's controller runs it from a pickle, where this project's other
+    # modules may not import): replicas of the smallest capacity the demand fills.
+    return max(1, math.ceil(demand / min(capacities))), {}
+
+
+def autoscaling_config(min_replicas: int, max_replicas: int, initial: int) -> dict[str, Any]:
+    """The engine deployment's autoscaling: `backlog_policy` on the scheduler's demand."""
+    return {"min_replicas": min_replicas, "max_replicas": max_replicas, "initial_replicas": initial,
+            "policy": {"policy_function": "server.engine.ray_replica:backlog_policy"},
+            # the window's peak: up at once on a burst, down only once the window is quiet
+            "look_back_period_s": LOOK_BACK_S, "aggregation_function": "max",
+            "upscale_delay_s": UPSCALE_DELAY_S,
+            "downscale_delay_s": DOWNSCALE_DELAY_S}
+
+
 def engine_deployment(*, replicas: int, pinned: bool, settings: dict[str, Any],
                       min_replicas: int | None = None, max_replicas: int | None = None,
                       ray_actor_options: dict[str, Any] | None = None) -> Any:
@@ -137,8 +189,9 @@ def engine_deployment(*, replicas: int, pinned: bool, settings: dict[str, Any],
         "graceful_shutdown_timeout_s": 5.0,
     }
     if min_replicas is not None and max_replicas is not None and min_replicas != max_replicas:
-        options["autoscaling_config"] = {"min_replicas": min_replicas, "max_replicas": max_replicas,
-                                         "initial_replicas": replicas}
+        options["autoscaling_config"] = autoscaling_config(min_replicas, max_replicas, replicas)
+        # A replica Ray stops to scale down finishes the requests it runs first.
+        options["graceful_shutdown_timeout_s"] = 120.0
     else:
         options["num_replicas"] = replicas
     if pinned:

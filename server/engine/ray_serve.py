@@ -27,15 +27,13 @@ KV cache from overflowing, so the KV ledger stays here.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +49,12 @@ from server.engine.base import (
     StateListener,
     StepListener,
 )
+from server.engine.placement import NoReplica, ReplicaPlacement, ReplicaSlot
 from server.engine.tokens import TokenizerEngine, fast_encoder
 
 log = logging.getLogger("justitia.engine.ray")
 
 APP_NAME = "justitia-engines"
-AFFINITY_ENTRIES = 10_000  # agents remembered for prefix affinity (least recently used go)
 REPORT_TIMEOUT_S = 10.0  # a replica silent this long in a poll is treated as gone
 CONNECT_TIMEOUT_S = 5.0  # TCP check of a Ray address before ray.init (which would retry)
 OBJECT_STORE_BYTES = 200 * 1024 * 1024  # a local cluster's object store: the engine ships no tensors
@@ -159,30 +157,6 @@ def _kill_survivors(procs: list[Any], grace_s: float = 3.0) -> None:
             proc.kill()
 
 
-@dataclass
-class RayReplica:
-    """The scheduler's view of one engine replica."""
-
-    id: str
-    kv_capacity_tokens: int = 0
-    reserved: int = 0  # footprints of our requests placed here
-    in_flight: int = 0
-    serving: bool = True
-    stats: EngineStats = dataclasses.field(default_factory=EngineStats)
-    pid: int | None = None
-    last_report: float = 0.0
-
-    @property
-    def room(self) -> int:
-        return self.kv_capacity_tokens - self.reserved
-
-    def describe(self) -> dict[str, Any]:
-        return {"url": f"ray:{self.id}", "replica": self.id, "kv_capacity_tokens": self.kv_capacity_tokens,
-                "reserved_tokens": self.reserved, "requests_in_flight": self.in_flight,
-                "healthy": self.serving, "draining": False, "kv_usage": self.stats.kv_usage,
-                "pid": self.pid}
-
-
 class _ReplicaFailed(Exception):
     """The replica itself failed (its actor died, Ray could not reach it)."""
 
@@ -190,8 +164,8 @@ class _ReplicaFailed(Exception):
 class RayServeEngine(TokenizerEngine):
     """Engine replicas deployed on Ray Serve as one engine (see the module docstring).
 
-    Capabilities (server/engine/base.py): `StepStatistics`, `Placement`, `CapacityChanges`
-    and `Supervised`.
+    Capabilities (server/engine/base.py): `StepStatistics`, `Placement`, `CapacityChanges`,
+    `ReplicaList`, `Autoscaled` and `Supervised`.
     """
 
     def __init__(self, address: str, replicas: int, settings: dict[str, Any], *,
@@ -208,15 +182,11 @@ class RayServeEngine(TokenizerEngine):
         self.app_name = app_name
         self.poll_interval_s = poll_interval_s
         self.start_timeout_s = start_timeout_s
-        self.replicas: dict[str, RayReplica] = {}
+        self.placement = ReplicaPlacement()
         self.state = "stopped"
         self.state_detail = "the engine has not started"
         self._state_listeners: list[StateListener] = []
         self._step_listeners: list[StepListener] = []
-        self._capacity_listeners: list[CapacityListener] = []
-        self._announced: int | None = None
-        self._placed: dict[str, tuple[RayReplica, int]] = {}
-        self._affinity: collections.OrderedDict[str, RayReplica] = collections.OrderedDict()
         self._streams: dict[str, Any] = {}
         self._aborted: set[str] = set()
         self._handle: Any = None
@@ -224,11 +194,12 @@ class RayServeEngine(TokenizerEngine):
         self._owns_cluster = False
         self._attached = False
         self._changed = asyncio.Event()
+        self._demand: Callable[[], int] | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self._handle is not None and any(r.serving for r in self.replicas.values())
+        return self._handle is not None and bool(self.placement.serving)
 
     @property
     def recovering(self) -> bool:
@@ -257,9 +228,14 @@ class RayServeEngine(TokenizerEngine):
 
         from server.engine.ray_replica import engine_deployment
 
+        env = runtime_env()
+        if self.min_replicas is not None:
+            # The replicas push the autoscaling metrics (the scheduler's demand) every 2 s
+            # rather than Ray's 10 s: the autoscaler acts on a burst sooner.
+            env["env_vars"]["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "2"
         app = engine_deployment(replicas=self.replica_count, pinned=self.pinned, settings=self.settings,
                                 min_replicas=self.min_replicas, max_replicas=self.max_replicas,
-                                ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()})
+                                ray_actor_options={"num_cpus": 0, "runtime_env": env})
         started = time.monotonic()
         try:
             self._attached = await asyncio.to_thread(self._running_app)
@@ -288,7 +264,7 @@ class RayServeEngine(TokenizerEngine):
         self._encode = fast_encoder(self._tokenizer)
         self._absorb(reports)
         self._info = EngineInfo(**{**first, "kv_capacity_tokens": self.capacity})
-        self._announced = self.capacity
+        self.placement.started()
         log.info("%d engine replicas on Ray in %.0f s, M = %d KV tokens", len(reports),
                  time.monotonic() - started, self.capacity)
         self._set_state("running", "")
@@ -348,8 +324,14 @@ class RayServeEngine(TokenizerEngine):
         await asyncio.to_thread(_kill_survivors, doomed)
 
     # -- reports: health, statistics, capacity -------------------------------------------
+    def set_demand_source(self, demand: Callable[[], int]) -> None:
+        """The scheduler's KV demand, sent with every poll: with --min/--max-replicas the
+        replicas hand it to Ray Serve's autoscaler (server/engine/ray_replica.py)."""
+        self._demand = demand
+
     async def _reports(self) -> list[dict[str, Any]]:
-        results = await self._handle.broadcast("report").results_async(
+        demand = self._demand() if self._demand is not None else None
+        results = await self._handle.broadcast("report", demand).results_async(
             return_exceptions=True, timeout_s=REPORT_TIMEOUT_S)
         return [r for r in results if isinstance(r, dict)]
 
@@ -364,137 +346,67 @@ class RayServeEngine(TokenizerEngine):
             self._absorb(reports)
 
     def _absorb(self, reports: list[dict[str, Any]]) -> None:
-        now = time.monotonic()
-        seen = set()
+        placement = self.placement
         for rep in reports:
-            rid = rep["replica"]
-            seen.add(rid)
-            r = self.replicas.get(rid)
-            if r is None:
-                r = self.replicas[rid] = RayReplica(rid, int(rep["info"]["kv_capacity_tokens"]))
-                log.info("engine replica %s joined (%d KV tokens)", rid, r.kv_capacity_tokens)
-            r.serving = bool(rep["healthy"])
-            r.stats = EngineStats(**rep["stats"])
-            r.pid, r.last_report = rep.get("pid"), now
-        for rid in [rid for rid in self.replicas if rid not in seen]:
-            self._replica_gone(self.replicas[rid], "it stopped reporting")
-        self._capacity_changed()
-        m = self.capacity
+            known = placement.replicas.get(rep["replica"])
+            if known is None and not rep["healthy"]:
+                continue  # down, and it had left the table: it joins once its engine runs
+            slot = known or placement.join(rep["replica"], int(rep["info"]["kv_capacity_tokens"]))
+            placement.set_serving(slot, bool(rep["healthy"]), "its engine is not running")
+            slot.stats = EngineStats(**rep["stats"])
+            slot.detail.update(pid=rep.get("pid"), node=rep.get("node"))
+        placement.keep_only((rep["replica"] for rep in reports), "it stopped reporting")
+        m = self._capacity_changed()
         for rep in reports:
-            r = self.replicas[rep["replica"]]
+            known = placement.replicas.get(rep["replica"])
+            kv = known.kv_capacity_tokens if known is not None else 0
             # As if every replica were as full as this one: the estimator's tau is per full
             # cache, and the replicas share the load.
-            scale = m / r.kv_capacity_tokens if r.kv_capacity_tokens else 1.0
+            scale = m / kv if kv else 1.0
             for duration_s, kv_in_use in rep["steps"]:
                 for listener in self._step_listeners:
                     listener(duration_s, kv_in_use * scale)
 
-    def _replica_gone(self, r: RayReplica, why: str) -> None:
-        if r.serving:
-            log.warning("engine replica %s is gone (%s); its capacity leaves M", r.id, why)
-        r.serving = False
-        if r.in_flight == 0 and r.reserved == 0:
-            self.replicas.pop(r.id, None)
-
-    def _capacity_changed(self) -> None:
-        m = self.capacity
+    def _capacity_changed(self) -> int:
+        m = self.placement.capacity
         if m <= 0:
             if self.state == "running":
                 self._set_state("restarting", "no engine replica serves; Ray is replacing them")
-            return  # M keeps its last value: nothing is admitted anyway
+            return m  # M keeps its last value: nothing is admitted anyway
         if self.state == "restarting":
             self._set_state("running", "")
         if self._info is not None and m != self._info.kv_capacity_tokens:
             self._info = dataclasses.replace(self._info, kv_capacity_tokens=m)
-        if self._announced is None or m == self._announced:
-            return
-        self._announced = m
-        log.info("KV capacity is now %d tokens over %d replicas", m,
-                 sum(r.serving for r in self.replicas.values()))
-        for listener in self._capacity_listeners:
-            listener(m)
+        return self.placement.announce()
 
-    # -- capabilities -------------------------------------------------------------------
+    # -- capabilities: the placement's --------------------------------------------------
     @property
     def capacity(self) -> int:
         """M: the KV tokens of the replicas serving now."""
-        return sum(r.kv_capacity_tokens for r in self.replicas.values() if r.serving)
+        return self.placement.capacity
 
     def add_capacity_listener(self, listener: CapacityListener) -> None:
-        self._capacity_listeners.append(listener)
+        self.placement.add_capacity_listener(listener)
 
     def add_step_listener(self, listener: StepListener) -> None:
         self._step_listeners.append(listener)
 
     def describe_replicas(self) -> list[dict[str, Any]]:
-        return [r.describe() for r in self.replicas.values()]
+        return self.placement.describe()
+
+    def capacity_changes(self) -> list[dict[str, Any]]:
+        return list(self.placement.changes)
 
     def stats(self) -> EngineStats:
-        rs = list(self.replicas.values())
-        total = sum(r.kv_capacity_tokens for r in rs) or 1
-        return EngineStats(
-            kv_usage=sum(r.stats.kv_usage * r.kv_capacity_tokens for r in rs) / total,
-            running=sum(r.stats.running for r in rs),
-            waiting=sum(r.stats.waiting for r in rs),
-            preemptions_total=sum(r.stats.preemptions_total for r in rs),
-            iteration_time_s=max((r.stats.iteration_time_s for r in rs if r.stats.iteration_time_s),
-                                 default=None),
-            steps_total=sum(r.stats.steps_total for r in rs),
-        )
+        return self.placement.stats()
 
     def place(self, request_id: str, agent_id: str, footprint: int) -> bool:
-        """Reserve room for an admitted request on one replica, or say there is none: the
-        agent's previous replica first (its prefix is cached there), else the one with the
-        most room. Unpinned, Ray places it: nothing is reserved here."""
-        if not self.pinned:
-            return True
-        prev = self._affinity.get(agent_id)
-        if prev is not None and prev.serving and prev.room >= footprint:
-            choice = prev
-        else:
-            fitting = [r for r in self.replicas.values() if r.serving and r.room >= footprint]
-            if not fitting:
-                return False
-            choice = max(fitting, key=lambda r: r.room)
-        choice.reserved += footprint
-        self._placed[request_id] = (choice, footprint)
-        self._affinity[agent_id] = choice
-        self._affinity.move_to_end(agent_id)
-        if len(self._affinity) > AFFINITY_ENTRIES:
-            self._affinity.popitem(last=False)
-        return True
+        """Reserve room for an admitted request on one replica (the placement's rule).
+        Unpinned, Ray places it: nothing is reserved here."""
+        return self.placement.place(request_id, agent_id, footprint) if self.pinned else True
 
     def release(self, request_id: str) -> None:
-        placed = self._placed.pop(request_id, None)
-        if placed is not None:
-            placed[0].reserved -= placed[1]
-
-    def _claim(self, request_id: str, footprint: int, exclude: list[RayReplica]) -> tuple[RayReplica | None, int]:
-        """The replica a request runs on (its placement on the first try; the serving one
-        with the most room outside `exclude` on a resend), and the tokens held there."""
-        if not self.pinned:
-            return None, 0
-        placed = self._placed.pop(request_id, None)
-        if placed is not None and placed[0].serving:
-            replica, held = placed
-        else:
-            if placed is not None:
-                placed[0].reserved -= placed[1]
-            live = [r for r in self.replicas.values() if r.serving and r not in exclude]
-            if not live:
-                raise _ReplicaFailed("no engine replica is serving")
-            replica, held = max(live, key=lambda r: r.room), footprint
-            replica.reserved += held
-        replica.in_flight += 1
-        return replica, held
-
-    def _unclaim(self, replica: RayReplica | None, held: int) -> None:
-        if replica is None:
-            return
-        replica.reserved -= held
-        replica.in_flight -= 1
-        if not replica.serving:
-            self._replica_gone(replica, "it died")
+        self.placement.release(request_id)
 
     # -- requests -----------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
@@ -508,7 +420,7 @@ class RayServeEngine(TokenizerEngine):
             raise EngineError(NOT_RUNNING)
         s = request.sampling
         footprint = s.n * (len(request.prompt_token_ids) + s.max_tokens)
-        failed: list[RayReplica] = []
+        failed: list[ReplicaSlot] = []
         while True:
             while not self.healthy:  # Ray is replacing the replicas: wait for one
                 if self.state in ("stopped", "failed"):
@@ -516,10 +428,13 @@ class RayServeEngine(TokenizerEngine):
                 changed = self._changed
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), self.poll_interval_s)
-            try:
-                replica, held = self._claim(request.request_id, footprint, failed)
-            except _ReplicaFailed as exc:
-                raise EngineError(f"{exc}; the request was not run") from exc
+            replica: ReplicaSlot | None = None
+            held = 0
+            if self.pinned:
+                try:
+                    replica, held = self.placement.claim(request.request_id, footprint, failed)
+                except NoReplica as exc:
+                    raise EngineError(f"{exc}; the request was not run") from exc
             emitted = False
             try:
                 async for out in self._stream(replica, request):
@@ -529,15 +444,17 @@ class RayServeEngine(TokenizerEngine):
             except _ReplicaFailed as exc:
                 if replica is not None:
                     failed.append(replica)
-                    self._replica_gone(replica, str(exc))
+                    self.placement.set_serving(replica, False, str(exc))
+                    self._capacity_changed()
                 if emitted:
                     raise EngineError(f"{exc} while running this request, after it had produced "
                                       "output: it was not resent; send it again") from exc
                 log.warning("%s before its first token; resending %s", exc, request.request_id)
             finally:
-                self._unclaim(replica, held)
+                if replica is not None:
+                    self.placement.unclaim(replica, held)
 
-    async def _stream(self, replica: RayReplica | None, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+    async def _stream(self, replica: ReplicaSlot | None, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         import ray.exceptions
         from ray.serve.exceptions import RequestCancelledError
 

@@ -76,6 +76,11 @@ class EngineUpkeep:
                 pump()
 
             caps.capacity_changes.add_capacity_listener(on_capacity)
+        # Engines that scale their replicas on demand read it from the ledger: tokens of
+        # admitted requests plus the footprints of queued ones.
+        if caps.autoscaled is not None:
+            ledger = self.dispatcher.ledger
+            caps.autoscaled.set_demand_source(lambda: ledger.reserved_kv + ledger.pending_kv)
         if caps.supervision is not None:
             caps.supervision.add_state_listener(on_state)
 

@@ -73,6 +73,9 @@ DEFAULT_MAX_BYTES = 1 << 30
 #: Once over a bound, the oldest rows go until the history is this fraction of it, so that
 #: trimming happens once per tenth of the bound, not at every commit.
 TRIM_TO = 0.9
+#: A failed commit is retried after 1 s, doubling up to this (a full disk or a locked file
+#: clears in seconds to minutes; the rows wait in memory, MAX_UNWRITTEN_ROWS at most).
+MAX_RETRY_S = 30.0
 
 
 
@@ -220,7 +223,7 @@ class History:
             if error is None:
                 failed, retry_s = [], 1.0
             else:
-                failed, retry_s = self._keep_for_retry(items), min(30.0, retry_s * 2)
+                failed, retry_s = self._keep_for_retry(items), min(MAX_RETRY_S, retry_s * 2)
             with self._lock:  # before the callers learn of it: they ask which rows wait
                 self._unwritten_ids = {item.values[0] for item in failed}
                 self.unwritten = len(failed)

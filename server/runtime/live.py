@@ -80,6 +80,9 @@ log = logging.getLogger("justitia.live")
 
 # Of a registered prompt (up to 1 MB), only this much is kept once its cost is predicted.
 KEPT_PROMPT_CHARS = 64 * 1024
+#: The ETA pass is O(N log N): with many agents queued it runs less often, at most once per
+#: this many times its own duration, so that it never takes more than 5% of the event loop.
+ETA_PASS_SPACING = 20.0
 
 __all__ = ["AgentConflict", "AgentNotFound", "LiveConfig", "LiveScheduler"]
 
@@ -185,9 +188,7 @@ class LiveScheduler:
             try:
                 t0 = time.perf_counter()
                 self.dispatcher.refresh_etas(self.now())
-                # The ETA pass is O(N log N): with many agents queued it runs less often, so
-                # that it never takes more than 5% of the event loop.
-                every = max(self.config.eta_refresh_s, 20.0 * (time.perf_counter() - t0))
+                every = max(self.config.eta_refresh_s, ETA_PASS_SPACING * (time.perf_counter() - t0))
                 if self.now() - last < self.config.housekeeping_s:
                     continue
                 last = self.now()

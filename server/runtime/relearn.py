@@ -16,8 +16,9 @@ context length): the fitted time model, which a restarted server on the same eng
 from as from a calibration of that engine (`serve --profile`, which wins where given), and
 the evidence its tau is made of (R = M / tau, the rate ETAs divide by), which it continues
 from instead of its 10 ms guess. Restarted with the shapes and the arrivals but not the
-rate, a server told the last third of a burst twice its JCTs (live contended48, session 15:
-its R started from the guess, 0.41M units a second, where the taught server had 0.6M).
+rate, a server tells the last third of a burst about twice its JCTs (live, the contended
+48-agent workload: R starts from the guess, 0.41M units a second, where the taught server
+measured 0.6M).
 
 Untagged requests' one-request agents (type `default`) shape no type, as before the
 restart; they are arrivals like any agent.

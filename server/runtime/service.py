@@ -161,7 +161,7 @@ class InferenceService:
             except (TypeError, ValueError) as exc:  # text the tokenizer cannot take
                 raise InvalidRequestError(f"the prompt cannot be tokenized: {exc}") from exc
         # Checked here, before the request queues: vLLM refuses such ids only once the
-        # request reaches it, and the refusal used to surface as a 500.
+        # request reaches it, where its refusal would surface as a 500.
         check_vocabulary(prompt, self.engine.info.vocab_size)
         return list(prompt)
 

@@ -48,6 +48,9 @@ EXIT_GRACE_EXPIRED = 1
 EXIT_FORCED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 #: What a stream or a failed request is told.
 SHUTTING_DOWN = "the server is shutting down"
+#: The least time a part of the close is given, even with the grace period spent: a close
+#: that is quick (a socket, a thread) still gets to run.
+MIN_STEP_S = 0.1
 #: The last line of an event stream that the shutdown ended (an SSE comment: every client
 #: ignores it, a person reading the stream sees why it ended).
 FAREWELL = f": {SHUTTING_DOWN}\n\n"
@@ -203,7 +206,7 @@ class Shutdown:
             await step
             return
         try:
-            await asyncio.wait_for(step, max(0.1, left - reserve_s))
+            await asyncio.wait_for(step, max(MIN_STEP_S, left - reserve_s))
         except TimeoutError:
             killed = kill_children()
             log.warning("shutting down: %s did not end within the grace period; %d child "

@@ -2,9 +2,9 @@
 
 An agent's delay bound and ETA cover its own critical path: its stages run one after
 another, each as long as its longest decode. An agent that declares no shape
-(`metadata.stages`, `critical_path_tokens`) used to be bounded as one stage whose longest
-decode is d_max, which a three-stage agent can outrun: its promise broke by its own
-structure (issue 18). The server sees every request of a finished agent (when it was
+(`metadata.stages`, `critical_path_tokens`) would otherwise be bounded as one stage whose
+longest decode is d_max, which a three-stage agent outruns: its promise would break by its
+own structure. The server sees every request of a finished agent (when it was
 submitted, when it finished, how many tokens it generated), so it can tell its stages
 apart: a request submitted after every earlier request of the agent had finished starts a
 new stage. Per (tenant, type) it keeps the last `window` finished agents' shapes and

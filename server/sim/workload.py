@@ -15,7 +15,7 @@ a list of them, shortest first, each extending the one before, naming the prompt
 shares with other requests (tokens <= p). They are kept in `AgentSpec.prefixes`, keyed by
 (stage, index), as `(id, tokens)` chains (server/scheduler/prefix.py).
 
-A request may carry `"ctx": "<id>"` (DESIGN section 8, round 3): its prompt begins with the
+A request may carry `"ctx": "<id>"`: its prompt begins with the
 whole sequence (prompt and generated output) of the same agent's previous request carrying
 that id, as an agent resends its conversation each turn; its `prefix` entry of that id (the
 last of its chain) gives the length resent. Kept in `AgentSpec.ctxs`, keyed by (stage, index).
@@ -44,7 +44,7 @@ class AgentSpec:
     prefixes: dict[tuple[int, int], Chain] = field(default_factory=dict)  # (stage, index) -> chain
     tenant: str | None = None  # whose fair share it draws on (hierarchical fair share)
     # Seconds outside the engine before each stage starts (a tool call, a user's think
-    # time): DESIGN section 8, round 3 `pauses_s`. Empty: no pauses.
+    # time): the workload file's `pauses_s`. Empty: no pauses.
     pauses: list[float] = field(default_factory=list)
     # (stage, index) -> the conversation id the request resends and extends (`ctx`)
     ctxs: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -201,7 +201,7 @@ def _parse_stages(obj: dict, where: str) -> tuple[Stages, dict[tuple[int, int], 
 
 
 def _parse_pauses(raw: object, stages: int, where: str) -> list[float]:
-    """`pauses_s`: one number of seconds >= 0 per stage (DESIGN section 8, round 3)."""
+    """`pauses_s`: one number of seconds >= 0 per stage."""
     if raw is None:
         return []
     if not isinstance(raw, list) or len(raw) != stages or not all(

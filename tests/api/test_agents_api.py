@@ -17,9 +17,9 @@ from server.scheduler import kv_cost
 from tests.support.agents import (
     RECORD_FIELDS,
     complete,
+    core_views,
     promise_clauses,
     register,
-    same_arrival_history,
     scheduler_idle,
 )
 from tests.support.fake_engine import FakeServer
@@ -32,8 +32,6 @@ def test_eta_and_bound_are_the_cores_for_the_same_registrations(client: httpx.Cl
     """The promises the server makes (fair finish, ETA, bound, deadline) are what the
     scheduler core, as the simulator drives it, computes for the same agents registered at
     the same moments with the server's M, tau and bound limits."""
-    from server.scheduler import BoundLimits, Dispatcher
-
     costs = [4e5, 1.5e6, 1e5, 8e5]
     # The bound is stated against the largest agent cost seen so far: one cancelled agent
     # of the largest cost here fixes it for the registrations that follow.
@@ -49,19 +47,7 @@ def test_eta_and_bound_are_the_cores_for_the_same_registrations(client: httpx.Cl
     finally:
         client.post("/v1/admin/resume")
     assert before["limits"] == after["limits"] and before["tau"] == after["tau"]
-    # The bound's C_max counts the tenant's own predictions (the primer's is the largest);
-    # its rate and iteration time are the server's pessimistic ones (widened while cold).
-    lim = after["limits"]
-    lim["max_agent_cost"] = max(lim["max_agent_cost"], max(costs))
-    core = Dispatcher("justitia", kv_capacity_tokens=after["M"], iteration_time_s=after["tau"],
-                      limits=BoundLimits(**lim), block_size=32)
-    core.set_iteration_time(after["tau"], 0.0, bound_tau=after["bound_tau"],
-                            bound_iteration_s=after["bound_step_s"],
-                            uncertainty=after["promise_reason"] or None)
-    t0 = recs[0]["submitted_at"]
-    start = same_arrival_history(core, after)
-    for rec, cost in zip(recs, costs, strict=True):
-        view = core.register_agent(rec["id"], cost, start + rec["submitted_at"] - t0)
+    for rec, view in zip(recs, core_views(after, recs, costs), strict=True):
         # agents without a request are not in the GPS reference: each is projected alone
         for key in ("fair_finish_s", "delay_bound_s"):
             assert rec[key] == pytest.approx(getattr(view, key), rel=0.02, abs=0.01), key

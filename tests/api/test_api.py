@@ -14,9 +14,9 @@ import pytest
 from tests.support.agents import (
     RECORD_FIELDS,
     complete,
+    core_views,
     promise_clauses,
     register,
-    same_arrival_history,
 )
 from tests.support.fake_engine import FAKE_MODEL, FakeEngine, FakeServer, encode
 from tests.support.servers import ENGINE_MAX_MODEL_LEN
@@ -169,8 +169,6 @@ def test_a_profile_measured_on_the_engine_is_the_time_models_prior_and_sets_the_
 def test_eta_and_bound_equal_the_cores_on_a_fresh_server(tmp_path) -> None:
     """As test_agents_api.py's contract, on a server of its own (no other test's agents in
     the backlog or the arrivals), so the promises and their reasons are the core's exactly."""
-    from server.scheduler import BoundLimits, Dispatcher
-
     costs = [4e5, 1.5e6, 1e5, 8e5]
     with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
         # a request seen: the limits are the observed ones, not the context length's
@@ -182,19 +180,7 @@ def test_eta_and_bound_equal_the_cores_on_a_fresh_server(tmp_path) -> None:
         recs = [register(c, type_=f"eta_agent{i}", predicted_cost=cost)
                 for i, cost in enumerate(costs)]
         after = c.get("/v1/scheduler").json()
-    # The bound's C_max counts the tenant's own predictions (the primer's is the largest);
-    # its rate and iteration time are the server's pessimistic ones (widened while cold).
-    lim = after["limits"]
-    lim["max_agent_cost"] = max(lim["max_agent_cost"], max(costs))
-    core = Dispatcher("justitia", kv_capacity_tokens=after["M"], iteration_time_s=after["tau"],
-                      limits=BoundLimits(**lim), block_size=32)
-    core.set_iteration_time(after["tau"], 0.0, bound_tau=after["bound_tau"],
-                            bound_iteration_s=after["bound_iteration_s"],
-                            uncertainty=after["promise_reason"] or None)
-    t0 = recs[0]["submitted_at"]
-    start = same_arrival_history(core, after)
-    for rec, cost in zip(recs, costs, strict=True):
-        view = core.register_agent(rec["id"], cost, start + rec["submitted_at"] - t0)
+    for rec, view in zip(recs, core_views(after, recs, costs), strict=True):
         # agents without a request are not in the GPS reference: each is projected alone
         for key in ("fair_finish_s", "delay_bound_s"):
             assert rec[key] == pytest.approx(getattr(view, key), rel=0.02, abs=0.01), key

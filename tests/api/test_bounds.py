@@ -67,9 +67,9 @@ def _deep_size(obj: object, seen: set[int] | None = None) -> int:
 
 
 def test_agents_with_large_metadata_hold_their_json_size_not_24x_it(tmp_path) -> None:
-    """A list of 21,700 empty objects used to be held as 1.5 MB of dicts per agent (300 such
-    agents: ~470 MB; benchmarks/memory_bounds.py measures 300 in a server process). Held as compact JSON,
-    an agent holds its 65 KB."""
+    """A list of 21,700 empty objects is held as compact JSON, the agent's 65 KB, not as
+    1.5 MB of dicts (300 such agents: ~470 MB; benchmarks/memory_bounds.py measures 300 in
+    a server process)."""
     body = json.dumps({"type": "meta", "prompt": "x", "metadata": {"rows": LIST_OF_EMPTY_OBJECTS}},
                       separators=(",", ":"))
     with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=60,

@@ -1,4 +1,4 @@
-"""A hostile tenant (issue 19), on the real app over the fake engine: what one tenant does
+"""A hostile tenant, on the real app over the fake engine: what one tenant does
 must not move another tenant's promises."""
 
 from __future__ import annotations
@@ -174,9 +174,9 @@ def _finish_with_request(c: httpx.Client, agent_id: str) -> None:
 
 
 def test_slow_header_clients_cannot_starve_health_checks(tmp_path) -> None:
-    """Connections that never finish their headers used to be held forever (20,000 of them
-    made /healthz fail for tens of seconds); now they are closed after the header timeout,
-    and health checks are answered meanwhile."""
+    """Connections that never finish their headers are closed after the header timeout
+    (held forever, 20,000 of them make /healthz fail for tens of seconds), and health checks
+    are answered meanwhile."""
     import socket
     import time
 
@@ -238,8 +238,8 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(two_tenants)
 
 
 def test_large_bodies_are_parsed_off_the_event_loop(two_tenants, monkeypatch) -> None:
-    """A ~2 MB list of token ids, a 4 MB registration or finish used to be parsed on the
-    event loop (1.4 s each on a loaded machine, no health check answered meanwhile): every
+    """A ~2 MB list of token ids, a 4 MB registration or finish would take the event loop
+    1.4 s each on a loaded machine (no health check answered meanwhile): every
     body over OFF_LOOP_BYTES is parsed and validated in a worker thread, smaller ones on
     the loop; health checks are answered while they are."""
     import threading
@@ -320,8 +320,8 @@ def test_a_small_body_over_the_metadata_limit_is_refused_with_its_exact_size(two
 
 
 def test_agent_bytes_quota_bounds_a_tenants_memory_and_frees_up(tmp_path) -> None:
-    """Issue 19, item 7: --max-agents bounded a tenant's memory only by the count of its
-    agents; --max-agent-bytes bounds the bytes of prompts and metadata they hold."""
+    """--max-agents bounds a tenant's memory only by the count of its agents;
+    --max-agent-bytes bounds the bytes of prompts and metadata they hold."""
     keys = {key: tenant for tenant, key in KEYS.items()}
     with FakeServer(tmp_path, api_keys=keys, max_agent_bytes=None,
                     tenant_max_agent_bytes={"alice": 100_000}) as srv:
@@ -350,11 +350,11 @@ def test_sizes_parse_with_binary_suffixes() -> None:
 
 def test_serve_parses_agent_bytes_per_tenant() -> None:
     from justitia_cli import build_parser
-    from server.cli import _parse_limits
+    from server.cli.serve_checks import parse_limits
 
     args = build_parser().parse_args(["serve", "--max-agent-bytes", "64M", "--max-agent-bytes", "bob=off",
                                       "--max-agent-bytes", "alice=512K"])
-    limits = _parse_limits(args, {"alice", "bob"})
+    limits = parse_limits(args, {"alice", "bob"})
     assert limits["max_agent_bytes"] == 64 << 20
     assert limits["tenant_max_agent_bytes"] == {"alice": 512 << 10, "bob": None}
 

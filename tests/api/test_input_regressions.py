@@ -109,7 +109,7 @@ def test_agent_values_that_overflowed_are_refused(admin: httpx.Client) -> None:
         "stages": 2, "critical_path_tokens": 10**400}}), "metadata.critical_path_tokens")
     _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {
         "stages": 2, "prefill_tokens": -1}}), "metadata.prefill_tokens")
-    # (stages 0 used to be ignored; it is now refused like any declared shape out of range)
+    # stages 0 is refused like any declared shape out of range (not ignored)
     _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {"stages": 0}}),
                 "metadata.stages")
     rec = admin.post("/v1/agents", json={"type": "t", "predicted_cost": 1e18,
@@ -153,6 +153,6 @@ def test_a_wrong_method_names_every_allowed_one(admin: httpx.Client) -> None:
     r = admin.put("/v1/agents")
     assert r.status_code == 405 and r.headers["Allow"] == "GET, POST", r.headers
     assert "allowed: GET, POST" in r.json()["detail"]
-    r = admin.request("PATCH", "/v1/admin/replicas")
-    assert r.status_code == 405 and r.headers["Allow"] == "DELETE, GET, POST"
+    r = admin.request("PATCH", "/v1/admin/pause")
+    assert r.status_code == 405 and r.headers["Allow"] == "POST"
     assert admin.delete("/v1/completions").headers["Allow"] == "POST"

@@ -8,6 +8,7 @@ runs the same adapter on a local Ray cluster with real vLLM replicas.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -31,14 +32,15 @@ def engine_of(*reports: dict, pinned: bool = True) -> tuple[RayServeEngine, list
     heard: list[int] = []
     engine.add_capacity_listener(heard.append)
     engine._absorb(list(reports))
-    engine._announced = engine.capacity
+    engine.placement.started()
     engine.state = "running"
     return engine, heard
 
 
 def test_capabilities_are_those_the_scheduler_needs() -> None:
     engine, _ = engine_of(report("a"))
-    assert {"placement", "capacity_changes", "step_statistics", "supervision"} <= Capabilities.of(engine).names
+    assert Capabilities.of(engine).names == {"placement", "capacity_changes", "step_statistics", "supervision",
+                                             "replicas", "autoscaled"}
 
 
 def test_m_is_the_sum_and_follows_replicas_leaving_and_joining() -> None:
@@ -54,37 +56,51 @@ def test_m_is_the_sum_and_follows_replicas_leaving_and_joining() -> None:
     assert engine.state == "running" and heard[-1] == 4000
 
 
-def test_placement_needs_one_replica_with_room_and_prefers_the_agents_last() -> None:
+def test_placement_is_the_shared_one_on_the_replicas_that_report() -> None:
     engine, _ = engine_of(report("a"), report("b"))
     assert engine.place("r1", "agent1", 3000)
-    first = engine._placed["r1"][0]
+    first = engine.placement._placed["r1"][0]
     assert engine.place("r2", "agent1", 900)  # same agent, its replica still has room
-    assert engine._placed["r2"][0] is first
+    assert engine.placement._placed["r2"][0] is first
     assert engine.place("r3", "agent2", 3900)  # only the other replica has room
-    assert engine._placed["r3"][0] is not first
     assert not engine.place("r4", "agent3", 2000)  # 7,800 of 8,000 reserved, split 3,900 / 3,900
     engine.release("r3")
     assert engine.place("r4", "agent3", 2000)
+    # a replica that stops reporting while it holds a placement stays listed, down, until
+    # the request ends elsewhere
+    engine._absorb([report("a" if first.id == "b" else "b")])
+    rows = {r["id"]: r for r in engine.describe_replicas()}
+    assert rows[first.id]["state"] == "down" and rows[first.id]["reserved_tokens"] == 3900
+    assert engine.capacity == 4000
 
 
-def test_a_resend_goes_to_another_replica_and_the_ledger_returns_to_zero() -> None:
-    engine, _ = engine_of(report("a"), report("b"))
-    engine.place("r1", "agent1", 1000)
-    replica, held = engine._claim("r1", 1000, [])
-    assert replica.in_flight == 1 and held == 1000
-    engine._replica_gone(replica, "it died")
-    engine._unclaim(replica, held)
-    again, held2 = engine._claim("r1", 1000, [replica])
-    assert again is not replica and again.reserved == 1000
-    engine._unclaim(again, held2)
-    assert all(r.reserved == 0 and r.in_flight == 0 for r in engine.replicas.values())
-    assert replica.id not in engine.replicas  # a dead replica leaves once it holds nothing
+def test_the_schedulers_demand_goes_to_the_replicas_with_every_poll() -> None:
+    """With --min/--max-replicas the replicas hand it to Ray Serve's autoscaler."""
+    engine, heard = engine_of(report("a"))
+    sent: list[tuple] = []
+
+    class Broadcast:
+        async def results_async(self, **_: object) -> list:
+            return [report("a"), report("b")]
+
+    class Handle:
+        def broadcast(self, method: str, *args: object) -> Broadcast:
+            sent.append((method, *args))
+            return Broadcast()
+
+    engine._handle = Handle()
+    engine.set_demand_source(lambda: 12_345)
+    engine._absorb(asyncio.run(engine._reports()))
+    assert sent == [("report", 12_345)]
+    # Ray scaled up: M follows, and the change is on record with the replica count
+    assert heard == [8000] and engine.capacity == 8000
+    assert [(c["replicas"], c["M"]) for c in engine.capacity_changes()] == [(1, 4000), (2, 8000)]
 
 
 def test_unpinned_engine_reserves_nothing() -> None:
     engine, _ = engine_of(report("a"), report("b"), pinned=False)
     assert engine.place("r1", "agent1", 10**9)
-    assert engine._claim("r1", 10**9, []) == (None, 0)
+    assert all(r.reserved == 0 for r in engine.placement.replicas.values())
 
 
 def test_step_reports_reach_the_rate_estimator_scaled_to_the_whole_m() -> None:
@@ -114,6 +130,9 @@ def test_serve_options_of_ray(capsys: pytest.CaptureFixture) -> None:
     assert "below --max-model-len" in capsys.readouterr().err
     assert main(["serve", "--ray", f"127.0.0.1:{free_port()}"]) == 2
     assert "cannot reach the Ray cluster" in capsys.readouterr().err
+    # several engine replicas are Ray's: one external vLLM server at most
+    assert main(["serve", "--engine-url", "http://127.0.0.1:1", "--engine-url", "http://127.0.0.1:2"]) == 2
+    assert "one --engine-url" in capsys.readouterr().err
 
 
 def test_bench_takes_policy_ray_only_with_ray(tmp_path, capsys: pytest.CaptureFixture) -> None:
@@ -124,6 +143,12 @@ def test_bench_takes_policy_ray_only_with_ray(tmp_path, capsys: pytest.CaptureFi
     assert main(["bench", "live", "--workload", str(workload), "--policies", "justitia",
                  "--kv-tokens", "4096", "--kill-replica-after", "5"]) == 2
     assert "add --ray" in capsys.readouterr().err
+    assert main(["bench", "live", "--workload", str(workload), "--policies", "justitia",
+                 "--kv-tokens", "4096", "--kill-scheduler-after", "5"]) == 2
+    assert "--kill-scheduler-after kills a process of Justitia on Ray: add --ray" in capsys.readouterr().err
+    assert main(["bench", "live", "--workload", str(workload), "--policies", "justitia", "--ray",
+                 "--kv-tokens", "4096", "--max-model-len", "1024", "--kill-scheduler-after", "-1"]) == 2
+    assert "must be seconds >= 0" in capsys.readouterr().err
 
 
 def test_the_fast_tier_does_not_import_ray() -> None:

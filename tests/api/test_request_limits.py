@@ -351,15 +351,15 @@ def test_the_rate_limit_comes_before_the_body_is_read(tmp_path) -> None:
 
 def test_serve_takes_the_request_limit_options(monkeypatch: pytest.MonkeyPatch) -> None:
     from justitia_cli import build_parser
-    from server import cli
+    from server.cli import serving
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--max-stop", "4", "--max-stop-chars", "64",
                               "--max-messages", "100", "--max-schema-bytes", "16K",
                               "--grammar-timeout", "0.5", "--max-dashboard-streams", "2"])
     seen = {}
-    monkeypatch.setattr(cli, "serve", lambda config: seen.setdefault("config", config) and 0)
-    cli.run_serve(args)
+    monkeypatch.setattr(serving, "serve", lambda config: seen.setdefault("config", config) and 0)
+    serving.run_serve(args)
     config = seen["config"]
     assert (config.max_stop, config.max_stop_chars, config.max_messages, config.max_schema_bytes,
             config.grammar_timeout_s, config.max_dashboard_streams) == (4, 64, 100, 16 << 10, 0.5, 2)

@@ -1,4 +1,4 @@
-"""Re-prediction as agents run (issue 15): the estimate, the ETAs that use it, and the tag
+"""Re-prediction as agents run: the estimate, the ETAs that use it, and the tag
 that it never moves (fast tier: the pure core and the fake engine server)."""
 
 from __future__ import annotations

@@ -118,9 +118,9 @@ def _open(client: httpx.Client, path: str) -> tuple[BackgroundStream, list[str]]
 
 def test_one_sigint_ends_the_event_streams_and_the_server_within_its_grace_period(spawn) -> None:
     """A client watching its batch (`GET /v1/agents/events`), an agent's own stream and the
-    dashboard's used to hold a Ctrl-C'd server up for minutes ("Waiting for connections to
-    close"). One SIGINT now ends each stream cleanly, and the process exits 0 on its own (not
-    by the watchdog, which exits 1) within the grace period."""
+    dashboard's do not hold a Ctrl-C'd server up ("Waiting for connections to close"): one
+    SIGINT ends each stream cleanly, and the process exits 0 on its own (not by the
+    watchdog, which exits 1) within the grace period."""
     server = spawn(grace_s=4.0)
     with httpx.Client(base_url=server.url, timeout=30.0) as client:
         agent = _register(client)

@@ -1,6 +1,6 @@
 """Types' typical shapes (server/runtime/type_shapes.py): agents that declare no shape are bounded by
-the stages their type's earlier agents really ran (issue 18: a multi-stage agent without a
-declared shape was bounded as one stage, and could break its promise by its own structure)."""
+the stages their type's earlier agents really ran (bounded as one stage, a multi-stage agent
+without a declared shape would break its promise by its own structure)."""
 
 from __future__ import annotations
 

@@ -110,11 +110,11 @@ def test_every_command_offers_every_policy_of_the_scheduler() -> None:
 
 def test_serve_tenant_weights_and_the_queued_quota_default() -> None:
     from justitia_cli import CommandError, build_parser
-    from server.cli import _parse_limits
+    from server.cli.serve_checks import parse_limits
 
     def limits(*argv: str) -> dict:
         args = build_parser().parse_args(["serve", *argv])
-        return _parse_limits(args, {"alice", "bob"})
+        return parse_limits(args, {"alice", "bob"})
 
     parsed = limits("--tenant-weight", "alice=3", "--tenant-weight", "bob=0.5")
     assert parsed["tenant_weights"] == {"alice": 3.0, "bob": 0.5}

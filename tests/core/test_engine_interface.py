@@ -17,7 +17,7 @@ from server.engine.base import (
     EngineRequest,
     InvalidRequestError,
     Placement,
-    ReplicaAdmin,
+    ReplicaList,
     SamplingOptions,
     StepSamples,
     StepStatistics,
@@ -40,7 +40,7 @@ def local() -> LocalVLLMEngine:
 
 
 def remote() -> RemoteVLLMEngine:
-    return RemoteVLLMEngine(["http://127.0.0.1:9"])
+    return RemoteVLLMEngine("http://127.0.0.1:9")
 
 
 @pytest.mark.parametrize("make", [local, remote, FakeEngine], ids=["local", "remote", "fake"])
@@ -59,7 +59,7 @@ def test_every_engine_has_the_whole_interface(make) -> None:
 
 @pytest.mark.parametrize("make, expected", [
     (local, {"step_statistics", "step_samples", "supervision"}),
-    (remote, {"step_statistics", "placement", "capacity_changes", "replica_admin"}),
+    (remote, {"step_statistics", "placement", "capacity_changes", "replicas"}),
     (FakeEngine, {"step_statistics", "step_samples"}),
     (SupervisedFakeEngine, {"step_statistics", "step_samples", "supervision"}),
     (object, set()),
@@ -70,7 +70,7 @@ def test_each_engine_declares_its_capabilities(make, expected) -> None:
     assert caps.names == expected
     protocols = {"step_statistics": StepStatistics, "step_samples": StepSamples,
                  "placement": Placement,
-                 "capacity_changes": CapacityChanges, "replica_admin": ReplicaAdmin,
+                 "capacity_changes": CapacityChanges, "replicas": ReplicaList,
                  "supervision": Supervised}
     for name, protocol in protocols.items():
         assert (getattr(caps, name) is engine) == (name in expected)

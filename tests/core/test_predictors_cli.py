@@ -197,8 +197,8 @@ def test_from_server(tmp_path, capsys, history_url):
 
 
 def test_from_server_typo_names_the_types_present(tmp_path, capsys, history_url):
-    """The history endpoint answers only the type asked for; the error used to say 'types
-    present: none' whatever the server held."""
+    """The history endpoint answers only the type asked for; the error names the types the
+    server holds (not 'types present: none')."""
     _History.rows = [s.model_dump() for t in ("code_checking", "doc_merge", "self_consistency")
                      for s in synthesize(t, 3, seed=2)]
     rc = main(["train-predictor", "code_cheking", "--from-server", history_url, "--out", str(tmp_path / "m")])
@@ -290,7 +290,7 @@ def test_no_calibrate(samples_file, tmp_path):
 
 
 def test_serve_refuses_a_missing_predictors_dir(tmp_path):
-    """A typo in --predictors used to start the server on the cold start without a word."""
+    """A typo in --predictors is refused, not served as the cold start without a word."""
     import subprocess
     import sys
     import time
@@ -308,17 +308,17 @@ def test_serve_refuses_a_missing_predictors_dir(tmp_path):
 
 
 def test_serve_prints_the_predictors_it_found(model_dir, tmp_path, capsys):
-    from server.cli import _check_predictors
+    from server.cli.serve_checks import check_predictors
 
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "metadata.json").write_text("garbage")
     (tmp_path / "fv").symlink_to(model_dir)
-    _check_predictors(str(tmp_path))
+    check_predictors(str(tmp_path))
     err = capsys.readouterr().err
     chosen = json.loads((model_dir / "metadata.json").read_text())["model"]
     expected = f"cost predictor for 'fact_verification': {chosen}, 50 samples (40 train / 10 held out)"
     assert f"{expected}, {tmp_path / 'fv'}" in err
     assert f"skipping predictor {broken}" in err and "corrupt" in err
-    _check_predictors(str(model_dir))  # one predictor's own folder
+    check_predictors(str(model_dir))  # one predictor's own folder
     assert "'fact_verification'" in capsys.readouterr().err

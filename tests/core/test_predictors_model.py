@@ -314,7 +314,7 @@ def test_outcome_features_are_not_model_inputs():
     assert res.predictor.predict(rows[0].prompt, {"n_items": 3}) > 0
 
 
-# -- model choice, intervals, loop-shaped agents (issue 15) --------------------------------
+# -- model choice, intervals, loop-shaped agents --------------------------------------
 
 def test_text_features_count_what_decides_a_loops_steps():
     from predictors.features import text_features

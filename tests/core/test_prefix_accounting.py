@@ -1,4 +1,4 @@
-"""Prefix-aware accounting (issue 17): the cost model, admission, the simulator's prefix
+"""Prefix-aware accounting: the cost model, admission, the simulator's prefix
 cache, and the justitia-nocache ablation. Fast tier: no engine."""
 
 import math
@@ -206,7 +206,7 @@ def test_unreferenced_prefixes_are_evicted_before_anything_is_preempted():
 
 
 def test_the_engine_counts_what_it_prefills_again_after_an_eviction():
-    """Issue 17's "keep a context warm between stages": the tokens a request prefills again
+    """What "keep a context warm between stages" can save: the tokens a request prefills again
     because its prefix was evicted are what pinning contexts could have saved at most."""
     e = EngineModel(FLAT, 2000, preempt_newest=False)
     ctx = segments((("ctx", 900),))

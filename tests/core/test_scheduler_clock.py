@@ -125,9 +125,9 @@ def test_tau_estimator_scales_steps_to_a_full_cache():
 
 
 def test_a_first_slow_step_does_not_set_tau_alone():
-    """Session 11, live: the first measured step was a 2,400-token prefill of 0.27 s among
-    decode steps of 5 ms. Alone, it set R to a twentieth of the engine's until the next
-    update, and the agents registered meanwhile were told 10-30 times their JCTs."""
+    """Live, the first measured step may be a 2,400-token prefill of 0.27 s among decode
+    steps of 5 ms. Alone, it would set R to a twentieth of the engine's until the next
+    update, and the agents registered meanwhile would be told 10-30 times their JCTs."""
     from server.scheduler import TauEstimator
 
     est = TauEstimator(kv_capacity_tokens=4096, initial_tau_s=0.01)

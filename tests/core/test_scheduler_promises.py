@@ -1,4 +1,4 @@
-"""Promises the scheduler can keep (issue 18 items 3, 4, 6): ETAs by forward replay, the
+"""Promises the scheduler can keep: ETAs by forward replay, the
 settlement of the GPS reference, idle registrations, bound constants no other tenant can
 widen, and the pessimistic, widened deadlines. Fast: the scheduler core only."""
 
@@ -392,7 +392,7 @@ def test_tau_estimator_is_pessimistic_and_widens_while_cold() -> None:
 
 
 def test_tau_is_the_sustained_rate_not_a_mean_dominated_by_prefill_steps() -> None:
-    """Issue 18: the server's tau read 0.08-0.30 s for 10 ms engine steps. Nine decode steps
+    """A mean of samples would read tau 0.08-0.30 s for 10 ms engine steps. Nine decode steps
     of 10 ms with the cache in use as filled, and one prefill step of 90 ms with a tenth of
     it in use: a full cache serves 9 + 0.1 iterations' worth in 0.18 s."""
     est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.01, half_life_s=1e9, prior_iterations=0)
@@ -517,9 +517,9 @@ def test_the_pass_projects_unstarted_agents_as_the_clock_does() -> None:
 
 
 def test_the_bounds_rate_is_a_sustained_stretch_not_single_prefill_samples() -> None:
-    """Issue 18, live: a step that prefills a newly admitted stage holds little of the memory
+    """Live, a step that prefills a newly admitted stage holds little of the memory
     reserved for it, so its tau sample reads many times the sustained tau; the p90 of single
-    samples made deadlines of 10^5 s for agents that finished in 100 s."""
+    samples would make deadlines of 10^5 s for agents that finish in 100 s."""
     est = TauEstimator(kv_capacity_tokens=1000, initial_tau_s=0.01, half_life_s=1e9)
     for _ in range(40):
         for _ in range(4):
@@ -530,8 +530,8 @@ def test_the_bounds_rate_is_a_sustained_stretch_not_single_prefill_samples() -> 
 
 
 def test_a_burst_that_has_just_begun_widens_the_promise() -> None:
-    """Issue 18's contended run: agents registered in the first tenth of a second of a burst
-    were promised as if the load were light, and the fifth broke its promise."""
+    """Agents registered in the first tenth of a second of a burst (the contended live run)
+    are not promised as if the load were light: such a promise breaks by the fifth agent."""
     d = worst_case_promises(Dispatcher("justitia", 1000, 0.1))
     first = d.register_agent("a0", 10_000.0, 0.0)
     # nothing has arrived: no sign of a light load either (live, the first agent of the
@@ -552,9 +552,10 @@ def test_a_burst_that_has_just_begun_widens_the_promise() -> None:
 
 
 def test_the_eta_does_not_project_a_burst_without_end() -> None:
-    """Issue 18's contended run: 48 agents within 2.4 s, then nothing. Projected without end,
-    the burst's rate left the last agents a tenth of the engine and their ETAs read ten times
-    their JCTs; arrivals are now assumed to go on for as long as they have been measured."""
+    """The contended live run: 48 agents within 2.4 s, then nothing. Projected without end,
+    the burst's rate would leave the last agents a tenth of the engine and their ETAs would
+    read ten times their JCTs; arrivals are assumed to go on for as long as they have been
+    measured."""
     d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
     for i in range(20):  # 100,000 units within a second
         d.register_agent(f"s{i}", 5_000.0, 0.05 * i)
@@ -624,9 +625,9 @@ def test_the_eta_expects_the_eta_shape_and_the_bound_covers_the_shape() -> None:
 
 
 def test_a_promise_allows_for_the_predictions_p90() -> None:
-    """A fresh server promised its first agent 16.0 s on a cold-start guess of a fraction
-    of its cost, and the agent finished at 37.4 s (issue 18, live, the server's own
-    predictions). The promise of an uncertain prediction is the one its p90 would get; its
+    """On a cold-start guess of a fraction of its cost, a fresh server would promise its
+    first agent 16.0 s where it finishes at 37.4 s (live, the server's own predictions).
+    The promise of an uncertain prediction is the one its p90 would get; its
     tag and its ETA stay the prediction's."""
     limits = BoundLimits(kv_cost(100, 100), 200_000.0, 100)
 

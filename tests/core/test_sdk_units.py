@@ -182,3 +182,46 @@ def test_eta_error_and_promises_in_the_stats() -> None:
     assert (stats.judged, stats.kept) == (2, 1)
     errors = sorted([abs(2.2 - 2.5) / 2.5, abs(2.2 - 4.0) / 4.0])
     assert stats.eta_error_median == sum(errors) / 2 and stats.eta_error_p90 == errors[1]
+
+
+def test_the_clients_take_the_api_clients_options_and_show_its_parameters() -> None:
+    """`AsyncClient` and `Client` pass `ClientOptions` on to `APIClient`: the typed options
+    are its keyword parameters, and both show its signature."""
+    import inspect
+
+    from justitia_sdk import AsyncClient, Client
+    from justitia_sdk._api import APIClient, ClientOptions
+
+    own = inspect.signature(APIClient.__init__)
+    assert set(ClientOptions.__annotations__) == {
+        name for name, p in own.parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert inspect.signature(AsyncClient.__init__) == own == inspect.signature(Client.__init__)
+
+
+def test_a_completion_body_carries_the_fields_set_and_any_other_as_given() -> None:
+    """Sampling fields left None are the server's defaults (not sent); a stop tuple is a
+    list; a field `Sampling` does not name goes as it is, None included."""
+    import json
+
+    import anyio
+    import httpx
+
+    from justitia_sdk import AsyncClient
+
+    bodies: list[dict] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        choice = {"text": "ok", "message": {"content": "ok"}, "finish_reason": "stop"}
+        return httpx.Response(200, json={"id": "c", "choices": [choice], "usage": {}})
+
+    async def main() -> None:
+        async with AsyncClient("http://test", transport=httpx.MockTransport(answer)) as client:
+            await client.complete("hi", max_tokens=5, temperature=None, stop=("a", "b"), user=None)
+            await client.chat("hi", system="be brief", seed=3)
+
+    anyio.run(main)
+    assert bodies[0] == {"prompt": "hi", "max_tokens": 5, "stop": ["a", "b"], "user": None}
+    assert bodies[1] == {"messages": [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "hi"}],
+                         "max_tokens": 256, "seed": 3}

@@ -24,10 +24,9 @@ EXIT_SLACK_S = 10.0  # the interpreter's exit on a busy machine
 @pytest.mark.timeout(900)
 def test_ctrl_c_during_a_streaming_batch_stops_the_server_without_an_engine_restart(justitia_home: str) -> None:
     """The terminal's Ctrl-C reaches the whole foreground process group, the engine's
-    processes included. The engine used to die of it, and the server restarted it
-    (`THE vLLM ENGINE DIED ... restart 1 of 3`) while a batch's event stream held it up for
-    minutes. Now the engine does not take the signal, the streams end, and the server exits
-    0 within its grace period, leaving no process behind."""
+    processes included. The engine does not take the signal (taking it, it would die and
+    be restarted: `THE vLLM ENGINE DIED ... restart 1 of 3`), the streams end, and the
+    server exits 0 within its grace period, leaving no process behind."""
     srv = EmbeddedServer(["--kv-tokens", str(ENGINE_KV_TOKENS), "--max-model-len", str(ENGINE_MAX_MODEL_LEN),
                           "--shutdown-grace-s", str(GRACE_S), "--retrain-every", "1"],
                          env={"JUSTITIA_HOME": justitia_home}, startup_timeout=600.0)

@@ -148,7 +148,7 @@ def test_the_engine_dies_with_a_killed_server(justitia_home: str) -> None:
 
 def test_seeded_requests_under_load_are_served_and_reproducible(vllm_server) -> None:
     """20 concurrent completions, half with a `seed`, with prompts long enough that vLLM
-    prefills some of them in chunks: all succeed (the CPU engine used to die here with
+    prefills some of them in chunks: all succeed (the CPU engine must not die here with
     `CPU Generator does not use offset`), and each seeded request gives the same text when
     sent again alone (its prompt then comes from the prefix cache in one piece)."""
     rnd = random.Random(7)

@@ -8,6 +8,7 @@ children, so nothing else on the machine is touched), one `justitia serve --ray 
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -126,3 +127,52 @@ def test_a_killed_replica_leaves_m_and_comes_back_and_no_request_hangs(ray_serve
     r = httpx.post(url + "/v1/completions", timeout=300,
                    json={"prompt": "after the replacement", "max_tokens": 8, "ignore_eos": True})
     assert r.status_code == 200, r.text
+
+
+def test_a_killed_scheduler_comes_back_onto_the_running_replicas(ray_server, cluster) -> None:
+    """The scheduler's process is killed (SIGKILL) while an SDK batch runs: the engine
+    replicas, Ray Serve's, outlive it; a new scheduler started the same way (what a
+    supervisor does) finds the running application and schedules onto it, and the batch
+    carries on (the SDK registers its running agents again and resends what failed)."""
+    import anyio
+
+    from justitia_sdk import AsyncClient, agent, llm, parallel_map
+    from server.engine.ray_cluster import engine_replicas
+    from server.launcher import EmbeddedServer
+
+    url = ray_server.url
+    before = {p.pid for p in engine_replicas(cluster.process.pid)}
+    assert len(before) == REPLICAS
+
+    @agent("ray_survivor")
+    async def two_steps(i: int) -> int:
+        parts = await parallel_map(lambda k: llm(f"agent {i} part {k}", max_tokens=48, ignore_eos=True), range(2))
+        return len(parts)
+
+    state: dict = {}
+
+    async def run_batch() -> None:
+        async with AsyncClient(url, server_gone_s=600) as client:
+            state["batch"] = await client.submit_many(two_steps, range(24), retries=2, progress=False)
+
+    runner = threading.Thread(target=lambda: anyio.run(run_batch), daemon=True)
+    runner.start()
+    wait_for(lambda: sum(a["state"] == "finished" for a in httpx.get(
+        url + "/v1/agents", params={"limit": 1000}, timeout=30).json()["agents"]) >= 4, 600,
+        "the batch did not get going")
+    ray_server.process.kill()
+    ray_server.process.wait(30)
+    started = time.monotonic()
+    again = EmbeddedServer(ray_server.args, port=ray_server.port, env=ray_server.env, startup_timeout=600)
+    with again:
+        reattached_s = time.monotonic() - started
+        assert snapshot(url)["M"] == KV_TOKENS
+        assert {p.pid for p in engine_replicas(cluster.process.pid)} == before  # the same replicas
+        listed = httpx.get(url + "/v1/admin/replicas", timeout=30).json()["replicas"]
+        assert len(listed) == REPLICAS and all(r["state"] == "serving" for r in listed)
+        runner.join(900)
+        batch = state["batch"]
+        errors = [h.error for h in batch if h.error is not None]
+        assert all(h.ok or h.error is not None for h in batch)  # none lost: finished or failed, with why
+        assert sum(h.ok for h in batch) == len(batch), errors[:3]
+    print(f"scheduler back on the running replicas in {reattached_s:.0f} s")

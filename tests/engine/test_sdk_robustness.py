@@ -1,4 +1,4 @@
-"""What broke for a newcomer (issue 12), on the real server: large batches, failed and
+"""What a newcomer meets first, on the real server: large batches, failed and
 cancelled agents, interrupts, results as they complete, timeouts and retries."""
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def _history_ids(vllm_server, agent_type: str) -> set[str]:
 
 
 async def test_a_batch_of_150_agents_finishes_with_the_default_settings(vllm_server) -> None:
-    """100 event streams used to fill the client's 100-connection pool: completions could
-    not connect and the batch deadlocked for minutes. One stream now watches the batch."""
+    """One event stream watches the whole batch: 100 streams, one per agent, would fill a
+    100-connection pool, completions could not connect and the batch would deadlock."""
     started = time.monotonic()
     async with AsyncClient(vllm_server.url) as client:
         batch = await client.submit_many(tiny, list(range(150)), progress=True)
@@ -123,7 +123,7 @@ async def test_cancelled_agents_end_cancelled_and_are_no_samples(vllm_server) ->
 
 
 def test_ctrl_c_in_the_sync_client_cancels_the_batch_on_the_server_and_keeps_results(vllm_server) -> None:
-    """Ctrl-C used to leave the batch's agents in the scheduler until their lease ran out."""
+    """Ctrl-C cancels the batch's agents on the server (not left to their lease)."""
     inputs = [{"i": 0, "tokens": 2}, {"i": 1, "tokens": 2}] + [{"i": k} for k in range(2, 12)]
     with Client(vllm_server.url) as client:
         def interrupt_once_two_finished() -> None:

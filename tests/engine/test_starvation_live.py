@@ -1,4 +1,4 @@
-"""Starvation freedom on the real engine (issue 18): while one tenant streams small agents
+"""Starvation freedom on the real engine: while one tenant streams small agents
 (about 10 a second), another tenant's large agent finishes by the deadline it was given at
 registration, and the stream goes on meanwhile.
 
@@ -166,14 +166,14 @@ async def _engine_speed(session: aiohttp.ClientSession) -> dict[str, float]:
 @pytest.mark.engine
 @pytest.mark.parametrize("load", ["two_thirds"])  # near_rate: a benchmark figure only
 def test_large_agent_is_not_starved_by_another_tenants_stream(two_tenant_server, load: str) -> None:
-    """Round 1: the large agent had not started after 40 s behind the stream. Now it
-    finishes while the stream goes on, by the deadline it was given at registration.
+    """The large agent finishes while the stream goes on (it is not left waiting behind
+    it), by the deadline it was given at registration.
 
-    Until session 7 its promise broke in some runs (JCT 7.3 s against a firm 2.6 s in one CI
-    run, 8.4 s against 5.3 s here): the server ran in a session of its own, and the kernel's
-    autogroup scheduler then starved this test's client for seconds while the engine
-    generated, so the stream's and the large agent's requests were sent late (the small
-    agents took 0.4-3.3 s instead of 0.2 s). The deadline assumes the engine keeps the speed
+    The server runs in the test's session (`EmbeddedServer`): in a session of its own, the
+    kernel's autogroup scheduler starves this test's client for seconds while the engine
+    generates, so the stream's and the large agent's requests are sent late (small agents
+    taking 0.4-3.3 s instead of 0.2 s) and the promise breaks for the client's sake. The
+    deadline assumes the engine keeps the speed
     measured when it was made, so it is scaled by how much slower the server measured the
     engine at the end than at registration (1.0 on a steady machine)."""
     out = asyncio.run(_scenario(two_tenant_server.url, SMALLS[load], STREAM_SHARE[load]))

@@ -52,6 +52,28 @@ def promise_clauses(reason: str) -> set[str]:
     return out
 
 
+def core_views(snapshot: dict, records: list[dict], costs: list[float]) -> list[Any]:
+    """What the scheduler core, as the simulator drives it, tells the agents of `records`
+    (registered with the predicted `costs`) when given what the server had after those
+    registrations (`snapshot`: M, tau, the bound limits and step, the arrival history) and
+    the same moments of registration."""
+    from server.scheduler import BoundLimits, Dispatcher
+
+    # The bound's C_max counts the tenant's own predictions; its rate and iteration time
+    # are the server's pessimistic ones (widened while cold).
+    limits = {**snapshot["limits"]}
+    limits["max_agent_cost"] = max(limits["max_agent_cost"], max(costs))
+    core = Dispatcher("justitia", kv_capacity_tokens=snapshot["M"], iteration_time_s=snapshot["tau"],
+                      limits=BoundLimits(**limits), block_size=32)
+    core.set_iteration_time(snapshot["tau"], 0.0, bound_tau=snapshot["bound_tau"],
+                            bound_iteration_s=snapshot["bound_step_s"],
+                            uncertainty=snapshot["promise_reason"] or None)
+    t0 = records[0]["submitted_at"]
+    start = same_arrival_history(core, snapshot)
+    return [core.register_agent(rec["id"], cost, start + rec["submitted_at"] - t0)
+            for rec, cost in zip(records, costs, strict=True)]
+
+
 def same_arrival_history(core: Any, snapshot: dict) -> float:
     """Give the core the arrival history the server has measured (the deadline widens while
     that is shorter than it looks ahead): one cancelled arrival at the core's time 0;

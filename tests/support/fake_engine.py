@@ -546,7 +546,7 @@ class FakeServer:
     what tests need.
     """
 
-    def __init__(self, data_dir: str | Path, engine: FakeEngine | None = None,
+    def __init__(self, data_dir: str | Path, engine: Any = None,
                  header_timeout_s: float = 10.0, **config: Any) -> None:
         from server.api.config import ServerConfig
 

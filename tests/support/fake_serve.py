@@ -4,7 +4,7 @@ what only a whole server process does (signals, its exit, its child processes).
     python -m tests.support.fake_serve --port P --data-dir DIR [--shutdown-grace-s S] [--health-port H]
         [--step-s S] [--retrain-every N] [--max-restarts N --restart-delay-s S]
 
-It runs `server.cli.serve`, the function `justitia serve` runs, with a `FakeEngine`; with
+It runs `server.cli.serving.serve`, the function `justitia serve` runs, with a `FakeEngine`; with
 --max-restarts, a `SupervisedFakeEngine` (restarted as the in-process vLLM engine is), whose
 engine a test kills by sending the process SIGUSR1 (as killing vLLM's EngineCore does).
 """
@@ -16,7 +16,7 @@ import signal
 import sys
 
 from server.api.config import ServerConfig
-from server.cli import serve
+from server.cli.serving import serve
 from tests.support.fake_engine import FakeEngine, SupervisedFakeEngine
 
 

@@ -143,21 +143,28 @@ class DashboardHub(AgentListener):
         return round((self._output_tokens - last[1]) / (now - last[0]), 1)
 
     def _replicas(self, now: float) -> list[dict[str, Any]]:
-        """Per replica (servers with --engine-url): KV use and output tokens per second,
-        from the counters each replica's vLLM reports."""
-        admin = self.scheduler.capabilities.replica_admin
-        if admin is None:
+        """Per engine replica (--ray, --engine-url): its id, state, KV capacity, reserved
+        tokens, requests in flight, KV use, and output tokens per second where the replica
+        counts them."""
+        engine = self.scheduler.capabilities.replicas
+        if engine is None:
             return []
         out = []
-        for r in admin.describe_replicas():
-            url, tokens = r["url"], float(r.get("generation_tokens", 0.0))
-            last = self._replica_tokens.get(url)
-            self._replica_tokens[url] = (now, tokens)
-            rate = (tokens - last[1]) / (now - last[0]) if last is not None and now > last[0] else 0.0
-            out.append({"url": url, "used": int(r.get("kv_usage", 0.0) * r["kv_capacity_tokens"]),
-                        "reserved": int(r.get("reserved_tokens", 0)),
-                        "capacity": int(r["kv_capacity_tokens"]), "tokens_per_s": round(max(rate, 0.0), 1),
-                        "healthy": bool(r.get("healthy", True))})
+        for r in engine.describe_replicas():
+            rid = str(r["id"])
+            capacity = int(r["kv_capacity_tokens"])
+            point: dict[str, Any] = {
+                "id": rid, "state": r.get("state", "serving"), "capacity": capacity,
+                "reserved": int(r.get("reserved_tokens", 0)), "in_flight": int(r.get("requests_in_flight", 0)),
+                "used": int(r.get("kv_usage", 0.0) * capacity), "healthy": bool(r.get("healthy", True)),
+            }
+            if "generation_tokens" in r:  # a counter: the throughput is its rate
+                tokens = float(r["generation_tokens"])
+                last = self._replica_tokens.get(rid)
+                self._replica_tokens[rid] = (now, tokens)
+                rate = (tokens - last[1]) / (now - last[0]) if last is not None and now > last[0] else 0.0
+                point["tokens_per_s"] = round(max(rate, 0.0), 1)
+            out.append(point)
         return out
 
     def samples_after(self, seq: int) -> list[tuple[int, dict[str, Any]]]:

@@ -166,8 +166,8 @@ class DashboardFeed:
             return
         self._sample_seq = new[-1][0]
         points = [p for _, p in new]
-        if not self.admin:  # replica URLs are the operator's business (GET /v1/admin/replicas)
-            points = [{**p, "replicas": [{**r, "url": f"replica {n}"} for n, r in enumerate(p["replicas"], 1)]}
+        if not self.admin:  # replica ids and URLs are the operator's (GET /v1/admin/replicas)
+            points = [{**p, "replicas": [{**r, "id": f"replica {n}"} for n, r in enumerate(p["replicas"], 1)]}
                       if "replicas" in p else p for p in points]
         out["kv"] = points
 

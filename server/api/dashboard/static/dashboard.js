@@ -113,6 +113,7 @@ function render() {
   renderQueue();
   renderKv();
   renderThroughput();
+  renderReplicas();
   renderFinished();
   document.body.dataset.frames = String(Number(document.body.dataset.frames || 0) + 1);
 }
@@ -284,8 +285,9 @@ function renderThroughput() {
   if (!s.length) return;
   const f = frameOf(svg);
   const t0 = s[0].t, t1 = Math.max(s[s.length - 1].t, t0 + 1);
-  const replicas = (s[s.length - 1].replicas || []).map((r) => r.url);
-  const values = s.flatMap((p) => [p.tokens_per_s, ...(p.replicas || []).map((r) => r.tokens_per_s)]);
+  const counted = (p) => (p.replicas || []).filter((r) => r.tokens_per_s !== undefined);
+  const replicas = counted(s[s.length - 1]).map((r) => r.id);
+  const values = s.flatMap((p) => [p.tokens_per_s, ...counted(p).map((r) => r.tokens_per_s)]);
   const ymax = Math.max(...values, 1);
   const { x, y } = axes(svg, f, t0 - t1, 0, ymax, "seconds ago", "tokens/s");
   line(svg, s.map((p) => [x(p.t - t1), y(p.tokens_per_s)]), "tp");
@@ -293,13 +295,38 @@ function renderThroughput() {
   legend.replaceChildren();
   const total = document.createElement("span"); total.className = "k-res"; total.textContent = "all (finished requests)";
   legend.append(total);
-  replicas.forEach((url, k) => {
-    const pts = s.map((p) => [p, (p.replicas || []).find((r) => r.url === url)]).filter(([, r]) => r)
+  replicas.forEach((id, k) => {
+    const pts = s.map((p) => [p, counted(p).find((r) => r.id === id)]).filter(([, r]) => r)
       .map(([p, r]) => [x(p.t - t1), y(r.tokens_per_s)]);
     line(svg, pts, "tp r" + (k % 4));
-    const span = document.createElement("span"); span.className = "r" + (k % 4); span.textContent = url;
+    const span = document.createElement("span"); span.className = "r" + (k % 4); span.textContent = id;
     legend.append(span);
   });
+}
+
+// The engine's replicas (Ray Serve's, or an --engine-url server), as last sampled: the
+// panel stays hidden for an in-process engine.
+function renderReplicas() {
+  const last = state.kv.length ? state.kv[state.kv.length - 1] : null;
+  const replicas = (last && last.replicas) || [];
+  $("replicas-panel").hidden = !replicas.length;
+  if (!replicas.length) return;
+  const serving = replicas.filter((r) => r.state === "serving");
+  $("replica-counts").textContent = `${serving.length} serving of ${replicas.length}; M = ` +
+    fmt(serving.reduce((m, r) => m + r.capacity, 0), 0) + " tokens";
+  const rows = replicas.map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.id = r.id;
+    tr.className = r.state;
+    [r.id, r.state, fmt(r.capacity, 0), fmt(r.reserved, 0), String(r.in_flight), fmt(r.used, 0)].forEach((v, k) => {
+      const td = document.createElement("td");
+      if (k < 2) td.className = "left";
+      td.textContent = v;
+      tr.append(td);
+    });
+    return tr;
+  });
+  $("replicas").tBodies[0].replaceChildren(...rows);
 }
 
 function renderFinished() {
