@@ -420,7 +420,7 @@ class LiveScheduler:
                 and entry.finished_at is not None:
             # What the ETA intervals are calibrated on (a session's end comes after its idle
             # timeout, which no ETA forecasts).
-            self.dispatcher.observe_jct(entry.first_eta_s, entry.finished_at - entry.submitted_at)
+            self.dispatcher.observe_jct(entry.first_eta_s, entry.finished_at - entry.submitted_at, entry.id)
         if forget:
             entry.final_view = self._view(entry)
             self.dispatcher.finish_agent(entry.id, self.now())

@@ -476,10 +476,11 @@ class Dispatcher:
         last pass did not see is placed in its order by binary search, O(log N))."""
         return self.etas.eta_time(self._agent(agent_id), now)
 
-    def observe_jct(self, first_eta_s: float, jct_s: float) -> None:
-        """A finished agent's JCT against its first ETA (both seconds from its submission):
-        what the ETA intervals are calibrated on."""
-        self.etas.calibration.observe(first_eta_s, jct_s)
+    def observe_jct(self, first_eta_s: float, jct_s: float, agent_id: str | None = None) -> None:
+        """A finished agent's JCT against its first ETA (seconds from its submission), filed
+        under its promise's context while it is registered: what intervals and deadlines use."""
+        agent = self.agents.get(agent_id or "")
+        self.etas.calibration.observe(first_eta_s, jct_s, agent.promise_context if agent is not None else None)
 
     def view(self, agent_id: str, now: float) -> AgentView:
         """The agent's record: tag, costs and times (seconds from its submission)."""
