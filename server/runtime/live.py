@@ -252,6 +252,7 @@ class LiveScheduler:
             eta_shape=None if declared else (
                 self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE) or guessed),
             cost_p90=interval[1] if interval else None,
+            cost_guessed=guessed is not None,
         )
         batch = declared_batch(metadata, tenant)
         if batch is not None and self.dispatcher.arrivals.declare(

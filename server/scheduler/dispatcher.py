@@ -196,13 +196,15 @@ class Dispatcher:
         eta_shape: AgentShape | None = None,
         tenant: str | None = None,
         cost_p90: float | None = None,
+        cost_guessed: bool = False,
     ) -> AgentView:
         """Admit an agent with its predicted KV cost: its tag will be F = V + cost at its
         first request (V(now) + cost if that is now). `shape` is what its bound covers,
         `eta_shape` what its ETA expects where that differs (default: `shape`). `tenant`:
         whose predictions may widen its bound (None: one shared tenant). `cost_p90`: the
         p90 of its KV cost where the prediction is uncertain (a predictor's interval): its
-        promise allows for that much; its tag and ETA do not."""
+        promise allows for that much; its tag and ETA do not. `cost_guessed`: the cost is a
+        guess (a cold start's): its deadline is the worst case (tight_promise.py)."""
         self.clock.advance(now)  # an event: the promise below reads the clock at `now`
         if agent_id in self.agents:
             raise ValueError(f"agent {agent_id!r} is already registered")
@@ -221,6 +223,7 @@ class Dispatcher:
             shape=shape or AgentShape(),
             eta_shape=eta_shape,
             tenant=tenant,
+            cost_guessed=cost_guessed,
         )
         # the p90's ratio to the prediction, applied to the charge (whatever the cost model)
         if cost_p90 is not None and predicted_cost > 0.0 and cost_p90 > predicted_cost:

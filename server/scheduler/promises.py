@@ -141,8 +141,14 @@ class Promises:
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
         factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context)
+        # Nor is an ETA resting on guesses: until the engine's rate is measured here, or
+        # where the agent's cost is a guess (a type no predictor knows), the ETA is the
+        # guess's and no record of ETAs says how far it may fall short. Live, the opening
+        # burst of a fresh server (its rate from the built-in profile, its types unseen) was
+        # told ETAs 5-10x short, and 15 of 64 calibrated deadlines broke.
+        calibrated = not d.uncertainty and not agent.cost_guessed
         tight = worst
-        if left == 0 or (d.pauses.any_seen and not d.pauses.paused_lately()):
+        if calibrated and (left == 0 or (d.pauses.any_seen and not d.pauses.paused_lately())):
             cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
             tight = tight_deadline(now, d.etas.eta_time(agent, now), 0.0, 0.0, factor, cost_ratio)
         deadline = min(worst, tight)

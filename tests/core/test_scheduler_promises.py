@@ -766,3 +766,24 @@ def test_a_calibrated_deadline_allows_for_a_predictions_p90_and_the_p90_tool_tim
     assert guess.eta_s == pytest.approx(plain.eta_s)
     assert guess.deadline_s == pytest.approx(min(2.0 * plain.deadline_s, worst.deadline_s))
     assert guess.deadline_s > plain.deadline_s
+
+
+def test_a_deadline_resting_on_guesses_is_the_worst_case() -> None:
+    """A calibrated deadline needs an ETA the record of ETAs speaks for: not one made before
+    the engine's rate is measured, nor one of an agent whose cost is a guess."""
+    def server() -> Dispatcher:
+        d = quiet_for(Dispatcher("justitia", 1000, 0.1))
+        d.register_agent("other", 30_000.0, 0.0)
+        d.submit(req("o0", "other", 10, 10), 0.0)
+        return d
+
+    worst = worst_case_promises(server()).register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    known = server().register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    assert known.deadline_s < worst.deadline_s and known.promise_assumes  # calibrated
+    guessed = server().register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10), cost_guessed=True)
+    assert guessed.deadline_s == pytest.approx(worst.deadline_s) and guessed.promise_assumes == ""
+    unmeasured = server()
+    unmeasured.set_iteration_time(0.1, 0.0, uncertainty="the engine's rate is not measured yet")
+    early = unmeasured.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    assert early.promise_assumes == "" and early.promise == "widened"
+    assert early.deadline_s >= worst.deadline_s - 1e-9
