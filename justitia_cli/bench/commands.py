@@ -141,6 +141,7 @@ def register(commands: Commands) -> None:
     live.add_argument("--log-dir", metavar="DIR", default=None,
                       help="keep each server's log here (created if missing): server-POLICY.log, "
                            "server-POLICY-roundK.log with --repeat")
+    retain_option(live)
     seed_option(live, "seed of the random prompt token ids")
     live.add_argument("--teach", metavar="FILE", default=None,
                       help="replay this workload first on each policy's server, unmeasured, with other "
@@ -165,6 +166,9 @@ def register(commands: Commands) -> None:
     live.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
                       help="--ray: kill one engine replica's processes S seconds into each replay (Ray "
                            "replaces it; requests that produced nothing are resent, others fail)")
+    live.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
+                      help="seconds each policy's server may take to become ready (default 300; a "
+                           "loaded machine starts the engine slowly)")
     live.add_argument("--kill-scheduler-after", type=float, default=None, metavar="S",
                       help="--ray: kill the server (the scheduler) S seconds into each replay and start "
                            "it again, as its supervisor would; it schedules onto the running replicas. "

@@ -33,6 +33,8 @@ def check_ray_options(args: argparse.Namespace) -> None:
                           ("--kill-scheduler-after", args.kill_scheduler_after)):
         if value is not None and not 0 <= value < float("inf"):
             raise CommandError(f"{option} must be seconds >= 0, not {value}")
+    if not 0 < args.startup_timeout < float("inf"):
+        raise CommandError(f"--startup-timeout must be a positive number of seconds, not {args.startup_timeout}")
     if not 0 < args.hang_timeout < float("inf"):
         raise CommandError(f"--hang-timeout must be a positive number of seconds, not {args.hang_timeout}")
 
@@ -63,7 +65,8 @@ def live_command(args: argparse.Namespace) -> int:
                        teach=teach, restart=args.restart, profile=measured_here(args.profile),
                        ray=args.ray, replicas=args.replicas if args.ray else 1,
                        kill_replica_after_s=args.kill_replica_after,
-                       kill_scheduler_after_s=args.kill_scheduler_after, hang_timeout_s=args.hang_timeout)
+                       kill_scheduler_after_s=args.kill_scheduler_after, hang_timeout_s=args.hang_timeout,
+                       retain=args.retain, startup_timeout_s=args.startup_timeout)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if args.ray:  # one Ray cluster of this command's own for every policy's server
@@ -100,6 +103,7 @@ def live_command(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "teach": args.teach,
         "restart": args.restart,
+        "retain": args.retain,
         "las_half_life_s": args.las_half_life_s,
         "las_head_wait_weight": args.las_head_wait_weight,
         "repeat": args.repeat,

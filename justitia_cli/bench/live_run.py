@@ -100,6 +100,8 @@ class LiveOptions:
     kill_scheduler_after_s: float | None = None
     # An agent not done this long after the last arrival is lost (it hangs).
     hang_timeout_s: float = 900.0
+    # Each server's `serve --retain` (kept contexts of paused agents; policies that keep none: never).
+    retain: str = "auto"
 
 
 class PrefixTokens:
@@ -350,7 +352,7 @@ def _off_worker_cores(server_pid: int | None) -> Iterator[None]:
 def _serve_args(policy: str, opts: LiveOptions, home: str) -> list[str]:
     """The `justitia serve` options of a policy's server."""
     args = ["--policy", policy, "--kv-tokens", str(opts.kv_tokens),
-            "--max-model-len", str(opts.max_model_len), "--data-dir", home]
+            "--max-model-len", str(opts.max_model_len), "--data-dir", home, "--retain", opts.retain]
     if opts.profile is not None:
         args += ["--profile", opts.profile]
     if opts.las_half_life_s is not None:
@@ -440,6 +442,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         "taught_steps": _fitted_steps(taught) if taught else 0,
         # what the engine computed in (a profile measured in another dtype measured another engine)
         "engine_dtype": (snap.get("engine") or {}).get("dtype"),
+        # kept contexts of paused agents: the mode, touches, yields, KV token-time charged
+        "retention": snap.get("retention"),
         # agents that ended with an error (a request failed), and agents that hung
         "agents_failed": sum("error" in o and not o.get("lost") for o in outs),
         "agents_lost": sum(bool(o.get("lost")) for o in outs),

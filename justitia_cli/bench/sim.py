@@ -104,7 +104,7 @@ def add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[st
 
     oracle = make_predictions(agents, "oracle")
     predicted = run_comparison(agents, configured_policies(args, policies), profile, args.kv_tokens, oracle,
-                               tau="measured")
+                               tau="measured", retain=getattr(args, "retain", "auto"))
     for live_r, sim_r in zip(results, predicted, strict=True):
         live_mean = live_r.summary()["mean_jct_s"]
         sim = sim_r.summary()

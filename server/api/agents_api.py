@@ -255,7 +255,7 @@ async def pause_agent(agent_id: str, request: Request, body: AgentPause | None =
     agent has ended."""
     s = _scheduler(request)
     body = body or AgentPause()
-    return s.record(s.tool_started(_entry(agent_id, request, tenant), body.tool, body.expected_s))
+    return s.record(s.tool_call(_entry(agent_id, request, tenant), body.tool, body.expected_s))
 
 
 @router.post("/v1/agents/{agent_id}/resume", response_model=AgentRecord,
@@ -264,7 +264,7 @@ async def resume_agent(agent_id: str, request: Request, tenant: str = Depends(te
     """The tool call announced by `pause` ended (its length is learned); a no-op when none
     is in progress. 409 once the agent has ended."""
     s = _scheduler(request)
-    return s.record(s.tool_ended(_entry(agent_id, request, tenant)))
+    return s.record(s.tool_call(_entry(agent_id, request, tenant), None))
 
 
 class _Registration(NamedTuple):

@@ -282,6 +282,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
             engine,
             LiveConfig(
                 policy=config.policy,
+                retain=config.retain,
                 las_half_life_s=config.las_half_life_s,
                 las_head_wait_weight=config.las_head_wait_weight,
                 session_idle_s=config.session_idle_s,

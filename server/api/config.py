@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from server.runtime.limits import Rate
@@ -25,6 +27,7 @@ class ServerConfig(BaseModel):
         description="In-process engine: restarts of a dead engine in a row before the server "
                     "exits with status 69 (0: exit at the first death).")
     policy: str = "justitia"
+    retain: Literal["auto", "always", "never"] = "auto"  # paused agents' contexts (server/runtime/retain.py)
     las_half_life_s: float = Field(default=60.0, gt=0, description="las: half-life of attained service.")
     las_head_wait_weight: float = Field(default=0.2, ge=0, description="las: weight of the head wait.")
     session_idle_s: float = Field(

@@ -47,6 +47,11 @@ def register(commands: Commands) -> None:
     serve.add_argument("--policy", default="justitia", choices=POLICY_NAMES + LIVE_ONLY,
                        help="scheduling policy (ray: with --ray only, no Justitia scheduling: "
                             "every request goes to Ray Serve's own routing at once)")
+    serve.add_argument("--retain", choices=("auto", "always", "never"), default="auto",
+                       help="keep a paused agent's context in the engine's KV cache: auto (while "
+                            "the expected rest of its pause costs less than prefilling it again), "
+                            "always, never (default auto; Justitia's policies only, justitia-noretain: "
+                            "never; docs/retention.md)")
     serve.add_argument("--las-half-life-s", type=float, default=60.0, metavar="SECONDS",
                        help="--policy las: half-life of an agent's attained service (default 60 s, "
                             "as llm-d's program-aware fairness plugin)")

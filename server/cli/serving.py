@@ -30,6 +30,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_nice=args.engine_nice,
         engine_restarts=args.engine_restarts,
         policy=args.policy,
+        retain=args.retain,
         las_half_life_s=args.las_half_life_s,
         las_head_wait_weight=args.las_head_wait_weight,
         session_idle_s=args.session_idle_s,

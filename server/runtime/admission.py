@@ -23,6 +23,7 @@ from server.scheduler import Dispatcher, RequestSpec
 
 if TYPE_CHECKING:
     from server.runtime.agents import AgentEntry
+    from server.runtime.retain import LiveRetention as Retention
 
 
 @dataclass
@@ -58,6 +59,9 @@ class Admission:
         self._placement = placement
         self._engine_recovering = engine_recovering
         self.paused = False
+        # Kept contexts of paused agents (server/runtime/retain.py): they give way before
+        # admission when the head does not fit, and hear what admission took.
+        self.retention: Retention | None = None
         self._tickets: dict[str, Ticket] = {}
         self._queued: collections.Counter[str] = collections.Counter()
 
@@ -110,7 +114,12 @@ class Admission:
         if slots <= 0 or d.ledger.pending_count == 0:
             return
         now = self._now()
-        for spec in d.admit(now, engine_free_slots=slots, place=self._place_fn()):
+        if self.retention is not None:
+            self.retention.make_way(now)
+        admitted = d.admit(now, engine_free_slots=slots, place=self._place_fn())
+        if self.retention is not None and admitted:
+            self.retention.admitted(sum(r.footprint for s in admitted if (r := d.requests.get(s.request_id))))
+        for spec in admitted:
             ticket = self._tickets.get(spec.request_id)
             if ticket is not None:
                 ticket.admitted = now

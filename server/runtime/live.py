@@ -69,6 +69,7 @@ from server.runtime.live_config import LiveConfig
 from server.runtime.records import agent_record
 from server.runtime.relearn import Recalled
 from server.runtime.request_path import RequestPath
+from server.runtime.retain import LiveRetention
 from server.runtime.type_shapes import ETA_QUANTILE, TypeShapes
 from server.scheduler import AgentShape, AgentView, Dispatcher, RequestStatus, get_policy
 
@@ -147,6 +148,10 @@ class LiveScheduler:
                 self.listeners.add(listener)
         self.requests = RequestPath(self.dispatcher, self.admission, self.engine, self.listeners,
                                     now=self.now, wall=self._wall, close=self._close)
+        self.retention = LiveRetention.of(config.retain, self.dispatcher, engine, self.time_models, self.now)
+        if self.retention.active:
+            self.admission.retention = self.retention
+            self.requests.retention = self.retention
         self.upkeep.listen(on_state=self._on_engine_state, pump=self._pump)
 
     @property
@@ -178,6 +183,7 @@ class LiveScheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self.admission.fail_waiting(EngineError("the server is shutting down"))
+        await self.retention.close()
         await self.upkeep.save(self.history)
 
     async def _housekeeping(self) -> None:
@@ -246,6 +252,7 @@ class LiveScheduler:
             eta_shape=None if declared else (
                 self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE) or guessed),
             cost_p90=interval[1] if interval else None,
+            cost_guessed=guessed is not None,
         )
         batch = declared_batch(metadata, tenant)
         if batch is not None and self.dispatcher.arrivals.declare(
@@ -313,22 +320,19 @@ class LiveScheduler:
         view = entry.final_view if entry.final_view is not None else self._view(entry)
         return agent_record(entry, view, self.now())
 
-    def tool_started(self, entry: AgentEntry, tool: str, expected_s: float | None = None) -> AgentEntry:
-        """The agent's client says it is in a tool call from now (the SDK's `tool()`), and
-        maybe how long it expects it to take: the scheduler judges the rest of the pause
-        from it (pauses.py). AgentConflict once the agent has ended."""
+    def tool_call(self, entry: AgentEntry, tool: str | None, expected_s: float | None = None) -> AgentEntry:
+        """The agent's client says it is in tool call `tool` from now (the SDK's `tool()`),
+        maybe how long it expects it to take, or (`tool` None) that the call ended: the
+        scheduler judges the rest of the pause from it, learns the call's length (pauses.py)
+        and reconsiders its kept context. AgentConflict once the agent has ended."""
         self.require_live(entry)
-        self.dispatcher.pauses.tool_started(self.dispatcher.agents[entry.id], tool, expected_s, self.now())
-        entry.last_activity_mono = self.now()
-        entry.touch()
-        return entry
-
-    def tool_ended(self, entry: AgentEntry) -> AgentEntry:
-        """The announced tool call ended (nothing to do if none was in progress): its length
-        is learned for the agent's type and that tool."""
-        self.require_live(entry)
-        self.dispatcher.pauses.tool_ended(self.dispatcher.agents[entry.id], self.now())
-        entry.last_activity_mono = self.now()
+        agent, now = self.dispatcher.agents[entry.id], self.now()
+        if tool is not None:
+            self.dispatcher.pauses.tool_started(agent, tool, expected_s, now)
+        else:
+            self.dispatcher.pauses.tool_ended(agent, now)
+        self.retention.reconsider(entry.id)
+        entry.last_activity_mono = now
         entry.touch()
         return entry
 
@@ -384,6 +388,7 @@ class LiveScheduler:
 
 
     async def _cancel(self, entry: AgentEntry, state: AgentStatus) -> None:
+        self.retention.forget(entry.id)
         entry.final_view = self._view(entry)
         now = self.now()
         if state in (AgentStatus.FINISHED, AgentStatus.FAILED):
@@ -411,11 +416,12 @@ class LiveScheduler:
         had ended), the dispatcher forgets it (unless `forget` is False: the caller did),
         it leaves the live agents, and the listeners hear of it."""
         transition(entry, state, wall=self._wall(), now=self.now())
+        self.retention.forget(entry.id)
         if state is AgentStatus.FINISHED and entry.session is None and entry.first_eta_s is not None \
                 and entry.finished_at is not None:
             # What the ETA intervals are calibrated on (a session's end comes after its idle
             # timeout, which no ETA forecasts).
-            self.dispatcher.observe_jct(entry.first_eta_s, entry.finished_at - entry.submitted_at)
+            self.dispatcher.observe_jct(entry.first_eta_s, entry.finished_at - entry.submitted_at, entry.id)
         if forget:
             entry.final_view = self._view(entry)
             self.dispatcher.finish_agent(entry.id, self.now())
@@ -484,6 +490,7 @@ class LiveScheduler:
         }
         snap["time_model"] = self.time_models.describe()
         snap["recalled"] = asdict(self.recalled)
+        snap["retention"] = self.retention.summary()
         return snap
 
 

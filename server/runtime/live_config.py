@@ -11,6 +11,9 @@ from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel
 @dataclass(frozen=True)
 class LiveConfig:
     policy: str = "justitia"
+    # Whether a paused agent's context is kept in the engine: auto (while it pays), always,
+    # never (server/runtime/retain.py; policies that do not keep contexts: never).
+    retain: str = "auto"
     las_half_life_s: float | None = None  # las only (None: its default)
     las_head_wait_weight: float | None = None  # las only (None: its default)
     session_idle_s: float = 60.0  # an implicit session agent idle this long is finished

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING
 
 from server.engine.base import Engine, EngineOutput, EngineRequest, SamplingOptions
 from server.runtime.admission import Admission, Ticket
@@ -21,6 +22,9 @@ from server.runtime.limits import QuotaExceeded
 from server.scheduler import Dispatcher, RequestSpec
 from server.scheduler.prefix import PrefixRef, block_chain
 from server.scheduler.reprediction import expected_total
+
+if TYPE_CHECKING:
+    from server.runtime.retain import LiveRetention
 
 
 class RequestPath:
@@ -34,6 +38,7 @@ class RequestPath:
         self.now = now
         self._wall = wall
         self._close = close  # ends an agent (an untagged request's own, when the request ends)
+        self.retention: LiveRetention | None = None  # kept contexts (server/runtime/retain.py)
 
     async def run(
         self,
@@ -62,6 +67,8 @@ class RequestPath:
         entry.last_activity_mono = now
         if entry.state is AgentStatus.PAUSED:  # back from its pause: its next stage starts
             transition(entry, AgentStatus.RUNNING, wall=self._wall(), now=now)
+            if self.retention is not None:
+                self.retention.resumed(entry.id, entry.type, prompt_token_ids)
         entry.touch()
         last: EngineOutput | None = None
         try:
@@ -84,6 +91,8 @@ class RequestPath:
                         continue  # the engine is still flushing outputs; only the end matters
                     last = out
                     yield out
+            if self.retention is not None and last is not None and last.finished:
+                self.retention.request_done(entry.id, prompt_token_ids, last)
             if entry.state in ABANDONED:
                 raise AgentConflict(f"agent {entry.id} was {entry.state}")
         finally:
@@ -135,6 +144,8 @@ class RequestPath:
             # Nothing left in flight: the agent is between its stages (a tool call, a
             # user's think time) until it sends again or ends.
             transition(entry, AgentStatus.PAUSED, wall=self._wall(), now=now)
+            if self.retention is not None:
+                self.retention.paused(entry.id)
         entry.touch()
         if entry.auto and not entry.terminal and entry.in_flight == 0:
             self._close(entry, AgentStatus.FINISHED)

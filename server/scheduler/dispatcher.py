@@ -196,13 +196,15 @@ class Dispatcher:
         eta_shape: AgentShape | None = None,
         tenant: str | None = None,
         cost_p90: float | None = None,
+        cost_guessed: bool = False,
     ) -> AgentView:
         """Admit an agent with its predicted KV cost: its tag will be F = V + cost at its
         first request (V(now) + cost if that is now). `shape` is what its bound covers,
         `eta_shape` what its ETA expects where that differs (default: `shape`). `tenant`:
         whose predictions may widen its bound (None: one shared tenant). `cost_p90`: the
         p90 of its KV cost where the prediction is uncertain (a predictor's interval): its
-        promise allows for that much; its tag and ETA do not."""
+        promise allows for that much; its tag and ETA do not. `cost_guessed`: the cost is a
+        guess (a cold start's): its deadline is the worst case (tight_promise.py)."""
         self.clock.advance(now)  # an event: the promise below reads the clock at `now`
         if agent_id in self.agents:
             raise ValueError(f"agent {agent_id!r} is already registered")
@@ -221,6 +223,7 @@ class Dispatcher:
             shape=shape or AgentShape(),
             eta_shape=eta_shape,
             tenant=tenant,
+            cost_guessed=cost_guessed,
         )
         # the p90's ratio to the prediction, applied to the charge (whatever the cost model)
         if cost_p90 is not None and predicted_cost > 0.0 and cost_p90 > predicted_cost:
@@ -476,10 +479,11 @@ class Dispatcher:
         last pass did not see is placed in its order by binary search, O(log N))."""
         return self.etas.eta_time(self._agent(agent_id), now)
 
-    def observe_jct(self, first_eta_s: float, jct_s: float) -> None:
-        """A finished agent's JCT against its first ETA (both seconds from its submission):
-        what the ETA intervals are calibrated on."""
-        self.etas.calibration.observe(first_eta_s, jct_s)
+    def observe_jct(self, first_eta_s: float, jct_s: float, agent_id: str | None = None) -> None:
+        """A finished agent's JCT against its first ETA (seconds from its submission), filed
+        under its promise's context while it is registered: what intervals and deadlines use."""
+        agent = self.agents.get(agent_id or "")
+        self.etas.calibration.observe(first_eta_s, jct_s, agent.promise_context if agent is not None else None)
 
     def view(self, agent_id: str, now: float) -> AgentView:
         """The agent's record: tag, costs and times (seconds from its submission)."""

@@ -279,6 +279,18 @@ class EtaEstimator:
                 work += self.replay_work(a, rates)
         return work
 
+    def work_before(self, agent: AgentState, key: Any, rates: ReplayRates, now: float) -> float:
+        """Remaining work the policy orders before `agent` (at `key`): the last pass's,
+        and that of the agents registered since (O(log N) plus those)."""
+        before = self.last_pass.work_before(key) if self.last_pass is not None else 0.0
+        return before + self.unpassed_work_before(agent, key, rates, now)
+
+    def queue_place(self, agent: AgentState, now: float) -> tuple[float, float]:
+        """(work ahead of the agent, its own remaining work), in the replay's units: where
+        it stands in the queue, which tells how much of its ETA is known work."""
+        rates = self.replay_rates()
+        return self.work_before(agent, self.eta_key(agent, now), rates, now), self.replay_work(agent, rates)
+
     def eta_time(self, agent: AgentState, now: float) -> float:
         """Projected finish under the running policy: the last pass's, else the agent placed
         in its order by binary search (O(log N)), plus the pauses it is expected to take."""
@@ -287,8 +299,7 @@ class EtaEstimator:
         d = self._d
         key = self.eta_key(agent, now)
         rates = self.replay_rates()
-        before = self.last_pass.work_before(key) if self.last_pass is not None else 0.0
-        before += self.unpassed_work_before(agent, key, rates, now)
+        before = self.work_before(agent, key, rates, now)
         reading = d.clock.peek(now)
         v = d.clock.tenant_v(agent.tenant, now) if d.clock.hierarchical else reading.V
         ahead = d.arrivals.ahead(d.policy.arrival_gap(agent, v, self.gap_closing(reading.backlog)))

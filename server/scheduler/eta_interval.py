@@ -55,7 +55,11 @@ class EtaCalibration:
 
     def __init__(self, window: int = WINDOW, min_seen: int = MIN_SEEN,
                  prior: Factors = Factors(PRIOR_LOW, PRIOR_HIGH)) -> None:
+        self._window = window
         self._ratios: deque[float] = deque(maxlen=window)
+        # the same ratios by the context the agent registered in (tight_promise.py; None:
+        # observed without one)
+        self._by_context: dict[int | None, deque[float]] = {}
         self._min_seen = min_seen
         self._prior = prior
         self._factors = prior
@@ -68,11 +72,13 @@ class EtaCalibration:
     def factors(self) -> Factors:
         return self._factors
 
-    def observe(self, first_eta_s: float, jct_s: float) -> None:
-        """A finished agent: its JCT against the ETA it was given at registration."""
+    def observe(self, first_eta_s: float, jct_s: float, context: int | None = None) -> None:
+        """A finished agent: its JCT against the ETA it was given at registration, and the
+        context it registered in (None: unknown)."""
         if not (first_eta_s > 0 and jct_s > 0 and math.isfinite(first_eta_s) and math.isfinite(jct_s)):
             return
         self._ratios.append(jct_s / first_eta_s)
+        self._by_context.setdefault(context, deque(maxlen=self._window)).append(jct_s / first_eta_s)
         if len(self._ratios) >= self._min_seen:
             ordered = sorted(self._ratios)
             # The lower end of a fresh calibration stays below 1 and the upper above it:
@@ -81,12 +87,16 @@ class EtaCalibration:
             self._factors = Factors(min(_conformal_quantile(ordered, LOW_QUANTILE), 1.0),
                                     max(_conformal_quantile(ordered, HIGH_QUANTILE), 1.0))
 
-    def upper_ratio(self, q: float, min_seen: int) -> float | None:
-        """The split-conformal q-quantile of the recent JCT / first-ETA ratios (None: fewer
-        than `min_seen` seen)."""
-        if len(self._ratios) < min_seen:
-            return None
-        return _conformal_quantile(sorted(self._ratios), q)
+    def upper_ratio(self, q: float, min_seen: int, context: int | None = None) -> tuple[float, int] | None:
+        """The split-conformal q-quantile of the recent JCT / first-ETA ratios of agents
+        registered in `context` (those observed without a context where fewer than
+        `min_seen` of it have finished), and how many it is of; None: too few of either.
+        Contexts are not pooled: a context's ratios say nothing of another's tail."""
+        for key in (context, None):
+            ratios = self._by_context.get(key)
+            if ratios is not None and len(ratios) >= min_seen:
+                return _conformal_quantile(sorted(ratios), q), len(ratios)
+        return None
 
     def interval(self, elapsed_s: float, eta_s: float, deadline_s: float | None = None) -> tuple[float, float]:
         """[p10, p90] in seconds from the agent's submission: its elapsed time plus its

@@ -9,7 +9,9 @@ tokens:
 - `reserved_prompt`: their prompts, the same way (what prompt-admission policies fill);
 - `running_footprint`: their footprints as if nothing were shared (`kv_shared_now` is the
   difference);
-- `pending_kv`: the footprints of the requests waiting (the load an ETA expects).
+- `pending_kv`: the footprints of the requests waiting (the load an ETA expects);
+- `pinned_kv`: paused agents' contexts kept in the engine's prefix cache (the live server's
+  retention, server/runtime/retain.py sets it): admission leaves that memory to them.
 
 Invariant: every count returns to zero once every request has finished or been dropped
 (`is_empty`). The ledger knows requests, not agents, and never reads a clock.
@@ -40,6 +42,7 @@ class KvLedger:
         self.pending_count = 0
         self.pending_kv = 0  # footprints of pending requests
         self.running_count = 0
+        self.pinned_kv = 0  # kept contexts of paused agents
 
     # -- pending ----------------------------------------------------------------
     def enqueue(self, req: RequestState) -> None:
@@ -57,9 +60,9 @@ class KvLedger:
         """Memory the next admissions may take: footprints against `capacity` (and what the
         engine reports free), or prompts against the engine's free memory."""
         if footprint:
-            free = capacity - self.reserved_kv
+            free = capacity - self.reserved_kv - self.pinned_kv
         else:
-            free = capacity - self.reserved_prompt
+            free = capacity - self.reserved_prompt - self.pinned_kv
         if engine_free_kv_tokens is not None:
             free = min(free, engine_free_kv_tokens) if footprint else engine_free_kv_tokens
         return free

@@ -9,6 +9,15 @@ before each: a promise that ignored tool time would be broken by every agent tha
 tool. A type never seen pausing takes the pauses of every type; before any pause has been
 seen, none is expected (the promise says so when the agent declares more than one stage).
 
+Every stage boundary counts, a boundary crossed at once as a pause of 0 s. An ETA expects,
+before each stage, the share of the recent boundaries of any type that held a pause
+(`RECENT`) times the type's mean pause when it pauses. Pauses belong to the application
+sending the agents, not to the type: a server that served agents which called tools, then
+agents of the same types that do not, would otherwise expect the old pauses for hundreds of
+boundaries (the tenants of the evaluation family, taught by its sessions, were told ETAs
+three times their JCTs), and a type's own recent boundaries are too few to tell (an agent
+of two stages crosses one). The worst case keeps the whole record (`WINDOW`).
+
 A client may also say when a tool call starts and ends (the SDK's `tool()`: the agent API's
 pause and resume calls), with the tool's name and, optionally, how long it expects it to
 take. Tool calls are learned per (type, tool), apart from the pauses: the expected rest of a
@@ -20,6 +29,7 @@ Pure: callers pass the times.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -27,8 +37,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .state import AgentState
 
-# The most recent pauses kept per type (and over all types).
+# The most recent pauses kept per type (and over all types): the worst case's record.
 WINDOW = 200
+# The stage boundaries (of any type, the most recent) whether agents pause is read from.
+RECENT = 16
 
 
 def expected_remaining_s(seen: Sequence[float], elapsed_s: float) -> float:
@@ -78,12 +90,24 @@ class PauseStats:
         return bool(self._all)
 
     def max_s(self) -> float:
-        """The longest recent pause of any type (0.0: none seen, or none that lasted)."""
+        """The longest pause of any type kept (0.0: none seen, or none that lasted)."""
         return max(self._all, default=0.0)
 
+    def share_lately(self) -> float:
+        """The share of the last RECENT stage boundaries (of any type) that held a pause."""
+        recent = list(itertools.islice(reversed(self._all), RECENT))
+        return sum(p > 0.0 for p in recent) / len(recent) if recent else 0.0
+
+    def paused_lately(self) -> bool:
+        """Whether any of the last RECENT stage boundaries (of any type) held a pause."""
+        return any(p > 0.0 for p in itertools.islice(reversed(self._all), RECENT))
+
     def mean_s(self, agent_type: str | None) -> float:
-        seen = list(self._seen(agent_type))
-        return sum(seen) / len(seen) if seen else 0.0
+        """The pause an ETA expects before a stage: the share of recent boundaries that
+        held one, times the type's mean pause when it paused (every type's, where the type
+        has not been seen; 0 where it never paused)."""
+        lasted = [p for p in self._seen(agent_type) if p > 0.0]
+        return self.share_lately() * sum(lasted) / len(lasted) if lasted else 0.0
 
     def p90_s(self, agent_type: str | None) -> float:
         seen = sorted(self._seen(agent_type))

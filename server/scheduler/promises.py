@@ -3,8 +3,9 @@
 An agent's worst-case deadline is its GPS finish projected with the work expected to arrive
 ahead of it, served at the pessimistic rate (M / bound_tau), plus its delay bound (bounds.py)
 at the pessimistic step time, plus its type's p90 pause before each stage it has not
-started. The deadline given is the tighter of that and its ETA scaled by how far first ETAs
-have fallen short (tight_promise.py; the record's promise_assumes says what that rests on).
+started. The deadline given is the tighter of that and its ETA scaled by how far the first
+ETAs of agents in its context (its place in the queue) have fallen short (tight_promise.py;
+the record's promise_assumes says what that rests on).
 
 Invariants:
 - a promise only ever moves later: it is made at registration and made again when the
@@ -30,7 +31,7 @@ from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S
 from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState, ObservedLimits, PromiseKind
-from .tight_promise import assumption, promise_factor, tight_deadline
+from .tight_promise import assumption, context_of, promise_factor, tight_deadline
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -130,21 +131,31 @@ class Promises:
         pauses = d.pauses.p90_s(agent.agent_type) * left
         worst = now + horizon + agent.bound.total_s + pauses
         # The deadline given: the tighter of the worst case and the ETA scaled by how far
-        # ETAs have fallen short (tight_promise.py), which says what it rests on. Tool time is
-        # not calibrated so: an agent that may pause (stage boundaries ahead, and a pause of
-        # any type seen recently, or none seen yet) keeps the worst case. Its own type's
-        # pauses are not enough: a server taught by traffic whose agents never paused
-        # promised agents of the same types that did as if they would not (10 of 240 broken).
-        factor = promise_factor(d.etas.calibration)
+        # the ETAs of agents in its context (its place in the queue when it registered) have
+        # fallen short (tight_promise.py), which says what it rests on. Tool time is not
+        # calibrated so: an agent that may pause (stage boundaries ahead, and a pause at one
+        # of the recent boundaries of any type, or none seen yet) keeps the worst case. Its
+        # own type's pauses are not enough: a server taught by traffic whose agents never
+        # paused promised agents of the same types that did as if they would not (10 of 240
+        # broken).
+        if agent.promise_context is None:
+            agent.promise_context = context_of(*d.etas.queue_place(agent, now))
+        factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context)
+        # Nor is an ETA resting on guesses: until the engine's rate is measured here, or
+        # where the agent's cost is a guess (a type no predictor knows), the ETA is the
+        # guess's and no record of ETAs says how far it may fall short. Live, the opening
+        # burst of a fresh server (its rate from the built-in profile, its types unseen) was
+        # told ETAs 5-10x short, and 15 of 64 calibrated deadlines broke.
+        calibrated = not d.uncertainty and not agent.cost_guessed
         tight = worst
-        if left == 0 or (d.pauses.any_seen and d.pauses.max_s() <= 0.0):
+        if calibrated and (left == 0 or (d.pauses.any_seen and not d.pauses.paused_lately())):
             cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
             tight = tight_deadline(now, d.etas.eta_time(agent, now), 0.0, 0.0, factor, cost_ratio)
         deadline = min(worst, tight)
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later
         agent.deadline_at = deadline
-        agent.promise_assumes = assumption(factor, d.etas.calibration.seen, d.arrivals.promise_rate) \
+        agent.promise_assumes = assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context) \
             if tight < worst else ""
         if not isinstance(d.policy, Justitia):
             agent.promise = PromiseKind.NONE

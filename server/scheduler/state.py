@@ -153,6 +153,8 @@ class AgentState:
     promise: PromiseKind = PromiseKind.FIRM
     promise_reason: str = ""
     promise_assumes: str = ""  # what a deadline tighter than the worst case rests on (tight_promise.py)
+    promise_context: int | None = None  # its place in the queue at registration (tight_promise.py)
+    cost_guessed: bool = False  # its cost is a guess (no predictor knows its type): no calibrated deadline
     consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)
     consumed_kv: float = 0.0  # real KV token-time of finished requests
     # The latest re-prediction of its total KV cost as it runs (reprediction.py): ETAs count

@@ -1,41 +1,67 @@
 """The deadline promised at registration: as tight as the ETAs' own record allows.
 
-The worst-case deadline (`Dispatcher._promise`: the GPS finish with the most work the
-measured arrivals can bring ahead, at the pessimistic rate, plus the delay bound) holds
-whatever the order of arrivals, but on the family of arrival shapes it was 15-25 times the
-JCT: it tells a user almost nothing. The deadline given is the tighter of that and
+The worst-case deadline (`Promises.promise`: the GPS finish with the most work the measured
+arrivals can bring ahead, at the pessimistic rate, plus the delay bound) holds whatever the
+order of arrivals, but on the family of arrival shapes it was 15-25 times the JCT: it tells
+a user almost nothing. The deadline given is the tighter of that and
 
     now + factor x (ETA - now)     (x the prediction's p90 over the prediction, if uncertain)
 
-where `factor` is how far first ETAs have fallen short: the largest ratio JCT / first ETA of
-the agents finished recently (`EtaCalibration`, the record the intervals are set by), never
-below `MIN_FACTOR`, which is also a fresh server's. It was chosen on the family's tuning
-seeds (0-4, fresh and taught servers, every shape) as the largest ratio seen there, rounded
-up: no promise broke on them; held-out figures in docs/concepts.md. Tool time is not
-calibrated this way: an agent that may pause between its stages keeps the worst case.
-The worst case stays reported beside it (`delay_bound_s`), and the record's
-`promise_assumes` says what the calibrated deadline rests on: traffic ahead like the
-traffic behind, arrivals no faster than measured.
+where `factor` is how far first ETAs have fallen short *in the agent's context*: the
+largest ratio JCT / first ETA of the agents finished recently that registered in the same
+context (`EtaCalibration`, the record the intervals are set by; split conformal prediction
+by context, Mondrian), never below the context's floor, which is also a fresh server's.
+
+The context is the agent's place in the queue when it registers: the work the policy orders
+ahead of it over its own work (`CONTEXT_EDGES`). An agent at the head of the queue is told
+its time alone, and whatever arrives while it runs is all error: its JCT has been up to six
+times its ETA. An agent deep in the queue is told the known work ahead of it, which the
+arrivals change much less: its JCT has stayed within 2.5 times. One factor for both made
+every deadline as loose as the head's. The floors were chosen on the family's tuning seeds
+(0-4, fresh and taught servers, every shape) as the largest ratio seen in each context,
+rounded up to a half and never below a deeper context's (`CONTEXT_FLOORS`); held-out
+figures in docs/concepts.md.
+
+Tool time is not calibrated this way: an agent that may pause between its stages (agents
+have paused at recent stage boundaries, or none has been seen) keeps the worst case. The
+worst case stays reported beside it (`delay_bound_s`), and the record's `promise_assumes`
+says what the calibrated deadline rests on: traffic ahead like the traffic behind, arrivals
+no faster than measured.
 
 Pure: no clock.
 """
 
 from __future__ import annotations
 
+import bisect
+
 from .eta_interval import EtaCalibration
 
-# The largest JCT / first ETA on the tuning seeds (5.5, a diurnal ramp's third agent on a
-# fresh server), rounded up: the factor of a fresh server and the least any calibration gives.
-PRIOR_FACTOR = 6.0
-MIN_FACTOR = PRIOR_FACTOR
+# Contexts: the work ahead of an agent over its own, at registration, below 1 (at the head),
+# 1-2, 2-3, and 3 or more (deep in the queue).
+CONTEXT_EDGES = (1.0, 2.0, 3.0)
+# The largest JCT / first ETA per context on the tuning seeds (6.05, 3.49, 2.78 and 2.40,
+# agents of fresh and taught servers, their teachers' too), rounded up to a half, none below
+# a deeper context's: each context's factor on a fresh server and the least any calibration
+# gives it.
+CONTEXT_FLOORS = (6.5, 3.5, 3.0, 2.5)
 PROMISE_QUANTILE = 1.0  # of the recent JCT / first-ETA ratios: the largest
 MIN_SEEN = 10
 
 
-def promise_factor(calibration: EtaCalibration) -> float:
-    """How many times its ETA an agent's deadline allows: the calibrated upper quantile."""
-    upper = calibration.upper_ratio(PROMISE_QUANTILE, MIN_SEEN)
-    return PRIOR_FACTOR if upper is None else max(MIN_FACTOR, upper)
+def context_of(work_ahead: float, own_work: float) -> int:
+    """The agent's context: how many times its own work the policy orders ahead of it."""
+    if own_work <= 0.0:
+        return 0 if work_ahead <= 0.0 else len(CONTEXT_EDGES)
+    return bisect.bisect_right(CONTEXT_EDGES, work_ahead / own_work)
+
+
+def promise_factor(calibration: EtaCalibration, context: int = 0) -> tuple[float, int]:
+    """How many times its ETA an agent's deadline allows, and how many finished agents that
+    rests on (0: the context's floor alone): the calibrated upper quantile of the context."""
+    floor = CONTEXT_FLOORS[context]
+    upper = calibration.upper_ratio(PROMISE_QUANTILE, MIN_SEEN, context)
+    return (floor, 0) if upper is None else (max(floor, upper[0]), upper[1])
 
 
 def tight_deadline(now: float, eta_at: float, pauses_mean_s: float, pauses_p90_s: float, factor: float,
@@ -48,10 +74,20 @@ def tight_deadline(now: float, eta_at: float, pauses_mean_s: float, pauses_p90_s
     return now + factor * engine_s + pauses_p90_s
 
 
-def assumption(factor: float, seen: int, arrival_rate: float) -> str:
+def assumption(factor: float, seen: int, arrival_rate: float, context: int = 0) -> str:
     """What a calibrated deadline rests on, in the record's words."""
-    basis = (f"the largest JCT / first ETA of the last {seen} agents finished, at least {MIN_FACTOR:g}"
-             if seen >= MIN_SEEN else "a fresh server's prior")
+    place = _context_words(context)
+    basis = (f"the largest JCT / first ETA of the last {seen} agents finished, at least "
+             f"{CONTEXT_FLOORS[context]:g} for an agent {place}" if seen >= MIN_SEEN
+             else f"a fresh server's prior for an agent {place}")
     return (f"deadline = {factor:.2g} x the ETA ({basis}); holds while work arrives no faster than measured "
             f"({arrival_rate:.4g} units/s) and the traffic ahead is like the traffic behind; "
             f"without those assumptions: fair_finish_s + delay_bound_s")
+
+
+def _context_words(context: int) -> str:
+    if context == 0:
+        return f"with less than {CONTEXT_EDGES[0]:g}x its own work ahead"
+    if context == len(CONTEXT_EDGES):
+        return f"with {CONTEXT_EDGES[-1]:g}x its own work or more ahead"
+    return f"with {CONTEXT_EDGES[context - 1]:g}-{CONTEXT_EDGES[context]:g}x its own work ahead"

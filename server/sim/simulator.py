@@ -392,7 +392,7 @@ class _Run:
             self.keeper.last_keys.pop(self.agents[i].id, None)
             self.keeper.last_heads.pop(self.agents[i].id, None)
             self.keeper.sizes.pop(self.agents[i].id, None)
-        self.disp.observe_jct(self.first_eta[i], t - self.agents[i].arrival)
+        self.disp.observe_jct(self.first_eta[i], t - self.agents[i].arrival, self.agents[i].id)
         self.disp.finish_agent(self.agents[i].id, t)
         self.finish[i] = t
         self.done += 1

@@ -687,7 +687,7 @@ def test_before_any_request_the_bound_assumes_the_engines_longest() -> None:
 
 # -- deadlines as tight as the ETAs' record allows (tight_promise.py) ------------------------
 def test_a_deadline_is_the_eta_scaled_by_how_far_etas_have_fallen_short() -> None:
-    from server.scheduler.tight_promise import PRIOR_FACTOR
+    from server.scheduler.tight_promise import CONTEXT_FLOORS
 
     def server() -> Dispatcher:
         d = quiet_for(Dispatcher("justitia", 1000, 0.1))
@@ -698,20 +698,22 @@ def test_a_deadline_is_the_eta_scaled_by_how_far_etas_have_fallen_short() -> Non
     worst = worst_case_promises(server()).register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
     assert worst.promise_assumes == ""  # the worst case rests on nothing but the measured rate
     fresh = server().register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
-    # a fresh server: the prior factor times the ETA, far inside the worst case
-    assert fresh.deadline_s == pytest.approx(PRIOR_FACTOR * fresh.eta_s)
+    # a fresh server: the prior factor of an agent at the head of the queue (the larger agent
+    # goes after it) times the ETA, far inside the worst case
+    assert fresh.deadline_s == pytest.approx(CONTEXT_FLOORS[0] * fresh.eta_s)
     assert fresh.deadline_s < worst.deadline_s
     assert fresh.delay_bound_s == pytest.approx(worst.delay_bound_s)  # still reported beside it
     assert fresh.promise == "firm" and "prior" in fresh.promise_assumes
     assert "no faster than measured" in fresh.promise_assumes
-    # a server whose ETAs fell up to 6.2x short promises 6.2x the ETA
+    # a server whose ETAs fell up to 7.2x short promises 7.2x the ETA, or the worst case
+    # where that is the tighter (it is here: the worst case then rests on nothing more)
     d = server()
-    for ratio in (1.0, 2.0, 6.2) * 5:
+    for ratio in (1.0, 2.0, 7.2) * 5:
         d.etas.calibration.observe(1.0, ratio)
     late = d.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
-    assert late.deadline_s == pytest.approx(6.2 * late.eta_s) and late.deadline_s < worst.deadline_s
-    assert "largest JCT / first ETA of the last 15" in late.promise_assumes
-    # ETAs that never fell short still leave the prior's margin (a calibration is no proof)
+    assert late.deadline_s == pytest.approx(min(7.2 * late.eta_s, worst.deadline_s))
+    assert late.deadline_s > fresh.deadline_s and late.promise_assumes == ""
+    # ETAs that never fell short still leave the context's floor (a calibration is no proof)
     d = server()
     for _ in range(30):
         d.etas.calibration.observe(1.0, 0.5)
@@ -719,12 +721,43 @@ def test_a_deadline_is_the_eta_scaled_by_how_far_etas_have_fallen_short() -> Non
         pytest.approx(fresh.deadline_s)
 
 
+def test_an_agent_deep_in_the_queue_is_promised_a_smaller_multiple_of_its_eta() -> None:
+    from server.scheduler.tight_promise import CONTEXT_FLOORS, context_of
+
+    assert [context_of(w, 1.0) for w in (0.0, 0.99, 1.0, 2.5, 3.0, 40.0)] == [0, 0, 1, 2, 3, 3]
+    assert context_of(0.0, 0.0) == 0 and context_of(5.0, 0.0) == 3
+    assert list(CONTEXT_FLOORS) == sorted(CONTEXT_FLOORS, reverse=True)  # deeper: never looser
+    # declared limits (requests up to 300 tokens) leave the worst case far out: 80 s here
+    d = quiet_for(Dispatcher("justitia", 1000, 0.1, limits=BoundLimits(kv_cost(300, 300), 200_000.0, 300)))
+    for k in range(4):  # four agents ahead of a fifth as large as each
+        d.register_agent(f"s{k}", 5_000.0, 0.0, shape=AgentShape(1, 10))
+        d.submit(req(f"s{k}/0", f"s{k}", 10, 10), 0.0)
+    deep = d.register_agent("deep", 5_000.0, 0.0, shape=AgentShape(1, 10))
+    assert d.agents["deep"].promise_context == 3
+    assert deep.deadline_s == pytest.approx(CONTEXT_FLOORS[3] * deep.eta_s)
+    assert "a fresh server's prior for an agent with 3x its own work or more ahead" in deep.promise_assumes
+    # ratios learned in one context do not loosen another's: ten head agents' 6x leaves the
+    # deep context at its floor, ten of its own at 3x raise it to 3
+    for _ in range(10):
+        d.etas.calibration.observe(1.0, 6.0, 0)
+    again = d.register_agent("deep2", 5_000.0, 0.0, shape=AgentShape(1, 10))
+    assert again.deadline_s == pytest.approx(CONTEXT_FLOORS[3] * again.eta_s)
+    for _ in range(10):
+        d.etas.calibration.observe(1.0, 3.0, 3)
+    third = d.register_agent("deep3", 5_000.0, 0.0, shape=AgentShape(1, 10))
+    assert third.deadline_s == pytest.approx(3.0 * third.eta_s)
+    assert "the last 10 agents finished" in third.promise_assumes
+    # a finished agent is filed under the context its promise was made in
+    d.observe_jct(1.0, 2.0, "deep")
+    assert d.etas.calibration.upper_ratio(1.0, 11, 3) == (3.0, 11)
+
+
 def test_a_calibrated_deadline_allows_for_a_predictions_p90_and_the_p90_tool_time() -> None:
-    from server.scheduler.tight_promise import PRIOR_FACTOR, tight_deadline
+    from server.scheduler.tight_promise import tight_deadline
 
     # engine time scaled, tool time added: 6 x (10 - 2 mean pauses) x 1.5 + 5 s p90 pauses
-    assert tight_deadline(0.0, 10.0, 2.0, 5.0, PRIOR_FACTOR, 1.5) == pytest.approx(PRIOR_FACTOR * 8 * 1.5 + 5)
-    assert tight_deadline(3.0, 2.0, 0.0, 0.0, PRIOR_FACTOR) == pytest.approx(3.0)  # an ETA already past
+    assert tight_deadline(0.0, 10.0, 2.0, 5.0, 6.0, 1.5) == pytest.approx(6.0 * 8 * 1.5 + 5)
+    assert tight_deadline(3.0, 2.0, 0.0, 0.0, 6.0) == pytest.approx(3.0)  # an ETA already past
     d = quiet_for(Dispatcher("justitia", 1000, 0.1))
     plain = d.register_agent("a", 10_000.0, 0.0)
     guess = quiet_for(Dispatcher("justitia", 1000, 0.1)).register_agent("a", 10_000.0, 0.0, cost_p90=20_000.0)
@@ -733,3 +766,24 @@ def test_a_calibrated_deadline_allows_for_a_predictions_p90_and_the_p90_tool_tim
     assert guess.eta_s == pytest.approx(plain.eta_s)
     assert guess.deadline_s == pytest.approx(min(2.0 * plain.deadline_s, worst.deadline_s))
     assert guess.deadline_s > plain.deadline_s
+
+
+def test_a_deadline_resting_on_guesses_is_the_worst_case() -> None:
+    """A calibrated deadline needs an ETA the record of ETAs speaks for: not one made before
+    the engine's rate is measured, nor one of an agent whose cost is a guess."""
+    def server() -> Dispatcher:
+        d = quiet_for(Dispatcher("justitia", 1000, 0.1))
+        d.register_agent("other", 30_000.0, 0.0)
+        d.submit(req("o0", "other", 10, 10), 0.0)
+        return d
+
+    worst = worst_case_promises(server()).register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    known = server().register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    assert known.deadline_s < worst.deadline_s and known.promise_assumes  # calibrated
+    guessed = server().register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10), cost_guessed=True)
+    assert guessed.deadline_s == pytest.approx(worst.deadline_s) and guessed.promise_assumes == ""
+    unmeasured = server()
+    unmeasured.set_iteration_time(0.1, 0.0, uncertainty="the engine's rate is not measured yet")
+    early = unmeasured.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    assert early.promise_assumes == "" and early.promise == "widened"
+    assert early.deadline_s >= worst.deadline_s - 1e-9

@@ -185,3 +185,48 @@ def test_a_paused_agents_eta_and_deadline_expect_its_types_tool_time() -> None:
     alone = plain.register_agent("b", 1000.0, 3.0, agent_type="chat", shape=shape)
     assert told.eta_s == pytest.approx(alone.eta_s + 2.0, abs=0.3)
     assert told.deadline_s >= alone.deadline_s + 2.0
+
+
+def test_pauses_expected_are_the_types_recent_ones_not_another_applications() -> None:
+    """A server that served agents which paused, then agents of the same types that do not,
+    expects no pause once the recent stage boundaries show none: their ETAs are those of a
+    server that never saw the pauses, and their deadlines calibrated ones."""
+    from server.scheduler import Dispatcher
+    from server.scheduler.bounds import AgentShape
+    from server.scheduler.pauses import RECENT, PauseStats
+    from server.scheduler.tight_promise import CONTEXT_FLOORS
+
+    stats = PauseStats()
+    for _ in range(150):
+        stats.observe("chat", 3.0)
+    assert stats.paused_lately() and stats.mean_s("chat") == pytest.approx(3.0)
+    for k in range(RECENT):
+        stats.observe("chat" if k % 2 else "code", 0.0)  # boundaries crossed at once, any type
+        assert stats.paused_lately() == (k < RECENT - 1)
+        assert stats.mean_s("chat") == pytest.approx(3.0 * (RECENT - 1 - k) / RECENT)
+    assert stats.mean_s("chat") == 0.0 and stats.share_lately() == 0.0
+    assert stats.p90_s("chat") == pytest.approx(3.0)  # the worst case keeps the longer record
+    assert stats.max_s() == pytest.approx(3.0)
+
+    def server(paused: bool) -> Dispatcher:
+        d = Dispatcher("justitia", 4096, 0.01)
+        if paused:
+            for _ in range(150):
+                d.pauses.observe("chat", 3.0)
+        for _ in range(RECENT):
+            d.pauses.observe("chat", 0.0)
+        return d
+
+    shape = AgentShape(4, 16, 0)
+    taught = server(True).register_agent("b", 1000.0, 3.0, agent_type="chat", shape=shape)
+    never = server(False).register_agent("b", 1000.0, 3.0, agent_type="chat", shape=shape)
+    assert taught.eta_s == pytest.approx(never.eta_s)
+    # the calibrated deadline, not the worst case (which still allows the old p90 pauses)
+    assert taught.promise_assumes and taught.deadline_s == pytest.approx(CONTEXT_FLOORS[0] * taught.eta_s)
+    assert taught.deadline_s >= never.deadline_s
+    # one pause among the last boundaries: each of its three stage boundaries ahead expects
+    # that share of the type's 3 s
+    d = server(True)
+    d.pauses.observe("chat", 3.0)
+    assert d.register_agent("b", 1000.0, 3.0, agent_type="chat", shape=shape).eta_s == \
+        pytest.approx(never.eta_s + 3 * 3.0 / RECENT)
