@@ -83,8 +83,11 @@ async def agent_events(entry: AgentEntry, record: Callable[[AgentEntry], AgentRe
     """The record now and after every change, until the agent ends (None: heartbeat)."""
     while True:
         changed = entry.next_change()
+        # Whether it was terminal is read with the record sent: the agent may end while the
+        # caller sends it, and that end is then sent next, not skipped.
+        ended = entry.terminal
         yield record(entry)
-        if entry.terminal:
+        if ended:
             return
         try:
             await asyncio.wait_for(changed.wait(), heartbeat_s)

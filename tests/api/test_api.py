@@ -125,11 +125,12 @@ def test_the_first_agent_of_a_fresh_server_has_a_widened_promise(tmp_path) -> No
         assert rec["fair_finish_s"] > 0 and rec["eta_s"] > 0 and rec["delay_bound_s"] > 0
         # the deadline was promised at registration: the first agent this server sees, so no
         # arrivals are measured yet and its worst case assumes the most load it allows for (90%
-        # of the rate), and says so; the deadline given is the tighter calibrated one (a fresh
-        # server's factor times the ETA), which says what it rests on
-        assert rec["deadline_s"] <= 10 * rec["fair_finish_s"] + rec["delay_bound_s"] + 0.5
+        # of the rate), and says so; nor is the engine's rate measured, and its cost is a
+        # guess: its ETA rests on guesses, so the deadline is that worst case, not a multiple
+        # of the ETA (which would rest on nothing)
+        assert rec["deadline_s"] >= rec["fair_finish_s"] + rec["delay_bound_s"] - 1e-6
         assert rec["deadline_s"] >= rec["eta_s"]
-        assert "no faster than measured" in rec["promise_assumes"]
+        assert rec["promise_assumes"] == ""
         assert rec["promise"] == "widened" and "no arrivals measured yet" in rec["promise_reason"]
         assert rec["finished_at"] is None
         assert fake_client.get(f"/v1/agents/{rec['id']}").json()["id"] == rec["id"]
