@@ -138,7 +138,7 @@ class DashboardFeed:
         return [position, entry.type, entry.tenant if self.admin else None, entry.state,
                 agent.pending, agent.running, round(entry.predicted_cost), round(entry.consumed_kv_cost),
                 _r(v.virtual_finish, 0), _r(v.eta_s, 1), _r(v.fair_finish_s, 1), _r(v.deadline_s, 1), v.promise,
-                _r(entry.paused_mono, 1)]
+                _r(entry.paused_mono, 2)]  # as `t` is: t - paused_since is never negative
 
     def _counts(self, out: dict[str, Any], top: list[str], visible_live: int) -> None:
         d = self.hub.scheduler.dispatcher
