@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from predictors import agent_models as am  # noqa: E402
-from predictors.features import estimate_tokens  # noqa: E402
+from predictors.prompt_features import estimate_tokens  # noqa: E402
 from predictors.samples import Sample, agent_cost, write_samples  # noqa: E402
 
 #: Documents (runs of WikiText-2 sections) shorter than this are not summarization inputs.

@@ -46,13 +46,13 @@ _WHERE = {
     "read_samples": "samples",
     "train_predictor": "training",
     "evaluate": "evaluation",
-    "estimate_tokens": "features",
+    "estimate_tokens": "prompt_features",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cold_start import ColdStartEstimator, ColdStartPredictor
     from .evaluation import evaluate
-    from .features import estimate_tokens
+    from .prompt_features import estimate_tokens
     from .model import CostPredictor
     from .persistence import PredictorLoadError, load_predictor, save_predictor
     from .registry import PredictorRegistry

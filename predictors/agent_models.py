@@ -2,7 +2,7 @@
 
 Without a real LLM, an agent's cost is assembled from its structure: the number of requests
 and their prompt sizes follow from the agent's input text (estimated tokens, see
-:func:`predictors.features.estimate_tokens`), and each request's output length is drawn by an
+:func:`predictors.prompt_features.estimate_tokens`), and each request's output length is drawn by an
 ``OutputLengths`` sampler (from a real trace in ``benchmarks/make_predictor_samples.py``, from
 a parametric stand-in in :mod:`predictors.synthetic`). Draws are seeded from the input text, so
 the same input always gets the same cost (profiling at temperature 0).
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .features import estimate_tokens
+from .prompt_features import estimate_tokens
 
 
 class OutputLengths(Protocol):

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
 
-from .features import estimate_tokens
+from .prompt_features import estimate_tokens
 
 _Z90 = NormalDist().inv_cdf(0.9)
 

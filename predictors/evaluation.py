@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .base import Features, PointPredictor, Predictor
-from .features import estimate_tokens
+from .prompt_features import estimate_tokens
 from .samples import Sample
 
 

@@ -2,9 +2,9 @@
 ``GET /v1/history``, its online retraining and ``train-predictor --from-history FILE``).
 
 A sample's ``features`` hold what the agent declared at submission (its metadata's
-``features`` numbers, ``fan_out``, ``stages``: :func:`predictors.features.submission_features`)
+``features`` numbers, ``fan_out``, ``stages``: :func:`predictors.prompt_features.submission_features`)
 and how its run went (``n_requests``, ``prompt_tokens``, ``output_tokens``: outcome features,
-which models never learn from, :data:`predictors.features.OUTCOME_FEATURES`).
+which models never learn from, :data:`predictors.prompt_features.OUTCOME_FEATURES`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .features import submission_features
+from .prompt_features import submission_features
 
 #: Finished agents after row ``?``; callers append filters, ``ORDER BY`` and ``LIMIT``.
 HISTORY_QUERY = ("SELECT type, prompt, cost, n_requests, prompt_tokens, output_tokens, id, rowid, metadata "

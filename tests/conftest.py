@@ -45,6 +45,15 @@ def _engine_tests_deselected(config: pytest.Config) -> bool:
     return "not engine" in (config.option.markexpr or "")
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With `-m "not engine"` alone (`make test-fast`), tests/engine is not even imported:
+    every test there is deselected, and importing its modules (the OpenAI client, aiohttp,
+    ...) cost each worker seconds."""
+    if (config.option.markexpr or "").strip() == "not engine" and collection_path == ENGINE_DIR:
+        return True
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _no_engine_in_the_fast_tier(request: pytest.FixtureRequest,
                                 monkeypatch: pytest.MonkeyPatch) -> None:

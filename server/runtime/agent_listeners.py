@@ -181,7 +181,7 @@ class PredictorFeedback(AgentListener):
         self.predictors.observe(entry.type, entry.prompt, entry.consumed_kv_cost, features,
                                 tenant=entry.tenant)
         if entry.cost_source in _PREDICTED:
-            from predictors.features import submission_features
+            from predictors.prompt_features import submission_features
 
             self.predictors.learn(entry.type, entry.prompt, entry.consumed_kv_cost, entry.predicted_cost,
                                   submission_features(entry.meta()), tenant=entry.tenant)

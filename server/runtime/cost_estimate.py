@@ -44,7 +44,7 @@ def estimate_cost(predictors: Predictors | None, agent_type: str, prompt: str, t
                   metadata: dict[str, Any]) -> CostEstimate:
     """The agent type's predictor, if one is served and does not fail; else the fallback."""
     if predictors is not None:
-        from predictors.features import estimate_tokens, submission_features
+        from predictors.prompt_features import estimate_tokens, submission_features
 
         # What the agent declared: its `features` numbers, fan-out and stage shape.
         features = submission_features(metadata)

@@ -9,7 +9,6 @@ import json
 
 import httpx
 import pytest
-from transformers import PreTrainedTokenizerFast
 
 from server.api.errors import InvalidRequestError
 from server.api.tool_calls import ToolCallParser, plan_tools, required_schema
@@ -114,6 +113,8 @@ def test_required_is_a_list_of_calls_of_the_listed_functions() -> None:
 
 
 def test_vllms_hermes_parser_reads_a_call_out_of_an_auto_answer() -> None:
+    from transformers import PreTrainedTokenizerFast  # seconds to import: only this test needs it
+
     parser = ToolCallParser("hermes", PreTrainedTokenizerFast(tokenizer_object=_build_tokenizer()))
     plan = plan_tools([WEATHER], "auto", None, parser.name)
     text = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'

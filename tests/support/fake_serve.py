@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGUSR1, lambda *_: supervised.kill())
     config = ServerConfig(port=args.port, data_dir=args.data_dir, health_port=args.health_port,
                           shutdown_grace_s=args.shutdown_grace_s, retrain_every=args.retrain_every,
-                          log_level="info")
+                          log_level="info",
+                          # as FakeServer: the grammar worker (a process loading xgrammar and
+                          # torch) starts at the first JSON schema, not with every test's server
+                          grammar_warm_up=False)
     return serve(config, engine=engine)
 
 
