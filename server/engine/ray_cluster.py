@@ -9,6 +9,10 @@ child process (loopback only, no token, a capped object store), hands out its ad
 
 Ray's own start-up gives its raylet 30 s to register, which a busy 2-core machine exceeds
 now and then: a failed start is tried again.
+
+Its process helpers also serve `serve --ray local`, whose cluster lives in the server's own
+process: `ray_processes_under` finds that cluster's processes and `kill_survivors` ends
+those that outlive `ray.shutdown`.
 """
 
 from __future__ import annotations

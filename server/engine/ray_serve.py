@@ -351,8 +351,8 @@ class RayServeEngine(TokenizerEngine):
                 for listener in self._step_listeners:
                     listener(duration_s, kv_in_use * scale)
             # The same view for the step-time model: each replica's step as the whole
-            # fleet's, its batch scaled alike (StepSample.scaled). A replica deployed by an
-            # older version of this code sends no samples.
+            # fleet's, its batch scaled alike (StepSample.scaled). An application deployed
+            # by an earlier Justitia sends no samples: its reports are read without them.
             for seconds, decode_seqs, prefill_tokens, kv_tokens in rep.get("samples", ()):
                 sample = StepSample(seconds, decode_seqs, prefill_tokens, kv_tokens).scaled(scale)
                 for sample_listener in self._sample_listeners:
