@@ -52,9 +52,9 @@ _WHERE = {
 if TYPE_CHECKING:  # pragma: no cover
     from .cold_start import ColdStartEstimator, ColdStartPredictor
     from .evaluation import evaluate
-    from .prompt_features import estimate_tokens
     from .model import CostPredictor
     from .persistence import PredictorLoadError, load_predictor, save_predictor
+    from .prompt_features import estimate_tokens
     from .registry import PredictorRegistry
     from .samples import Sample, SampleError, read_samples
     from .training import train_predictor
