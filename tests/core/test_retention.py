@@ -14,6 +14,7 @@ from server.scheduler import Dispatcher, RequestSpec
 from server.scheduler.pauses import PauseStats
 from server.scheduler.prefix import segments
 from server.scheduler.retention import (
+    HORIZON_SCALE,
     OWN,
     SHARED,
     Pin,
@@ -80,9 +81,9 @@ def test_each_part_of_a_context_has_its_own_resend_rate() -> None:
     assert auto.reuse.rate("vote", SHARED) == pytest.approx(1.0)
     assert auto.reuse.rate("vote", OWN) < 0.05
     assert auto.reuse.rate("vote") == 1.0  # the whole context: nothing seen of it, the prior
-    assert auto.horizon_s("vote", 45_000, 0.00009, SHARED) == pytest.approx(4.05)
+    assert auto.horizon_s("vote", 45_000, 0.00009, SHARED) == pytest.approx(HORIZON_SCALE * 4.05)
     # nothing seen of its pauses: kept for the horizon of its share (the prior among 20 none)
-    assert auto.keep_until("vote", 3.0, 45_000, 0.00009, OWN) == pytest.approx(3.0 + 4.05 / 21)
+    assert auto.keep_until("vote", 3.0, 45_000, 0.00009, OWN) == pytest.approx(3.0 + HORIZON_SCALE * 4.05 / 21)
 
 
 def test_a_retention_charge_moves_a_late_agent_by_its_cost_in_iterations() -> None:
