@@ -161,6 +161,7 @@ def test_a_type_whose_agents_end_after_their_request_is_kept_ever_shorter() -> N
         return held
 
     held = run(body, retain="auto")
-    # nothing known of the type at first: kept for the whole break-even (M x c); after 11
-    # agents that never resent, for a twelfth of it
-    assert held[-1] <= held[0] / 10
+    # nothing known of the type at first: kept for the whole horizon; after 11 agents that
+    # never resent, for about a twelfth of it (c, refitted from the engine's steps as they
+    # are seen, moves it by a few tenths either way)
+    assert held[-1] <= held[0] / 8
