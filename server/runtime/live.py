@@ -246,8 +246,8 @@ class LiveScheduler:
             shape=declared or self.type_shapes.typical(tenant, agent_type),
             # A learned shape: the promise covers the type's p90, the ETA expects its median.
             # With none, the ETA expects the one request a guessed cost stands for: with no
-            # path at all, a fresh server's demo agents were told 0.1-0.2 s for JCTs of 2-6 s
-            # (their whole cost at the engine's full rate).
+            # path at all it would be the whole cost at the engine's full rate, a tenth or
+            # less of the JCT of an agent whose requests run one after another.
             eta_shape=None if declared else (
                 self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE) or guessed),
             cost_p90=interval[1] if interval else None,
