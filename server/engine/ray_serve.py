@@ -282,17 +282,6 @@ class RayServeEngine(PlacedReplicas, TokenizerEngine):
             return False
         return status is not None and str(status.status).endswith("RUNNING")
 
-    def _load_tokenizer(self, model: str) -> Any:
-        from transformers import AutoTokenizer
-
-        name = self.tokenizer_name or model
-        try:
-            return AutoTokenizer.from_pretrained(name)
-        except Exception as exc:
-            raise EngineError(
-                f"cannot load the tokenizer {name!r} in the scheduler's process (it counts tokens "
-                f"before admitting a request): {exc}; pass --tokenizer PATH") from exc
-
     async def close(self) -> None:
         self._set_state("stopped", "the engine was stopped")
         if self._poller is not None:

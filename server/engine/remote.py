@@ -83,25 +83,13 @@ class RemoteVLLMEngine(PlacedReplicas, TokenizerEngine):
         )
         r = self.replica
         await r.describe(self._session)
-        self._tokenizer = self._load_tokenizer()
+        self._tokenizer = self._load_tokenizer(r.model)
         self._encode = fast_encoder(self._tokenizer)
         self.placement.join(r.url, r.kv_capacity_tokens).detail["url"] = r.url
         self._info = EngineInfo(model=r.model, kv_capacity_tokens=self.placement.started(),
                                 block_size=r.block_size, max_model_len=r.max_model_len,
                                 served_name=r.served_name)
         self._poller = asyncio.create_task(self._poll_forever(), name="justitia-remote-metrics")
-
-    def _load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        name = self.tokenizer_name or self.replica.model
-        try:
-            return AutoTokenizer.from_pretrained(name)
-        except Exception as exc:
-            raise EngineError(
-                f"cannot load the tokenizer {name!r} here (the scheduler counts tokens before "
-                f"admitting a request): {exc}; pass --tokenizer PATH"
-            ) from exc
 
     async def close(self) -> None:
         if self._poller is not None:
