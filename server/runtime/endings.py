@@ -123,7 +123,7 @@ class AgentEndings:
         had ended), the dispatcher forgets it (unless `forget` is False: the caller did),
         it leaves the live agents, and the listeners hear of it."""
         transition(entry, state, wall=self._wall(), now=self.now())
-        self.retention.forget(entry.id)
+        self.retention.forget(entry.id, entry.type if state is AgentStatus.FINISHED else None)
         if state is AgentStatus.FINISHED and entry.session is None and entry.first_eta_s is not None \
                 and entry.finished_at is not None:
             # What the ETA intervals are calibrated on (a session's end comes after its idle

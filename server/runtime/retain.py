@@ -82,6 +82,8 @@ class LiveRetention:
     free_kv: Callable[[], float | None] = lambda: None
     # The engine's prefill time per token (its fitted step-time model, else the prior).
     prefill_token_s: Callable[[], float] = lambda: 0.0
+    # The engine's fixed time per step: a touch runs one step after it is sent at the soonest.
+    step_s: Callable[[], float] = lambda: 0.0
     kept: dict[str, _Kept] = field(default_factory=dict)
     # The sequences each agent's current stage left (prompt and generated ids), and their
     # sizes, until its next stage starts.
@@ -102,16 +104,21 @@ class LiveRetention:
         free)."""
         mode = check_mode(mode) if dispatcher.policy.retains else "never"
 
-        def prefill_token_s() -> float:
+        def model() -> Any:
             models = time_models.models()
-            model = max(models.values(), key=lambda m: m.samples) if models else time_models.prior
-            return max(0.0, float(model.per_prefill_token_s))
+            return max(models.values(), key=lambda m: m.samples) if models else time_models.prior
+
+        def prefill_token_s() -> float:
+            return max(0.0, float(model().per_prefill_token_s))
+
+        def step_s() -> float:
+            return max(0.0, float(model().base_s))
 
         def free_kv() -> float:
             return (1.0 - engine.stats().kv_usage) * dispatcher.kv_capacity
 
         return cls(Retention(mode, dispatcher.pauses), dispatcher, engine, now, engine.info.block_size,
-                   free_kv=free_kv, prefill_token_s=prefill_token_s)
+                   free_kv=free_kv, prefill_token_s=prefill_token_s, step_s=step_s)
 
     @property
     def active(self) -> bool:
@@ -177,9 +184,15 @@ class LiveRetention:
             self.rule.reuse.observe(agent_type, resent, left)
         self._release(agent_id)
 
-    def forget(self, agent_id: str) -> None:
-        """The agent ended: nothing of it is kept, nothing more is charged."""
-        self.stage_sequences.pop(agent_id, None)
+    def forget(self, agent_id: str, finished_type: str | None = None) -> None:
+        """The agent ended: nothing of it is kept, nothing more is charged. An agent that
+        finished (`finished_type`: its type) after a pause resent nothing of what its last
+        stage left: that pause counts as one without reuse, so a type whose agents end
+        after a single request (or whose last pause is the end) is not kept for a resend
+        that never comes."""
+        sequences = self.stage_sequences.pop(agent_id, None)
+        if sequences and finished_type is not None:
+            self.rule.reuse.observe(finished_type, 0, sum(len(s) for s in sequences))
         kept = self.kept.pop(agent_id, None)
         if kept is not None:
             self._unpin(kept)
@@ -211,8 +224,12 @@ class LiveRetention:
         """Requests took `footprints` KV tokens: kept contexts whose blocks those may reach
         at the head of vLLM's free queue are touched."""
         self.admitted_tokens += footprints
+        # A touch that cannot run before the rule lets the context go protects nothing: it
+        # would only add a request to the engine's step (a type kept for a sliver of the
+        # break-even, say, whose agents seldom resend).
+        last_useful = self.now() + self.step_s()
         for agent_id, kept in list(self.kept.items()):
-            if self.admitted_tokens - kept.admitted_at >= TOUCH_AT * kept.ahead:
+            if kept.until > last_useful and self.admitted_tokens - kept.admitted_at >= TOUCH_AT * kept.ahead:
                 self._touch(agent_id, kept)
 
     # -- the pieces --------------------------------------------------------------------------

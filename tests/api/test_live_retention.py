@@ -142,3 +142,25 @@ def test_never_and_policies_that_keep_nothing_keep_nothing(config: dict) -> None
 
     summary = run(body, **config)
     assert summary["retain"] == "never" and summary["kept_contexts"] == 0 and summary["touches"] == 0
+
+
+def test_a_type_whose_agents_end_after_their_request_is_kept_ever_shorter() -> None:
+    """An agent that finishes after a pause resent nothing of what it left: counted as such,
+    a type of one-request agents (a client splitting its work into an agent per request)
+    soon has its contexts kept for a sliver of the break-even between request and finish,
+    not for all of it."""
+
+    async def body(live: LiveScheduler, engine: FakeEngine) -> list[float]:
+        held = []
+        for i in range(12):
+            a = live.register("flood", "p", "x", predicted_cost=1e5)
+            await request(live, a, f"f{i}", ctx(300, start=20 + i))
+            kept = live.retention.kept[a.id]
+            held.append(kept.until - kept.since)
+            await live.finish(a)
+        return held
+
+    held = run(body, retain="auto")
+    # nothing known of the type at first: kept for the whole break-even (M x c); after 11
+    # agents that never resent, for a twelfth of it
+    assert held[-1] <= held[0] / 10
