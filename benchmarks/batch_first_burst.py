@@ -106,6 +106,21 @@ def _stats(values: list[float]) -> dict[str, float | None]:
             "p90": round(ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)], 3)}
 
 
+def _broken(h: Any) -> dict[str, Any]:
+    first = h.first_record or h.record
+
+    def field(record: Any, name: str) -> Any:
+        return None if record is None else getattr(record, name, None)
+
+    return {"index": h.index, "agent": h.agent.name, "jct_s": round(h.jct_s, 2),
+            "first_deadline_s": round(h.first_deadline_s, 2), "first_eta_s": h.first_eta_s,
+            "promise": field(first, "promise"), "reason": field(first, "promise_reason"),
+            "delay_bound_s": field(first, "delay_bound_s"),
+            "predicted_cost": field(first, "predicted_cost"),
+            "predicted_cost_p90": field(first, "predicted_cost_p90"),
+            "consumed_cost": field(h.record, "consumed_cost")}
+
+
 def run(mode: str, n: int, whole: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as home, EmbeddedServer(
             ["--shutdown-grace-s", "10"], env={"JUSTITIA_HOME": home},
@@ -136,6 +151,8 @@ def run(mode: str, n: int, whole: bool) -> dict[str, Any]:
         out[name] = {"eta_error": _stats(errors), "kept": sum(kept), "judged": len(kept),
                      "first_eta_s": _stats([h.first_eta_s for h in group if h.first_eta_s]),
                      "jct_s": _stats([h.jct_s for h in group if h.jct_s])}
+        # the promises broken, with what they were made of
+        out[name]["broken"] = [_broken(h) for h in group if h.kept_promise is False]
         for kind in ("bb_research", "bb_chat"):
             errs = [h.eta_error for h in group if h.agent.name == kind and h.eta_error is not None]
             out[name][f"eta_error_{kind}"] = _stats(errs)
