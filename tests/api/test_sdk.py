@@ -133,10 +133,15 @@ def test_fake_servers_stop_and_free_their_port(tmp_path) -> None:
 # -- a server that dies and comes back ------------------------------------------------------
 
 _SERVE_FAKE = """
-import os, sys, time
-from predictors.online import exit_with_parent
+import os, sys, threading, time
 from tests.support.fake_engine import FakeEngine, FakeServer
-exit_with_parent(os.getppid(), kernel=False)  # a test process killed outright takes it along
+
+def exit_with_parent(parent=os.getppid()):  # a test process killed outright takes it along
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+threading.Thread(target=exit_with_parent, daemon=True).start()
 srv = FakeServer(sys.argv[1], engine=FakeEngine(step_s=0.01)).start(port=int(sys.argv[2]))
 print("ready", flush=True)
 while True:
@@ -191,6 +196,7 @@ def server_processes() -> Iterator[_ServerProcesses]:
         procs.kill_all()
 
 
+@pytest.mark.timeout(120)  # two servers start from a fresh interpreter each: seconds apiece on a busy machine
 async def test_an_agent_survives_its_server_being_killed_and_restarted(tmp_path, server_processes) -> None:
     """The request in flight when the server died is sent again once it is back (the
     server forgot the agent: the SDK registers it again), within the retry window."""
