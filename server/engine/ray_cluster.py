@@ -9,6 +9,10 @@ child process (loopback only, no token, a capped object store), hands out its ad
 
 Ray's own start-up gives its raylet 30 s to register, which a busy 2-core machine exceeds
 now and then: a failed start is tried again.
+
+Its process helpers also serve `serve --ray local`, whose cluster lives in the server's own
+process: `ray_processes_under` finds that cluster's processes and `kill_survivors` ends
+those that outlive `ray.shutdown`.
 """
 
 from __future__ import annotations
@@ -78,11 +82,7 @@ class LocalCluster:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
-        # what ray.shutdown left (some of Ray's processes outlive their parents) goes too
-        _, alive = psutil.wait_procs(doomed, timeout=5)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        kill_survivors(doomed, grace_s=5.0)  # what ray.shutdown left (some outlive their parents)
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -102,3 +102,27 @@ def engine_replicas(root_pid: int) -> list[Any]:
             if "ServeReplica:justitia-engines" in child.name() + " ".join(child.cmdline()[:2]):
                 found.append(child)
     return found
+
+
+def ray_processes_under(pid: int) -> list[Any]:
+    """The processes of a Ray cluster that process `pid` started with `ray.init` (its GCS,
+    raylet, agents, and under the raylet the workers: engine replicas and their engines)."""
+    import psutil
+
+    found = []
+    with contextlib.suppress(psutil.Error):
+        for proc in psutil.Process(pid).children():
+            with contextlib.suppress(psutil.Error):
+                if any("site-packages/ray/" in part for part in proc.cmdline()[:3]):
+                    found += [proc, *proc.children(recursive=True)]
+    return found
+
+
+def kill_survivors(procs: list[Any], grace_s: float = 3.0) -> None:
+    """Kill those of `procs` still alive after `grace_s` seconds."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()

@@ -11,7 +11,9 @@ embedded server runs. The scheduler (server/engine/ray_serve.py) talks to it thr
   sends it there. Without `replica`, Ray Serve's own power-of-two-choices routing decides
   (policy `ray`: what a Ray user has without Justitia);
 - `report(demand_tokens)` (broadcast to every replica): its id, its engine's limits, its
-  statistics and the busy steps since the last report. `demand_tokens` is the scheduler's
+  statistics and the busy steps since the last report: each step's duration and KV in use
+  (the scheduler's service rate) and its batch shape (the samples of the scheduler's step-time
+  model, one model per replica). `demand_tokens` is the scheduler's
   KV demand (tokens reserved by running requests plus the footprints of queued ones), which
   the replica hands to Ray Serve's autoscaler as a custom metric (`record_autoscaling_stats`);
   `backlog_policy`, the deployment's autoscaling policy, asks for as many replicas as that
@@ -37,9 +39,10 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from server.engine.base import EngineOutput, EngineRequest
+from server.shared.step_time import StepSample
 
-# A report keeps at most this many busy steps (the scheduler polls twice a second; a
-# replica steps at most a few hundred times a second).
+# A report keeps at most this many busy steps, and as many step samples (the scheduler polls
+# twice a second; a replica steps at most a few hundred times a second).
 STEP_BUFFER = 4096
 # A request pinned to a replica that is no longer a candidate (Ray stopped it to scale down,
 # or it died) waits this long for it, then goes to any replica: the scheduler re-places it
@@ -89,6 +92,8 @@ class EngineReplica:
         self._id = context.replica_id.unique_id
         self._node = context.rank.node_rank
         self._steps: list[tuple[float, float]] = []
+        # (seconds, decode_seqs, prefill_tokens, kv_tokens): a StepSample as plain numbers
+        self._samples: list[tuple[float, float, float, float]] = []
         self._demand = 0.0
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -102,11 +107,17 @@ class EngineReplica:
         self._engine = LocalVLLMEngine(config)
         await self._engine.start()
         self._engine.add_step_listener(self._on_step)
+        self._engine.add_sample_listener(self._on_sample)
 
     def _on_step(self, duration_s: float, kv_in_use: float) -> None:
         self._steps.append((duration_s, kv_in_use))
         if len(self._steps) > STEP_BUFFER:
             del self._steps[: len(self._steps) - STEP_BUFFER]
+
+    def _on_sample(self, engine_name: str, sample: StepSample) -> None:
+        self._samples.append((sample.seconds, sample.decode_seqs, sample.prefill_tokens, sample.kv_tokens))
+        if len(self._samples) > STEP_BUFFER:
+            del self._samples[: len(self._samples) - STEP_BUFFER]
 
     async def check_health(self) -> None:
         """Ray Serve's health check: a dead engine makes Ray replace the replica."""
@@ -124,8 +135,10 @@ class EngineReplica:
             self._demand = float(demand_tokens)
         engine = self._engine
         steps, self._steps = self._steps, []
+        samples, self._samples = self._samples, []
         return {"replica": self._id, "info": asdict(engine.info),
-                "stats": asdict(engine.stats()), "steps": steps, "healthy": engine.healthy,
+                "stats": asdict(engine.stats()), "steps": steps, "samples": samples,
+                "healthy": engine.healthy,
                 "pid": os.getpid(), "node": self._node}
 
     async def generate(self, request: EngineRequest, replica: str | None = None

@@ -11,7 +11,9 @@ as a Ray Serve application, and presents them to the scheduler as one engine:
   prefix cache), in the scheduler's own order; the request is then sent to that replica
   through the deployment's handle (`PinnedRouter` routes on the replica named in the call);
 - health: the replicas report twice a second (a broadcast of `report`): their statistics,
-  their busy steps (the scheduler's service rate) and that they are alive;
+  their busy steps (the scheduler's service rate), each step's batch shape (the samples of
+  the scheduler's step-time model: one model per replica, named by the replica's id) and
+  that they are alive;
 - failure: a request whose replica died before it produced anything is resent to another
   replica; one that had produced output fails with an error naming the replica's death.
   While no replica serves (Ray is replacing them), requests wait instead of failing.
@@ -45,6 +47,7 @@ from server.engine.base import (
     EngineRequest,
     EngineStats,
     InvalidRequestError,
+    SampleListener,
     StateListener,
     StepListener,
 )
@@ -56,7 +59,9 @@ from server.engine.placement import (
     ReplicaSlot,
     footprint,
 )
+from server.engine.ray_cluster import kill_survivors, ray_processes_under
 from server.engine.tokens import TokenizerEngine, fast_encoder
+from server.shared.step_time import StepSample
 
 log = logging.getLogger("justitia.engine.ray")
 
@@ -141,33 +146,11 @@ def connect(address: str) -> bool:
     return False
 
 
-def _descendants() -> list[Any]:
-    """The processes of the Ray cluster this process started (its GCS, raylet, agents,
-    and under the raylet the workers: the engine replicas and their engines)."""
-    import psutil
-
-    found = []
-    for proc in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if any("site-packages/ray/" in part for part in proc.cmdline()[:3]):
-                found += [proc, *proc.children(recursive=True)]
-    return found
-
-
-def _kill_survivors(procs: list[Any], grace_s: float = 3.0) -> None:
-    import psutil
-
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-
-
 class RayServeEngine(PlacedReplicas, TokenizerEngine):
     """Engine replicas deployed on Ray Serve as one engine (see the module docstring).
 
-    Capabilities (server/engine/base.py): `StepStatistics`, `Placement`, `CapacityChanges`,
-    `ReplicaList`, `Autoscaled` and `Supervised`.
+    Capabilities (server/engine/base.py): `StepStatistics`, `StepSamples`, `Placement`,
+    `CapacityChanges`, `ReplicaList`, `Autoscaled` and `Supervised`.
     """
 
     def __init__(self, address: str, replicas: int, settings: dict[str, Any], *,
@@ -189,6 +172,7 @@ class RayServeEngine(PlacedReplicas, TokenizerEngine):
         self.state_detail = "the engine has not started"
         self._state_listeners: list[StateListener] = []
         self._step_listeners: list[StepListener] = []
+        self._sample_listeners: list[SampleListener] = []
         self._streams: dict[str, Any] = {}
         self._aborted: set[str] = set()
         self.handle: Any = None  # the application's Ray Serve handle, once started
@@ -309,10 +293,10 @@ class RayServeEngine(PlacedReplicas, TokenizerEngine):
         # Our own cluster: no need to stop the application replica by replica (the server's
         # shutdown has seconds, not minutes); note every process of it before Ray stops it,
         # as some of them outlive their parents (Ray's agents, vLLM's engine processes).
-        doomed = _descendants()
+        doomed = ray_processes_under(os.getpid())
         with contextlib.suppress(Exception):
             await asyncio.to_thread(ray.shutdown)
-        await asyncio.to_thread(_kill_survivors, doomed)
+        await asyncio.to_thread(kill_survivors, doomed)
 
     # -- reports: health, statistics, capacity -------------------------------------------
     def set_demand_source(self, demand: Callable[[], int]) -> None:
@@ -366,6 +350,13 @@ class RayServeEngine(PlacedReplicas, TokenizerEngine):
             for duration_s, kv_in_use in rep["steps"]:
                 for listener in self._step_listeners:
                     listener(duration_s, kv_in_use * scale)
+            # The same view for the step-time model: each replica's step as the whole
+            # fleet's, its batch scaled alike (StepSample.scaled). An application deployed
+            # by an earlier Justitia sends no samples: its reports are read without them.
+            for seconds, decode_seqs, prefill_tokens, kv_tokens in rep.get("samples", ()):
+                sample = StepSample(seconds, decode_seqs, prefill_tokens, kv_tokens).scaled(scale)
+                for sample_listener in self._sample_listeners:
+                    sample_listener(rep["replica"], sample)
 
     def _capacity_changed(self) -> int:
         m = self.placement.capacity
@@ -382,6 +373,12 @@ class RayServeEngine(PlacedReplicas, TokenizerEngine):
     # -- capabilities: the placement's (PlacedReplicas) ---------------------------------
     def add_step_listener(self, listener: StepListener) -> None:
         self._step_listeners.append(listener)
+
+    def add_sample_listener(self, listener: SampleListener) -> None:
+        """Call `listener(replica_id, sample)` for every busy step of every replica, its
+        batch scaled to the whole fleet (see `absorb`): the scheduler fits one step-time
+        model per replica."""
+        self._sample_listeners.append(listener)
 
     def stats(self) -> EngineStats:
         return self.placement.stats()

@@ -53,16 +53,17 @@ class Promises:
         self.observed = ObservedLimits()
 
     # -- limits and bounds -------------------------------------------------------------
-    def limits_for(self, tenant: str | None) -> BoundLimits:
+    def limits_for(self, tenant: str | None, guessed: bool = False) -> BoundLimits:
         """The limits an agent of `tenant` is promised against: the operator's, or what the
-        scheduler can trust (real work of anyone, predictions of `tenant` only)."""
+        scheduler can trust (real work of anyone, predictions of `tenant` only). `guessed`:
+        the agent's cost is a guess (see `context_bound`)."""
         declared = self.tenant_limits.get(tenant)
         if declared is not None:
             return declared
         if self.declared is not None:
             return self.declared
         limits = self.observed.as_limits(tenant)
-        if self.no_request_seen:
+        if self.no_request_seen or (guessed and self.context_bound):
             # Nothing bounds the requests an agent will wait behind but the engine's context:
             # with none seen, the longest output seen is 0, which would bound the first
             # agents as if no request decoded.
@@ -76,6 +77,16 @@ class Promises:
         return self.declared is None and bool(self.context_tokens) and self.observed.max_output_tokens <= 0
 
     @property
+    def context_bound(self) -> bool:
+        """An agent whose cost is a guess is bounded as if no request had been seen while the
+        engine's rate is not measured: the few requests seen then (the first of a burst,
+        whose agents register together) say nothing of how long an unseen type's requests
+        are, nor the engine's guessed step time how slow its steps will be. Live, a fresh
+        server's opening burst of 64 unseen agents, bounded by the first 24-token request
+        seen, was promised 2.5 s and took 4-16 s (98 of 128 broken)."""
+        return bool(self.context_tokens) and self.declared is None and self._d.uncertainty is not None
+
+    @property
     def bound_step_s(self) -> float:
         """The step time of the bounds given now: the pessimistic iteration time, or the
         time model's step with the cache full (a critical path's steps under contention)."""
@@ -84,7 +95,7 @@ class Promises:
     def bound(self, agent: AgentState) -> None:
         """Set the agent's delay bound from its shape and the limits it is promised against."""
         d = self._d
-        agent.bound = delay_bound(self.limits_for(agent.tenant), agent.shape, d.kv_capacity,
+        agent.bound = delay_bound(self.limits_for(agent.tenant, agent.cost_guessed), agent.shape, d.kv_capacity,
                                   d.bound_tau, self.bound_step_s)
 
     # -- deadlines ------------------------------------------------------------------------
@@ -107,6 +118,9 @@ class Promises:
         if self.no_request_seen:
             reasons.append(f"no request seen yet: the bound assumes requests as long as the engine's context "
                            f"({self.context_tokens} tokens)")
+        elif agent.cost_guessed and self.context_bound and not self.tenant_limits.get(agent.tenant):
+            reasons.append(f"its cost is a guess: until the engine's rate is measured the bound assumes requests "
+                           f"as long as the engine's context ({self.context_tokens} tokens)")
         if extra > 0.0:
             reasons.append(f"its cost is a prediction: the deadline allows for {agent.promise_charge:.4g} units, "
                            f"the prediction's p90 ({agent.promise_charge / agent.charged_cost:.2g}x its charge)")

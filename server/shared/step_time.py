@@ -30,6 +30,14 @@ class StepSample:
     def features(self) -> tuple[float, float, float, float]:
         return (1.0, float(self.decode_seqs), float(self.prefill_tokens), float(self.kv_tokens))
 
+    def scaled(self, factor: float) -> StepSample:
+        """The same step with `factor` times its batch: one replica's step as the step of a
+        fleet of `factor` such replicas stepping side by side. The scheduler sees engine
+        replicas as one engine of M, their capacities summed, so a fit to scaled samples
+        predicts a replica's step at its share of the fleet's batch."""
+        return StepSample(self.seconds, self.decode_seqs * factor, self.prefill_tokens * factor,
+                          self.kv_tokens * factor)
+
 
 @dataclass(frozen=True)
 class TimeModel:

@@ -18,10 +18,14 @@ from justitia_cli import main
 from server.engine.base import Capabilities
 from server.engine.ray_serve import RayServeEngine, RayUnreachable, check_reachable
 from server.launcher import free_port
+from server.scheduler.time_model import TimeModelBank
+from server.shared.step_time import StepSample
 
 
-def report(rid: str, kv: int = 4000, healthy: bool = True, steps: list | None = None) -> dict:
+def report(rid: str, kv: int = 4000, healthy: bool = True, steps: list | None = None,
+           samples: list | None = None) -> dict:
     return {"replica": rid, "healthy": healthy, "pid": 1, "node": 0, "steps": steps or [],
+            "samples": samples or [],
             "info": {"model": "m", "kv_capacity_tokens": kv, "block_size": 32, "max_model_len": 1024},
             "stats": {"kv_usage": 0.5, "running": 2, "waiting": 0, "preemptions_total": 0,
                       "iteration_time_s": 0.01, "steps_total": 10}}
@@ -39,8 +43,8 @@ def engine_of(*reports: dict, pinned: bool = True) -> tuple[RayServeEngine, list
 
 def test_capabilities_are_those_the_scheduler_needs() -> None:
     engine, _ = engine_of(report("a"))
-    assert Capabilities.of(engine).names == {"placement", "capacity_changes", "step_statistics", "supervision",
-                                             "replicas", "autoscaled"}
+    assert Capabilities.of(engine).names == {"placement", "capacity_changes", "step_statistics", "step_samples",
+                                             "supervision", "replicas", "autoscaled"}
 
 
 def test_m_is_the_sum_and_follows_replicas_leaving_and_joining() -> None:
@@ -113,6 +117,35 @@ def test_step_reports_reach_the_rate_estimator_scaled_to_the_whole_m() -> None:
     engine.add_step_listener(lambda s, kv: steps.append((s, kv)))
     engine.absorb([report("a", steps=[[0.02, 1000.0]]), report("b")])
     assert steps == [(0.02, 2000.0)]  # 1,000 of replica a's 4,000: a quarter of M = 8,000
+
+
+def test_step_samples_of_each_replica_feed_its_own_time_model_scaled_to_the_whole_m() -> None:
+    """The replicas' steps reach the scheduler's time models (one per replica, by its id)
+    through the capability the server subscribes to, as the in-process engine's do."""
+    engine = RayServeEngine("local", 2, {})
+    bank = TimeModelBank()
+    caps = Capabilities.of(engine)
+    assert caps.step_samples is not None
+    caps.step_samples.add_sample_listener(bank.observe)
+    heard: list[tuple[str, StepSample]] = []
+    engine.add_sample_listener(lambda name, s: heard.append((name, s)))
+    # replica a: 8 decoding sequences over 1,000 KV tokens at 10 ms a step; b: twice the time
+    a_steps = [[0.010, 8, 0, 1000.0]] * 64  # the fits refit every 32 steps
+    b_steps = [[0.020, 8, 64, 1000.0]] * 64
+    engine.absorb([report("a", samples=a_steps), report("b", samples=b_steps)])
+    # each replica's step is the fleet's (M = 8,000, twice a replica's): the batch doubled
+    assert heard[0] == ("a", StepSample(0.010, 16, 0, 2000.0))
+    assert heard[-1] == ("b", StepSample(0.020, 16, 128, 2000.0))
+    described = bank.describe()["engines"]
+    assert set(described) == {"a", "b"}
+    assert described["a"]["samples"] == described["b"]["samples"] == 64
+    models = bank.models()
+    # fitted to what each replica measured, not the prior (the slower replica predicts slower)
+    assert models["a"].predict(StepSample(0, 16, 0, 2000.0)) == pytest.approx(0.010, rel=0.1)
+    assert models["b"].predict(StepSample(0, 16, 128, 2000.0)) == pytest.approx(0.020, rel=0.1)
+    # a report without samples (a replica that sends none) is read as before
+    engine.absorb([{k: v for k, v in report("a").items() if k != "samples"}, report("b")])
+    assert len(heard) == 128
 
 
 def test_an_unreachable_address_is_a_clear_error() -> None:

@@ -73,6 +73,18 @@ def test_the_dashboard_shows_a_request_in_flight_on_its_replica(server: FakeServ
         assert {r["id"] for r in idle} == {"fake-0", "fake-1"}
 
 
+def test_the_time_model_has_one_fit_per_replica_that_ran(server: FakeServer) -> None:
+    """Each replica's steps feed a time model of its own, under the replica's id."""
+    engine: ReplicatedFakeEngine = server.engine
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        body = {"prompt": "a few steps", "max_tokens": 40, "ignore_eos": True}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        ran = engine.ran_on[list(engine.ran_on)[-1]]
+        engines = c.get("/v1/scheduler").json()["time_model"]["engines"]
+        assert ran in engines and set(engines) <= {"fake-0", "fake-1"}
+        assert engines[ran]["samples"] >= 32  # 40 steps at least; a fit counts them every 32
+
+
 def test_a_replica_down_leaves_m_and_the_list_and_comes_back(server: FakeServer) -> None:
     engine: ReplicatedFakeEngine = server.engine
     with httpx.Client(base_url=server.url, timeout=30) as c:

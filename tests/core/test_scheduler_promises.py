@@ -789,3 +789,26 @@ def test_a_deadline_resting_on_guesses_is_the_worst_case() -> None:
     early = unmeasured.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
     assert early.promise_assumes == "" and early.promise == "widened"
     assert early.deadline_s >= worst.deadline_s - 1e-9
+
+
+def test_a_guessed_agent_is_bounded_by_the_context_until_the_rate_is_measured() -> None:
+    """The first request of a burst says nothing of how long an unseen type's requests are:
+    while the engine's rate is unmeasured, an agent whose cost is a guess is bounded as if
+    no request had been seen (requests as long as the engine's context); an agent whose
+    cost a predictor knows, or any agent once the rate is measured, by the requests seen."""
+    def server(measured: bool) -> Dispatcher:
+        d = Dispatcher("justitia", 10_000, 0.01, context_tokens=2048)
+        d.register_agent("first", 30_000.0, 0.0)
+        d.submit(req("f0", "first", 10, 24), 0.0)  # the burst's first request: 24 tokens
+        if not measured:
+            d.set_iteration_time(0.01, 0.0, uncertainty="the engine's rate is not measured yet")
+        return d
+
+    guessed = server(False).register_agent("a", 40_000.0, 0.0, shape=AgentShape(1, 256), cost_guessed=True)
+    known = server(False).register_agent("a", 40_000.0, 0.0, shape=AgentShape(1, 256))
+    later = server(True).register_agent("a", 40_000.0, 0.0, shape=AgentShape(1, 256), cost_guessed=True)
+    # (d_max + 1) iterations of blocking behind a request as long as the context, not a 24-token one
+    assert guessed.bound.blocking_s == pytest.approx(known.bound.blocking_s * 2049 / 25)
+    assert later.bound.blocking_s == pytest.approx(25 * 0.01)
+    assert guessed.deadline_s > known.deadline_s + 20  # the blocking term alone adds 20 s
+    assert "its cost is a guess" in guessed.promise_reason

@@ -66,17 +66,30 @@ def test_agents_run_on_the_replicas_with_m_their_sum(ray_server) -> None:
 
         def one(i: int) -> dict:
             r = c.post("/v1/completions", headers=headers, json={
-                "prompt": f"request {i} of an agent on Ray", "max_tokens": 24, "ignore_eos": True})
+                "prompt": f"request {i} of an agent on Ray", "max_tokens": 48, "ignore_eos": True})
             assert r.status_code == 200, r.text
             return r.json()
 
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             outs = list(pool.map(one, range(6)))
-        assert all(o["usage"]["completion_tokens"] == 24 for o in outs)
+        assert all(o["usage"]["completion_tokens"] == 48 for o in outs)
         done = c.post(f"/v1/agents/{agent['id']}/finish").json()
         assert done["state"] == "finished" and done["requests_done"] == 6
     snap = snapshot(url)
     assert snap["reserved_kv"] == 0 and snap["running_requests"] == 0
+    # The replicas' steps reached the scheduler's time model: one model per replica that ran
+    # a step, named by its id (reports come twice a second; a fit counts its samples once it
+    # refits, every 32 steps, and each replica that ran these requests stepped 48 times at least)
+    replicas = {r["id"] for r in httpx.get(url + "/v1/admin/replicas", timeout=30).json()["replicas"]}
+
+    def fitted() -> dict:
+        engines = snapshot(url)["time_model"]["engines"]
+        return {name: m for name, m in engines.items() if m["samples"] > 0}
+
+    wait_for(lambda: fitted(), 10, "no step sample of the replicas reached the time model")
+    engines = fitted()
+    assert set(engines) <= replicas, (engines.keys(), replicas)
+    assert set(snapshot(url)["time_model"]["engines"]) <= replicas
 
 
 def test_an_abandoned_request_is_aborted_on_its_replica(ray_server) -> None:

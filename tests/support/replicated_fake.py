@@ -21,9 +21,11 @@ from server.engine.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    SampleListener,
     StepListener,
 )
 from server.engine.placement import NoReplica, PlacedReplicas, ReplicaPlacement, footprint
+from server.shared.step_time import StepSample
 from tests.support.fake_engine import FakeEngine
 
 
@@ -31,6 +33,7 @@ class ReplicatedFakeEngine(PlacedReplicas):
     """`replicas` fake engines of `kv_capacity_tokens` each; M is their sum."""
 
     def __init__(self, replicas: int = 2, *, kv_capacity_tokens: int = 4096, **fake: Any) -> None:
+        self.kv_capacity_tokens = kv_capacity_tokens  # each replica's
         self.engines = {f"fake-{i}": FakeEngine(kv_capacity_tokens=kv_capacity_tokens, **fake)
                         for i in range(replicas)}
         self.model = next(iter(self.engines.values())).model
@@ -71,6 +74,16 @@ class ReplicatedFakeEngine(PlacedReplicas):
     def add_step_listener(self, listener: StepListener) -> None:
         for engine in self.engines.values():
             engine.add_step_listener(listener)
+
+    def add_sample_listener(self, listener: SampleListener) -> None:
+        """Each replica's step samples under its id, each step read as the whole fleet's
+        (the Ray adapter's view: the batch times M over the replica's capacity)."""
+        kv = self.kv_capacity_tokens
+        for rid, engine in self.engines.items():
+            def forward(_name: str, sample: StepSample, rid: str = rid) -> None:
+                listener(rid, sample.scaled((self.placement.capacity or kv) / kv))
+
+            engine.add_sample_listener(forward)
 
     def stats(self) -> EngineStats:
         self._refresh()
