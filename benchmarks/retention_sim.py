@@ -3,7 +3,7 @@
 The 300-agent mix with tool pauses (lognormal, median 0.8 s) and resent conversations
 (`make-workload --tools multi-turn`, server/sim/talk.py), and the same mix without multi-turn
 agents (`--tools single-turn`). Per seed: justitia with `--retain auto` and `always`,
-justitia-noretain, and vtc; the ratios of the issue's targets.
+justitia-noretain, and vtc; the ratios the retention targets are stated in.
 
 Tuning: the horizon's scale (retention.HORIZON_SCALE, the break-even pause times it) is chosen
 on the tuning seeds (best mean JCT of auto over noretain, multi-turn mix); the held-out seeds
