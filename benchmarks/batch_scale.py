@@ -2,8 +2,8 @@
 
 Reports whether every agent finished, the wall time, and the peak number of TCP connections
 the client held to the server (sampled every 50 ms with psutil): with one event stream per
-batch and a bounded pool it stays bounded whatever the batch's size. Before the fix, 100
-agents held 100 event streams, filled the client's pool and deadlocked.
+batch and a bounded pool it stays bounded whatever the batch's size (one stream per agent
+would have 100 agents hold 100 event streams, fill the client's pool and deadlock).
 
     .venv/bin/python benchmarks/batch_scale.py --agents 1000 --json benchmarks/results/batch_scale.json
 """

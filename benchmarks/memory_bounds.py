@@ -2,8 +2,8 @@
 on the fake engine, so that only the API process is measured) under three loads:
 
 - `live`: `--agents` (300) agents registered with metadata of 21,700 empty objects each
-  (65 KB of JSON: the most --max-metadata-bytes allows by default; as Python dicts it was
-  1.5 MB an agent);
+  (65 KB of JSON: the most --max-metadata-bytes allows by default; as Python dicts it would
+  be 1.5 MB an agent);
 - `ended`: as many agents with a 64 KiB prompt and that metadata, each run for one request
   and finished (ended agents stay readable for --agent-retention);
 - `history`: one `GET /v1/history` page over their rows (bytes of the response, and the RSS

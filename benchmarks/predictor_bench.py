@@ -165,7 +165,7 @@ def fan_out_oracle(samples: list, draws: int = 1000) -> float:
     """Mean relative error of a perfect predictor on these `fan_out_research` runs: for
     each, the best single value knowing its prompt and fan-out exactly (from `draws`
     re-draws), scored on the run's real cost. No predictor can expect to do better on the
-    same runs; on the benchmark's 5 splits it is 0.335, above the issue's 0.33."""
+    same runs; on the benchmark's 5 splits it is 0.335, above the 0.33 target."""
     best: dict[tuple[str, int], float] = {}
     errors = []
     for s in samples:

@@ -140,6 +140,22 @@ ENTRIES: list[Entry] = [
           "prefix-sharing mixes.",
           [m("justitia / justitia-nocache, 3x", "{v:.3f}x", v="rows[density=3].justitia_over_nocache"),
            m("justitia / vtc, 3x", "{v:.3f}x", v="rows[density=3].justitia_over_vtc")]),
+    Entry("sim-retention", "Simulator", "Tool pauses and kept contexts (held-out seeds 2-6)", "retention_sim.json",
+          "python benchmarks/retention_sim.py --tune-seeds 0,1 --seeds 2,3,4,5,6",
+          "300 agents with tool pauses on the A100-class profile: Justitia keeping paused agents' contexts "
+          "(`--retain auto`) against keeping none (justitia-noretain), medians over held-out seeds; the "
+          "ceiling keeps every context at no memory cost.",
+          [m("multi-turn mix: auto / noretain mean, p90 JCT", "{a:.3f}x, {b:.3f}x",
+             a="summary.multi_turn.auto_over_noretain_mean", b="summary.multi_turn.auto_over_noretain_p90"),
+           m("multi-turn mix: auto / noretain re-prefilled tokens", "{v:.2f}x",
+             v="summary.multi_turn.auto_over_noretain_reprefill"),
+           m("multi-turn mix: ceiling / noretain mean JCT", "{v:.3f}x",
+             v="summary.multi_turn.bound_over_noretain_mean"),
+           m("multi-turn mix: re-prefill without retention, share of the run", "{v:.1%}",
+             v="summary.multi_turn.noretain_reprefill_share"),
+           m("multi-turn mix: auto / vtc mean JCT", "{v:.3f}x", v="summary.multi_turn.auto_over_vtc_mean"),
+           m("single-turn mix: auto / noretain mean JCT", "{v:.3f}x",
+             v="summary.single_turn.auto_over_noretain_mean")]),
     Entry("eta-sim", "Simulator", "ETAs of a fresh and a taught server (contended burst)",
           "eta_taught_burst.json",
           "python benchmarks/eta_taught_burst.py --profile benchmarks/results/profile_cpu_tiny_4096_epyc.json "

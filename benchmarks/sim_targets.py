@@ -1,4 +1,5 @@
-"""The issue-3 target table on the simulator, over several workload seeds.
+"""The scheduler's target table (mean JCT and fairness against vtc) on the simulator, over
+several workload seeds.
 
 For each seed and density (2x, 3x): builds the 300-agent mix (a100-llama7b, load 0.6 at 1x),
 runs vtc, srjf, justitia, justitia-c with oracle costs and justitia with noisy:3 predictions,

@@ -202,6 +202,12 @@ class OnlineTrainer:
                 initargs=(os.getpid(), threading.current_thread() is threading.main_thread()))
         return self._executor
 
+    def warm(self) -> concurrent.futures.Future[None]:
+        """Start the retraining worker now (its imports take seconds on a busy machine): the
+        future of a job that does nothing, done once the worker runs."""
+        self._warm = True
+        return self._pool().submit(warm_up)
+
     def close(self) -> None:
         if self._executor is not None and self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -229,8 +235,7 @@ class OnlineTrainer:
                 # Halfway to the first job: start the worker, whose imports (NumPy,
                 # scikit-learn: seconds on a busy machine) the job would otherwise wait for. A
                 # server that never gets that far never starts it.
-                self._warm = True
-                self._pool().submit(warm_up)
+                self.warm()
             if state.new < self.retrain_every or len(state.samples) < self.min_samples:
                 return
             if state.job is not None and state.job.cancel():

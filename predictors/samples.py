@@ -77,15 +77,17 @@ def _describe(exc: ValidationError) -> str:
 
 def parse_samples(rows: Iterable[Any], source: str = "samples") -> list[Sample]:
     """Validate already-decoded sample objects (``source`` names them in errors)."""
-    out: list[Sample] = []
-    for i, row in enumerate(rows, start=1):
-        if not isinstance(row, dict):
-            raise SampleError(f"{source}: sample {i} is not a JSON object")
-        try:
-            out.append(Sample.model_validate(row))
-        except ValidationError as exc:
-            raise SampleError(f"{source}: sample {i}: {_describe(exc)}; fix or drop that sample") from None
-    return out
+    return [_sample(row, f"{source}: sample {i}", "sample") for i, row in enumerate(rows, start=1)]
+
+
+def _sample(obj: Any, where: str, what: str) -> Sample:
+    """One decoded sample, validated; SampleError naming `where` (and the `what` to fix) else."""
+    if not isinstance(obj, dict):
+        raise SampleError(f"{where}: not a JSON object")
+    try:
+        return Sample.model_validate(obj)
+    except ValidationError as exc:
+        raise SampleError(f"{where}: {_describe(exc)}; fix or drop that {what}") from None
 
 
 def read_samples(path: str | Path) -> list[Sample]:
@@ -110,12 +112,7 @@ def read_samples(path: str | Path) -> list[Sample]:
             obj = json.loads(line)
         except json.JSONDecodeError:
             raise SampleError(f"{p}:{lineno}: not valid JSON; each line must be one JSON object") from None
-        if not isinstance(obj, dict):
-            raise SampleError(f"{p}:{lineno}: not a JSON object")
-        try:
-            rows.append(Sample.model_validate(obj))
-        except ValidationError as exc:
-            raise SampleError(f"{p}:{lineno}: {_describe(exc)}; fix or drop that line") from None
+        rows.append(_sample(obj, f"{p}:{lineno}", "line"))
     if not rows:
         raise SampleError(f"samples file {p} has no samples")
     return rows

@@ -149,7 +149,7 @@ class GrammarChecker:
         loop = asyncio.get_running_loop()
         # SIGINT blocked while the pool may spawn its worker (the worker inherits the block):
         # a terminal's Ctrl-C is the server's to handle (server/runtime/shutdown.py), and a worker
-        # that took it mid-import broke the server's shutdown.
+        # that took it mid-import would break the server's shutdown.
         await without_sigint(loop.run_in_executor, self._pool, compile_schema, '{"type": "string"}')
 
     def _kill(self) -> None:

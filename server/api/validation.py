@@ -1,11 +1,11 @@
 """Checks every request body gets before its own fields are validated.
 
-Python's JSON parser accepts two things that are not valid text or JSON, and both used to
-turn into 500s further on (found by fuzzing, docs/reliability.md):
+Python's JSON parser accepts two things that are not valid text or JSON, and both would
+turn into 500s further on (docs/reliability.md):
 
 - lone UTF-16 surrogates (`"\\ud800"`): the tokenizer refuses them, and a record that holds
-  one (agent metadata) cannot be encoded as UTF-8 in the response, so one such agent broke
-  its tenant's `GET /v1/agents`;
+  one (agent metadata) cannot be encoded as UTF-8 in the response, so one such agent would
+  break its tenant's `GET /v1/agents`;
 - `NaN` and `Infinity`, which JSON does not have, and which no field here means.
 
 It also refuses nesting deeper than `MAX_JSON_DEPTH`.

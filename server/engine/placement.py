@@ -17,7 +17,9 @@ scheduler's process and shared by every backend with replicas:
   serving replica when it is resent after a failure), `unclaim` gives the tokens back, and
   a replica that is gone leaves the table once it holds nothing.
 
-It does no I/O: the backends feed it (reports, polls, failures) and ask it.
+It does no I/O: the backends feed it (reports, polls, failures) and ask it. A backend
+with replicas inherits `PlacedReplicas`, which answers the scheduler's capability calls
+(M and its changes, the replica list, place and release) from its `placement`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.base import CapacityListener, EngineError, EngineStats
+from server.engine.base import CapacityListener, EngineError, EngineRequest, EngineStats
 
 log = logging.getLogger("justitia.engine.placement")
 
@@ -39,6 +41,18 @@ CHANGES_KEPT = 1_000  # the latest changes of M, for the operator
 
 class NoReplica(EngineError):
     """No replica serves (outside the ones a request already failed on)."""
+
+
+class ReplicaFailed(Exception):
+    """A replica itself failed (unreachable, a 5xx, its process or actor died, the connection
+    lost mid-request), not the request: the backend takes the replica out of M, and resends a
+    request that had produced nothing yet where it can."""
+
+
+def footprint(request: EngineRequest) -> int:
+    """The KV tokens a request may hold at most: each of its `n` sequences, prompt and output."""
+    s = request.sampling
+    return s.n * (len(request.prompt_token_ids) + s.max_tokens)
 
 
 @dataclass
@@ -215,3 +229,31 @@ class ReplicaPlacement:
     def unclaim(self, slot: ReplicaSlot, held: int) -> None:
         slot.in_flight -= 1
         self._forget(slot, held)
+
+
+class PlacedReplicas:
+    """The capabilities (server/engine/base.py: `Placement`, `CapacityChanges`,
+    `ReplicaList`) of a backend whose replicas its `placement` keeps."""
+
+    placement: ReplicaPlacement
+
+    @property
+    def capacity(self) -> int:
+        """M: the KV tokens of the replicas serving now."""
+        return self.placement.capacity
+
+    def add_capacity_listener(self, listener: CapacityListener) -> None:
+        self.placement.add_capacity_listener(listener)
+
+    def capacity_changes(self) -> list[dict[str, Any]]:
+        return list(self.placement.changes)
+
+    def describe_replicas(self) -> list[dict[str, Any]]:
+        return self.placement.describe()
+
+    def place(self, request_id: str, agent_id: str, footprint: int) -> bool:
+        """Reserve room for an admitted request on one replica (`ReplicaPlacement.place`)."""
+        return self.placement.place(request_id, agent_id, footprint)
+
+    def release(self, request_id: str) -> None:
+        self.placement.release(request_id)

@@ -41,7 +41,6 @@ from typing import Any
 
 from server.engine.base import (
     NOT_RUNNING,
-    CapacityListener,
     EngineError,
     EngineInfo,
     EngineOutput,
@@ -52,7 +51,14 @@ from server.engine.base import (
     StateListener,
     StepListener,
 )
-from server.engine.placement import NoReplica, ReplicaPlacement, ReplicaSlot
+from server.engine.placement import (
+    NoReplica,
+    PlacedReplicas,
+    ReplicaFailed,
+    ReplicaPlacement,
+    ReplicaSlot,
+    footprint,
+)
 from server.engine.ray_cluster import kill_survivors, ray_processes_under
 from server.engine.tokens import TokenizerEngine, fast_encoder
 from server.shared.step_time import StepSample
@@ -140,11 +146,7 @@ def connect(address: str) -> bool:
     return False
 
 
-class _ReplicaFailed(Exception):
-    """The replica itself failed (its actor died, Ray could not reach it)."""
-
-
-class RayServeEngine(TokenizerEngine):
+class RayServeEngine(PlacedReplicas, TokenizerEngine):
     """Engine replicas deployed on Ray Serve as one engine (see the module docstring).
 
     Capabilities (server/engine/base.py): `StepStatistics`, `StepSamples`, `Placement`,
@@ -173,7 +175,7 @@ class RayServeEngine(TokenizerEngine):
         self._sample_listeners: list[SampleListener] = []
         self._streams: dict[str, Any] = {}
         self._aborted: set[str] = set()
-        self._handle: Any = None
+        self.handle: Any = None  # the application's Ray Serve handle, once started
         self._poller: asyncio.Task[None] | None = None
         self._owns_cluster = False
         self._attached = False
@@ -183,7 +185,7 @@ class RayServeEngine(TokenizerEngine):
     # -- lifecycle --------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self._handle is not None and bool(self.placement.serving)
+        return self.handle is not None and bool(self.placement.serving)
 
     @property
     def recovering(self) -> bool:
@@ -225,10 +227,10 @@ class RayServeEngine(TokenizerEngine):
             self._attached = await asyncio.to_thread(self._running_app)
             if self._attached:  # deployed beforehand (`serve deploy`, a RayService): use it
                 log.info("scheduling onto the running Ray Serve application %r", self.app_name)
-                self._handle = serve.get_app_handle(self.app_name)
+                self.handle = serve.get_app_handle(self.app_name)
             else:
                 await asyncio.to_thread(serve.start, proxy_location="Disabled")
-                self._handle = await asyncio.wait_for(
+                self.handle = await asyncio.wait_for(
                     asyncio.to_thread(serve.run, app, name=self.app_name, route_prefix=None),
                     self.start_timeout_s)
         except TimeoutError as exc:
@@ -238,7 +240,7 @@ class RayServeEngine(TokenizerEngine):
         except Exception as exc:
             await self._teardown()
             raise EngineError(f"the engine replicas did not start on Ray ({self.address}): {exc}") from exc
-        self._stream_handle = self._handle.options(stream=True, method_name="generate")
+        self._stream_handle = self.handle.options(stream=True, method_name="generate")
         reports = await self._reports()
         if not reports:
             await self._teardown()
@@ -246,7 +248,7 @@ class RayServeEngine(TokenizerEngine):
         first = reports[0]["info"]
         self._tokenizer = self._load_tokenizer(first["model"])
         self._encode = fast_encoder(self._tokenizer)
-        self._absorb(reports)
+        self.absorb(reports)
         self._info = EngineInfo(**{**first, "kv_capacity_tokens": self.capacity})
         self.placement.started()
         log.info("%d engine replicas on Ray in %.0f s, M = %d KV tokens", len(reports),
@@ -263,17 +265,6 @@ class RayServeEngine(TokenizerEngine):
         except Exception:  # Serve not started on this cluster yet
             return False
         return status is not None and str(status.status).endswith("RUNNING")
-
-    def _load_tokenizer(self, model: str) -> Any:
-        from transformers import AutoTokenizer
-
-        name = self.tokenizer_name or model
-        try:
-            return AutoTokenizer.from_pretrained(name)
-        except Exception as exc:
-            raise EngineError(
-                f"cannot load the tokenizer {name!r} in the scheduler's process (it counts tokens "
-                f"before admitting a request): {exc}; pass --tokenizer PATH") from exc
 
     async def close(self) -> None:
         self._set_state("stopped", "the engine was stopped")
@@ -292,7 +283,7 @@ class RayServeEngine(TokenizerEngine):
             return
         from ray import serve
 
-        self._handle = None
+        self.handle = None
         if not self._owns_cluster:
             if not self._attached:  # an application someone else deployed stays
                 with contextlib.suppress(Exception):
@@ -315,21 +306,30 @@ class RayServeEngine(TokenizerEngine):
 
     async def _reports(self) -> list[dict[str, Any]]:
         demand = self._demand() if self._demand is not None else None
-        results = await self._handle.broadcast("report", demand).results_async(
+        results = await self.handle.broadcast("report", demand).results_async(
             return_exceptions=True, timeout_s=REPORT_TIMEOUT_S)
         return [r for r in results if isinstance(r, dict)]
 
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self.poll_interval_s)
-            try:
-                reports = await self._reports()
-            except Exception as exc:  # the broadcast itself failed: nothing is known
-                log.warning("the engine replicas did not report: %s", exc)
-                continue
-            self._absorb(reports)
+            await self.poll()
 
-    def _absorb(self, reports: list[dict[str, Any]]) -> None:
+    async def poll(self) -> bool:
+        """Ask every replica for its report once (sending the scheduler's demand) and take
+        the answers in; False when the broadcast itself failed (nothing is known then)."""
+        try:
+            reports = await self._reports()
+        except Exception as exc:
+            log.warning("the engine replicas did not report: %s", exc)
+            return False
+        self.absorb(reports)
+        return True
+
+    def absorb(self, reports: list[dict[str, Any]]) -> None:
+        """Take in the replicas' reports (`report` in server/engine/ray_replica.py): a replica
+        that reports joins or stays, healthy or not; one that does not report is gone; M
+        follows, and the replicas' busy steps reach the step listeners."""
         placement = self.placement
         for rep in reports:
             known = placement.replicas.get(rep["replica"])
@@ -370,29 +370,15 @@ class RayServeEngine(TokenizerEngine):
             self._info = dataclasses.replace(self._info, kv_capacity_tokens=m)
         return self.placement.announce()
 
-    # -- capabilities: the placement's --------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        """M: the KV tokens of the replicas serving now."""
-        return self.placement.capacity
-
-    def add_capacity_listener(self, listener: CapacityListener) -> None:
-        self.placement.add_capacity_listener(listener)
-
+    # -- capabilities: the placement's (PlacedReplicas) ---------------------------------
     def add_step_listener(self, listener: StepListener) -> None:
         self._step_listeners.append(listener)
 
     def add_sample_listener(self, listener: SampleListener) -> None:
         """Call `listener(replica_id, sample)` for every busy step of every replica, its
-        batch scaled to the whole fleet (see `_absorb`): the scheduler fits one step-time
+        batch scaled to the whole fleet (see `absorb`): the scheduler fits one step-time
         model per replica."""
         self._sample_listeners.append(listener)
-
-    def describe_replicas(self) -> list[dict[str, Any]]:
-        return self.placement.describe()
-
-    def capacity_changes(self) -> list[dict[str, Any]]:
-        return list(self.placement.changes)
 
     def stats(self) -> EngineStats:
         return self.placement.stats()
@@ -400,10 +386,7 @@ class RayServeEngine(TokenizerEngine):
     def place(self, request_id: str, agent_id: str, footprint: int) -> bool:
         """Reserve room for an admitted request on one replica (the placement's rule).
         Unpinned, Ray places it: nothing is reserved here."""
-        return self.placement.place(request_id, agent_id, footprint) if self.pinned else True
-
-    def release(self, request_id: str) -> None:
-        self.placement.release(request_id)
+        return super().place(request_id, agent_id, footprint) if self.pinned else True
 
     # -- requests -----------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
@@ -413,10 +396,9 @@ class RayServeEngine(TokenizerEngine):
             response.cancel()  # Ray cancels the replica's task: vLLM aborts, KV is freed
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        if self._handle is None:
+        if self.handle is None:
             raise EngineError(NOT_RUNNING)
-        s = request.sampling
-        footprint = s.n * (len(request.prompt_token_ids) + s.max_tokens)
+        need = footprint(request)
         failed: list[ReplicaSlot] = []
         while True:
             while not self.healthy:  # Ray is replacing the replicas: wait for one
@@ -429,7 +411,7 @@ class RayServeEngine(TokenizerEngine):
             held = 0
             if self.pinned:
                 try:
-                    replica, held = self.placement.claim(request.request_id, footprint, failed)
+                    replica, held = self.placement.claim(request.request_id, need, failed)
                 except NoReplica as exc:
                     raise EngineError(f"{exc}; the request was not run") from exc
             emitted = False
@@ -438,7 +420,7 @@ class RayServeEngine(TokenizerEngine):
                     emitted = True
                     yield out
                 return
-            except _ReplicaFailed as exc:
+            except ReplicaFailed as exc:
                 if replica is not None:
                     failed.append(replica)
                     self.placement.set_serving(replica, False, str(exc))
@@ -478,7 +460,7 @@ class RayServeEngine(TokenizerEngine):
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                     ray.exceptions.ActorDiedError) as exc:
                 where = f"engine replica {replica.id}" if replica is not None else "an engine replica"
-                raise _ReplicaFailed(f"{where} died ({type(exc).__name__})") from exc
+                raise ReplicaFailed(f"{where} died ({type(exc).__name__})") from exc
             if rid in self._aborted:
                 p = len(request.prompt_token_ids)
                 yield dataclasses.replace(last, finished=True, finish_reason="abort") if last else \

@@ -34,7 +34,6 @@ import aiohttp
 
 from server.engine.base import (
     NOT_RUNNING,
-    CapacityListener,
     EngineError,
     EngineInfo,
     EngineOutput,
@@ -44,18 +43,14 @@ from server.engine.base import (
     StepListener,
 )
 from server.engine.openai_wire import RemoteSequences, read_stream, sampling_body
-from server.engine.placement import NoReplica, ReplicaPlacement
+from server.engine.placement import NoReplica, PlacedReplicas, ReplicaFailed, ReplicaPlacement, footprint
 from server.engine.remote_replica import RemoteReplica
 from server.engine.tokens import TokenizerEngine, fast_encoder
 
 log = logging.getLogger("justitia.engine.remote")
 
 
-class _ReplicaFailed(Exception):
-    """The server itself failed (unreachable, 5xx, connection lost mid-stream)."""
-
-
-class RemoteVLLMEngine(TokenizerEngine):
+class RemoteVLLMEngine(PlacedReplicas, TokenizerEngine):
     """A vLLM OpenAI server as the engine (see the module docstring).
 
     Capabilities (server/engine/base.py): `StepStatistics`, `Placement`, `CapacityChanges`
@@ -88,25 +83,13 @@ class RemoteVLLMEngine(TokenizerEngine):
         )
         r = self.replica
         await r.describe(self._session)
-        self._tokenizer = self._load_tokenizer()
+        self._tokenizer = self._load_tokenizer(r.model)
         self._encode = fast_encoder(self._tokenizer)
         self.placement.join(r.url, r.kv_capacity_tokens).detail["url"] = r.url
         self._info = EngineInfo(model=r.model, kv_capacity_tokens=self.placement.started(),
                                 block_size=r.block_size, max_model_len=r.max_model_len,
                                 served_name=r.served_name)
         self._poller = asyncio.create_task(self._poll_forever(), name="justitia-remote-metrics")
-
-    def _load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        name = self.tokenizer_name or self.replica.model
-        try:
-            return AutoTokenizer.from_pretrained(name)
-        except Exception as exc:
-            raise EngineError(
-                f"cannot load the tokenizer {name!r} here (the scheduler counts tokens before "
-                f"admitting a request): {exc}; pass --tokenizer PATH"
-            ) from exc
 
     async def close(self) -> None:
         if self._poller is not None:
@@ -150,26 +133,6 @@ class RemoteVLLMEngine(TokenizerEngine):
     def add_step_listener(self, listener: StepListener) -> None:
         self._step_listeners.append(listener)
 
-    @property
-    def capacity(self) -> int:
-        """M: the server's KV tokens while it answers."""
-        return self.placement.capacity
-
-    def add_capacity_listener(self, listener: CapacityListener) -> None:
-        self.placement.add_capacity_listener(listener)
-
-    def capacity_changes(self) -> list[dict[str, Any]]:
-        return list(self.placement.changes)
-
-    def describe_replicas(self) -> list[dict[str, Any]]:
-        return self.placement.describe()
-
-    def place(self, request_id: str, agent_id: str, footprint: int) -> bool:
-        return self.placement.place(request_id, agent_id, footprint)
-
-    def release(self, request_id: str) -> None:
-        self.placement.release(request_id)
-
     def stats(self) -> EngineStats:
         return self.replica.stats()
 
@@ -186,7 +149,7 @@ class RemoteVLLMEngine(TokenizerEngine):
                 return await self._session.post(url, json=body)
         except aiohttp.ClientError as exc:
             self._set_health(False, str(exc))
-            raise _ReplicaFailed(f"replica {self.replica.url} failed: {exc}") from exc
+            raise ReplicaFailed(f"replica {self.replica.url} failed: {exc}") from exc
 
     async def abort(self, request_id: str) -> None:
         resp = self._streams.pop(request_id, None)
@@ -196,16 +159,14 @@ class RemoteVLLMEngine(TokenizerEngine):
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         if self._session is None:
             raise EngineError(NOT_RUNNING)
-        s = request.sampling
-        footprint = s.n * (len(request.prompt_token_ids) + s.max_tokens)
         try:
-            slot, held = self.placement.claim(request.request_id, footprint)
+            slot, held = self.placement.claim(request.request_id, footprint(request))
         except NoReplica as exc:
             raise EngineError(f"replica {self.replica.url} is not answering") from exc
         try:
             async for out in self._stream(request):
                 yield out
-        except _ReplicaFailed as exc:
+        except ReplicaFailed as exc:
             raise EngineError(str(exc)) from exc
         finally:
             self.placement.unclaim(slot, held)
@@ -227,7 +188,7 @@ class RemoteVLLMEngine(TokenizerEngine):
                     detail = await resp.text()
                     if resp.status < 500:
                         raise InvalidRequestError(f"the engine refused the request: {detail}")
-                    raise _ReplicaFailed(f"replica {url} answered {resp.status}: {detail}")
+                    raise ReplicaFailed(f"replica {url} answered {resp.status}: {detail}")
                 try:
                     k = request.sampling.logprobs or 0
                     async with contextlib.aclosing(read_stream(resp, k)) as updates:
@@ -239,7 +200,7 @@ class RemoteVLLMEngine(TokenizerEngine):
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     if request.request_id in self._streams:  # not our abort: the server failed
                         self._set_health(False, str(exc))
-                        raise _ReplicaFailed(f"replica {url} failed mid-request: {exc}") from exc
+                        raise ReplicaFailed(f"replica {url} failed mid-request: {exc}") from exc
                     seqs.abort()
             if request.request_id not in self._streams:
                 seqs.abort()

@@ -67,6 +67,21 @@ class TokenizerEngine:
     _info: EngineInfo | None = None
     _tokenizer: Any = None
     _encode: Callable[[str], list[int]] | None = None
+    tokenizer_name: str | None = None  # `--tokenizer`: in place of the served model's own
+
+    def _load_tokenizer(self, model: str) -> Any:
+        """The Hugging Face tokenizer of `model` (or `tokenizer_name`), loaded in this
+        process: the scheduler counts a prompt's tokens before it admits the request. It
+        must be available here (a folder, or a hub id already in the local cache)."""
+        from transformers import AutoTokenizer
+
+        name = self.tokenizer_name or model
+        try:
+            return AutoTokenizer.from_pretrained(name)
+        except Exception as exc:
+            raise EngineError(
+                f"cannot load the tokenizer {name!r} in the scheduler's process (it counts tokens "
+                f"before admitting a request): {exc}; pass --tokenizer PATH") from exc
 
     @property
     def info(self) -> EngineInfo:

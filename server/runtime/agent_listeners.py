@@ -169,8 +169,8 @@ class PredictorFeedback(AgentListener):
 
     def on_agent_ended(self, entry: AgentEntry) -> None:
         # An untagged request is one request, not an agent of a type: its output length
-        # (the demo's warm-up: 8 tokens) became the cold start's output per request for
-        # every type never seen, and their first predictions were 40-200x too small.
+        # (the demo's warm-up: 8 tokens) would become the cold start's output per request
+        # for every type never seen, making their first predictions 40-200x too small.
         if entry.state != "finished" or not entry.requests or entry.auto:
             return
         features = {

@@ -88,14 +88,19 @@ def parse_per_tenant(items: Iterable[str], parse_value: Callable[[str], T]) -> P
     return PerTenant(default, overrides)
 
 
-def parse_tokens(text: str) -> int:
+def _positive(text: str, whole: str, limit: str) -> int:
+    """`text` as a whole number of at least 1; ValueError naming `whole` and `limit` else."""
     try:
         n = int(text)
     except ValueError:
-        raise ValueError(f"expected a whole number of tokens, got {text!r}") from None
+        raise ValueError(f"expected {whole}, got {text!r}") from None
     if n < 1:
-        raise ValueError(f"a token limit must be at least 1, got {n}")
+        raise ValueError(f"{limit} must be at least 1, got {n}")
     return n
+
+
+def parse_tokens(text: str) -> int:
+    return _positive(text, "a whole number of tokens", "a token limit")
 
 
 class TokenBucket:
@@ -148,13 +153,7 @@ class RateLimiter:
 
 
 def parse_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise ValueError(f"a quota must be at least 1, got {n}")
-    return n
+    return _positive(text, "a whole number", "a quota")
 
 
 _BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

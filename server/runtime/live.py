@@ -11,6 +11,8 @@ joins the pieces that each do one thing:
   feedback, metrics) as listeners registered once, called on registration, on each
   request's end and on the agent's end;
 - `server/runtime/agent_table.py`: the table of agents, by tenant and by session;
+- `server/runtime/endings.py`: how an agent ends (finish, cancel, lease expiry, a session's
+  idle end), durable in the history before the API answers;
 - `server/runtime/cost_estimate.py`: an agent's predicted cost when it registers;
 - `server/runtime/engine_upkeep.py`: tau, the engine's step-time model and capacity, and
   what the history keeps of them;
@@ -52,26 +54,20 @@ from server.runtime.agent_listeners import (
     Predictors,
 )
 from server.runtime.agent_table import AgentTable, held_bytes_of
-from server.runtime.agents import (
-    MAX_ERROR_CHARS,
-    AgentEntry,
-    AgentRecord,
-    AgentStatus,
-    encode_metadata,
-    new_agent_id,
-)
+from server.runtime.agents import AgentEntry, AgentRecord, encode_metadata, new_agent_id
 from server.runtime.cost_estimate import estimate_cost
 from server.runtime.declared import declared_batch, declared_shape
+from server.runtime.endings import AgentEndings, require_live
 from server.runtime.engine_upkeep import EngineUpkeep
 from server.runtime.feeds import Feeds, agent_events
-from server.runtime.lifecycle import AgentConflict, AgentNotFound, transition
+from server.runtime.lifecycle import AgentConflict, AgentNotFound
 from server.runtime.live_config import LiveConfig
 from server.runtime.records import agent_record
 from server.runtime.relearn import Recalled
 from server.runtime.request_path import RequestPath
 from server.runtime.retain import LiveRetention
 from server.runtime.type_shapes import ETA_QUANTILE, TypeShapes
-from server.scheduler import AgentShape, AgentView, Dispatcher, RequestStatus, get_policy
+from server.scheduler import AgentShape, AgentView, Dispatcher, get_policy
 
 if TYPE_CHECKING:
     from server.runtime.history import History
@@ -136,19 +132,22 @@ class LiveScheduler:
             placement=self.capabilities.placement,
             engine_recovering=self.upkeep.recovering,
         )
-        self._history_writer = HistoryWriter(history) if history is not None else None
+        history_writer = HistoryWriter(history) if history is not None else None
         self.listeners = AgentListeners()
         # Types' typical shapes, for the bounds of agents that declare none (type_shapes.py).
         self.type_shapes = TypeShapes()
-        for listener in (self._history_writer, self.type_shapes,
+        for listener in (history_writer, self.type_shapes,
                          PredictorFeedback(predictors) if predictors is not None else None,
                          MetricsRecorder(metrics) if metrics is not None else None,
                          *(listeners or [])):
             if listener is not None:
                 self.listeners.add(listener)
-        self.requests = RequestPath(self.dispatcher, self.admission, self.engine, self.listeners,
-                                    now=self.now, wall=self._wall, close=self._close)
         self.retention = LiveRetention.of(config.retain, self.dispatcher, engine, self.time_models, self.now)
+        self.endings = AgentEndings(self.dispatcher, self.table, self.admission, engine, self.listeners,
+                                    self.retention, config, history_writer=history_writer,
+                                    now=self.now, wall=self._wall, pump=self._pump)
+        self.requests = RequestPath(self.dispatcher, self.admission, self.engine, self.listeners,
+                                    now=self.now, wall=self._wall, close=self.endings.close)
         if self.retention.active:
             self.admission.retention = self.retention
             self.requests.retention = self.retention
@@ -200,7 +199,7 @@ class LiveScheduler:
                 last = self.now()
                 self.upkeep.update()  # tau, the step-time model and the rates ETAs divide by
                 await self.upkeep.save_every(self.history)
-                await self._expire_idle_agents()
+                await self.endings.expire_idle()
                 self.table.prune(self.now(), self.config.retention_s)
                 if not self.engine.healthy and not self.upkeep.recovering():
                     self.admission.fail_waiting(EngineError("the engine is not running"))
@@ -247,8 +246,8 @@ class LiveScheduler:
             shape=declared or self.type_shapes.typical(tenant, agent_type),
             # A learned shape: the promise covers the type's p90, the ETA expects its median.
             # With none, the ETA expects the one request a guessed cost stands for: with no
-            # path at all, a fresh server's demo agents were told 0.1-0.2 s for JCTs of 2-6 s
-            # (their whole cost at the engine's full rate).
+            # path at all it would be the whole cost at the engine's full rate, a tenth or
+            # less of the JCT of an agent whose requests run one after another.
             eta_shape=None if declared else (
                 self.type_shapes.typical(tenant, agent_type, ETA_QUANTILE) or guessed),
             cost_p90=interval[1] if interval else None,
@@ -285,7 +284,6 @@ class LiveScheduler:
         self.feeds.changed(entry)
         return entry
 
-
     def session_agent(self, tenant: str, session: str, agent_type: str, prompt: str) -> AgentEntry:
         """The live implicit agent of the tenant's session, registered at the session's first
         request (or its first since the last one ended): its cost is predicted from its type
@@ -297,7 +295,6 @@ class LiveScheduler:
         # A request is on its way: the idle finish must not end the agent under it.
         entry.last_activity_mono = self.now()
         return entry
-
 
     def get(self, agent_id: str, tenant: str) -> AgentEntry:
         return self.table.get(agent_id, tenant)
@@ -325,7 +322,7 @@ class LiveScheduler:
         maybe how long it expects it to take, or (`tool` None) that the call ended: the
         scheduler judges the rest of the pause from it, learns the call's length (pauses.py)
         and reconsiders its kept context. AgentConflict once the agent has ended."""
-        self.require_live(entry)
+        require_live(entry)
         agent, now = self.dispatcher.agents[entry.id], self.now()
         if tool is not None:
             self.dispatcher.pauses.tool_started(agent, tool, expected_s, now)
@@ -340,115 +337,17 @@ class LiveScheduler:
         return self.dispatcher.view(entry.id, self.now())
 
     async def finish(self, entry: AgentEntry, error: str | None = None) -> AgentEntry:
-        """The agent is done: `finished`, or `failed` when its client reports an `error`
-        (its code raised). Requests of it still in flight are orphans (the agent's code
-        has returned or raised without them), so they are aborted, as on cancel.
-        HistoryUnwritable (503) when its end cannot be made durable (docs/reliability.md)."""
-        if self._refused_before(entry):
-            return entry
-        self.require_live(entry)
-        self._check_history()
-        state = AgentStatus.FINISHED if error is None else AgentStatus.FAILED
-        if error is not None:
-            entry.error = error[:MAX_ERROR_CHARS]
-        if entry.in_flight:
-            await self._cancel(entry, state)
-        else:
-            self._close(entry, state)
-        await self._durable(entry)
-        return entry
-
+        """The agent is done: `finished`, or `failed` with its client's `error`; returns once
+        its end is durable (server/runtime/endings.py)."""
+        return await self.endings.finish(entry, error)
 
     async def cancel(self, entry: AgentEntry) -> AgentEntry:
-        if self._refused_before(entry):
-            return entry
-        self.require_live(entry)
-        self._check_history()
-        await self._cancel(entry, AgentStatus.CANCELLED)
-        await self._durable(entry)
-        return entry
-
-
-    def _refused_before(self, entry: AgentEntry) -> bool:
-        """An end refused for want of a durable row, asked again: acknowledged once the row
-        is written (True), refused again while it waits (HistoryUnwritable)."""
-        return self._history_writer is not None and self._history_writer.refused(entry)
-
-
-    def _check_history(self) -> None:
-        if self._history_writer is not None:
-            self._history_writer.check_writable()
-
-
-    async def _durable(self, entry: AgentEntry) -> None:
-        """Return once the agent's history row is committed: an agent the API reported
-        ended is in the history even if the process is killed right after."""
-        if self._history_writer is not None:
-            await self._history_writer.durable(entry)
-
-
-    async def _cancel(self, entry: AgentEntry, state: AgentStatus) -> None:
-        self.retention.forget(entry.id)
-        entry.final_view = self._view(entry)
-        now = self.now()
-        if state in (AgentStatus.FINISHED, AgentStatus.FAILED):
-            # Its GPS work stays charged (the agent ran); only its requests go.
-            running = [rid for rid, r in self.dispatcher.requests.items()
-                       if r.spec.agent_id == entry.id and r.status is RequestStatus.RUNNING]
-            self.dispatcher.finish_agent(entry.id, now)
-        else:
-            running = self.dispatcher.cancel_agent(entry.id, now)
-        self._close(entry, state, forget=False)
-        self.admission.fail_waiting(AgentConflict(f"agent {entry.id} was {state}"), agent=entry)
-        for request_id in running:
-            # The engine ends the request with finish_reason "abort" and frees its KV.
-            await self.engine.abort(request_id)
-        self._pump()
-
+        """The agent is cancelled, its requests aborted (server/runtime/endings.py)."""
+        return await self.endings.cancel(entry)
 
     def require_live(self, entry: AgentEntry) -> None:
-        if entry.terminal:
-            raise AgentConflict(f"agent {entry.id} is {entry.state}")
-
-
-    def _close(self, entry: AgentEntry, state: AgentStatus, forget: bool = True) -> None:
-        """End the agent: its state changes (IllegalTransition, before anything else, if it
-        had ended), the dispatcher forgets it (unless `forget` is False: the caller did),
-        it leaves the live agents, and the listeners hear of it."""
-        transition(entry, state, wall=self._wall(), now=self.now())
-        self.retention.forget(entry.id, entry.type if state is AgentStatus.FINISHED else None)
-        if state is AgentStatus.FINISHED and entry.session is None and entry.first_eta_s is not None \
-                and entry.finished_at is not None:
-            # What the ETA intervals are calibrated on (a session's end comes after its idle
-            # timeout, which no ETA forecasts).
-            self.dispatcher.observe_jct(entry.first_eta_s, entry.finished_at - entry.submitted_at, entry.id)
-        if forget:
-            entry.final_view = self._view(entry)
-            self.dispatcher.finish_agent(entry.id, self.now())
-        self.table.ended(entry)
-        self.listeners.on_agent_ended(entry)
-        # The listeners have taken what they need (the history row is queued with them):
-        # an ended agent keeps only what its record shows.
-        entry.let_go()
-        entry.touch()
-
-
-    async def _expire_idle_agents(self) -> None:
-        now = self.now()
-        for entry in self.table.open_entries():
-            if entry.terminal or entry.in_flight:
-                continue
-            if entry.session is not None and now - entry.last_activity_mono > self.config.session_idle_s:
-                # A session has no finish call: its idleness is its end, a normal one.
-                log.info("session agent %s finished after %.0f s idle", entry.id, now - entry.last_activity_mono)
-                self._close(entry, AgentStatus.FINISHED)
-                continue
-            lease = entry.lease_s or self.config.lease_s
-            if now - entry.last_activity_mono > lease:
-                log.info("agent %s expired after %.0f s without activity", entry.id,
-                         now - entry.last_activity_mono)
-                await self._cancel(entry, AgentStatus.EXPIRED)
-
+        """AgentConflict (409) once the agent has ended."""
+        require_live(entry)
 
     # -- requests -----------------------------------------------------------------
     def run(self, entry: AgentEntry, request_id: str, prompt_token_ids: tuple[int, ...],
@@ -461,19 +360,15 @@ class LiveScheduler:
     def paused(self) -> bool:
         return self.admission.paused
 
-
     def pause(self) -> None:
         """Stop admitting: requests queue, running ones finish (drain, maintenance)."""
         self.admission.pause()
 
-
     def resume(self) -> None:
         self.admission.resume()
 
-
     def _pump(self) -> None:
         self.admission.pump()
-
 
     # -- observation ----------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -492,7 +387,6 @@ class LiveScheduler:
         snap["recalled"] = asdict(self.recalled)
         snap["retention"] = self.retention.summary()
         return snap
-
 
     def watch(
         self,

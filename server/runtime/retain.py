@@ -216,7 +216,7 @@ class LiveRetention:
                 if a != agent_id and a in d.agents]
         out = pins_to_release(pins, fair_order(d, agent_id) if agent_id in d.agents else math.inf, need, free)
         for a in out:
-            self._release(a)
+            self._release(a, now)  # the caller admits at `now`: the charge must not pass it
         self.yields += len(out)
         return bool(out)
 
@@ -288,13 +288,14 @@ class LiveRetention:
         if kept is not None and self.now() >= kept.until - 1e-6:
             self._release(agent_id)
 
-    def _release(self, agent_id: str) -> None:
-        """End the agent's kept context and charge what it held."""
+    def _release(self, agent_id: str, now: float | None = None) -> None:
+        """End the agent's kept context and charge what it held (up to `now`, by default
+        the present)."""
         kept = self.kept.pop(agent_id, None)
         if kept is None:
             return
         self._unpin(kept)
-        now = self.now()
+        now = self.now() if now is None else now
         charge = hold_charge(kept.tokens, kept.since, min(now, kept.until))
         self.held_token_s += charge
         charge_retained(self.dispatcher, agent_id, charge, now)

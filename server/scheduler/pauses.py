@@ -13,10 +13,9 @@ Every stage boundary counts, a boundary crossed at once as a pause of 0 s. An ET
 before each stage, the share of the recent boundaries of any type that held a pause
 (`RECENT`) times the type's mean pause when it pauses. Pauses belong to the application
 sending the agents, not to the type: a server that served agents which called tools, then
-agents of the same types that do not, would otherwise expect the old pauses for hundreds of
-boundaries (the tenants of the evaluation family, taught by its sessions, were told ETAs
-three times their JCTs), and a type's own recent boundaries are too few to tell (an agent
-of two stages crosses one). The worst case keeps the whole record (`WINDOW`).
+agents of the same types that do not, would otherwise expect the earlier pauses for
+hundreds of boundaries (ETAs up to three times the JCTs), and a type's own recent
+boundaries are too few to tell (an agent of two stages crosses one). The worst case keeps the whole record (`WINDOW`).
 
 A client may also say when a tool call starts and ends (the SDK's `tool()`: the agent API's
 pause and resume calls), with the tool's name and, optionally, how long it expects it to

@@ -157,9 +157,9 @@ class Promises:
         factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context)
         # Nor is an ETA resting on guesses: until the engine's rate is measured here, or
         # where the agent's cost is a guess (a type no predictor knows), the ETA is the
-        # guess's and no record of ETAs says how far it may fall short. Live, the opening
-        # burst of a fresh server (its rate from the built-in profile, its types unseen) was
-        # told ETAs 5-10x short, and 15 of 64 calibrated deadlines broke.
+        # guess's and no record of ETAs says how far it may fall short: the opening burst of
+        # a fresh server (its rate from the built-in profile, its types unseen) can run 5-10x
+        # longer than such ETAs say.
         calibrated = not d.uncertainty and not agent.cost_guessed
         tight = worst
         if calibrated and (left == 0 or (d.pauses.any_seen and not d.pauses.paused_lately())):

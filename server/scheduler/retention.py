@@ -18,9 +18,16 @@ scales the saving by the share of a context that agents of that type resent (`Re
 an agent whose next stage does not resend its context gains nothing from its being kept).
 So a context is kept while `E[R - elapsed | R > elapsed] < reuse x M x c`.
 
-Kept memory is charged to the agent's KV token-time (tokens x seconds held), as if it were
-running; a kept context gives way when an agent ahead of it in virtual-finish order needs
-the memory (`pins_to_release`), so retention never costs the agents the fair order favours.
+A context may be judged in *parts* whose resend shares differ: the prefixes a stage's
+requests shared (a system prompt, the question every sample answered) are resent by the next
+stage far more often than each request's own output (the samples a vote reads only in part).
+Judged as one, the share of the whole is small and nothing is kept; judged apart, each part
+is kept while it pays by its own share (K cancels per part just as for the whole).
+
+Kept memory is charged to the agent's KV token-time (tokens x seconds held, counted in engine
+iterations), as if it were running, moving its tag from where it stands; a kept context gives
+way when an agent ahead of it in virtual-finish order needs the memory (`pins_to_release`),
+so retention never costs the agents the fair order favours.
 
 Modes: `auto` (the rule), `always` (keep through every pause; yields still apply), `never`.
 Pure: callers pass the times and the engine's figures.
@@ -40,17 +47,22 @@ if TYPE_CHECKING:
     from .dispatcher import Dispatcher
     from .state import AgentState
 
-__all__ = ["RETAIN_MODES", "Pin", "ReuseStats", "Retention", "break_even_pause_s", "charge_retained",
+__all__ = ["OWN", "RETAIN_MODES", "SHARED", "Pin", "ReuseStats", "Retention", "break_even_pause_s", "charge_retained",
            "expected_remaining_s", "fair_order", "head_need", "hold_charge", "keep_until_s",
            "pins_to_release"]
 
 RETAIN_MODES = ("auto", "always", "never")
+# The parts a context is judged in: the prompt prefixes the stage's requests named (shared
+# with each other or with agents of the type: system prompts, a question, the conversation
+# they extended) and what each request added of its own (the rest of its prompt, its output).
+SHARED, OWN = "shared", "own"
 # A type's resend rate starts from this many resends out of as many pauses (optimistic: keep
 # until the type shows its contexts are not resent).
 REUSE_PRIOR = 1.0
-# The horizon is this times the break-even pause, scaled by the resend share. 1: the
-# break-even itself; tuned on the simulator's tuning seeds (benchmarks/retention_sim.py).
-HORIZON_SCALE = 1.0
+# The horizon is this times the break-even pause, scaled by the resend share. Chosen among
+# 0.5, 1 and 2 on the simulator's tuning seeds (benchmarks/retention_sim.py): 2 and 1 within
+# 0.1% of mean JCT of each other, 0.5 1.5% behind.
+HORIZON_SCALE = 2.0
 
 
 def check_mode(mode: str) -> str:
@@ -97,20 +109,23 @@ def keep_until_s(seen: Sequence[float], horizon_s: float) -> float:
 
 @dataclass
 class ReuseStats:
-    """Per agent type: the share of the context a paused agent left that its next stage
-    resent (tokens resent over tokens left), averaged over its pauses."""
+    """Per agent type and part of a context (None: the whole of it): the share of what a
+    paused agent left that its next stage resent (tokens resent over tokens left), averaged
+    over its pauses."""
 
-    _counts: dict[str | None, list[float]] = field(default_factory=dict)  # type -> [sum of shares, pauses]
+    # (type, part) -> [sum of shares, pauses]
+    _counts: dict[tuple[str | None, str | None], list[float]] = field(default_factory=dict)
 
-    def observe(self, agent_type: str | None, resent_tokens: float, context_tokens: float) -> None:
+    def observe(self, agent_type: str | None, resent_tokens: float, context_tokens: float,
+                part: str | None = None) -> None:
         if context_tokens <= 0:
             return
-        c = self._counts.setdefault(agent_type, [0.0, 0.0])
+        c = self._counts.setdefault((agent_type, part), [0.0, 0.0])
         c[0] += min(1.0, max(0.0, resent_tokens / context_tokens))
         c[1] += 1.0
 
-    def rate(self, agent_type: str | None) -> float:
-        resent, pauses = self._counts.get(agent_type, (0.0, 0.0))
+    def rate(self, agent_type: str | None, part: str | None = None) -> float:
+        resent, pauses = self._counts.get((agent_type, part), (0.0, 0.0))
         return (resent + REUSE_PRIOR) / (pauses + REUSE_PRIOR)
 
 
@@ -126,22 +141,26 @@ class Retention:
     def active(self) -> bool:
         return self.mode != "never"
 
-    def horizon_s(self, agent_type: str | None, kv_capacity_tokens: float, prefill_token_s: float) -> float:
-        """The expected remaining pause below which the agent's context is worth keeping."""
-        return HORIZON_SCALE * self.reuse.rate(agent_type) * break_even_pause_s(kv_capacity_tokens, prefill_token_s)
+    def horizon_s(self, agent_type: str | None, kv_capacity_tokens: float, prefill_token_s: float,
+                  part: str | None = None) -> float:
+        """The expected remaining pause below which the agent's context (or that part of it)
+        is worth keeping."""
+        return (HORIZON_SCALE * self.reuse.rate(agent_type, part)
+                * break_even_pause_s(kv_capacity_tokens, prefill_token_s))
 
     def keep_until(self, agent_type: str | None, paused_since: float, kv_capacity_tokens: float,
-                   prefill_token_s: float) -> float:
-        """The time until which a context left at `paused_since` is kept (inf: always; equal
-        to `paused_since`: not kept)."""
+                   prefill_token_s: float, part: str | None = None) -> float:
+        """The time until which a context (or that part of it) left at `paused_since` is kept
+        (inf: always; equal to `paused_since`: not kept)."""
         if self.mode == "never":
             return paused_since
         if self.mode == "always":
             return float("inf")
-        horizon = self.horizon_s(agent_type, kv_capacity_tokens, prefill_token_s)
+        horizon = self.horizon_s(agent_type, kv_capacity_tokens, prefill_token_s, part)
         return paused_since + keep_until_s(self.pauses.seen(agent_type), horizon)
 
-    def keep_until_for(self, agent: AgentState, kv_capacity_tokens: float, prefill_token_s: float) -> float | None:
+    def keep_until_for(self, agent: AgentState, kv_capacity_tokens: float, prefill_token_s: float,
+                       part: str | None = None) -> float | None:
         """`keep_until` for a paused agent as the scheduler sees it (None: not paused): in a
         tool call its client announced, judged from that tool's calls; with a declared
         length L, kept when L is under the horizon, until L plus the horizon (overrunning
@@ -151,8 +170,8 @@ class Retention:
             return None
         since, seen, declared = basis
         if self.mode != "auto":
-            return self.keep_until(agent.agent_type, since, kv_capacity_tokens, prefill_token_s)
-        horizon = self.horizon_s(agent.agent_type, kv_capacity_tokens, prefill_token_s)
+            return self.keep_until(agent.agent_type, since, kv_capacity_tokens, prefill_token_s, part)
+        horizon = self.horizon_s(agent.agent_type, kv_capacity_tokens, prefill_token_s, part)
         if declared is not None:
             return since + declared + horizon if declared < horizon else since
         return since + keep_until_s(seen, horizon)
@@ -212,10 +231,21 @@ def fair_order(d: Dispatcher, agent_id: str) -> float:
 
 def charge_retained(d: Dispatcher, agent_id: str, kv_token_s: float, now: float) -> None:
     """Charge KV token-time held for the agent while it was paused (its kept context) as if
-    it had been running: its tag moves by it."""
+    it had been running: tokens x seconds, in the cost model's unit (a token held for one
+    engine iteration of `d.tau` seconds). Its tag moves by it from where it stands: a paused
+    agent keeps its place in virtual time, so a charge never sends it back to the virtual
+    clock's present (the over-run rule's re-arrival would cost an agent the fair order
+    favours its whole lead for a few kept tokens). Its promise moves with its tag."""
     agent = d.agents.get(agent_id)
-    if agent is None or kv_token_s <= 0 or d.policy.cost_model != KV:
+    if agent is None or kv_token_s <= 0 or d.policy.cost_model != KV or d.tau <= 0:
         return
-    agent.consumed_cost += kv_token_s
-    d.commit(agent, kv_token_s, now)
+    units = kv_token_s / d.tau
+    now = max(now, d.clock.now)  # a charge read off a clock a step behind still lands in order
+    agent.consumed_cost += units
+    agent.committed_cost += units
+    agent.charged_cost += units
+    agent.virtual_finish = d.clock.shift(agent_id, agent.virtual_finish, units, now)
+    agent.fair_at = None  # its tag moved: the cached projection no longer applies
+    d.promises.bound(agent)
+    d.promises.promise(agent, now)
     d.queue.requeue(agent)

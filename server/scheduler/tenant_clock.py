@@ -274,6 +274,17 @@ class TenantClock:
         self._retag(self._tenant_of[key])
         return f
 
+    def shift(self, key: object, old_tag: float, extra: float, now: float) -> float:
+        if self._solo is not None:
+            self._now = max(self._now, now)
+            return self._solo.shift(key, old_tag, extra, now)
+        clock = self._for(key, now)
+        if clock is None:
+            return old_tag + max(0.0, extra)
+        f = clock.shift(key, old_tag, extra, clock.now)
+        self._retag(self._tenant_of[key])
+        return f
+
     def remove(self, key: object, now: float) -> None:
         if self._solo is not None:
             self._solo.remove(key, now)

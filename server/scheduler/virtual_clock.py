@@ -260,6 +260,21 @@ class VirtualClock:
         self._track(key, f)
         return f
 
+    def shift(self, key: object, old_tag: float, extra: float, now: float) -> float:
+        """Charge `extra` more work to `key` where it stands: F = F_old + extra. Unlike
+        `extend`, a key whose tag V has passed does not start again from V: it keeps its
+        place and moves by what it is charged (re-entering the backlog when that carries
+        its tag past V). Returns F."""
+        self.advance(now)
+        if extra <= 0:
+            return old_tag
+        f = old_tag + extra
+        if key in self._tags or f > self.V:
+            self.departures.pop(key, None)
+            self._tags[key] = f
+            self._track(key, f)
+        return f
+
     def remove(self, key: object, now: float) -> None:
         """Drop a cancelled agent from the backlog (lazy: its heap entry goes stale)."""
         self.advance(now)

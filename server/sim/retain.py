@@ -3,11 +3,14 @@ applied to the engine model's prefix cache.
 
 When an agent pauses between stages, the sequences its last stage left cached (its context,
 `EngineModel` with `cache_sequences`) are pinned for as long as the rule keeps them: not
-evictable, not free, so admission does not hand their memory to others. The pin ends when the
-agent's next request is admitted (it finds its context cached), when the rule stops keeping
-it (`keep_until`), when an agent ahead of it in the fair order needs the memory
-(`pins_to_release`), or, in the engine, before any running request would be preempted. The
-tokens held times the seconds held are charged to the agent's KV token-time.
+evictable, not free, so admission does not hand their memory to others. The context is judged
+in two parts, each kept while its own resend share makes it pay: the prefixes its requests
+named (`SHARED`) and the sequences they left under their own ids (`OWN`). The pin of a part
+ends when the agent's next request is admitted (it finds its context cached), or at once when
+that request does not resend it, when the rule stops keeping it (`keep_until`), when an agent
+ahead of it in the fair order needs the memory (`pins_to_release`), or, in the engine, before
+any running request would be preempted. The tokens held times the seconds held are charged
+to the agent's KV token-time.
 
 The rule is the scheduler core's; the pins are the engine model's.
 """
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 from server.scheduler import Dispatcher
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.retention import (
+    OWN,
+    SHARED,
     Pin,
     Retention,
     charge_retained,
@@ -34,10 +39,12 @@ from .engine import EngineModel
 
 @dataclass
 class _Held:
-    keys: list[str]
-    tokens: int
+    keys: dict[str, tuple[int, float]]  # entry -> (tokens its pin took from free memory, kept until)
     since: float
-    until: float  # the rule keeps it until then (inf once the agent has resumed)
+
+    @property
+    def tokens(self) -> int:
+        return sum(t for t, _ in self.keys.values())
 
 
 @dataclass
@@ -70,55 +77,67 @@ class SimRetention:
                     sizes[k] = max(sizes.get(k, 0), e.tokens)
 
     def pause(self, agent_id: str, agent_type: str, now: float) -> None:
-        """The agent paused with nothing in flight: pin its context while the rule keeps it."""
+        """The agent paused with nothing in flight: pin each part of its context while the
+        rule keeps that part."""
         if not self.rule.active:
             return
-        until = self.rule.keep_until(agent_type, now, self.kv_tokens, self.prefill_token_s)
-        own = self.last_keys.get(agent_id, [])
-        if until <= now or not own:
-            return
-        keys = list(dict.fromkeys(self.last_heads.get(agent_id, []) + own))
-        keys = [k for k in keys if k in self.engine.cache.entries]
-        tokens = sum(self.engine.cache.pin(k) for k in keys)
-        self.pins[agent_id] = _Held(keys, tokens, now, until)
+        entries = self.engine.cache.entries
+        shared = [k for k in dict.fromkeys(self.last_heads.get(agent_id, [])) if k in entries]
+        own = [k for k in dict.fromkeys(self.last_keys.get(agent_id, [])) if k in entries and k not in shared]
+        kept: dict[str, tuple[int, float]] = {}
+        limit = float("inf")
+        for part, keys in ((SHARED, shared), (OWN, own)):
+            # a sequence is found cached only with the prefixes before it: kept no longer
+            until = min(limit, self.rule.keep_until(agent_type, now, self.kv_tokens, self.prefill_token_s, part))
+            if until > now:
+                kept.update((k, (self.engine.cache.pin(k), until)) for k in keys)
+            limit = until if keys else limit
+        if kept:
+            self.pins[agent_id] = _Held(kept, now)
 
     def resume(self, agent_id: str, agent_type: str, next_keys: Iterable[str], now: float) -> None:
-        """The agent's next stage is submitted (`next_keys`: the prefixes it names): learn
-        whether its context was resent; what it does not resend is let go now, the rest is
-        kept until its request is admitted."""
+        """The agent's next stage is submitted (`next_keys`: the prefixes it names): learn,
+        per part, how much of its context it resent; what it does not resend is let go now,
+        the rest is kept until its request is admitted."""
         resent = set(next_keys)
-        self.last_keys.pop(agent_id, None)
-        self.last_heads.pop(agent_id, None)
+        own = set(self.last_keys.pop(agent_id, []))
+        shared = set(self.last_heads.pop(agent_id, [])) - own
         sizes = self.sizes.pop(agent_id, {})
-        self.rule.reuse.observe(agent_type, sum(t for k, t in sizes.items() if k in resent), sum(sizes.values()))
+        for part, keys in ((SHARED, shared), (OWN, own)):
+            left = {k: t for k, t in sizes.items() if k in keys}
+            self.rule.reuse.observe(agent_type, sum(t for k, t in left.items() if k in resent),
+                                    sum(left.values()), part)
         held = self.pins.get(agent_id)
         if held is None:
             return
-        dropped = [k for k in held.keys if k not in resent]
-        if dropped:
-            if len(dropped) == len(held.keys):
-                self.release(agent_id, now)
-                return
-            for k in dropped:
-                self.engine.cache.unpin(k)
-            held.keys = [k for k in held.keys if k in resent]
-        held.until = float("inf")
+        self._let_go(agent_id, held, [k for k in held.keys if k not in resent], now)
+        if agent_id in self.pins:
+            held.keys = {k: (t, float("inf")) for k, (t, _) in held.keys.items()}
 
     def release(self, agent_id: str, now: float) -> None:
         """End the agent's pin (whatever is left of it) and charge what it held."""
-        held = self.pins.pop(agent_id, None)
-        if held is None:
-            return
-        for k in held.keys:
-            self.engine.cache.unpin(k)
-        charge = hold_charge(held.tokens, held.since, min(now, held.until))
-        self.held_token_s += charge
-        charge_retained(self.disp, agent_id, charge, now)
+        held = self.pins.get(agent_id)
+        if held is not None:
+            self._let_go(agent_id, held, list(held.keys), now)
 
     def expire(self, now: float) -> None:
-        """Pins the rule no longer keeps (the pause outlasted what pays)."""
-        for agent_id in [a for a, h in self.pins.items() if h.until <= now]:
-            self.release(agent_id, now)
+        """Parts the rule no longer keeps (the pause outlasted what pays for them)."""
+        for agent_id, held in list(self.pins.items()):
+            self._let_go(agent_id, held, [k for k, (_, until) in held.keys.items() if until <= now], now)
+
+    def _let_go(self, agent_id: str, held: _Held, keys: list[str], now: float) -> None:
+        """Unpin those entries of the agent's kept context and charge what they held."""
+        if not keys:
+            return
+        charge = 0.0
+        for k in keys:
+            tokens, until = held.keys.pop(k)
+            self.engine.cache.unpin(k)
+            charge += hold_charge(tokens, held.since, min(now, until))
+        if not held.keys:
+            del self.pins[agent_id]
+        self.held_token_s += charge
+        charge_retained(self.disp, agent_id, charge, now)
 
     def make_way(self, now: float) -> bool:
         """The head of the queue does not fit: pins of agents behind it give way (True when

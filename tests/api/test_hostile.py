@@ -404,7 +404,7 @@ def _deadline_beside_a_flood(srv: FakeServer, split: bool, requests: int = 24) -
 def test_a_tenant_splitting_its_work_does_not_widen_anothers_deadline(tmp_path) -> None:
     """Fair share is the tenant's before its agents': bob's 24 queued requests as 24
     untagged requests (24 agents) widen alice's promised deadline at most 1.5x against the
-    same requests on one agent (with a share per agent it was 3-6x)."""
+    same requests on one agent (a share per agent would widen it 3-6x)."""
     keys = {**KEYS, "admin": "key-admin"}
     with keyed_server(tmp_path, kv_tokens=2048, keys=keys) as srv:
         one = _deadline_beside_a_flood(srv, split=False)

@@ -42,7 +42,7 @@ def test_the_schema_documents_the_errors_and_the_key(admin: httpx.Client) -> Non
     assert "Retry-After" in completions["responses"]["429"]["headers"]
 
 
-# -- regressions: what fuzzing found (docs/reliability.md); all but NaN and the costs were 500s
+# -- regressions: what fuzzing found (docs/reliability.md), each a 400 with a message
 
 def _assert_400(r: httpx.Response, *needles: str) -> None:
     assert r.status_code == 400, (r.status_code, r.text)
@@ -61,7 +61,7 @@ def test_lone_surrogates_are_refused(admin: httpx.Client) -> None:
     _assert_400(_raw(admin, "/v1/chat/completions",
                      '{"messages": [{"role": "user", "content": "\\udfff"}]}'),
                 "messages[0].content", "Unicode")
-    # Such metadata was stored, and then every GET /v1/agents of its tenant failed.
+    # Such metadata, if stored, would fail every GET /v1/agents of its tenant.
     _assert_400(_raw(admin, "/v1/agents", '{"type": "t", "metadata": {"k": ["\\ud800"]}}'),
                 "metadata.k[0]", "Unicode")
     _assert_400(_raw(admin, "/v1/agents", '{"type": "t", "metadata": {"\\ud800": 1}}'),

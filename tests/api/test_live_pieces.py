@@ -238,10 +238,10 @@ def test_a_calibrated_prior_times_etas_until_the_fit_has_seen_enough_steps() -> 
 
 
 def test_a_guessed_cost_is_timed_as_the_one_request_it_stands_for() -> None:
-    """A fresh server's demo agents were told 0.1-0.2 s for JCTs of 2-6 s: their guessed
-    costs at the engine's full rate, with no critical path. A cost the server guesses (the
-    fallback, a cold start) is one request of the agent's prompt decoding until the cost is
-    spent; its ETA now expects that decode. A declared cost with no shape keeps its ETA."""
+    """A cost the server guesses (the fallback, a cold start) is one request of the agent's
+    prompt decoding until the cost is spent, and its ETA expects that decode: the guessed
+    cost at the engine's full rate, with no critical path, would be a tenth or less of the
+    agent's JCT. A declared cost with no shape keeps its ETA."""
     from predictors import PredictorRegistry
     from server.runtime.cost_estimate import FALLBACK_OUTPUT_TOKENS
 

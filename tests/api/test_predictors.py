@@ -185,9 +185,9 @@ def test_followed_types_are_bounded(trainer: OnlineTrainer, monkeypatch: pytest.
 
 
 def test_an_untagged_request_does_not_set_the_cold_starts_output_length(tmp_path: Path) -> None:
-    """`make demo` sends one untagged 8-token request to warm the engine up; it became the
-    output length per request the cold start assumes for every type not seen yet, and the
-    demo's first predictions (and first ETAs) were 40-200x too small."""
+    """`make demo` sends one untagged 8-token request to warm the engine up: taken as an
+    agent, it would become the output length per request the cold start assumes for every
+    type not seen yet, and make the first predictions (and first ETAs) 40-200x too small."""
     prompt = "Summarize the following report in three parts, one per section. " * 10
     with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
         before = register(client, "never_seen_a", prompt)["predicted_cost"]

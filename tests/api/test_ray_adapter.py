@@ -35,7 +35,7 @@ def engine_of(*reports: dict, pinned: bool = True) -> tuple[RayServeEngine, list
     engine = RayServeEngine("local", len(reports), {}, pinned=pinned)
     heard: list[int] = []
     engine.add_capacity_listener(heard.append)
-    engine._absorb(list(reports))
+    engine.absorb(list(reports))
     engine.placement.started()
     engine.state = "running"
     return engine, heard
@@ -50,31 +50,35 @@ def test_capabilities_are_those_the_scheduler_needs() -> None:
 def test_m_is_the_sum_and_follows_replicas_leaving_and_joining() -> None:
     engine, heard = engine_of(report("a"), report("b"))
     assert engine.capacity == 8000
-    engine._absorb([report("a")])  # b stopped reporting (killed)
+    engine.absorb([report("a")])  # b stopped reporting (killed)
     assert engine.capacity == 4000 and heard == [4000]
-    engine._absorb([report("a"), report("c", kv=4000)])  # Ray replaced it
+    engine.absorb([report("a"), report("c", kv=4000)])  # Ray replaced it
     assert engine.capacity == 8000 and heard == [4000, 8000]
-    engine._absorb([])  # none left: M keeps its value, requests wait for Ray
+    engine.absorb([])  # none left: M keeps its value, requests wait for Ray
     assert heard == [4000, 8000] and engine.state == "restarting" and engine.recovering
-    engine._absorb([report("d")])
+    engine.absorb([report("d")])
     assert engine.state == "running" and heard[-1] == 4000
+
+
+def reserved(engine: RayServeEngine) -> dict[str, int]:
+    return {r["id"]: r["reserved_tokens"] for r in engine.describe_replicas()}
 
 
 def test_placement_is_the_shared_one_on_the_replicas_that_report() -> None:
     engine, _ = engine_of(report("a"), report("b"))
     assert engine.place("r1", "agent1", 3000)
-    first = engine.placement._placed["r1"][0]
+    [first] = [rid for rid, tokens in reserved(engine).items() if tokens == 3000]
     assert engine.place("r2", "agent1", 900)  # same agent, its replica still has room
-    assert engine.placement._placed["r2"][0] is first
+    assert reserved(engine)[first] == 3900
     assert engine.place("r3", "agent2", 3900)  # only the other replica has room
     assert not engine.place("r4", "agent3", 2000)  # 7,800 of 8,000 reserved, split 3,900 / 3,900
     engine.release("r3")
     assert engine.place("r4", "agent3", 2000)
     # a replica that stops reporting while it holds a placement stays listed, down, until
     # the request ends elsewhere
-    engine._absorb([report("a" if first.id == "b" else "b")])
+    engine.absorb([report("a" if first == "b" else "b")])
     rows = {r["id"]: r for r in engine.describe_replicas()}
-    assert rows[first.id]["state"] == "down" and rows[first.id]["reserved_tokens"] == 3900
+    assert rows[first]["state"] == "down" and rows[first]["reserved_tokens"] == 3900
     assert engine.capacity == 4000
 
 
@@ -92,9 +96,9 @@ def test_the_schedulers_demand_goes_to_the_replicas_with_every_poll() -> None:
             sent.append((method, *args))
             return Broadcast()
 
-    engine._handle = Handle()
+    engine.handle = Handle()  # stands in for Ray Serve's: the fast tier never imports Ray
     engine.set_demand_source(lambda: 12_345)
-    engine._absorb(asyncio.run(engine._reports()))
+    assert asyncio.run(engine.poll())
     assert sent == [("report", 12_345)]
     # Ray scaled up: M follows, and the change is on record with the replica count
     assert heard == [8000] and engine.capacity == 8000
@@ -111,7 +115,7 @@ def test_step_reports_reach_the_rate_estimator_scaled_to_the_whole_m() -> None:
     engine = RayServeEngine("local", 2, {})
     steps: list[tuple[float, float]] = []
     engine.add_step_listener(lambda s, kv: steps.append((s, kv)))
-    engine._absorb([report("a", steps=[[0.02, 1000.0]]), report("b")])
+    engine.absorb([report("a", steps=[[0.02, 1000.0]]), report("b")])
     assert steps == [(0.02, 2000.0)]  # 1,000 of replica a's 4,000: a quarter of M = 8,000
 
 
@@ -128,7 +132,7 @@ def test_step_samples_of_each_replica_feed_its_own_time_model_scaled_to_the_whol
     # replica a: 8 decoding sequences over 1,000 KV tokens at 10 ms a step; b: twice the time
     a_steps = [[0.010, 8, 0, 1000.0]] * 64  # the fits refit every 32 steps
     b_steps = [[0.020, 8, 64, 1000.0]] * 64
-    engine._absorb([report("a", samples=a_steps), report("b", samples=b_steps)])
+    engine.absorb([report("a", samples=a_steps), report("b", samples=b_steps)])
     # each replica's step is the fleet's (M = 8,000, twice a replica's): the batch doubled
     assert heard[0] == ("a", StepSample(0.010, 16, 0, 2000.0))
     assert heard[-1] == ("b", StepSample(0.020, 16, 128, 2000.0))
@@ -140,7 +144,7 @@ def test_step_samples_of_each_replica_feed_its_own_time_model_scaled_to_the_whol
     assert models["a"].predict(StepSample(0, 16, 0, 2000.0)) == pytest.approx(0.010, rel=0.1)
     assert models["b"].predict(StepSample(0, 16, 128, 2000.0)) == pytest.approx(0.020, rel=0.1)
     # a report without samples (a replica that sends none) is read as before
-    engine._absorb([{k: v for k, v in report("a").items() if k != "samples"}, report("b")])
+    engine.absorb([{k: v for k, v in report("a").items() if k != "samples"}, report("b")])
     assert len(heard) == 128
 
 

@@ -75,7 +75,7 @@ class ByteTokenizer:
 
 def remote(url: str, monkeypatch: pytest.MonkeyPatch) -> RemoteVLLMEngine:
     engine = RemoteVLLMEngine(url, poll_interval_s=0.05)
-    monkeypatch.setattr(engine, "_load_tokenizer", ByteTokenizer)
+    monkeypatch.setattr(engine, "_load_tokenizer", lambda model: ByteTokenizer())
     return engine
 
 

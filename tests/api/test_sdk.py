@@ -4,9 +4,13 @@ on vLLM, are test_sdk_agents.py, test_sdk_batch.py and test_examples.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import httpx
@@ -129,8 +133,15 @@ def test_fake_servers_stop_and_free_their_port(tmp_path) -> None:
 # -- a server that dies and comes back ------------------------------------------------------
 
 _SERVE_FAKE = """
-import sys, time
+import os, sys, threading, time
 from tests.support.fake_engine import FakeEngine, FakeServer
+
+def exit_with_parent(parent=os.getppid()):  # a test process killed outright takes it along
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+threading.Thread(target=exit_with_parent, daemon=True).start()
 srv = FakeServer(sys.argv[1], engine=FakeEngine(step_s=0.01)).start(port=int(sys.argv[2]))
 print("ready", flush=True)
 while True:
@@ -138,24 +149,62 @@ while True:
 """
 
 
-def _fake_server_process(data_dir, port: int):
-    import subprocess
-    import sys
+class _ServerProcesses:
+    """The fake servers a test starts, each in a process of its own. The fixture kills every
+    one at the test's end, whatever the end (a failure, a timeout); one that a thread of the
+    test starts after that end is killed at once."""
 
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE_FAKE, str(data_dir), str(port)],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    return proc
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen] = []
+        self._ended = False
+        self._lock = threading.Lock()
+
+    def start(self, data_dir: Path, port: int) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", _SERVE_FAKE, str(data_dir), str(port)],
+                                stdout=subprocess.PIPE, text=True)
+        with self._lock:
+            self._procs.append(proc)
+            ended = self._ended
+        if ended:
+            self._kill(proc)
+            raise RuntimeError("the test has ended: its server is not started")
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        return proc
+
+    def kill_all(self) -> None:
+        with self._lock:
+            self._ended = True
+            procs = list(self._procs)
+        for proc in procs:
+            self._kill(proc)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
-async def test_an_agent_survives_its_server_being_killed_and_restarted(tmp_path) -> None:
+@pytest.fixture
+def server_processes() -> Iterator[_ServerProcesses]:
+    procs = _ServerProcesses()
+    try:
+        yield procs
+    finally:
+        procs.kill_all()
+
+
+@pytest.mark.timeout(120)  # two servers start from a fresh interpreter each: seconds apiece on a busy machine
+async def test_an_agent_survives_its_server_being_killed_and_restarted(tmp_path, server_processes) -> None:
     """The request in flight when the server died is sent again once it is back (the
     server forgot the agent: the SDK registers it again), within the retry window."""
     from justitia_sdk import agent, llm
     from server.launcher import free_port
 
     port = free_port()
-    proc = _fake_server_process(tmp_path / "a", port)
+    proc = server_processes.start(tmp_path / "a", port)
     restarted: list = []
 
     @agent("survivor")
@@ -171,17 +220,12 @@ async def test_an_agent_survives_its_server_being_killed_and_restarted(tmp_path)
         proc.kill()  # kill -9: the connection of the second request breaks
         proc.wait(10)
         time.sleep(2.0)  # down for a while: refused connections meanwhile
-        restarted.append(_fake_server_process(tmp_path / "b", port))
+        restarted.append(server_processes.start(tmp_path / "b", port))
 
-    try:
-        async with AsyncClient(f"http://127.0.0.1:{port}", retry_window_s=60) as client:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(anyio.to_thread.run_sync, kill_and_restart)
-                out = await client.run(survivor)
-        assert len(out) > 0 and restarted
-        agents = httpx.get(f"http://127.0.0.1:{port}/v1/agents").json()["agents"]
-        assert [a["state"] for a in agents] == ["finished"]  # re-registered on the new server
-    finally:
-        for p in [proc, *restarted]:
-            p.kill()
-            p.wait(10)
+    async with AsyncClient(f"http://127.0.0.1:{port}", retry_window_s=60) as client:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, kill_and_restart)
+            out = await client.run(survivor)
+    assert len(out) > 0 and restarted
+    agents = httpx.get(f"http://127.0.0.1:{port}/v1/agents").json()["agents"]
+    assert [a["state"] for a in agents] == ["finished"]  # re-registered on the new server

@@ -284,19 +284,19 @@ def test_readiness_says_stopping_once_the_shutdown_began(spawn) -> None:
 # -- child processes ---------------------------------------------------------------------
 
 _TRAINER_HOST = textwrap.dedent("""
-    import sys, threading, time
-    from predictors.online import OnlineTrainer, warm_up
+    import multiprocessing, sys, threading, time
+    from predictors.online import OnlineTrainer
 
     trainer = OnlineTrainer(retrain_every=1)
     box = []
     def start():
-        box.append(trainer._pool().submit(warm_up))
+        box.append(trainer.warm())
     if sys.argv[1] == "thread":  # started by a thread that ends before the server dies
         t = threading.Thread(target=start); t.start(); t.join()
     else:
         start()
     box[0].result(120)
-    print(*trainer._pool()._processes, flush=True)
+    print(*(p.pid for p in multiprocessing.active_children()), flush=True)
     time.sleep(600)
 """)
 
@@ -310,9 +310,9 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("started_by", ["main", "thread"])
 def test_the_retraining_worker_dies_with_a_killed_server(tmp_path: Path, started_by: str) -> None:
-    """kill -9 of the server left its online-retraining worker blocked for ever (139 MB a
-    kill). The worker now ends with the process that started it, whichever of its threads
-    started it (and not when that thread ends)."""
+    """The online-retraining worker (139 MB) ends with the server that started it, even a
+    server killed with kill -9, whichever of its threads started it (and not when that
+    thread ends): a worker waits on a pipe it holds itself, so nothing else would end it."""
     host = subprocess.Popen([sys.executable, "-c", _TRAINER_HOST, started_by], stdout=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, process_group=0)
     try:

@@ -38,11 +38,11 @@ def test_place_prefers_the_agents_replica_then_the_most_room() -> None:
 def test_affinity_gives_way_when_the_agents_replica_is_full_or_down() -> None:
     p, _ = placement(1000, 1000)
     assert p.place("q1", "agent", 800)
-    home = p._placed["q1"][0]
+    [home] = [r for r in p.replicas.values() if r.reserved == 800]
     assert p.place("q2", "agent", 500)  # no room at home: the other one
-    assert p._placed["q2"][0] is not home
+    assert home.reserved == 800
     p.set_serving(home, False, "test")
-    assert p.place("q3", "agent", 100) and p._placed["q3"][0] is not home
+    assert p.place("q3", "agent", 100) and home.reserved == 800
 
 
 def test_claim_takes_the_placement_then_routes_around_failed_replicas() -> None:
@@ -64,7 +64,7 @@ def test_claim_takes_the_placement_then_routes_around_failed_replicas() -> None:
 def test_a_placement_on_a_replica_that_died_since_is_moved() -> None:
     p, _ = placement(1000, 1000)
     assert p.place("q", "agent", 400)
-    dead = p._placed["q"][0]
+    [dead] = [r for r in p.replicas.values() if r.reserved == 400]
     p.set_serving(dead, False, "it died")
     assert dead.id in p.replicas  # it still holds the reservation
     slot, held = p.claim("q", 400)
@@ -98,7 +98,8 @@ def test_a_replica_that_leaves_with_requests_in_flight_stays_listed_until_they_e
     assert heard == [1000]
     listed = {r["id"]: r for r in p.describe()}
     assert listed[slot.id]["state"] == "down" and listed[slot.id]["requests_in_flight"] == 1
-    assert not p.place("q2", "other", 1000) or p._placed["q2"][0] is not slot
+    p.place("q2", "other", 1000)
+    assert slot.reserved == held  # nothing more is placed on a replica that is down
     p.unclaim(slot, held)
     assert slot.id not in p.replicas
 

@@ -414,11 +414,11 @@ def test_fast_path_matches_sklearn_for_every_kind(kind, tmp_path):
 
 
 def test_numeric_features_pickled_before_the_loop_features_keep_their_columns():
-    # Models trained before this change computed 3 text features; their pickled
-    # NumericFeatures has no `text_names_` and must keep computing exactly those 3.
+    # A model pickled with the 3 legacy text features has a NumericFeatures without
+    # `text_names_`: it keeps computing exactly those 3.
     from predictors.features import LEGACY_TEXT_FEATURES, NumericFeatures, text_features
 
-    old = NumericFeatures(("n_items",))  # as unpickled: fitted by the old code, no text_names_
+    old = NumericFeatures(("n_items",))  # as unpickled: the legacy features, no text_names_
     values = text_features("List the 3 oldest, then compare.")
     assert old.row("List the 3 oldest, then compare.", {"n_items": 2}) == [
         *(values[k] for k in LEGACY_TEXT_FEATURES), 2.0]

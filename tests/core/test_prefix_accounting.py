@@ -37,29 +37,46 @@ def test_holds_reserve_the_union_of_prefixes_once():
     assert h.remove(a) == 0 and h.remove(a) == 1000 and h.reserved == 0 and len(h) == 0
 
 
+def _tops(holders: list) -> dict:
+    """Per prefix id, the longest end any holder reaches: what the holds keep of it."""
+    tops: dict = {}
+    for segs in holders:
+        for s in segs:
+            tops[s.key] = max(tops.get(s.key, s.end), s.end)
+    return tops
+
+
+def _walk(segs, tops: dict) -> int:
+    """The tokens of `segs` past what the holders hold, segment by segment."""
+    return sum(max(0, s.end - tops.get(s.key, s.start)) for s in segs)
+
+
 def test_holds_stay_the_union_under_random_holders_of_different_lengths():
     import random
 
     rng = random.Random(1)
     h = PrefixHolds()
     running: list = []
+    starts: dict = {}  # prefix id -> the start of its first holder since it was last free
     for _ in range(2000):
         if running and rng.random() < 0.45:
             h.remove(running.pop(rng.randrange(len(running))))
         else:
             sys_end = rng.choice((64, 128))
             segs = segments((("sys", sys_end), (f"ctx{rng.randrange(3)}", sys_end + rng.choice((32, 96, 160)))))
-            assert h.marginal(segs) == sum(max(0, s.end - h._top(s.key, s.start)) for s in segs)
+            assert h.marginal(segs) == _walk(segs, _tops(running))
             h.add(segs)
             running.append(segs)
-        union: dict = {}
+        tops = _tops(running)
+        for key in set(starts) - set(tops):
+            del starts[key]
         for segs in running:
             for s in segs:
-                lo, hi = union.get(s.key, (s.start, s.end))
-                union[s.key] = (min(lo, s.start), max(hi, s.end))
-        # ctx's start follows the sys length of its first holder: compare with the holds' own
-        assert h.reserved == sum(hi - h._held[k][1] for k, (_, hi) in union.items())
-        assert len(h) == len(union)
+                starts.setdefault(s.key, s.start)
+        # a prefix's extent runs from its first holder's start (ctx's follows that holder's
+        # sys length) to its longest holder's end
+        assert h.reserved == sum(top - starts[k] for k, top in tops.items())
+        assert len(h) == len(tops)
 
 
 def test_a_stage_shared_prefix_is_charged_once_for_the_longest_holder():
@@ -83,14 +100,15 @@ def test_a_long_chain_is_searched_and_gives_the_walk_s_answer():
     rng = random.Random(0)
     heads = [[rng.randrange(10, 700) for _ in range(32 * 40)] for _ in range(3)]
     h = PrefixHolds()
+    held: list = []
     for _ in range(200):
         head = rng.choice(heads)
         ids = head[: 32 * rng.randint(0, 40)] + [rng.randrange(10, 700) for _ in range(rng.randint(1, 600))]
         segs = segments(block_chain(ids, 32), 32)
-        walk = sum(max(0, s.end - h._top(s.key, s.start)) for s in segs)
-        assert h.marginal(segs) == walk
+        assert h.marginal(segs) == _walk(segs, _tops(held))
         if rng.random() < 0.7:
             h.add(segs)
+            held.append(segs)
 
 
 def test_block_chain_shares_the_ids_of_a_common_head():

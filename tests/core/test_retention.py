@@ -10,18 +10,24 @@ import random
 
 import pytest
 
+from server.scheduler import Dispatcher, RequestSpec
 from server.scheduler.pauses import PauseStats
 from server.scheduler.prefix import segments
 from server.scheduler.retention import (
+    HORIZON_SCALE,
+    OWN,
+    SHARED,
     Pin,
     Retention,
     break_even_pause_s,
+    charge_retained,
     expected_remaining_s,
     keep_until_s,
     pins_to_release,
 )
 from server.shared.profiles import get_profile
 from server.sim.engine import EngineModel, SimRequest
+from server.sim.retain import SimRetention
 from server.sim.simulator import run_comparison, simulate
 from server.sim.talk import make_talk_mix
 from server.sim.workload import AgentSpec, WorkloadError, parse_agent
@@ -64,6 +70,42 @@ def test_modes_and_resend_rate() -> None:
     assert auto.horizon_s("map", 45_000, 0.00009) < 0.05 * auto.horizon_s("chat", 45_000, 0.00009)
     with pytest.raises(ValueError, match="retain must be one of"):
         Retention("sometimes", pauses)
+
+
+def test_each_part_of_a_context_has_its_own_resend_rate() -> None:
+    pauses = PauseStats()
+    auto = Retention("auto", pauses)
+    for _ in range(20):  # a vote resends the question its samples shared, none of the samples
+        auto.reuse.observe("vote", 600, 600, SHARED)
+        auto.reuse.observe("vote", 0, 3000, OWN)
+    assert auto.reuse.rate("vote", SHARED) == pytest.approx(1.0)
+    assert auto.reuse.rate("vote", OWN) < 0.05
+    assert auto.reuse.rate("vote") == 1.0  # the whole context: nothing seen of it, the prior
+    assert auto.horizon_s("vote", 45_000, 0.00009, SHARED) == pytest.approx(HORIZON_SCALE * 4.05)
+    # nothing seen of its pauses: kept for the horizon of its share (the prior among 20 none)
+    assert auto.keep_until("vote", 3.0, 45_000, 0.00009, OWN) == pytest.approx(3.0 + HORIZON_SCALE * 4.05 / 21)
+
+
+def test_a_retention_charge_moves_a_late_agent_by_its_cost_in_iterations() -> None:
+    """Kept memory is charged as if the agent were running: tokens x seconds, counted in
+    engine iterations of tau, from where its tag stands. An agent GPS would have finished
+    already keeps its lead over one arriving now."""
+    d = Dispatcher("justitia", 8000, 0.025)
+    for a, cost in (("late", 1000.0), ("big", 1e6)):
+        d.register_agent(a, cost, 0.0)
+        d.submit(RequestSpec(f"{a}/0", a, 10, 10, 10), 0.0)
+    late = d.agents["late"]
+    tag, charged = late.virtual_finish, late.charged_cost
+    d.clock.advance(1.0)
+    assert d.clock.V > tag
+    charge_retained(d, "late", 80.0, 1.0)  # 80 token-seconds = 3,200 token-iterations
+    assert late.charged_cost - charged == pytest.approx(3200.0)
+    assert late.virtual_finish == pytest.approx(tag + 3200.0) and late.virtual_finish < d.clock.V
+    d.register_agent("new", 10.0, 1.0)
+    d.submit(RequestSpec("new/0", "new", 1, 1, 1), 1.0)
+    assert [s.agent_id for s in d.admit(1.0, 8000, 10)] == ["late", "new", "big"]
+    charge_retained(d, "late", 0.0, 1.0)  # nothing held, nothing moves
+    assert late.virtual_finish == pytest.approx(tag + 3200.0)
 
 
 def test_pins_yield_to_agents_ahead_furthest_behind_first() -> None:
@@ -131,6 +173,51 @@ def test_a_pinned_context_is_neither_free_nor_evicted_and_gives_way_before_preem
     engine.add(_req("y", "b", 900, 20))  # does not: the pin gives way, nothing is preempted
     assert engine.pins_broken == 1 and engine.preemptions == 0
     assert "a/c" not in engine.cache.pinned
+
+
+def _voted(mode: str, reuse: list[tuple[float, float, str]]) -> tuple[SimRetention, EngineModel]:
+    """An agent's stage of three samples of one 608-token question has finished (each
+    sample's own sequence kept under its id); the rule has seen `reuse` and pauses of 0.3 s."""
+    prof = get_profile("a100-llama7b")
+    engine = EngineModel(prof, 20_000, False, block_size=16, cache_sequences=True)
+    rule = Retention(mode, PauseStats())
+    for x in (0.2, 0.3, 0.4):
+        rule.pauses.observe("vote", x)
+    for resent, left, part in reuse:
+        rule.reuse.observe("vote", resent, left, part)
+    keeper = SimRetention(rule, Dispatcher("justitia", 20_000, 0.025), engine, 20_000, prof.per_prefill_token_s)
+    for k in range(3):
+        engine.add(_req(f"r{k}", "a", 800, 40 + 10 * k, chain=[("a/q", 608)]))
+    for r in _run_out(engine):
+        keeper.request_kept("a", r.kept_key, (seg.key for seg in r.segments))
+    return keeper, engine
+
+
+def test_the_part_a_stage_resends_is_kept_the_part_it_does_not_is_let_go() -> None:
+    learnt = [(608.0, 608.0, SHARED), (0.0, 700.0, OWN)] * 20
+    keeper, engine = _voted("auto", learnt)
+    keeper.pause("a", "vote", 10.0)
+    assert set(keeper.pins["a"].keys) == {"a/q"}  # the question, not the samples
+    assert set(engine.cache.pinned) == {"a/q"} and keeper.pins["a"].tokens == 608
+    keeper.expire(10.3)
+    assert "a" in keeper.pins  # kept while the pause is expected to end soon
+    keeper.resume("a", "vote", ["a/q"], 10.35)  # the vote resends the question only
+    assert keeper.pins["a"].keys["a/q"][1] == math.inf  # now kept until its request is admitted
+    keeper.release("a", 10.5)
+    assert not engine.cache.pinned and keeper.held_token_s == pytest.approx(608 * 0.5)
+    # `always` keeps all of it
+    keeper, engine = _voted("always", learnt)
+    keeper.pause("a", "vote", 10.0)
+    assert set(keeper.pins["a"].keys) == {"a/q", "seq/r0", "seq/r1", "seq/r2"}
+
+
+def test_what_a_stage_resends_is_learnt_per_part() -> None:
+    keeper, _ = _voted("auto", [])
+    keeper.pause("a", "vote", 10.0)
+    keeper.resume("a", "vote", ["a/q"], 10.3)
+    assert keeper.rule.reuse.rate("vote", SHARED) == pytest.approx(1.0)
+    assert keeper.rule.reuse.rate("vote", OWN) == pytest.approx(0.5)  # one pause, none resent, and the prior
+    assert set(keeper.pins["a"].keys) == {"a/q"}  # the samples let go at once
 
 
 # -- workloads ------------------------------------------------------------------------------

@@ -48,6 +48,23 @@ def test_extend_re_enters_the_backlog_after_gps_finished():
     assert clock.departures["a"] == pytest.approx(13.0)
 
 
+def test_shift_moves_a_tag_from_where_it_stands():
+    clock = VirtualClock(rate=1.0)
+    fa = clock.arrive("a", 5.0, 0.0)
+    fb = clock.arrive("b", 100.0, 0.0)
+    clock.advance(20.0)  # a left at V = 5 (t = 10), b alone since: V = 15
+    assert clock.backlog == 1 and clock.V == pytest.approx(15.0)
+    # a small charge leaves a where it stood, behind V (extend would start it again from V)
+    assert clock.shift("a", fa, 2.0, now=20.0) == pytest.approx(7.0)
+    assert clock.backlog == 1 and "a" in clock.departures
+    # a charge that carries it past V puts it back in the backlog
+    assert clock.shift("a", 7.0, 10.0, now=20.0) == pytest.approx(17.0)
+    assert clock.backlog == 2 and "a" not in clock.departures
+    # a backlogged key moves by the charge exactly
+    assert clock.shift("b", fb, 4.0, now=20.0) == pytest.approx(104.0)
+    assert clock.shift("b", 104.0, 0.0, now=20.0) == pytest.approx(104.0)
+
+
 def test_remove_speeds_up_the_others():
     clock = VirtualClock(rate=2.0)
     clock.arrive("a", 10.0, 0.0)

@@ -101,8 +101,8 @@ def test_the_gap_a_newcomer_must_stay_below_closes_as_v_advances() -> None:
 
 def test_a_bursts_newcomers_count_against_the_whole_gap_of_a_long_wait() -> None:
     """While 40 large agents share GPS, V crawls: the newcomers of the next two seconds meet
-    a gap of nearly F_j - V. Halving the gap for the wait, as before, let none of them ahead
-    of `big`; simulated, a burst after another burst was told 0.38 of its JCT off at the
+    a gap of nearly F_j - V. Halving the gap for the wait would let none of them ahead of
+    `big`: simulated, a burst after another burst is told ETAs 0.38 of its JCT off at the
     median with the half gap, 0.17 with the closing one."""
     d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
     for i in range(40):
@@ -156,7 +156,7 @@ def burst(w: WorkArrivals, start: float, n: int, gap: float = 0.05) -> None:
 
 def test_a_burst_after_a_lull_is_measured_from_its_own_start() -> None:
     """A server that served a burst long ago reads a new burst as a fresh server would: over
-    the whole window, the new one's rate was a sliver of itself and its ETAs came out short."""
+    the whole window, the new one's rate would be a sliver of itself and its ETAs short."""
     fresh, taught = WorkArrivals(window_s=60.0), WorkArrivals(window_s=60.0)
     burst(taught, 0.0, 5)  # smaller than the new one: nothing more is expected of it
     burst(fresh, 200.0, 10)
@@ -195,9 +195,10 @@ def test_a_burst_after_a_lull_is_expected_to_be_like_the_ones_before() -> None:
 
 def test_a_lull_four_times_a_short_burst_ends_its_episode() -> None:
     """A burst of 2.4 s, then 50 s without arrivals, then the next: a new episode, expected
-    like the first (live, on a fast host, `bench live --teach` left such a lull, the two
-    bursts read as one episode, the new one's rate as their work over 60 s: 2 of 48 promises
-    broke). A stream that went on for 20 s keeps the whole window before a lull ends it."""
+    like the first (read as one episode with the burst before, the new one's rate would be
+    their work over 60 s, and its promises too tight: `bench live --teach` on a fast host
+    leaves such lulls). A stream that went on for 20 s keeps the whole window before a lull
+    ends it."""
     short = WorkArrivals(window_s=60.0)
     burst(short, 0.0, 48)
     burst(short, 2.35 + 50.0, 1)
@@ -215,8 +216,8 @@ def test_a_lull_four_times_a_short_burst_ends_its_episode() -> None:
 
 
 def test_refresh_is_one_pass_and_views_read_its_cache() -> None:
-    """ETA upkeep is O(N log N) per pass, and views are O(1): the old eta_time walked every
-    agent for every view (GET /v1/agents was O(N^2))."""
+    """ETA upkeep is O(N log N) per pass, and views are O(1) (a view that walked every agent
+    would make GET /v1/agents O(N^2))."""
     n = 10_000
     d = Dispatcher("justitia", 10**7, 0.025)
     for i in range(n):  # each new tag is the smallest: registration's projection walks none
@@ -273,7 +274,7 @@ def test_no_phantom_backlog_once_the_real_system_is_idle() -> None:
     for i in range(5):
         d.finish_agent(f"a{i}", 0.2)
     assert d.is_idle()
-    assert d.clock.backlog == 0  # the old code kept 5 agents backlogged, V running on
+    assert d.clock.backlog == 0  # no agent left backlogged, V running on
 
 
 def test_expired_agent_with_running_work_is_settled() -> None:
@@ -400,7 +401,7 @@ def test_tau_is_the_sustained_rate_not_a_mean_dominated_by_prefill_steps() -> No
         for _ in range(9):
             est.observe_step(0.01, kv_in_use=1000)
         est.observe_step(0.09, kv_in_use=100, kv_reserved=1000)
-    assert est.tau_s == pytest.approx(0.18 / 9.1, rel=1e-3)  # the old mean read 0.455 s
+    assert est.tau_s == pytest.approx(0.18 / 9.1, rel=1e-3)  # a mean of the samples: 0.455 s
 
 
 def test_the_critical_path_uses_the_time_model() -> None:
@@ -489,7 +490,7 @@ def test_an_agent_queued_behind_a_prefill_heavy_one_waits_for_its_prefill() -> N
     for refresh in (True, False):
         mix_like, d = eta_behind(None, refresh)
         assert d.eta_rate > d.rate  # the model's rate on the mix, the one the replay knew before
-        # undeclared: both agents' charges at eta_rate, as before prefill was counted apart
+        # undeclared: both agents' charges at eta_rate, prefill not counted apart
         assert mix_like == pytest.approx(2_200_000.0 / d.eta_rate, rel=1e-6)
         none, _ = eta_behind(AgentShape(1, None, 0), refresh)
         heavy, _ = eta_behind(AgentShape(1, None, 50_000), refresh)
@@ -534,8 +535,8 @@ def test_a_burst_that_has_just_begun_widens_the_promise() -> None:
     are not promised as if the load were light: such a promise breaks by the fifth agent."""
     d = worst_case_promises(Dispatcher("justitia", 1000, 0.1))
     first = d.register_agent("a0", 10_000.0, 0.0)
-    # nothing has arrived: no sign of a light load either (live, the first agent of the
-    # contended run, overtaken by the 47 after it, broke a promise that counted none)
+    # nothing has arrived: no sign of a light load either (the first agent of a burst is
+    # overtaken by the rest of it: a promise that counted none would break)
     assert first.promise == "widened" and "no arrivals measured yet" in first.promise_reason
     assert first.deadline_s == pytest.approx(1.0 / (1 - 0.9) + first.delay_bound_s, rel=0.01)
     for i in range(1, 5):
@@ -568,8 +569,9 @@ def test_the_eta_does_not_project_a_burst_without_end() -> None:
 
 
 def test_arrivals_are_a_share_of_the_rate_the_deadline_assumes() -> None:
-    """CI, live: a stream at 72% of R = M / tau was 104% of M / bound_tau, the rate the
-    deadline serves work at, and the promise was firm. The share is now of that rate."""
+    """The share of arrivals is of M / bound_tau, the rate the deadline serves work at, not
+    of R = M / tau: a stream at 72% of R can be 104% of that rate, and its promise must not be
+    firm."""
     def promise(bound_tau: float):
         d = Dispatcher("justitia", 1000, 0.1)  # R = 10,000 per second
         d.set_iteration_time(0.1, 0.0, bound_tau=bound_tau)
@@ -668,9 +670,9 @@ def test_an_over_run_up_to_the_p90_keeps_the_first_promise() -> None:
 
 
 def test_before_any_request_the_bound_assumes_the_engines_longest() -> None:
-    """A fresh server's first agent was bounded with d_max = 0 (no request seen): its
-    promise left no time for the requests it would wait behind. Until one is seen, the
-    limits are the engine's context length's, and the promise says so."""
+    """Until a request is seen, the bound's limits are the engine's context length's, and
+    the promise says so: with d_max = 0 a fresh server's first promise would leave no time
+    for the requests its agent waits behind."""
     d = quiet_for(Dispatcher("justitia", 1000, 0.1, context_tokens=500))
     first = d.register_agent("first", 10_000.0, 0.0, shape=AgentShape(1, 10))
     assert first.promise == "widened" and "no request seen" in first.promise_reason

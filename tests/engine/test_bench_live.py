@@ -86,7 +86,7 @@ def test_bench_live_renders_shared_prefixes_that_the_engine_caches(tmp_path, jus
                "--kv-tokens", "4096", "--max-model-len", "2048", "--json", str(out), "--quiet",
                "--repeat", "2", "--log-dir", str(tmp_path / "logs" / "run")])
     assert rc == 0
-    # each round's server log, in a directory that did not exist (it raised before)
+    # each round's server log, in a directory that did not exist yet
     assert sorted(p.name for p in (tmp_path / "logs" / "run").iterdir()) == [
         "server-justitia-round1.log", "server-justitia-round2.log"]
     doc = json.loads(out.read_text())

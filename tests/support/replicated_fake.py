@@ -15,7 +15,6 @@ from typing import Any
 
 from server.engine.base import (
     NOT_STARTED,
-    CapacityListener,
     ChatMessages,
     EngineError,
     EngineInfo,
@@ -25,12 +24,12 @@ from server.engine.base import (
     SampleListener,
     StepListener,
 )
-from server.engine.placement import NoReplica, ReplicaPlacement
+from server.engine.placement import NoReplica, PlacedReplicas, ReplicaPlacement, footprint
 from server.shared.step_time import StepSample
 from tests.support.fake_engine import FakeEngine
 
 
-class ReplicatedFakeEngine:
+class ReplicatedFakeEngine(PlacedReplicas):
     """`replicas` fake engines of `kv_capacity_tokens` each; M is their sum."""
 
     def __init__(self, replicas: int = 2, *, kv_capacity_tokens: int = 4096, **fake: Any) -> None:
@@ -94,26 +93,10 @@ class ReplicatedFakeEngine:
         for rid, slot in self.placement.replicas.items():
             slot.stats = self.engines[rid].stats()
 
-    # -- replicas ---------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        return self.placement.capacity
-
-    def add_capacity_listener(self, listener: CapacityListener) -> None:
-        self.placement.add_capacity_listener(listener)
-
-    def capacity_changes(self) -> list[dict[str, Any]]:
-        return list(self.placement.changes)
-
+    # -- replicas (the rest is PlacedReplicas') ---------------------------------------------
     def describe_replicas(self) -> list[dict[str, Any]]:
         self._refresh()
-        return self.placement.describe()
-
-    def place(self, request_id: str, agent_id: str, footprint: int) -> bool:
-        return self.placement.place(request_id, agent_id, footprint)
-
-    def release(self, request_id: str) -> None:
-        self.placement.release(request_id)
+        return super().describe_replicas()
 
     def set_replica(self, replica_id: str, serving: bool) -> None:
         """A replica goes down or comes back (as Ray's reports would say); M follows. Called
@@ -131,9 +114,8 @@ class ReplicatedFakeEngine:
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        s = request.sampling
         try:
-            slot, held = self.placement.claim(request.request_id, s.n * (len(request.prompt_token_ids) + s.max_tokens))
+            slot, held = self.placement.claim(request.request_id, footprint(request))
         except NoReplica as exc:
             raise EngineError(str(exc)) from exc
         self.ran_on[request.request_id] = slot.id
