@@ -375,6 +375,7 @@ class APIClient:
         async with run._reregister_lock:
             if run.id == stale_id:
                 record = await self.register_agent(run.type, run.prompt or run.type, run.metadata)
+                run.former_ids.add(stale_id)
                 run.id, run.record = record.id, record
                 run.reregistrations += 1
                 if run.on_reregister is not None:
@@ -396,7 +397,9 @@ class APIClient:
                                       timeout=timeout)
         except AgentNotFoundError:
             run = current_run.get()
-            if agent_id is not None or run is None or run.id != aid:
+            # A parallel call of the same run may have registered it again already: its
+            # forgotten id is one of the run's former ids, and the request goes to the new one.
+            if agent_id is not None or run is None or (run.id != aid and aid not in run.former_ids):
                 raise
             # The server no longer knows the running agent: it restarted (agents live in
             # its memory). The refused request ran nothing, so registering the agent again

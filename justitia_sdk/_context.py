@@ -34,6 +34,7 @@ class AgentRun:
     extra: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] | None = None
     reregistrations: int = 0  # times the server forgot the agent (a restart) and it re-registered
+    former_ids: set[str] = field(default_factory=set)  # the ids the server forgot
     #: Called with the run each time it registers again under a new id (a batch's handle
     #: follows its agent to the new id).
     on_reregister: Callable[[AgentRun], None] | None = field(default=None, repr=False)

@@ -156,10 +156,10 @@ def add_slowdowns(results, agents, profile, kv_tokens: int) -> None:
     by the simulator's time model of the profile (what `bench sim` divides by)."""
     from server.sim.simulator import isolated_jct_s
 
-    isolated = isolated_jct_s(agents, profile, kv_tokens)
+    isolated = dict(zip((a.id for a in agents), isolated_jct_s(agents, profile, kv_tokens), strict=True))
     for r in results:
-        for a, alone in zip(r.agents, isolated, strict=True):
-            a.isolated_s = alone or None
+        for a in r.agents:  # a live run's agents that failed or hung have no row: by id
+            a.isolated_s = isolated.get(a.id) or None
 
 
 def calibrate_command(args: argparse.Namespace) -> int:

@@ -114,8 +114,10 @@ class Admission:
         if slots <= 0 or d.ledger.pending_count == 0:
             return
         now = self._now()
-        if self.retention is not None:
-            self.retention.make_way(now)
+        if self.retention is not None and self.retention.make_way(now):
+            # the contexts that gave way were charged at their release, after `now`: the
+            # virtual clock has moved past it, and admitting at `now` would run it backwards
+            now = self._now()
         admitted = d.admit(now, engine_free_slots=slots, place=self._place_fn())
         if self.retention is not None and admitted:
             self.retention.admitted(sum(r.footprint for s in admitted if (r := d.requests.get(s.request_id))))

@@ -225,3 +225,57 @@ def test_a_completion_body_carries_the_fields_set_and_any_other_as_given() -> No
     assert bodies[1] == {"messages": [{"role": "system", "content": "be brief"},
                                       {"role": "user", "content": "hi"}],
                          "max_tokens": 256, "seed": 3}
+
+
+def test_parallel_calls_of_an_agent_its_server_forgot_all_go_to_its_new_id() -> None:
+    """Two parallel calls of one agent both answered 404 by a restarted server: the first
+    registers the agent again, and the second, answered after that, resends to the new id
+    instead of failing the agent (a 200-agent batch across a scheduler kill lost 62)."""
+    import json
+
+    import anyio
+    import httpx
+
+    from justitia_sdk import AsyncClient, agent, llm, parallel_map
+
+    ids = iter(["a1", "a2"])
+    in_flight_on_a1: list[httpx.Request] = []
+    both_sent, registered_again = anyio.Event(), anyio.Event()
+    served: list[str] = []
+
+    def record(agent_id: str) -> dict:
+        return {"id": agent_id, "type": "twin", "state": "running", "submitted_at": 0.0}
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/agents":
+            agent_id = next(ids)
+            if agent_id == "a2":
+                registered_again.set()
+            return httpx.Response(200, json=record(agent_id))
+        if path.startswith("/v1/agents/"):
+            return httpx.Response(200, json={**record(path.split("/")[3]), "state": "finished"})
+        tag = request.headers["X-Justitia-Agent"]
+        if tag == "a1":  # the server restarted: it knows no a1
+            in_flight_on_a1.append(request)
+            if len(in_flight_on_a1) == 2:
+                both_sent.set()
+            await both_sent.wait()
+            if request is in_flight_on_a1[1]:
+                await registered_again.wait()  # answered once the first call registered again
+            return httpx.Response(404, json={"error": {"message": "agent a1 not found"}})
+        served.append(json.loads(request.content)["prompt"])
+        choice = {"text": "ok", "finish_reason": "stop"}
+        return httpx.Response(200, json={"id": "c", "choices": [choice], "usage": {}})
+
+    @agent("twin")
+    async def twin(x: int) -> list[str]:
+        return await parallel_map(lambda k: llm(f"part {k}", max_tokens=4), range(2))
+
+    async def main() -> list[str]:
+        async with AsyncClient("http://test", transport=httpx.MockTransport(answer)) as client:
+            with anyio.fail_after(10):
+                return await client.run(twin, 1)
+
+    assert anyio.run(main) == ["ok", "ok"]
+    assert sorted(served) == ["part 0", "part 1"]  # each sent again, to a2

@@ -125,3 +125,19 @@ def test_bench_live_tells_the_engines_drift_from_the_simulators_form() -> None:
     assert live.extra["sim_online_mean_jct_s"] == pytest.approx(mean, rel=0.02)
     assert live.extra["sim_online_error"] == pytest.approx(0.0, abs=0.02)
     assert "sim_online_mean_jct_s" not in unfitted.extra  # no steps fitted: nothing to say
+
+
+def test_live_slowdowns_skip_the_agents_a_run_lost(workload):
+    """A live run lists only the agents that finished (those that failed or hung are counted
+    apart): each listed one gets its own time alone, matched by id."""
+    from justitia_cli.bench.sim import add_slowdowns
+    from server.sim.results import AgentResult, PolicyResult
+    from server.sim.simulator import isolated_jct_s
+    from server.sim.workload import load_workload
+
+    agents = load_workload(workload)
+    profile = get_profile("a100-llama7b")
+    alone = dict(zip((a.id for a in agents), isolated_jct_s(agents, profile, 20000), strict=True))
+    kept = [AgentResult(a.id, a.type, 0.0, 10.0, 10.0, 10.0) for a in agents[::3]]
+    add_slowdowns([PolicyResult("justitia", kept)], agents, profile, 20000)
+    assert [r.isolated_s for r in kept] == [alone[r.id] or None for r in kept]
