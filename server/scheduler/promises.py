@@ -2,10 +2,11 @@
 
 An agent's worst-case deadline is its GPS finish projected with the work expected to arrive
 ahead of it, served at the pessimistic rate (M / bound_tau), plus its delay bound (bounds.py)
-at the pessimistic step time, plus its type's p90 pause before each stage it has not
-started. The deadline given is the tighter of that and its ETA scaled by how far the first
-ETAs of agents in its context (its place in the queue) have fallen short (tight_promise.py;
-the record's promise_assumes says what that rests on).
+at the pessimistic step time, plus the tool time allowed before the stages it has not
+started (the longest pause seen before one, its type's p90 before each other: pauses.py).
+The deadline given is the tighter of that and its ETA scaled by how far the first ETAs of
+agents in its context (its place in the queue) have fallen short (tight_promise.py; the
+record's promise_assumes says what that rests on).
 
 Invariants:
 - a promise only ever moves later: it is made at registration and made again when the
@@ -140,18 +141,22 @@ class Promises:
                            f"arrives at {MAX_ARRIVAL_SHARE:.0%} of the engine's rate")
             share = MAX_ARRIVAL_SHARE
             horizon = fluid / (1.0 - share) * slow
-        # Tool time: the type's p90 pause before each stage it has not started (pauses.py).
+        # Tool time: the longest pause seen before one stage it has not started, the type's
+        # p90 before each other (pauses.py).
         left = stages_left(agent.shape.stages, agent.stages_started)
-        pauses = d.pauses.p90_s(agent.agent_type) * left
+        pauses = d.pauses.allowance_s(agent.agent_type, left)
+        if left and pauses <= 0.0 and not d.pauses.unpaused_lately(now):
+            reasons.append(f"no pause seen yet: the deadline allows no tool time before its {left} later "
+                           f"stage(s)")
         worst = now + horizon + agent.bound.total_s + pauses
         # The deadline given: the tighter of the worst case and the ETA scaled by how far
         # the ETAs of agents in its context (its place in the queue when it registered) have
         # fallen short (tight_promise.py), which says what it rests on. Tool time is not
         # calibrated so: an agent that may pause (stage boundaries ahead, and a pause at one
-        # of the recent boundaries of any type, or none seen yet) keeps the worst case. Its
-        # own type's pauses are not enough: a server taught by traffic whose agents never
-        # paused promised agents of the same types that did as if they would not (10 of 240
-        # broken).
+        # of the recent boundaries of any type, or none crossed lately: `unpaused_lately`)
+        # keeps the worst case. Its own type's pauses are not enough: a server taught by
+        # traffic whose agents never paused promised agents of the same types that did as if
+        # they would not (10 of 240 broken).
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
         factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context)
@@ -162,7 +167,7 @@ class Promises:
         # longer than such ETAs say.
         calibrated = not d.uncertainty and not agent.cost_guessed
         tight = worst
-        if calibrated and (left == 0 or (d.pauses.any_seen and not d.pauses.paused_lately())):
+        if calibrated and (left == 0 or d.pauses.unpaused_lately(now)):
             cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
             tight = tight_deadline(now, d.etas.eta_time(agent, now), 0.0, 0.0, factor, cost_ratio)
         deadline = min(worst, tight)

@@ -23,7 +23,7 @@ rounded up to a half and never below a deeper context's (`CONTEXT_FLOORS`); held
 figures in docs/concepts.md.
 
 Tool time is not calibrated this way: an agent that may pause between its stages (agents
-have paused at recent stage boundaries, or none has been seen) keeps the worst case. The
+have paused at recent stage boundaries, or none has been crossed lately) keeps the worst case. The
 worst case stays reported beside it (`delay_bound_s`), and the record's `promise_assumes`
 says what the calibrated deadline rests on: traffic ahead like the traffic behind, arrivals
 no faster than measured.
