@@ -32,7 +32,7 @@ from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S
 from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState, ObservedLimits, PromiseKind
-from .tight_promise import assumption, context_of, promise_factor, tight_deadline
+from .tight_promise import assumption, context_of, fair_share_s, promise_factor, tight_deadline
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -125,6 +125,7 @@ class Promises:
         if extra > 0.0:
             reasons.append(f"its cost is a prediction: the deadline allows for {agent.promise_charge:.4g} units, "
                            f"the prediction's p90 ({agent.promise_charge / agent.charged_cost:.2g}x its charge)")
+        arriving_share = min(MAX_ARRIVAL_SHARE, share / slow)  # of the measured rate, as measured
         if share > MAX_ARRIVAL_SHARE:
             reasons.append(f"work arrives at {share:.0%} of the engine's (pessimistic) rate: the deadline assumes "
                            f"{MAX_ARRIVAL_SHARE:.0%}")
@@ -145,7 +146,9 @@ class Promises:
         # p90 before each other (pauses.py).
         left = stages_left(agent.shape.stages, agent.stages_started)
         pauses = d.pauses.allowance_s(agent.agent_type, left)
-        if left and pauses <= 0.0 and not d.pauses.unpaused_lately(now):
+        if left and pauses <= 0.0 and d.pauses.any_seen and not d.pauses.unpaused_lately(now):
+            # boundaries crossed, none paused, but not lately: whether the traffic of the
+            # moment pauses is not known, and the deadline allows it no tool time
             reasons.append(f"no pause seen yet: the deadline allows no tool time before its {left} later "
                            f"stage(s)")
         worst = now + horizon + agent.bound.total_s + pauses
@@ -170,6 +173,10 @@ class Promises:
         if calibrated and (left == 0 or d.pauses.unpaused_lately(now)):
             cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
             tight = tight_deadline(now, d.etas.eta_time(agent, now), 0.0, 0.0, factor, cost_ratio)
+            # Never earlier than its fair-share finish (GPS at the measured rate) with the
+            # work the ETA expects to arrive ahead of it: an ETA below that counts on the
+            # policy serving it ahead of its fair share, which the bound does not promise.
+            tight = max(tight, now + fair_share_s(fluid, arriving_share, d.arrivals.span_s))
         deadline = min(worst, tight)
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later
