@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.clients import local_client
 from tests.support.fake_engine import FAST, FakeEngine, FakeServer
 from tests.support.servers import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN, ENGINES
 
@@ -157,7 +158,7 @@ def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer
 
 @pytest.fixture()
 def fake_client(fake_server: FakeServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=fake_server.url, timeout=30.0) as c:
+    with local_client(base_url=fake_server.url, timeout=30.0) as c:
         yield c
 
 
@@ -176,5 +177,5 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture()
 def client(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120.0) as c:
+    with local_client(base_url=server.url, timeout=120.0) as c:
         yield c

@@ -22,6 +22,7 @@ from tests.support.agents import (
     register,
     scheduler_idle,
 )
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeServer
 from tests.support.servers import ENGINE_KV_TOKENS
 from tests.support.streams import BackgroundStream, sse_json
@@ -268,7 +269,7 @@ def test_cancel_fails_queued_requests_and_aborts_running_ones(client: httpx.Clie
     for _ in range(3):
         rec = register(client)
         chunks: list[dict] = []
-        with httpx.Client(base_url=server.url, timeout=60) as c:
+        with local_client(base_url=server.url, timeout=60) as c:
             body = {"prompt": [6] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}
             with c.stream("POST", "/v1/completions", json=body,
                           headers={"X-Justitia-Agent": rec["id"]}) as stream:

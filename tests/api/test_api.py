@@ -18,6 +18,7 @@ from tests.support.agents import (
     promise_clauses,
     register,
 )
+from tests.support.clients import local_client
 from tests.support.fake_engine import FAKE_MODEL, FakeEngine, FakeServer, encode
 from tests.support.servers import ENGINE_MAX_MODEL_LEN
 from tests.support.streams import BackgroundStream
@@ -116,7 +117,7 @@ def test_a_request_that_just_fits_the_context_is_served(fake_client: httpx.Clien
 def test_the_first_agent_of_a_fresh_server_has_a_widened_promise(tmp_path) -> None:
     # A server of its own: on the shared one, the other tests' agents are arrivals, and the
     # deadline stretches the GPS finish by their share (checked in test_scheduler_promises).
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30.0) as fake_client:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=30.0) as fake_client:
         rec = register(fake_client, prompt="verify: the river flows through three countries",
                        metadata={"source": "test"})
         assert RECORD_FIELDS <= rec.keys()
@@ -152,7 +153,7 @@ def test_a_profile_measured_on_the_engine_is_the_time_models_prior_and_sets_the_
     save_profile(replace(get_profile("cpu-tiny"), name="measured-here", per_kv_token_s=4e-7), path)
     for profile in (str(path), None):
         with FakeServer(tmp_path / f"data-{profile is None}", profile=profile) as srv, \
-                httpx.Client(base_url=srv.url, timeout=20) as c:
+                local_client(base_url=srv.url, timeout=20) as c:
             # a request seen (500 prompt tokens, 100 out): a mix to sustain
             assert complete(c, None, 100, prompt="x" * 499).status_code == 200
             snap = c.get("/v1/scheduler").json()
@@ -171,7 +172,7 @@ def test_eta_and_bound_equal_the_cores_on_a_fresh_server(tmp_path) -> None:
     """As test_agents_api.py's contract, on a server of its own (no other test's agents in
     the backlog or the arrivals), so the promises and their reasons are the core's exactly."""
     costs = [4e5, 1.5e6, 1e5, 8e5]
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=20) as c:
         # a request seen: the limits are the observed ones, not the context length's
         assert complete(c, None, 2).status_code == 200
         primer = register(c, type_="eta_primer", predicted_cost=max(costs))
@@ -207,7 +208,7 @@ def test_engine_death_fails_requests_cleanly(tmp_path) -> None:
     """The fake engine dies under a streaming request: the stream ends with an error naming
     the engine, health and readiness turn 503, new requests get a 503 at once."""
     with FakeServer(tmp_path, engine=FakeEngine(step_s=0.005)) as srv, \
-            httpx.Client(base_url=srv.url, timeout=20) as c:
+            local_client(base_url=srv.url, timeout=20) as c:
         stream = BackgroundStream(lambda: c.stream(
             "POST", "/v1/completions",
             json={"prompt": [5] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}))
@@ -226,7 +227,7 @@ def test_engine_death_fails_requests_cleanly(tmp_path) -> None:
 
 def test_queued_requests_fail_when_the_engine_dies(tmp_path) -> None:
     """Requests waiting for admission are failed by housekeeping (503), not left hanging."""
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=20) as c:
         rec = register(c)
         assert c.post("/v1/admin/pause").status_code == 200
         results: list[httpx.Response] = []

@@ -20,6 +20,7 @@ import pytest
 
 from server.runtime.agents import AgentEntry, RequestLog
 from server.runtime.history import History
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeServer
 from tests.support.waiting import wait_until
 
@@ -73,7 +74,7 @@ def test_agents_with_large_metadata_hold_their_json_size_not_24x_it(tmp_path) ->
     a server process)."""
     body = json.dumps({"type": "meta", "prompt": "x", "metadata": {"rows": LIST_OF_EMPTY_OBJECTS}},
                       separators=(",", ":"))
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=60,
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=60,
                                                    headers={"Content-Type": "application/json"}) as c:
         assert c.post("/v1/agents", content=body).status_code == 201  # warm every code path
         gc.collect()
@@ -100,7 +101,7 @@ def test_agents_with_large_metadata_hold_their_json_size_not_24x_it(tmp_path) ->
 
 
 def test_an_ended_agent_lets_go_of_its_prompt_and_large_metadata(tmp_path) -> None:
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=30) as c:
         big = c.post("/v1/agents", json={"type": "t", "prompt": "p" * 20_000,
                                           "metadata": {"notes": "n" * 5000, "stages": 1}}).json()
         small = c.post("/v1/agents", json={"type": "t", "prompt": "q" * 20_000,
@@ -125,8 +126,8 @@ def test_metadata_over_its_limit_is_a_413_naming_the_limit(tmp_path) -> None:
     with FakeServer(tmp_path, api_keys=keys, max_metadata_bytes=1000,
                     tenant_max_metadata_bytes={"bob": None},
                     tenant_max_agent_bytes={"alice": 50_000}) as srv:
-        alice = httpx.Client(base_url=srv.url, timeout=30, headers={"Authorization": "Bearer key-alice"})
-        bob = httpx.Client(base_url=srv.url, timeout=30, headers={"Authorization": "Bearer key-bob"})
+        alice = local_client(base_url=srv.url, timeout=30, headers={"Authorization": "Bearer key-alice"})
+        bob = local_client(base_url=srv.url, timeout=30, headers={"Authorization": "Bearer key-bob"})
         with alice, bob:
             meta = {"notes": "n" * 2000}
             r = alice.post("/v1/agents", json={"type": "t", "metadata": meta})
@@ -178,7 +179,7 @@ def _all_pages(c: httpx.Client, **params: object) -> tuple[list[str], list[int]]
 
 
 def test_a_history_page_is_bounded_in_bytes_and_continues_at_its_cursor(tmp_path) -> None:
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=60) as c:
         history = srv.app.state.history
         for i in range(300):  # 300 rows of a 64 KiB prompt: ~20 MB of samples
             history.record(_finished(i, prompt=f"{i:05d}" + "x" * (64 * 1024 - 5)))
@@ -207,7 +208,7 @@ def _fill_disk(history: History) -> None:
 
 
 def test_a_finish_that_cannot_be_made_durable_is_refused_and_acknowledged_once_written(tmp_path) -> None:
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=30) as c:
         history = srv.app.state.history
         _fill_disk(history)
         first = c.post("/v1/agents", json={"type": "full", "prompt": "x" * 5000}).json()
@@ -264,7 +265,7 @@ def test_a_kill_while_the_disk_is_full_loses_no_acknowledged_finish(tmp_path) ->
     try:
         assert proc.stdout is not None and proc.stdin is not None
         url = proc.stdout.readline().strip()
-        with httpx.Client(base_url=url, timeout=30) as c:
+        with local_client(base_url=url, timeout=30) as c:
 
             def one(i: int) -> None:
                 rec = c.post("/v1/agents", json={"type": "kill", "prompt": f"p{i}"}).json()

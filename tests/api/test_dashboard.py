@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from server.api.dashboard.frames import MAX_ROWS, TIMES_REFRESH_S
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeEngine, FakeServer
 
 KEYS = {"alice": "dash-alice-0123456789", "bob": "dash-bob-9876543210", "admin": "dash-admin-5555555555"}
@@ -28,7 +29,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
 
 def client(srv: FakeServer, tenant: str | None = None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else {}
-    return httpx.Client(base_url=srv.url, headers=headers, timeout=30)
+    return local_client(base_url=srv.url, headers=headers, timeout=30)
 
 
 def frames(c: httpx.Client, count: int, timeout_s: float = 10.0) -> list[dict]:
@@ -137,7 +138,7 @@ def test_frames_send_only_what_changed(keyed: FakeServer) -> None:
 
 
 def test_the_queue_is_capped_at_its_top_rows_with_counts(tmp_path) -> None:
-    with FakeServer(tmp_path, engine=FakeEngine()) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with FakeServer(tmp_path, engine=FakeEngine()) as srv, local_client(base_url=srv.url, timeout=30) as c:
         n = MAX_ROWS + 50
         register(c, "many", n)
         [first] = frames(c, 1)

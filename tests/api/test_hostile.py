@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeEngine, FakeServer
 from tests.support.tenants import KEYS, as_tenant, keyed_server
 
@@ -114,7 +115,7 @@ def test_queued_request_quota_is_a_429(quota_server) -> None:
                 results.append(c.post("/v1/completions", headers=tagged,
                                       json={"prompt": "x", "max_tokens": 1}).status_code)
 
-        admin = httpx.Client(base_url=quota_server.url, timeout=30,
+        admin = local_client(base_url=quota_server.url, timeout=30,
                              headers={"Authorization": "Bearer key-admin"})
         assert admin.post("/v1/admin/pause").status_code == 200  # requests queue
         try:
@@ -189,7 +190,7 @@ def test_slow_header_clients_cannot_starve_health_checks(tmp_path) -> None:
             s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
             slow.append(s)
         latencies = []
-        with httpx.Client(base_url=srv.url, timeout=5) as c:
+        with local_client(base_url=srv.url, timeout=5) as c:
             for _ in range(20):
                 started = time.monotonic()
                 assert c.get("/healthz").status_code == 200
@@ -206,7 +207,7 @@ def test_an_unreadable_history_is_moved_aside_and_the_server_starts(tmp_path) ->
     data = tmp_path / "data"
     data.mkdir()
     (data / "history.sqlite3").write_bytes(b"this is not a database" * 500)
-    with FakeServer(data) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with FakeServer(data) as srv, local_client(base_url=srv.url, timeout=30) as c:
         assert c.get("/readyz").status_code == 200
         moved = list(data.glob("history.sqlite3.corrupt-*"))
         assert len(moved) == 1 and moved[0].read_bytes().startswith(b"this is not")
@@ -308,7 +309,7 @@ def test_large_bodies_are_parsed_off_the_event_loop(two_tenants, monkeypatch) ->
 
         threading.Thread(target=big_bodies, daemon=True).start()
         answered = 0
-        with httpx.Client(base_url=two_tenants.url, timeout=30) as c:
+        with local_client(base_url=two_tenants.url, timeout=30) as c:
             while not done.is_set():
                 assert c.get("/healthz").status_code == 200
                 answered += 1
@@ -369,7 +370,7 @@ def _deadline_beside_a_flood(srv: FakeServer, split: bool, requests: int = 24) -
 
     from tests.support.waiting import wait_until
 
-    admin = httpx.Client(base_url=srv.url, timeout=30, headers={"Authorization": "Bearer key-admin"})
+    admin = local_client(base_url=srv.url, timeout=30, headers={"Authorization": "Bearer key-admin"})
     bob_agent = None
     with _as(srv, "bob") as bob:
         if not split:

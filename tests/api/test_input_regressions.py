@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from server.runtime.limits import Rate
+from tests.support.clients import local_client
 from tests.support.servers import ENGINES, either_server
 
 TIMEOUT_S = 30.0
@@ -29,7 +30,7 @@ def fuzz_server(request: pytest.FixtureRequest) -> Iterator:
 
 @pytest.fixture()
 def admin(fuzz_server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=fuzz_server.url, headers=ADMIN, timeout=TIMEOUT_S) as c:
+    with local_client(base_url=fuzz_server.url, headers=ADMIN, timeout=TIMEOUT_S) as c:
         yield c
 
 

@@ -23,6 +23,7 @@ from server.runtime.limits import (
     parse_per_tenant,
     parse_tokens,
 )
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeServer
 from tests.support.servers import ENGINES, either_server
 
@@ -157,7 +158,7 @@ def limited_server(request: pytest.FixtureRequest):
 
 
 def as_tenant(srv, tenant: str) -> httpx.Client:
-    return httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+    return local_client(base_url=srv.url, headers={"Authorization": f"Bearer {KEYS[tenant]}"},
                         timeout=60)
 
 
@@ -237,7 +238,7 @@ def _chunks(parts: int) -> Iterator[bytes]:
 
 def test_bodies_over_the_limit_are_413(tmp_path) -> None:
     with FakeServer(tmp_path, max_body_bytes=2048) as srv, \
-            httpx.Client(base_url=srv.url, timeout=20) as c:
+            local_client(base_url=srv.url, timeout=20) as c:
         ok = c.post("/v1/completions", json={"prompt": "x" * 1500, "max_tokens": 2})
         assert ok.status_code == 200, ok.text
         for path in ("/v1/completions", "/v1/agents"):
@@ -252,7 +253,7 @@ def test_bodies_over_the_limit_are_413(tmp_path) -> None:
 
 def test_chunked_bodies_over_the_limit_are_413_on_every_route(tmp_path) -> None:
     with FakeServer(tmp_path, max_body_bytes=2048) as srv, \
-            httpx.Client(base_url=srv.url, timeout=20) as c:
+            local_client(base_url=srv.url, timeout=20) as c:
         streamed = c.post("/v1/agents", content=_chunks(10),
                           headers={"content-type": "application/json"})
         assert streamed.status_code == 413, streamed.text

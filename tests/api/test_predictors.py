@@ -20,6 +20,7 @@ from predictors import PredictorRegistry
 from predictors.online import OnlineTrainer
 from predictors.synthetic import synthesize
 from tests.support.agents import complete, register
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeServer
 from tests.support.waiting import all_agents, wait_until
 from tests.support.workloads import learn_new_type, predictor_row
@@ -128,7 +129,7 @@ def test_predictors_endpoint_is_for_the_admin(keyed: FakeServer) -> None:
 
 @pytest.mark.slow
 def test_a_new_type_is_learned_from_the_agents_it_served(tmp_path: Path) -> None:
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=30) as client:
         out = learn_new_type(client, "lookup_or_survey")
         row = predictor_row(client, "lookup_or_survey")
     print("online learning on the fake engine:", out)
@@ -148,7 +149,7 @@ def test_a_new_type_is_learned_from_the_agents_it_served(tmp_path: Path) -> None
 
 
 def test_history_samples_carry_the_declared_features(tmp_path: Path) -> None:
-    with FakeServer(tmp_path, retrain_every=0) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with FakeServer(tmp_path, retrain_every=0) as srv, local_client(base_url=srv.url, timeout=30) as c:
         agent = register(c, type_="fan", prompt="three ways", metadata={"fan_out": 3, "stages": 2,
                                                                          "features": {"n_items": 5}})
         assert complete(c, agent["id"], 3).status_code == 200
@@ -192,7 +193,7 @@ def test_an_untagged_request_does_not_set_the_cold_starts_output_length(tmp_path
     agent, it would become the output length per request the cold start assumes for every
     type not seen yet, and make the first predictions (and first ETAs) 40-200x too small."""
     prompt = "Summarize the following report in three parts, one per section. " * 10
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=30) as client:
         before = register(client, "never_seen_a", prompt)["predicted_cost"]
         assert complete(client, None, 8).status_code == 200
         # the untagged request's agent: the listeners hear of its end as it is recorded finished
@@ -209,7 +210,7 @@ def test_three_tiny_agents_do_not_poison_an_unseen_types_cold_start(tmp_path: Pa
     its interval allows for a guess."""
     prompt = "Research the history of the river and write a report on each town. " * 6
     shape = {"stages": 3, "fan_out": 5, "features": {"max_tokens": 512}}
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=30) as client:
         before = register(client, "researcher_a", prompt, metadata=shape)
         for _ in range(3):
             tiny = register(client, "warm_up", "hi")

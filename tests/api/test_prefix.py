@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from server.runtime.metrics import metric_value
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeEngine, FakeServer
 
 HEAD = [10 + (i % 200) for i in range(256)]  # two hashing units of 128 every prompt starts with
@@ -29,7 +30,7 @@ def _agent(c: httpx.Client) -> str:
 
 def test_prefix_hits_and_shared_kv_are_exported(tmp_path) -> None:
     engine = FakeEngine(step_s=0.01)
-    with FakeServer(tmp_path, engine=engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with FakeServer(tmp_path, engine=engine) as srv, local_client(base_url=srv.url, timeout=30) as c:
         agent = _agent(c)
         _completion(c, agent, 0)
         # a parallel map over prompts with a common head: running together, they share it
@@ -47,7 +48,7 @@ def test_prefix_hits_and_shared_kv_are_exported(tmp_path) -> None:
 
 def test_the_nocache_ablation_hashes_nothing_and_reserves_every_prompt(tmp_path) -> None:
     with FakeServer(tmp_path, policy="justitia-nocache") as srv, \
-            httpx.Client(base_url=srv.url, timeout=30) as c:
+            local_client(base_url=srv.url, timeout=30) as c:
         agent = _agent(c)
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda k: _completion(c, agent, k, 60), range(3)))

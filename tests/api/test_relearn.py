@@ -17,6 +17,7 @@ from server.runtime.relearn import HistoryReading, recall
 from server.runtime.type_shapes import TypeShapes
 from server.scheduler import Dispatcher
 from tests.support.agents import complete, register
+from tests.support.clients import local_client
 from tests.support.fake_engine import FAKE_MODEL, FakeEngine, FakeServer
 
 
@@ -89,13 +90,13 @@ def test_a_restarted_server_bounds_a_type_by_the_stages_it_learned_before(tmp_pa
             assert complete(c, rec["id"], 6).status_code == 200
         assert c.post(f"/v1/agents/{rec['id']}/finish").status_code == 200
 
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=20) as c:
         assert complete(c, None, 6).status_code == 200  # a request seen: observed limits
         fresh = register(c, type_="looper")
         for _ in range(3):
             three_stages(c)
         taught = register(c, type_="looper")
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=20) as c:
         recalled = c.get("/v1/scheduler").json()["recalled"]
         assert complete(c, None, 6).status_code == 200
         again = register(c, type_="looper")
@@ -116,7 +117,7 @@ def test_a_restarted_server_starts_from_the_time_model_and_the_tau_its_last_run_
     from server.scheduler.time_model import StepSample
 
     def snapshot(srv: FakeServer) -> dict:
-        with httpx.Client(base_url=srv.url, timeout=20) as c:
+        with local_client(base_url=srv.url, timeout=20) as c:
             assert complete(c, None, 100, prompt="x" * 499).status_code == 200  # a mix to sustain
             return c.get("/v1/scheduler").json()
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeServer
 from tests.support.replicated_fake import ReplicatedFakeEngine
 from tests.support.waiting import wait_until
@@ -43,7 +44,7 @@ def replicas_in_frames(c: httpx.Client, until, timeout_s: float = 20.0) -> list[
 
 
 def test_the_replicas_are_listed_with_m_their_sum(server: FakeServer) -> None:
-    with httpx.Client(base_url=server.url, timeout=30) as c:
+    with local_client(base_url=server.url, timeout=30) as c:
         listed = c.get("/v1/admin/replicas").json()
         assert listed["kv_capacity_tokens"] == 2 * KV == c.get("/v1/scheduler").json()["M"]
         rows = {r["id"]: r for r in listed["replicas"]}
@@ -56,7 +57,7 @@ def test_the_replicas_are_listed_with_m_their_sum(server: FakeServer) -> None:
 
 def test_the_dashboard_shows_a_request_in_flight_on_its_replica(server: FakeServer) -> None:
     engine: ReplicatedFakeEngine = server.engine
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with local_client(base_url=server.url, timeout=60) as c:
         agent = c.post("/v1/agents", json={"type": "replica_view", "prompt": "x"}).json()["id"]
         body = {"prompt": "a long answer", "max_tokens": 600, "ignore_eos": True, "agent_id": agent}
         done: list[httpx.Response] = []
@@ -76,7 +77,7 @@ def test_the_dashboard_shows_a_request_in_flight_on_its_replica(server: FakeServ
 def test_the_time_model_has_one_fit_per_replica_that_ran(server: FakeServer) -> None:
     """Each replica's steps feed a time model of its own, under the replica's id."""
     engine: ReplicatedFakeEngine = server.engine
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with local_client(base_url=server.url, timeout=60) as c:
         body = {"prompt": "a few steps", "max_tokens": 40, "ignore_eos": True}
         assert c.post("/v1/completions", json=body).status_code == 200
         ran = engine.ran_on[list(engine.ran_on)[-1]]
@@ -87,7 +88,7 @@ def test_the_time_model_has_one_fit_per_replica_that_ran(server: FakeServer) -> 
 
 def test_a_replica_down_leaves_m_and_the_list_and_comes_back(server: FakeServer) -> None:
     engine: ReplicatedFakeEngine = server.engine
-    with httpx.Client(base_url=server.url, timeout=30) as c:
+    with local_client(base_url=server.url, timeout=30) as c:
         engine.set_replica("fake-1", False)
         wait_until(lambda: c.get("/v1/scheduler").json()["M"] == KV)
         assert [r["id"] for r in c.get("/v1/admin/replicas").json()["replicas"]] == ["fake-0"]

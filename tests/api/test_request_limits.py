@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from server.runtime.limits import Rate
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeEngine, FakeServer
 from tests.support.tenants import KEYS, as_tenant, keyed_server
 
@@ -121,7 +122,7 @@ def compiling(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # loading the compiler in each new worker takes 5-25 s here
 def test_grammars_over_the_time_budget_or_refused_are_400s(compiling) -> None:
-    with httpx.Client(base_url=compiling.url, timeout=300) as c:
+    with local_client(base_url=compiling.url, timeout=300) as c:
         # a schema that compiles: served (the worker's start is not part of the budget)
         r = c.post("/v1/chat/completions", json=_schema_request({"type": "integer"}))
         _compiled(r)
@@ -170,7 +171,7 @@ def test_the_grammar_worker_runs_at_the_lowest_priority_on_one_thread(compiling)
     EngineCore's 10) and its libraries on one thread."""
     from server.api.grammar import WORKER_NICE
 
-    with httpx.Client(base_url=compiling.url, timeout=300) as c:
+    with local_client(base_url=compiling.url, timeout=300) as c:
         r = c.post("/v1/chat/completions", json=_schema_request({"type": "number"}))
         _compiled(r)
     pool = compiling.app.state.grammars._pool
@@ -229,7 +230,7 @@ def test_dashboard_streams_are_capped_per_tenant_and_share_their_frames(srv) -> 
 
 
 def test_the_events_stream_without_ids_caps_its_first_snapshot(tmp_path) -> None:
-    with FakeServer(tmp_path) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+    with FakeServer(tmp_path) as s, local_client(base_url=s.url, timeout=60) as c:
         for i in range(1005):
             assert c.post("/v1/agents", json={"type": "many", "prompt": f"p{i}"}).status_code == 201
         seen: list[str] = []
@@ -257,14 +258,14 @@ def test_the_events_stream_without_ids_caps_its_first_snapshot(tmp_path) -> None
 @pytest.mark.slow
 def test_the_scheduler_snapshot_is_bounded(tmp_path) -> None:
     engine = FakeEngine(kv_capacity_tokens=1024, max_model_len=256, step_s=0.05)
-    with FakeServer(tmp_path, engine=engine) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+    with FakeServer(tmp_path, engine=engine) as s, local_client(base_url=s.url, timeout=60) as c:
         ids = [c.post("/v1/agents", json={"type": "q", "prompt": f"p{i}"}).json()["id"]
                for i in range(80)]
         c.post("/v1/admin/pause")
         import threading
 
         def send(agent_id: str) -> None:
-            with httpx.Client(base_url=s.url, timeout=60) as own:
+            with local_client(base_url=s.url, timeout=60) as own:
                 own.post("/v1/completions", headers={"X-Justitia-Agent": agent_id},
                          json={"prompt": "x", "max_tokens": 2})
 

@@ -3,12 +3,12 @@ that it never moves (fast tier: the pure core and the fake engine server)."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from server.scheduler import Dispatcher, RequestSpec, kv_cost
 from server.scheduler.reprediction import conditional_median, expected_total
 from tests.support.agents import complete, register
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeServer
 
 
@@ -87,7 +87,7 @@ def test_under_declaring_gains_nothing_the_over_run_is_charged() -> None:
 
 
 def test_the_record_carries_the_re_prediction(tmp_path) -> None:
-    with FakeServer(tmp_path, retrain_every=0) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with FakeServer(tmp_path, retrain_every=0) as srv, local_client(base_url=srv.url, timeout=30) as c:
         agent = register(c, type_="overrun", prompt="tiny", predicted_cost=100.0,
                          metadata={"stages": 3})
         assert agent["expected_cost"] is None and agent["predicted_cost_p90"] is None

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeEngine, FakeServer
 from tests.support.waiting import all_agents, wait_until
 
@@ -28,7 +29,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
 
 
 def client(server: FakeServer, tenant: str = "alice") -> httpx.Client:
-    return httpx.Client(base_url=server.url, timeout=30.0,
+    return local_client(base_url=server.url, timeout=30.0,
                         headers={"Authorization": f"Bearer {KEYS[tenant]}"})
 
 
@@ -178,7 +179,7 @@ def test_a_session_with_a_request_in_flight_is_not_finished(tmp_path) -> None:
     # a slow engine: one request of 120 tokens lasts ~2.4 s, eight times the idle setting
     engine = FakeEngine(kv_capacity_tokens=2048, max_model_len=512, step_s=0.02)
     with FakeServer(tmp_path, engine=engine, session_idle_s=0.3) as srv, \
-            httpx.Client(base_url=srv.url, timeout=30.0) as c, ThreadPoolExecutor(1) as pool:
+            local_client(base_url=srv.url, timeout=30.0) as c, ThreadPoolExecutor(1) as pool:
         s = new_session()
         long = pool.submit(complete, c, {"session-id": s}, 120)
         (agent,) = wait_until(lambda: session_agents(c, s))
@@ -207,7 +208,7 @@ def test_the_sdk_sees_a_session_agents_session(server: FakeServer) -> None:
 def test_the_server_runs_las_with_its_options(tmp_path) -> None:
     # `justitia serve --policy las --las-half-life-s 30 --las-head-wait-weight 0.5`, on the fake engine
     with FakeServer(tmp_path, policy="las", las_half_life_s=30.0, las_head_wait_weight=0.5) as srv, \
-            httpx.Client(base_url=srv.url, timeout=30.0) as c, ThreadPoolExecutor(8) as pool:
+            local_client(base_url=srv.url, timeout=30.0) as c, ThreadPoolExecutor(8) as pool:
         policy = srv.app.state.scheduler.dispatcher.policy
         assert (policy.name, policy.half_life_s, policy.head_wait_weight) == ("las", 30.0, 0.5)
         sessions = [new_session() for _ in range(4)]

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from server.launcher import free_port
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeEngine, FakeServer
 from tests.support.streams import BackgroundStream
 from tests.support.waiting import wait_until
@@ -122,7 +123,7 @@ def test_one_sigint_ends_the_event_streams_and_the_server_within_its_grace_perio
     SIGINT ends each stream cleanly, and the process exits 0 on its own (not by the
     watchdog, which exits 1) within the grace period."""
     server = spawn(grace_s=4.0)
-    with httpx.Client(base_url=server.url, timeout=30.0) as client:
+    with local_client(base_url=server.url, timeout=30.0) as client:
         agent = _register(client)
         streams = [_open(client, path) for path in
                    ("/v1/agents/events", f"/v1/agents/{agent}/events", "/v1/scheduler/events")]
@@ -164,7 +165,7 @@ def test_answers_longer_than_the_drain_end_with_a_clear_error(spawn) -> None:
 
     readers = [threading.Thread(target=request, daemon=True)]
     readers[0].start()  # first: it runs (a plain request generating when the drain ends)
-    with httpx.Client(base_url=server.url) as client:
+    with local_client(base_url=server.url) as client:
         wait_until(lambda: client.get("/v1/scheduler").json()["running_requests"] == 1, 30.0)
     readers += [threading.Thread(target=stream, args=(events,), daemon=True) for events in streams]
     for reader in readers[1:]:
@@ -172,7 +173,7 @@ def test_answers_longer_than_the_drain_end_with_a_clear_error(spawn) -> None:
     def all_in(snapshot: dict) -> bool:  # all five in: some running, the others queued
         return snapshot["pending_requests"] >= 1 and snapshot["pending_requests"] + snapshot["running_requests"] == 5
 
-    with httpx.Client(base_url=server.url) as client:
+    with local_client(base_url=server.url) as client:
         wait_until(lambda: all_in(client.get("/v1/scheduler").json()), 30.0,
                    show=lambda: client.get("/v1/scheduler").json())
     server.proc.send_signal(signal.SIGTERM)
@@ -264,7 +265,7 @@ def test_readiness_says_stopping_once_the_shutdown_began(spawn) -> None:
     server = spawn("--health-port", str(health_port := free_port()), grace_s=4.0)
     health = f"http://127.0.0.1:{health_port}"
     assert httpx.get(health + "/readyz", timeout=5).status_code == 200
-    with httpx.Client(base_url=server.url, timeout=30.0) as client:
+    with local_client(base_url=server.url, timeout=30.0) as client:
         _register(client)
         stream, lines = _open(client, "/v1/agents/events")
         wait_until(lambda: any(line.startswith("data: ") for line in lines), 30.0)
@@ -336,7 +337,7 @@ def test_a_supervised_engine_is_restarted_and_the_server_exits_when_restarts_run
     engine restarts, /healthz stays 200, /readyz is 503 "restarting" and a request waits for
     it, then completes; killed with no restart left, the server exits with status 69."""
     server = spawn("--max-restarts", "1", "--restart-delay-s", "1.5")
-    with httpx.Client(base_url=server.url, timeout=30) as c:
+    with local_client(base_url=server.url, timeout=30) as c:
         os.kill(server.proc.pid, signal.SIGUSR1)
         wait_until(lambda: c.get("/readyz").status_code == 503, 20, show=server.tail)
         ready = c.get("/readyz").json()

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from tests.support.clients import local_client
 from tests.support.servers import ENGINES, either_server
 from tests.support.waiting import all_agents
 
@@ -27,7 +28,7 @@ def as_tenant(srv, tenant: str | None, key: str | None = None) -> httpx.Client:
     headers = {}
     if tenant is not None:
         headers["Authorization"] = f"Bearer {key or KEYS[tenant]}"
-    return httpx.Client(base_url=srv.url, headers=headers, timeout=60)
+    return local_client(base_url=srv.url, headers=headers, timeout=60)
 
 
 def test_calls_without_a_valid_key_are_401(keyed_server) -> None:

@@ -10,6 +10,7 @@ import pytest
 from server.runtime.agents import RequestLog
 from server.runtime.type_shapes import infer_shape
 from tests.support.agents import complete, register
+from tests.support.clients import local_client
 from tests.support.fake_engine import FakeServer
 
 
@@ -49,8 +50,8 @@ def _run_three_stages(c: httpx.Client, type_: str) -> None:
 def test_a_types_served_stages_shape_the_bound_of_its_next_agents(tmp_path) -> None:
     keys = {"key-a": "alpha", "key-b": "beta"}  # key -> tenant
     with FakeServer(tmp_path, api_keys=keys) as srv:
-        a = httpx.Client(base_url=srv.url, timeout=20, headers={"Authorization": "Bearer key-a"})
-        b = httpx.Client(base_url=srv.url, timeout=20, headers={"Authorization": "Bearer key-b"})
+        a = local_client(base_url=srv.url, timeout=20, headers={"Authorization": "Bearer key-a"})
+        b = local_client(base_url=srv.url, timeout=20, headers={"Authorization": "Bearer key-b"})
         with a, b:
             assert complete(a, None, 6).status_code == 200  # a request seen: observed limits
             before = register(a, type_="looper")
@@ -92,7 +93,7 @@ def test_a_learned_shape_gives_the_eta_its_median_agent(tmp_path) -> None:
             assert complete(c, rec["id"], 6).status_code == 200
         assert c.post(f"/v1/agents/{rec['id']}/finish").status_code == 200
 
-    with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+    with FakeServer(tmp_path) as srv, local_client(base_url=srv.url, timeout=20) as c:
         for stages in (1, 1, 5):
             run(c, stages)
         learned = register(c, type_="varied")

@@ -72,6 +72,7 @@ from server.engine.base import (
 from server.scheduler.prefix import block_chain
 from server.shared.profiles import EngineProfile, get_profile
 from server.shared.step_time import StepSample
+from tests.support.clients import local_client
 
 BOS, EOS = 1, 2
 BYTE_OFFSET = 3  # ids 3..258 are the 256 byte values
@@ -592,15 +593,17 @@ class FakeServer:
                                         name=f"fake-server-{port}")
         self._thread.start()
         deadline = time.monotonic() + 30
-        while not self._ready():
-            assert self._thread.is_alive(), "the fake server's thread died while starting"
-            assert time.monotonic() < deadline, "the fake server did not become ready"
-            time.sleep(0.02)
+        with local_client(base_url=self.url, timeout=2) as probe:
+            while not self._ready(probe):
+                assert self._thread.is_alive(), "the fake server's thread died while starting"
+                assert time.monotonic() < deadline, "the fake server did not become ready"
+                time.sleep(0.02)
         return self
 
-    def _ready(self) -> bool:
+    @staticmethod
+    def _ready(probe: httpx.Client) -> bool:
         try:
-            return httpx.get(self.url + "/readyz", timeout=2).status_code == 200
+            return probe.get("/readyz").status_code == 200
         except httpx.TransportError:
             return False
 

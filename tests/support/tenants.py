@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from tests.support.clients import local_client
 from tests.support.fake_engine import FAST, FakeEngine, FakeServer
 
 #: tenant -> API key
@@ -29,5 +30,5 @@ def keyed_server(data_dir: Path, kv_tokens: int, keys: dict[str, str] = KEYS,
 
 def as_tenant(srv: FakeServer, tenant: str, timeout: float = 30, keys: dict[str, str] = KEYS) -> httpx.Client:
     """A client of `srv` that calls as `tenant`."""
-    return httpx.Client(base_url=srv.url, timeout=timeout,
+    return local_client(base_url=srv.url, timeout=timeout,
                         headers={"Authorization": f"Bearer {keys[tenant]}"})
