@@ -11,15 +11,16 @@ browser:
 demo: setup
 	.venv/bin/justitia demo
 
-# The fast tier on every core, then the engine tier in one process (one vLLM engine at a time).
+# Every test: all that needs no engine (the fast tier and the slow tests) on every core, then
+# the engine tier in one process (one vLLM engine at a time).
 test: setup browser
 	.venv/bin/python -m pytest -q -m "not engine" -n auto
 	.venv/bin/python -m pytest -q -m engine
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
-# The tests that need no engine (docs/architecture.md, Testing); `test` runs them too.
+# The tests that need no engine and are not slow (docs/architecture.md, Testing); `test` runs them too.
 test-fast: setup
-	.venv/bin/python -m pytest -q -m "not engine" -n auto
+	.venv/bin/python -m pytest -q -m "not engine and not slow" -n auto
 
 # Lint, types and import contracts (docs/architecture.md, Testing); CI runs it before `test`.
 check: setup

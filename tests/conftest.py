@@ -8,7 +8,13 @@
 A test needs the real engine, and carries the `engine` marker, when it lives in
 tests/engine, when it uses `vllm_server` (directly or through another fixture), or when it
 runs on the "vllm" parameter of a contract fixture (`server`, or a module's own fixture
-parametrized with `ENGINES`). `make test-fast` runs the others.
+parametrized with `ENGINES`).
+
+A test carries the `slow` marker when it costs seconds of CPU for a reason of its own: it runs
+a Python process of its own (a whole server, the command line, an example script, the grammar
+compiler's worker), trains scikit-learn predictors, loads transformers, or runs a long
+simulation. The modules in `SLOW_MODULES` are slow as a whole. `make test-fast` runs what is
+neither `engine` nor `slow`; `make test` runs every test.
 """
 
 from __future__ import annotations
@@ -23,7 +29,17 @@ import pytest
 from tests.support.fake_engine import FAST, FakeEngine, FakeServer
 from tests.support.servers import ENGINE_KV_TOKENS, ENGINE_MAX_MODEL_LEN, ENGINES
 
-ENGINE_DIR = Path(__file__).parent / "engine"
+TESTS_DIR = Path(__file__).parent
+ENGINE_DIR = TESTS_DIR / "engine"
+# Modules whose every test is `slow`: whole server processes, predictor training, long
+# simulations. Listed here (not marked inside) so that the fast tier does not even import them.
+SLOW_MODULES = frozenset(TESTS_DIR / name for name in (
+    "api/test_shutdown.py",
+    "core/test_predictors_model.py",
+    "core/test_predictors_cli.py",
+    "core/test_sim_bound.py",
+    "core/test_sim_baselines.py",
+))
 # Per-test timeouts (pytest-timeout): a hung test fails instead of stalling the run. An
 # engine test's budget includes starting the engine (20-60 s, more on a busy machine).
 ENGINE_TEST_TIMEOUT_S = 600
@@ -34,6 +50,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.is_relative_to(ENGINE_DIR) or "vllm_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.engine)
+        if item.path in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("engine"):
             # One worker runs every engine test (pytest-xdist's loadgroup): one engine at a time.
             item.add_marker(pytest.mark.xdist_group("engine"))
@@ -45,11 +63,21 @@ def _engine_tests_deselected(config: pytest.Config) -> bool:
     return "not engine" in (config.option.markexpr or "")
 
 
+# The mark expressions that deselect every engine test, and those that deselect every slow
+# one: under them, the deselected modules are not even imported.
+_NO_ENGINE = ("not engine", "not engine and not slow", "not slow and not engine")
+_NO_SLOW = ("not slow", "not engine and not slow", "not slow and not engine")
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """With `-m "not engine"` alone (`make test-fast`), tests/engine is not even imported:
-    every test there is deselected, and importing its modules (the OpenAI client, aiohttp,
-    ...) cost each worker seconds."""
-    if (config.option.markexpr or "").strip() == "not engine" and collection_path == ENGINE_DIR:
+    """With `-m "not engine"` (`make test`'s first tier) or `-m "not engine and not slow"`
+    (`make test-fast`), tests/engine is not even imported: every test there is deselected,
+    and importing its modules (the OpenAI client, aiohttp, ...) cost each worker seconds.
+    Likewise `SLOW_MODULES` without the slow tests (scikit-learn, for one)."""
+    expr = " ".join((config.option.markexpr or "").split())
+    if expr in _NO_ENGINE and collection_path == ENGINE_DIR:
+        return True
+    if expr in _NO_SLOW and collection_path in SLOW_MODULES:
         return True
     return None
 

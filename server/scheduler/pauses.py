@@ -4,10 +4,11 @@ user's think time), learned per agent type from what the scheduler sees.
 An agent is *paused* from the moment its last request in flight finishes until it submits
 its next one: it keeps its place in virtual time (it stays registered, in the GPS reference)
 with nothing queued. Its ETA expects the mean pause of its type before each stage it has not
-started, and the deadline promised at registration allows the type's 90th-percentile pause
-before each: a promise that ignored tool time would be broken by every agent that calls a
-tool. A type never seen pausing takes the pauses of every type; before any pause has been
-seen, none is expected (the promise says so when the agent declares more than one stage).
+started, and the deadline promised at registration allows the longest pause seen before one
+of them and the type's 90th-percentile pause before each other (`allowance_s`): a promise
+that ignored tool time would be broken by every agent that calls a tool. A type never seen
+pausing takes the pauses of every type; before any pause has been seen, none is expected
+(the promise says so when the agent declares more than one stage).
 
 Every stage boundary counts, a boundary crossed at once as a pause of 0 s. An ETA expects,
 before each stage, the share of the recent boundaries of any type that held a pause
@@ -59,22 +60,39 @@ class PauseStats:
         self._all: deque[float] = deque(maxlen=window)
         self._tools: dict[tuple[str | None, str], deque[float]] = {}
         self._tool_any: dict[str, deque[float]] = {}
+        # The last RECENT boundaries of any type, with the times they were crossed.
+        self._lately: deque[tuple[float, float]] = deque(maxlen=RECENT)
 
     def stage_started(self, agent: AgentState, now: float) -> None:
         """The agent submits a request: back from a pause, its next stage starts (the pause
         is observed); its first request starts its first stage."""
         if agent.idle_since is not None:
-            self.observe(agent.agent_type, now - agent.idle_since)
+            self.observe(agent.agent_type, now - agent.idle_since, now)
             agent.idle_since = None
             agent.stages_started += 1
         elif agent.stages_started == 0:
             agent.stages_started = 1
 
-    def observe(self, agent_type: str | None, pause_s: float) -> None:
+    def observe(self, agent_type: str | None, pause_s: float, now: float | None = None) -> None:
+        """A boundary crossed after `pause_s` (at `now`, where known)."""
         if not pause_s >= 0.0:
             return
         self._by_type.setdefault(agent_type, deque(maxlen=self._window)).append(pause_s)
         self._all.append(pause_s)
+        if now is not None:
+            self._lately.append((now, pause_s))
+
+    def unpaused_lately(self, now: float) -> bool:
+        """The traffic of the moment does not pause: none of the last RECENT boundaries
+        crossed held a pause, and they are not stale (the time since the last one is no
+        longer than the time they took to cross). After a silence longer than its evidence,
+        the traffic that comes may be another application's: a server whose agents had
+        never paused, idle 90 s, promised the first agents of sessions that did as if they
+        would not (7 of 240 broken on the family's held-out seeds)."""
+        if not self._lately or any(p > 0.0 for _, p in self._lately):
+            return False
+        first, last = self._lately[0][0], self._lately[-1][0]
+        return now - last <= last - first
 
     def _seen(self, agent_type: str | None) -> Iterable[float]:
         own = self._by_type.get(agent_type)
@@ -107,6 +125,17 @@ class PauseStats:
         has not been seen; 0 where it never paused)."""
         lasted = [p for p in self._seen(agent_type) if p > 0.0]
         return self.share_lately() * sum(lasted) / len(lasted) if lasted else 0.0
+
+    def allowance_s(self, agent_type: str | None, left: int) -> float:
+        """The tool time a promise allows an agent with `left` stage boundaries ahead: the
+        longest pause kept of any type before one of them, the type's 90th percentile before
+        each other. One long tool call is what outlasts an allowance of p90 per boundary
+        (pauses are heavy-tailed: the family's `sessions` agents broke their promises on
+        single pauses of 6-10 s against a p90 near 3 s), while the sum of several pauses
+        seldom outlasts their p90s. 0.0: no boundary ahead, or no pause seen yet."""
+        if left <= 0 or not self._all:
+            return 0.0
+        return self.max_s() + self.p90_s(agent_type) * (left - 1)
 
     def p90_s(self, agent_type: str | None) -> float:
         seen = sorted(self._seen(agent_type))

@@ -2,10 +2,11 @@
 
 An agent's worst-case deadline is its GPS finish projected with the work expected to arrive
 ahead of it, served at the pessimistic rate (M / bound_tau), plus its delay bound (bounds.py)
-at the pessimistic step time, plus its type's p90 pause before each stage it has not
-started. The deadline given is the tighter of that and its ETA scaled by how far the first
-ETAs of agents in its context (its place in the queue) have fallen short (tight_promise.py;
-the record's promise_assumes says what that rests on).
+at the pessimistic step time, plus the tool time allowed before the stages it has not
+started (the longest pause seen before one, its type's p90 before each other: pauses.py).
+The deadline given is the tighter of that and its ETA scaled by how far the first ETAs of
+agents in its context (its place in the queue) have fallen short (tight_promise.py; the
+record's promise_assumes says what that rests on).
 
 Invariants:
 - a promise only ever moves later: it is made at registration and made again when the
@@ -31,7 +32,7 @@ from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S
 from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState, ObservedLimits, PromiseKind
-from .tight_promise import assumption, context_of, promise_factor, tight_deadline
+from .tight_promise import assumption, context_of, fair_share_s, promise_factor, tight_deadline
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -124,6 +125,7 @@ class Promises:
         if extra > 0.0:
             reasons.append(f"its cost is a prediction: the deadline allows for {agent.promise_charge:.4g} units, "
                            f"the prediction's p90 ({agent.promise_charge / agent.charged_cost:.2g}x its charge)")
+        arriving_share = min(MAX_ARRIVAL_SHARE, share / slow)  # of the measured rate, as measured
         if share > MAX_ARRIVAL_SHARE:
             reasons.append(f"work arrives at {share:.0%} of the engine's (pessimistic) rate: the deadline assumes "
                            f"{MAX_ARRIVAL_SHARE:.0%}")
@@ -140,18 +142,24 @@ class Promises:
                            f"arrives at {MAX_ARRIVAL_SHARE:.0%} of the engine's rate")
             share = MAX_ARRIVAL_SHARE
             horizon = fluid / (1.0 - share) * slow
-        # Tool time: the type's p90 pause before each stage it has not started (pauses.py).
+        # Tool time: the longest pause seen before one stage it has not started, the type's
+        # p90 before each other (pauses.py).
         left = stages_left(agent.shape.stages, agent.stages_started)
-        pauses = d.pauses.p90_s(agent.agent_type) * left
+        pauses = d.pauses.allowance_s(agent.agent_type, left)
+        if left and pauses <= 0.0 and d.pauses.any_seen and not d.pauses.unpaused_lately(now):
+            # boundaries crossed, none paused, but not lately: whether the traffic of the
+            # moment pauses is not known, and the deadline allows it no tool time
+            reasons.append(f"no pause seen yet: the deadline allows no tool time before its {left} later "
+                           f"stage(s)")
         worst = now + horizon + agent.bound.total_s + pauses
         # The deadline given: the tighter of the worst case and the ETA scaled by how far
         # the ETAs of agents in its context (its place in the queue when it registered) have
         # fallen short (tight_promise.py), which says what it rests on. Tool time is not
         # calibrated so: an agent that may pause (stage boundaries ahead, and a pause at one
-        # of the recent boundaries of any type, or none seen yet) keeps the worst case. Its
-        # own type's pauses are not enough: a server taught by traffic whose agents never
-        # paused promised agents of the same types that did as if they would not (10 of 240
-        # broken).
+        # of the recent boundaries of any type, or none crossed lately: `unpaused_lately`)
+        # keeps the worst case. Its own type's pauses are not enough: a server taught by
+        # traffic whose agents never paused promised agents of the same types that did as if
+        # they would not (10 of 240 broken).
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
         factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context)
@@ -162,9 +170,13 @@ class Promises:
         # longer than such ETAs say.
         calibrated = not d.uncertainty and not agent.cost_guessed
         tight = worst
-        if calibrated and (left == 0 or (d.pauses.any_seen and not d.pauses.paused_lately())):
+        if calibrated and (left == 0 or d.pauses.unpaused_lately(now)):
             cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
             tight = tight_deadline(now, d.etas.eta_time(agent, now), 0.0, 0.0, factor, cost_ratio)
+            # Never earlier than its fair-share finish (GPS at the measured rate) with the
+            # work the ETA expects to arrive ahead of it: an ETA below that counts on the
+            # policy serving it ahead of its fair share, which the bound does not promise.
+            tight = max(tight, now + fair_share_s(fluid, arriving_share, d.arrivals.span_s))
         deadline = min(worst, tight)
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later

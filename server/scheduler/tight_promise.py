@@ -23,7 +23,7 @@ rounded up to a half and never below a deeper context's (`CONTEXT_FLOORS`); held
 figures in docs/concepts.md.
 
 Tool time is not calibrated this way: an agent that may pause between its stages (agents
-have paused at recent stage boundaries, or none has been seen) keeps the worst case. The
+have paused at recent stage boundaries, or none has been crossed lately) keeps the worst case. The
 worst case stays reported beside it (`delay_bound_s`), and the record's `promise_assumes`
 says what the calibrated deadline rests on: traffic ahead like the traffic behind, arrivals
 no faster than measured.
@@ -45,6 +45,7 @@ CONTEXT_EDGES = (1.0, 2.0, 3.0)
 # a deeper context's: each context's factor on a fresh server and the least any calibration
 # gives it.
 CONTEXT_FLOORS = (6.5, 3.5, 3.0, 2.5)
+MAX_SHARE = 0.99  # of the rate to arrivals, in `fair_share_s` (callers cap it lower)
 PROMISE_QUANTILE = 1.0  # of the recent JCT / first-ETA ratios: the largest
 MIN_SEEN = 10
 
@@ -72,6 +73,15 @@ def tight_deadline(now: float, eta_at: float, pauses_mean_s: float, pauses_p90_s
     prediction's p90 over the prediction)."""
     engine_s = max(0.0, eta_at - now - pauses_mean_s) * max(1.0, cost_ratio)
     return now + factor * engine_s + pauses_p90_s
+
+
+def fair_share_s(fluid_s: float, share: float, span_s: float) -> float:
+    """Seconds to an agent's fair-share finish: `fluid_s` of GPS service at the measured
+    rate, while work arriving ahead of it takes `share` of the rate for `span_s` (the span
+    the ETA expects arrivals over), then none."""
+    share = min(max(share, 0.0), MAX_SHARE)
+    stretched = fluid_s / (1.0 - share)
+    return stretched if stretched <= span_s else fluid_s + share * span_s
 
 
 def assumption(factor: float, seen: int, arrival_rate: float, context: int = 0) -> str:

@@ -288,6 +288,7 @@ def test_a_malformed_tool_history_and_auto_without_a_parser_are_clear_400s(
     assert refused.json()["error"]["param"] == "tool_choice"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # importing transformers takes a while on a busy 2-core host
 def test_a_tool_history_reaches_the_models_chat_template(tmp_path) -> None:
     """With a model whose chat template knows tools, the history is rendered by it, as vLLM's

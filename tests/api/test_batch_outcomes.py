@@ -96,6 +96,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 async def test_a_server_killed_mid_batch_fails_the_inputs_not_ended_together(tmp_path) -> None:
     """Killed (kill -9) while a batch runs: the inputs that finished keep their results;
     the running ones and those never started end with the same `ServerGoneError`."""
@@ -222,6 +223,7 @@ async def survivor() -> str:
     return first + await llm("two", max_tokens=300, ignore_eos=True)
 
 
+@pytest.mark.slow
 async def test_an_input_registered_again_after_a_restart_keeps_its_first_promise(
         tmp_path) -> None:
     """The server restarts mid-run and forgets the agent: the SDK registers it again. The

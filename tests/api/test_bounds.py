@@ -66,6 +66,7 @@ def _deep_size(obj: object, seen: set[int] | None = None) -> int:
     return size
 
 
+@pytest.mark.slow
 def test_agents_with_large_metadata_hold_their_json_size_not_24x_it(tmp_path) -> None:
     """A list of 21,700 empty objects is held as compact JSON, the agent's 65 KB, not as
     1.5 MB of dicts (300 such agents: ~470 MB; benchmarks/memory_bounds.py measures 300 in
@@ -252,6 +253,7 @@ _SERVER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_kill_while_the_disk_is_full_loses_no_acknowledged_finish(tmp_path) -> None:
     data = tmp_path / "data"
     root = str(Path(__file__).resolve().parents[2])
@@ -325,6 +327,7 @@ def _read_only_dir(tmp_path: Path) -> Path:
     return target
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["read-only", "under-a-file"])
 def test_a_data_dir_that_cannot_be_written_stops_the_start_with_one_line(tmp_path, kind) -> None:
     if kind == "read-only":

@@ -40,6 +40,7 @@ def test_inputs_files_are_json_lines_of_keyword_arguments() -> None:
         assert rows and all(isinstance(r, dict) and r for r in rows)
 
 
+@pytest.mark.slow
 def test_example_script_runs_with_one_command(server, tmp_path) -> None:
     samples = tmp_path / "samples.jsonl"
     proc = subprocess.run(
@@ -98,6 +99,7 @@ def test_the_notebook_starts_its_server_through_the_public_api() -> None:
     assert "server.launcher" not in code
 
 
+@pytest.mark.slow
 def test_the_react_tools_example_announces_its_tool_calls(server) -> None:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "react_tools.py"), "--url", server.url, "--agents", "2", "--turns", "2"],

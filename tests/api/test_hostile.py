@@ -237,6 +237,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(two_tenants)
         assert ids.status_code == 400 and "token ids" in ids.text
 
 
+@pytest.mark.slow
 def test_large_bodies_are_parsed_off_the_event_loop(two_tenants, monkeypatch) -> None:
     """A ~2 MB list of token ids, a 4 MB registration or finish would take the event loop
     1.4 s each on a loaded machine (no health check answered meanwhile): every

@@ -40,6 +40,7 @@ def _feed(trainer: OnlineTrainer, rows, served, tenant: str = "t1") -> None:
         trainer.observe(s.agent_type, tenant, s.prompt, s.cost, pred, s.features)
 
 
+@pytest.mark.slow
 def test_a_model_better_than_the_served_predictions_is_swapped_in(trainer: OnlineTrainer) -> None:
     rows = synthesize("fan_out_research", 40, seed=11)
     registry = PredictorRegistry(None, online=trainer)
@@ -59,6 +60,7 @@ def test_a_model_better_than_the_served_predictions_is_swapped_in(trainer: Onlin
     assert registry.get("fan_out_research", "t2").is_cold_start
 
 
+@pytest.mark.slow
 def test_no_swap_when_the_served_predictions_were_better(trainer: OnlineTrainer) -> None:
     rows = synthesize("react_loop", 40, seed=12)
     registry = PredictorRegistry(None, online=trainer)
@@ -124,6 +126,7 @@ def test_predictors_endpoint_is_for_the_admin(keyed: FakeServer) -> None:
     assert r.status_code == 200 and r.json() == {"retrain_every": 20, "predictors": []}
 
 
+@pytest.mark.slow
 def test_a_new_type_is_learned_from_the_agents_it_served(tmp_path: Path) -> None:
     with FakeServer(tmp_path) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
         out = learn_new_type(client, "lookup_or_survey")
@@ -198,6 +201,7 @@ def test_an_untagged_request_does_not_set_the_cold_starts_output_length(tmp_path
     assert after == pytest.approx(before)  # the default output length, unchanged
 
 
+@pytest.mark.slow
 def test_three_tiny_agents_do_not_poison_an_unseen_types_cold_start(tmp_path: Path) -> None:
     """Three 8-token agents run just before a batch set the output length assumed for every
     type not seen yet: agents of another type that went on to use 79k-115k were predicted

@@ -188,6 +188,7 @@ def test_bench_takes_policy_ray_only_with_ray(tmp_path, capsys: pytest.CaptureFi
     assert "must be seconds >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_fast_tier_does_not_import_ray() -> None:
     code = ("import sys, server.api.app, server.cli, server.engine.ray_serve, server.engine.ray_cluster, "
             "justitia_cli.bench.commands, justitia_cli.bench.live, justitia_cli.bench.live_run;"

@@ -118,6 +118,7 @@ def compiling(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
         yield s
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # loading the compiler in each new worker takes 5-25 s here
 def test_grammars_over_the_time_budget_or_refused_are_400s(compiling) -> None:
     with httpx.Client(base_url=compiling.url, timeout=300) as c:
@@ -162,6 +163,7 @@ def _grammar_worker_facts() -> tuple[int, str, int]:
     return os.getpriority(os.PRIO_PROCESS, 0), os.environ.get("OMP_NUM_THREADS", ""), torch.get_num_threads()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_grammar_worker_runs_at_the_lowest_priority_on_one_thread(compiling) -> None:
     """A compile must not take the engine's CPU: the worker runs at nice 19 (below the
@@ -252,6 +254,7 @@ def test_the_events_stream_without_ids_caps_its_first_snapshot(tmp_path) -> None
         assert len(rest) == 5 and not set(rest) & set(seen)
 
 
+@pytest.mark.slow
 def test_the_scheduler_snapshot_is_bounded(tmp_path) -> None:
     engine = FakeEngine(kv_capacity_tokens=1024, max_model_len=256, step_s=0.05)
     with FakeServer(tmp_path, engine=engine) as s, httpx.Client(base_url=s.url, timeout=60) as c:

@@ -196,6 +196,7 @@ def server_processes() -> Iterator[_ServerProcesses]:
         procs.kill_all()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)  # two servers start from a fresh interpreter each: seconds apiece on a busy machine
 async def test_an_agent_survives_its_server_being_killed_and_restarted(tmp_path, server_processes) -> None:
     """The request in flight when the server died is sent again once it is back (the

@@ -112,6 +112,7 @@ def test_required_is_a_list_of_calls_of_the_listed_functions() -> None:
     assert len({c["id"] for c in calls}) == 2
 
 
+@pytest.mark.slow
 def test_vllms_hermes_parser_reads_a_call_out_of_an_auto_answer() -> None:
     from transformers import PreTrainedTokenizerFast  # seconds to import: only this test needs it
 
@@ -127,6 +128,7 @@ def test_vllms_hermes_parser_reads_a_call_out_of_an_auto_answer() -> None:
         ToolCallParser("no-such-parser", None)
 
 
+@pytest.mark.slow
 def test_auto_is_served_when_the_server_has_a_parser(tmp_path) -> None:
     with FakeServer(tmp_path, tool_call_parser="hermes") as server:
         r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={

@@ -21,6 +21,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_top_level_help_lists_commands() -> None:
     out = run_cli("--help")
     assert out.returncode == 0
@@ -28,6 +29,7 @@ def test_top_level_help_lists_commands() -> None:
         assert cmd in out.stdout
 
 
+@pytest.mark.slow
 def test_serve_help_explains_every_option() -> None:
     out = run_cli("serve", "--help")
     assert out.returncode == 0
@@ -72,6 +74,7 @@ def test_serve_refuses_a_profile_it_cannot_read(tmp_path: Path, capsys: pytest.C
     assert "not an engine profile" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_python_m_justitia_cli_reports_errors_in_one_line() -> None:
     # Run as `python -m`, a command's CommandError must still be the one main() catches.
     out = run_cli("serve", "--host", "0.0.0.0")
@@ -91,6 +94,7 @@ def test_the_console_script_is_the_cli_host() -> None:
     assert "justitia_cli*" in project["tool"]["setuptools"]["packages"]["find"]["include"]
 
 
+@pytest.mark.slow
 def test_every_command_offers_every_policy_of_the_scheduler() -> None:
     from justitia_cli import build_parser
     from server.scheduler import POLICY_NAMES
@@ -126,6 +130,7 @@ def test_serve_tenant_weights_and_the_queued_quota_default() -> None:
             limits("--tenant-weight", bad)
 
 
+@pytest.mark.slow
 def test_serve_a_model_path_typo_is_one_line_and_starts_no_engine(tmp_path: Path) -> None:
     """A typo in --model ended, after the engine had begun to start, in a 45-line traceback
     from the hub library (`HFValidationError: Repo id must be in the form ...`)."""
@@ -138,6 +143,7 @@ def test_serve_a_model_path_typo_is_one_line_and_starts_no_engine(tmp_path: Path
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_serve_model_must_be_a_model_folder_or_a_cached_hub_id(tmp_path: Path) -> None:
     from server.engine.model_check import ModelNotFound, check_model
 

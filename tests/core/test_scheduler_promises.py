@@ -215,6 +215,7 @@ def test_a_lull_four_times_a_short_burst_ends_its_episode() -> None:
     assert near.episodes == 0
 
 
+@pytest.mark.slow
 def test_refresh_is_one_pass_and_views_read_its_cache() -> None:
     """ETA upkeep is O(N log N) per pass, and views are O(1) (a view that walked every agent
     would make GET /v1/agents O(N^2))."""

@@ -233,6 +233,7 @@ def honest_figures(split: bool, tenants: bool) -> tuple[float, float]:
     return (sum(a.jct_s for a in honest) / len(honest), max(a.first_deadline_s for a in honest))
 
 
+@pytest.mark.slow
 def test_splitting_a_tenants_load_into_agents_moves_an_honest_tenant_at_most_1_5x() -> None:
     one_jct, one_deadline = honest_figures(split=False, tenants=True)
     split_jct, split_deadline = honest_figures(split=True, tenants=True)

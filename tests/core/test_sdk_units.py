@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from justitia_sdk import AgentRecord, Batch, agent
 from justitia_sdk._handle import AgentHandle, split_input
 from justitia_sdk._render import batch_table, to_html
@@ -63,6 +65,7 @@ def test_live_table_shows_unfinished_runs_first_when_long() -> None:
     assert "running" in to_html(table)
 
 
+@pytest.mark.slow
 def test_the_command_line_does_not_import_the_sdk_stack() -> None:
     code = ("import sys; from justitia_cli import build_parser; build_parser(); "
             "print(sorted(m for m in ('httpx', 'rich', 'justitia_sdk._client') if m in sys.modules))")
@@ -70,6 +73,7 @@ def test_the_command_line_does_not_import_the_sdk_stack() -> None:
     assert "justitia_sdk._client" not in out.stdout
 
 
+@pytest.mark.slow
 def test_the_sdk_imports_nothing_of_the_server_or_the_predictors() -> None:
     """The SDK talks HTTP only: importing every one of its modules, and every name it exports
     (its lazy attributes), loads no `server` or `predictors` module."""

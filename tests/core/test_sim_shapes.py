@@ -213,8 +213,8 @@ def test_pauses_expected_are_the_types_recent_ones_not_another_applications() ->
         if paused:
             for _ in range(150):
                 d.pauses.observe("chat", 3.0)
-        for _ in range(RECENT):
-            d.pauses.observe("chat", 0.0)
+        for k in range(RECENT):  # crossed lately: over 1.5 s, the last 0.5 s before the agent comes
+            d.pauses.observe("chat", 0.0, 1.0 + 0.1 * k)
         return d
 
     shape = AgentShape(4, 16, 0)
