@@ -142,7 +142,8 @@ ENTRIES: list[Entry] = [
            m("justitia / vtc, 3x", "{v:.3f}x", v="rows[density=3].justitia_over_vtc")]),
     Entry("sim-retention", "Simulator", "Tool pauses and kept contexts (held-out seeds 2-6)", "retention_sim.json",
           "python benchmarks/retention_sim.py --tune-seeds 0,1 --seeds 2,3,4,5,6",
-          "300 agents with tool pauses on the A100-class profile: Justitia keeping paused agents' contexts "
+          "300 agents with tool pauses on the A100-class profile (the agentic mix: half of them function-calling "
+          "agents in a tool loop): Justitia keeping paused agents' contexts "
           "(`--retain auto`) against keeping none (justitia-noretain), medians over held-out seeds; the "
           "ceiling keeps every context at no memory cost.",
           [m("multi-turn mix: auto / noretain mean, p90 JCT", "{a:.3f}x, {b:.3f}x",
@@ -155,7 +156,19 @@ ENTRIES: list[Entry] = [
              v="summary.multi_turn.noretain_reprefill_share"),
            m("multi-turn mix: auto / vtc mean JCT", "{v:.3f}x", v="summary.multi_turn.auto_over_vtc_mean"),
            m("single-turn mix: auto / noretain mean JCT", "{v:.3f}x",
-             v="summary.single_turn.auto_over_noretain_mean")]),
+             v="summary.single_turn.auto_over_noretain_mean"),
+           m("agentic mix (load 2): auto / noretain mean, p90 JCT", "{a:.3f}x, {b:.3f}x",
+             a="summary.agentic.auto_over_noretain_mean", b="summary.agentic.auto_over_noretain_p90"),
+           m("agentic mix (load 2): auto / noretain re-prefilled tokens", "{v:.2f}x",
+             v="summary.agentic.auto_over_noretain_reprefill"),
+           m("agentic mix (load 2): auto / vtc mean JCT", "{v:.3f}x", v="summary.agentic.auto_over_vtc_mean"),
+           m("agentic mix (load 2): ceiling / noretain mean JCT", "{v:.3f}x",
+             v="summary.agentic.bound_over_noretain_mean"),
+           m("agentic mix (load 2): re-prefill without retention / every resent context, share of the run",
+             "{a:.1%} / {b:.1%}", a="summary.agentic.noretain_reprefill_share", b="summary.agentic.resent_share"),
+           m("agentic mix (load 1.2): auto / noretain mean JCT, ceiling", "{a:.3f}x, {b:.3f}x",
+             a="summary.agentic_at_load.auto_over_noretain_mean",
+             b="summary.agentic_at_load.bound_over_noretain_mean")]),
     Entry("eta-sim", "Simulator", "ETAs of a fresh and a taught server (contended burst)",
           "eta_taught_burst.json",
           "python benchmarks/eta_taught_burst.py --profile benchmarks/results/profile_cpu_tiny_4096_epyc.json "

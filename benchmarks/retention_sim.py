@@ -1,19 +1,26 @@
 """Retention of paused agents' contexts on the simulator (A100-class profile).
 
-The 300-agent mix with tool pauses (lognormal, median 0.8 s) and resent conversations
-(`make-workload --tools multi-turn`, server/sim/talk.py), and the same mix without multi-turn
-agents (`--tools single-turn`). Per seed: justitia with `--retain auto` and `always`,
-justitia-noretain, and vtc; the ratios the retention targets are stated in.
+Three 300-agent mixes with tool pauses (lognormal, median 0.8 s), server/sim/talk.py:
+the mix whose ReAct and chat agents resend their conversation (`make-workload --tools
+multi-turn`) and the same mix without them (`--tools single-turn`), both at `--load`; and
+the agentic mix (`--tools agentic`: half the agents function-calling agents in a tool loop
+resending their growing conversation every turn) at `--agentic-load`, where the engine is
+saturated (arrivals end well before the work does), and at `--load` too. Per seed: justitia
+with `--retain auto` and `always`, justitia-noretain, and vtc; the ratios the retention
+targets are stated in.
 
-Tuning: the horizon's scale (retention.HORIZON_SCALE, the break-even pause times it) is chosen
-on the tuning seeds (best mean JCT of auto over noretain, multi-turn mix); the held-out seeds
-are then run with that scale only. Writes benchmarks/results/retention_sim.json.
+Tuning: the horizon's scale (retention.HORIZON_SCALE, the break-even pause times it) and the
+wait before a kept context gives way (retention.YIELD_WAIT, times its prefill) are chosen on
+the tuning seeds: the pair with the best mean JCT of auto over noretain, averaged over the
+multi-turn mix and the agentic mix at its load. The held-out seeds are then run with that pair
+only. Writes benchmarks/results/retention_sim.json.
 
     .venv/bin/python benchmarks/retention_sim.py [--tune-seeds 0,1] [--seeds 2,3,4,5,6]
 
-On the held-out multi-turn runs it also measures the ceiling of any retention rule (`bound`:
-every context kept through every pause at no memory cost) and the share of the run that
-re-prefill costs the engine without retention: what retention can save at most.
+On the held-out multi-turn and agentic runs it also measures the ceiling of any retention rule
+(`bound`: every context kept through every pause at no memory cost) and the share of the run
+that re-prefill costs the engine without retention (what retention can save at most), beside
+the share that prefilling every resent conversation again would cost (`resent_share`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from server.shared.profiles import get_profile  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 from server.sim.retain import SimRetention  # noqa: E402
 from server.sim.simulator import run_comparison  # noqa: E402
-from server.sim.talk import make_talk_mix  # noqa: E402
+from server.sim.talk import AGENTIC_SHARE, make_agentic_mix, make_talk_mix  # noqa: E402
 
 PROFILE = "a100-llama7b"
 
@@ -58,9 +65,16 @@ def _free_pins() -> Iterator[None]:
         SimRetention.pause, SimRetention._let_go = pause, let_go  # type: ignore[method-assign]
 
 
-def _one(seed: int, load: float, multi_turn: bool, policies: list[str], bound: bool = False) -> dict:
+def _agents(mix: str, seed: int, load: float) -> list:
     profile = get_profile(PROFILE)
-    agents = make_talk_mix(300, profile, seed=seed, load=load, multi_turn=multi_turn)
+    if mix == "agentic":
+        return make_agentic_mix(300, profile, seed=seed, load=load)
+    return make_talk_mix(300, profile, seed=seed, load=load, multi_turn=mix == "multi-turn")
+
+
+def _one(seed: int, load: float, mix: str, policies: list[str], bound: bool = False) -> dict:
+    profile = get_profile(PROFILE)
+    agents = _agents(mix, seed, load)
     out: dict = {}
     if bound:
         with _free_pins():
@@ -76,10 +90,14 @@ def _one(seed: int, load: float, multi_turn: bool, policies: list[str], bound: b
                                            "preemptions", "makespan_s")} | {k: s.get(k) for k in (
                                                "retained_kv_token_s", "retention_yields", "retention_pins_broken")}
     out["agents"] = len(agents)
+    # what the resent conversations would cost the engine if every one were prefilled again
+    out["resent_tokens"] = sum(chain[-1][1] for a in agents for key, chain in a.prefixes.items()
+                               if chain and a.ctxs.get(key) == chain[-1][0])
     none = out.get("justitia-noretain")
     if none is not None:  # what re-prefill costs the engine without retention, against the run
         out["noretain_reprefill_s"] = none["reprefill_tokens"] * profile.per_prefill_token_s
         out["noretain_makespan_s"] = none["makespan_s"]
+        out["resent_prefill_s"] = out["resent_tokens"] * profile.per_prefill_token_s
     out["resending_agents"] = sum(bool(a.ctxs) for a in agents)
     return out
 
@@ -100,6 +118,7 @@ def _ratios(r: dict) -> dict:
         out["bound_over_noretain_p90"] = bound["p90_jct_s"] / none["p90_jct_s"]
     if "noretain_reprefill_s" in r:
         out["noretain_reprefill_share"] = r["noretain_reprefill_s"] / r["noretain_makespan_s"]
+        out["resent_share"] = r["resent_prefill_s"] / r["noretain_makespan_s"]
     return out
 
 
@@ -108,53 +127,80 @@ def _median(rows: list[dict], key: str) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _summary(rows: list[dict]) -> dict:
+    """Per ratio: the median over the seeds, and [min, max] under `range`."""
+    keys = list(rows[0]["ratios"])
+    out: dict = {k: _median(rows, k) for k in keys}
+    out["range"] = {k: [min(xs), max(xs)] for k in keys
+                    if (xs := [r["ratios"][k] for r in rows if r["ratios"].get(k) is not None])}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tune-seeds", default="0,1")
     ap.add_argument("--seeds", default="2,3,4,5,6", help="held-out seeds")
     ap.add_argument("--load", type=float, default=1.2, help="offered load over the arrivals' span")
+    ap.add_argument("--agentic-load", type=float, default=2.0, help="offered load of the agentic mix")
     ap.add_argument("--scales", default="0.5,1,2", help="horizon scales tried on the tuning seeds")
+    ap.add_argument("--yield-waits", default="1,4,16", help="yield waits tried on the tuning seeds")
     ap.add_argument("--out", default="benchmarks/results/retention_sim.json")
     args = ap.parse_args()
     tune = [int(s) for s in args.tune_seeds.split(",") if s]
     held = [int(s) for s in args.seeds.split(",") if s]
     scales = [float(x) for x in args.scales.split(",")]
+    waits = [float(x) for x in args.yield_waits.split(",")]
+    tuned_on = (("multi_turn", "multi-turn", args.load), ("agentic", "agentic", args.agentic_load))
 
-    tuning: dict[str, list] = {}
+    tuning: dict[str, dict[str, list]] = {}
+    score: dict[tuple[float, float], float] = {}
     for scale in scales:
-        retention.HORIZON_SCALE = scale
-        rows = []
-        for seed in tune:
-            r = _one(seed, args.load, True, ["justitia", "justitia-noretain"])
-            rows.append({"seed": seed, "results": r, "ratios": _ratios(r)})
-        tuning[str(scale)] = rows
-        print(f"tune scale {scale}: auto/noretain mean "
-              f"{_median(rows, 'auto_over_noretain_mean'):.3f}", flush=True)
-    chosen = min(scales, key=lambda sc: _median(tuning[str(sc)], "auto_over_noretain_mean") or 9.0)
-    retention.HORIZON_SCALE = chosen
+        for wait in waits:
+            retention.HORIZON_SCALE, retention.YIELD_WAIT = scale, wait
+            name = f"scale {scale:g}, yield wait {wait:g}"
+            tuning[name] = {}
+            for key, mix, load in tuned_on:
+                rows = []
+                for seed in tune:
+                    r = _one(seed, load, mix, ["justitia", "justitia-noretain"])
+                    rows.append({"seed": seed, "results": r, "ratios": _ratios(r)})
+                tuning[name][key] = rows
+            score[(scale, wait)] = statistics.mean(_median(tuning[name][k], "auto_over_noretain_mean") or 9.0
+                                                   for k, _, _ in tuned_on)
+            print(f"tune {name}: auto/noretain mean " + ", ".join(
+                f"{k} {_median(tuning[name][k], 'auto_over_noretain_mean'):.3f}" for k, _, _ in tuned_on), flush=True)
+    chosen, chosen_wait = min(score, key=lambda sw: score[sw])
+    retention.HORIZON_SCALE, retention.YIELD_WAIT = chosen, chosen_wait
 
-    held_multi, held_single = [], []
+    runs = {  # name -> (mix, load, policies, with the ceiling)
+        "multi_turn": ("multi-turn", args.load, ["justitia", "justitia-noretain", "vtc"], True),
+        "single_turn": ("single-turn", args.load, ["justitia", "justitia-noretain"], False),
+        "agentic": ("agentic", args.agentic_load, ["justitia", "justitia-noretain", "vtc"], True),
+        "agentic_at_load": ("agentic", args.load, ["justitia", "justitia-noretain", "vtc"], True),
+    }
+    held_out: dict[str, list[dict]] = {k: [] for k in runs}
     for seed in held:
-        r = _one(seed, args.load, True, ["justitia", "justitia-noretain", "vtc"], bound=True)
-        held_multi.append({"seed": seed, "results": r, "ratios": _ratios(r)})
-        r1 = _one(seed, args.load, False, ["justitia", "justitia-noretain"])
-        held_single.append({"seed": seed, "results": r1, "ratios": _ratios(r1)})
-        print(f"seed {seed}: multi {held_multi[-1]['ratios']}  single {held_single[-1]['ratios']}", flush=True)
+        for name, (mix, load, pols, bound) in runs.items():
+            r = _one(seed, load, mix, pols, bound=bound)
+            held_out[name].append({"seed": seed, "results": r, "ratios": _ratios(r)})
+            print(f"seed {seed} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out[name][-1]["ratios"].items()
+                                                      if v is not None), flush=True)
 
     summary = {
         "horizon_scale": chosen,
-        "multi_turn": {k: _median(held_multi, k) for k in held_multi[0]["ratios"]},
-        "single_turn": {k: _median(held_single, k) for k in held_single[0]["ratios"]},
+        "yield_wait": chosen_wait,
+        **{name: _summary(rows) for name, rows in held_out.items()},
         # every agent's promise kept, per policy, on every held-out run
         "promises_kept_all": {name: all(r["results"][name]["promises_kept"] == r["results"]["agents"]
-                                        for r in held_multi + held_single if name in r["results"])
+                                        for rows in held_out.values() for r in rows if name in r["results"])
                               for name in ("justitia-auto", "justitia-always", "justitia-noretain", "vtc")},
     }
-    print("held-out medians:", summary)
+    print("held-out medians:", {k: v for k, v in summary.items()})
     write_result(args.out, {"config": {"profile": PROFILE, "agents": 300, "load": args.load,
-                                       "tune_seeds": tune, "held_out_seeds": held, "scales": scales},
-                            "summary": summary, "tuning": tuning,
-                            "held_out": {"multi_turn": held_multi, "single_turn": held_single}})
+                                       "agentic_load": args.agentic_load, "agentic_share": AGENTIC_SHARE,
+                                       "tune_seeds": tune, "held_out_seeds": held, "scales": scales,
+                                       "yield_waits": waits},
+                            "summary": summary, "tuning": tuning, "held_out": held_out})
     return 0
 
 

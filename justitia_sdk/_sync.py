@@ -7,7 +7,8 @@ context manager a plain one; so every parameter, default and docstring is the as
 `tests` check that every public `AsyncClient` method has its twin here.
 
 Ctrl-C (KeyboardInterrupt) in a waiting call cancels the async call on the loop (a batch's
-live agents are cancelled on the server) and waits for that before it propagates.
+live agents are cancelled on the server) and waits for that before it propagates; a Ctrl-C
+that Python dropped on the way still lands (justitia_sdk/_interrupts.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from justitia_sdk._api import ClientOptions, parameters_of
 from justitia_sdk._batch import Batch
 from justitia_sdk._client import AsyncClient
 from justitia_sdk._handle import AgentHandle
+from justitia_sdk._interrupts import raise_if_interrupted, remembered_interrupts
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -47,20 +49,23 @@ RENAMED = {"aclose": "close"}
 
 def _result(future: concurrent.futures.Future[R]) -> R:
     """`future.result()` in short waits, so that Ctrl-C lands at once on any platform."""
-    while True:
-        try:
-            return future.result(timeout=_WAIT_SLICE_S)
-        except TimeoutError:
-            if future.done():
-                raise
+    with remembered_interrupts():
+        while True:
+            try:
+                return future.result(timeout=_WAIT_SLICE_S)
+            except TimeoutError:
+                if future.done():
+                    raise
+            raise_if_interrupted()
 
 
 def _get(items: queue.Queue[Any]) -> Any:
-    while True:
-        try:
-            return items.get(timeout=_WAIT_SLICE_S)
-        except queue.Empty:
-            continue
+    with remembered_interrupts():
+        while True:
+            try:
+                return items.get(timeout=_WAIT_SLICE_S)
+            except queue.Empty:
+                raise_if_interrupted()
 
 
 def _signature(method: Callable[..., Any]) -> inspect.Signature:
@@ -187,14 +192,17 @@ class Client:
                 items.put(end)
 
         future, finished = self._start(pump)
-        try:
-            while (item := _get(items)) is not end:
-                yield item
-            _result(future)  # the async iterator's error, if it raised
-        finally:
-            if not future.done():
-                future.cancel()
-                finished.wait(_INTERRUPT_CLEANUP_S)
+        # A Ctrl-C dropped anywhere in the loop, the caller's body included, ends it at the
+        # next wait (justitia_sdk/_interrupts.py).
+        with remembered_interrupts():
+            try:
+                while (item := _get(items)) is not end:
+                    yield item
+                _result(future)  # the async iterator's error, if it raised
+            finally:
+                if not future.done():
+                    future.cancel()
+                    finished.wait(_INTERRUPT_CLEANUP_S)
 
     @contextmanager
     def _hold(self, make: Callable[[], AbstractAsyncContextManager[T]],
@@ -308,13 +316,15 @@ async def _make(base_url: str | None, options: ClientOptions) -> AsyncClient:
 
 def _get_entered(entered: queue.Queue[Any], future: concurrent.futures.Future[None]) -> Any:
     """What the async context manager entered with, or its error if it failed first."""
-    while True:
-        try:
-            return entered.get(timeout=_WAIT_SLICE_S)
-        except queue.Empty:
-            if future.done():
-                future.result()  # raises its error
-                raise RuntimeError("the context ended before it was entered") from None
+    with remembered_interrupts():
+        while True:
+            try:
+                return entered.get(timeout=_WAIT_SLICE_S)
+            except queue.Empty:
+                raise_if_interrupted()
+                if future.done():
+                    future.result()  # raises its error
+                    raise RuntimeError("the context ended before it was entered") from None
 
 
 __all__ = ["ASYNC_ONLY", "RENAMED", "Client"]

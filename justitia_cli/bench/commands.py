@@ -103,11 +103,14 @@ def register(commands: Commands) -> None:
                     help="re-time (and reshape) the mix as one of the evaluation family's arrival shapes: "
                          "poisson, bursts, diurnal, heavy-tail, tenants, sessions (--load is then the "
                          "offered load of the whole span; --density and --prefixes do not apply)")
-    mk.add_argument("--tools", choices=("multi-turn", "single-turn"), default=None,
+    mk.add_argument("--tools", choices=("multi-turn", "single-turn", "agentic"), default=None,
                     help="agents that call tools: a lognormal tool pause (median 0.8 s) before every stage but "
                          "the first (pauses_s); multi-turn: the ReAct and chat agents resend their whole "
-                         "conversation each turn (ctx); single-turn: the mix without them. --load is then the "
-                         "offered load of the whole span (--density, --prefixes, --shape do not apply)")
+                         "conversation each turn (ctx); single-turn: the mix without them; agentic: half the "
+                         "agents are function-calling agents in a tool loop (tool definitions, a task, then per "
+                         "turn a tool call, the tool's pause and the whole conversation resent with its result), "
+                         "the other half the multi-turn mix. --load is then the offered load of the whole span "
+                         "(--density, --prefixes, --shape do not apply)")
 
     live = add_command(
         commands.bench,

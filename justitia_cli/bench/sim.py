@@ -247,14 +247,17 @@ def make_workload_command(args: argparse.Namespace) -> int:
 
 
 def make_talk(args: argparse.Namespace, profile: EngineProfile) -> int:
-    from server.sim.talk import make_talk_mix
+    from server.sim.talk import make_agentic_mix, make_talk_mix
     from server.sim.workload import save_workload
 
     if args.shape is not None or args.prefixes or args.density != 1.0 or args.length_scale is not None:
         raise CommandError("--tools builds its own arrivals and prefixes: drop --shape, --density, --prefixes "
                            "and --length-scale")
-    agents = make_talk_mix(args.agents, profile, seed=args.seed, load=args.load, kv_tokens=args.kv_tokens,
-                           multi_turn=args.tools == "multi-turn")
+    if args.tools == "agentic":
+        agents = make_agentic_mix(args.agents, profile, seed=args.seed, load=args.load, kv_tokens=args.kv_tokens)
+    else:
+        agents = make_talk_mix(args.agents, profile, seed=args.seed, load=args.load, kv_tokens=args.kv_tokens,
+                               multi_turn=args.tools == "multi-turn")
     save_workload(agents, args.out)
     talks = sum(bool(a.ctxs) for a in agents)
     print(f"wrote {args.out}: {len(agents)} agents ({talks} resending their conversation), "

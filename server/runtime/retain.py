@@ -18,7 +18,8 @@ a paused agent's context resident:
 
 When the rule stops keeping it (the pause outlasted what pays), when the agent comes back
 (its next request finds the context cached; what it resent is learned per type), or when an
-agent ahead of it in virtual-finish order needs the memory (`pins_to_release`), the charge
+agent ahead of it in virtual-finish order has waited long enough for the memory
+(`pins_to_release`), the charge
 ends and the tokens held times the seconds held are charged to the agent's KV token-time.
 With `never` (policy `justitia-noretain`, or a policy that does not keep contexts) nothing is
 kept, and a paused agent's context is left to vLLM's LRU.
@@ -91,6 +92,7 @@ class LiveRetention:
     admitted_tokens: int = 0  # footprints admitted since the start
     touches: int = 0
     yields: int = 0
+    blocked: tuple[str, float] | None = None  # the head of the queue that did not fit, since when
     held_token_s: float = 0.0
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _ids: Any = field(default_factory=itertools.count)
@@ -200,7 +202,8 @@ class LiveRetention:
     # -- admission ---------------------------------------------------------------------------
     def make_way(self, now: float) -> bool:
         """The head of the queue does not fit: the kept contexts of agents behind it in the
-        fair order give way, the furthest behind first, as few as suffice. True when some did."""
+        fair order give way, the furthest behind first, as few as suffice, once it has waited
+        for memory long enough (`pins_to_release`). True when some did."""
         if not self.kept:
             return False
         d = self.dispatcher
@@ -212,9 +215,13 @@ class LiveRetention:
         free = d.ledger.budget(d.kv_capacity, footprint, None)
         if need <= free:
             return False
+        if self.blocked is None or self.blocked[0] != agent_id:
+            self.blocked = (agent_id, now)
         pins = [Pin(a, k.tokens, fair_order(d, a)) for a, k in self.kept.items()
                 if a != agent_id and a in d.agents]
-        out = pins_to_release(pins, fair_order(d, agent_id) if agent_id in d.agents else math.inf, need, free)
+        running = d.ledger.reserved_kv if footprint else d.ledger.reserved_prompt
+        out = pins_to_release(pins, fair_order(d, agent_id) if agent_id in d.agents else math.inf, need, free,
+                              now - self.blocked[1], self.prefill_token_s(), running)
         for a in out:
             self._release(a, now)  # the caller admits at `now`: the charge must not pass it
         self.yields += len(out)

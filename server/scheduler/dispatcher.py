@@ -480,10 +480,10 @@ class Dispatcher:
         return self.etas.eta_time(self._agent(agent_id), now)
 
     def observe_jct(self, first_eta_s: float, jct_s: float, agent_id: str | None = None) -> None:
-        """A finished agent's JCT against its first ETA (seconds from its submission), filed
-        under its promise's context while it is registered: what intervals and deadlines use."""
+        """A finished agent's JCT / first ETA: for intervals, and deadlines unless it paused (eta_interval.py)."""
         agent = self.agents.get(agent_id or "")
-        self.etas.calibration.observe(first_eta_s, jct_s, agent.promise_context if agent is not None else None)
+        self.etas.calibration.observe(first_eta_s, jct_s, agent.promise_context if agent is not None else None,
+                                      by_context=agent is None or agent.paused_s <= 0.0)
 
     def view(self, agent_id: str, now: float) -> AgentView:
         """The agent's record: tag, costs and times (seconds from its submission)."""

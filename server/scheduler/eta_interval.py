@@ -72,13 +72,17 @@ class EtaCalibration:
     def factors(self) -> Factors:
         return self._factors
 
-    def observe(self, first_eta_s: float, jct_s: float, context: int | None = None) -> None:
+    def observe(self, first_eta_s: float, jct_s: float, context: int | None = None, by_context: bool = True) -> None:
         """A finished agent: its JCT against the ETA it was given at registration, and the
-        context it registered in (None: unknown)."""
+        context it registered in (None: unknown). `by_context` False: the intervals' record
+        only, not the context's (`upper_ratio`, which deadlines are scaled by): an agent that
+        paused, whose JCT holds its client's tool time, is no measure of how far the ETAs of
+        agents that do not pause fall short (a calibrated deadline is given only to those)."""
         if not (first_eta_s > 0 and jct_s > 0 and math.isfinite(first_eta_s) and math.isfinite(jct_s)):
             return
         self._ratios.append(jct_s / first_eta_s)
-        self._by_context.setdefault(context, deque(maxlen=self._window)).append(jct_s / first_eta_s)
+        if by_context:
+            self._by_context.setdefault(context, deque(maxlen=self._window)).append(jct_s / first_eta_s)
         if len(self._ratios) >= self._min_seen:
             ordered = sorted(self._ratios)
             # The lower end of a fresh calibration stays below 1 and the upper above it:

@@ -68,6 +68,7 @@ class PauseStats:
         is observed); its first request starts its first stage."""
         if agent.idle_since is not None:
             self.observe(agent.agent_type, now - agent.idle_since, now)
+            agent.paused_s += max(0.0, now - agent.idle_since)
             agent.idle_since = None
             agent.stages_started += 1
         elif agent.stages_started == 0:

@@ -26,8 +26,9 @@ is kept while it pays by its own share (K cancels per part just as for the whole
 
 Kept memory is charged to the agent's KV token-time (tokens x seconds held, counted in engine
 iterations), as if it were running, moving its tag from where it stands; a kept context gives
-way when an agent ahead of it in virtual-finish order needs the memory (`pins_to_release`),
-so retention never costs the agents the fair order favours.
+way when an agent ahead of it in virtual-finish order needs the memory and has waited for it
+as long as prefilling the context again would stall the engine (`pins_to_release`), so
+retention costs the agents the fair order favours no more than losing the context would.
 
 Modes: `auto` (the rule), `always` (keep through every pause; yields still apply), `never`.
 Pure: callers pass the times and the engine's figures.
@@ -59,10 +60,15 @@ SHARED, OWN = "shared", "own"
 # A type's resend rate starts from this many resends out of as many pauses (optimistic: keep
 # until the type shows its contexts are not resent).
 REUSE_PRIOR = 1.0
-# The horizon is this times the break-even pause, scaled by the resend share. Chosen among
-# 0.5, 1 and 2 on the simulator's tuning seeds (benchmarks/retention_sim.py): 2 and 1 within
-# 0.1% of mean JCT of each other, 0.5 1.5% behind.
+# The horizon is this times the break-even pause, scaled by the resend share; and a kept
+# context gives way to an agent ahead once that agent has waited for memory YIELD_WAIT times
+# the seconds prefilling the context again would take (pins_to_release: the prefill stalls
+# every running request, the wait only the one). Chosen together on the simulator's tuning
+# seeds (benchmarks/retention_sim.py: scales 0.5, 1, 2 x waits 1, 4, 16, best mean JCT over
+# the multi-turn and agentic mixes): a wait of 16 halved the agentic mix's re-prefill against
+# 1 and gained up to 5 points of its mean JCT; scales 2 and 1 within half a point of each other.
 HORIZON_SCALE = 2.0
+YIELD_WAIT = 16.0
 
 
 def check_mode(mode: str) -> str:
@@ -190,14 +196,28 @@ class Pin:
     order: float  # the owner's virtual finish
 
 
-def pins_to_release(pins: Sequence[Pin], ahead_of: float, need_tokens: int, free_tokens: int) -> list[str]:
+def pins_to_release(pins: Sequence[Pin], ahead_of: float, need_tokens: int, free_tokens: int,
+                    waited_s: float = float("inf"), prefill_token_s: float = 0.0,
+                    running_tokens: float = float("inf")) -> list[str]:
     """The owners whose kept contexts give way so that a request of an agent at virtual
     finish `ahead_of` that needs `need_tokens` fits where `free_tokens` are free: pins of
     agents behind it in the fair order, the furthest behind first, as few as suffice; none
-    when releasing all of them would not make it fit."""
+    when releasing all of them would not make it fit.
+
+    A pin gives way only once the agent ahead has waited for memory (`waited_s`) YIELD_WAIT
+    times as long as the engine would stall prefilling that context again (its tokens x
+    `prefill_token_s`): while the engine is busy, memory frees as running requests finish,
+    usually before that, and a context given up sooner stalls every running request, the
+    agents ahead among them, for longer than the wait it saved. Waiting pays only while the
+    running requests (`running_tokens` of memory) hold more than the pins behind it do: kept
+    contexts holding more give way at once, or the memory each finished request frees would
+    go to the next pin while the engine runs dry."""
     if need_tokens <= free_tokens:
         return []
-    behind = sorted((p for p in pins if p.order > ahead_of), key=lambda p: p.order, reverse=True)
+    behind = [p for p in pins if p.order > ahead_of]
+    if sum(p.tokens for p in behind) < running_tokens:
+        behind = [p for p in behind if YIELD_WAIT * p.tokens * prefill_token_s <= waited_s]
+    behind.sort(key=lambda p: p.order, reverse=True)
     if free_tokens + sum(p.tokens for p in behind) < need_tokens:
         return []
     out: list[str] = []

@@ -164,9 +164,10 @@ class AgentState:
     pending: int = 0  # requests submitted and not yet admitted
     running: int = 0  # requests admitted and not yet finished
     # Paused (pauses.py): since when it has had nothing in flight (None: it has some, or has
-    # not started), and how many stages it has started.
+    # not started), how many stages it has started, and how long it has paused in all.
     idle_since: float | None = None
     stages_started: int = 0
+    paused_s: float = 0.0
     # In a tool call its client announced (pauses.py, `tool_started`): the tool's name, since
     # when, and how long the client expects it to take (None: not said).
     tool: str | None = None

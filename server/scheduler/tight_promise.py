@@ -14,13 +14,18 @@ by context, Mondrian), never below the context's floor, which is also a fresh se
 
 The context is the agent's place in the queue when it registers: the work the policy orders
 ahead of it over its own work (`CONTEXT_EDGES`). An agent at the head of the queue is told
-its time alone, and whatever arrives while it runs is all error: its JCT has been up to six
+its time alone, and whatever arrives while it runs is all error: its JCT has been up to 4.6
 times its ETA. An agent deep in the queue is told the known work ahead of it, which the
-arrivals change much less: its JCT has stayed within 2.5 times. One factor for both made
-every deadline as loose as the head's. The floors were chosen on the family's tuning seeds
-(0-4, fresh and taught servers, every shape) as the largest ratio seen in each context,
-rounded up to a half and never below a deeper context's (`CONTEXT_FLOORS`); held-out
-figures in docs/concepts.md.
+arrivals change much less: its JCT has stayed within 2.5 times on the tuning seeds. One
+factor for both made every deadline as loose as the head's. The floors were chosen on the
+family's tuning seeds (0-4, fresh and taught servers, every shape) as the largest ratio seen
+in each context among the agents a calibrated deadline is given to, rounded up to a half
+and never below a deeper context's (`CONTEXT_FLOORS`); held-out figures in
+docs/concepts.md.
+
+A calibrated deadline is never earlier than the agent's fair-share finish with the arrivals
+its ETA expects (`fair_share_s`): an ETA inside it counts on the policy serving the agent
+ahead of its fair share, which the delay bound does not promise.
 
 Tool time is not calibrated this way: an agent that may pause between its stages (agents
 have paused at recent stage boundaries, or none has been crossed lately) keeps the worst case. The
@@ -40,11 +45,13 @@ from .eta_interval import EtaCalibration
 # Contexts: the work ahead of an agent over its own, at registration, below 1 (at the head),
 # 1-2, 2-3, and 3 or more (deep in the queue).
 CONTEXT_EDGES = (1.0, 2.0, 3.0)
-# The largest JCT / first ETA per context on the tuning seeds (6.05, 3.49, 2.78 and 2.40,
-# agents of fresh and taught servers, their teachers' too), rounded up to a half, none below
-# a deeper context's: each context's factor on a fresh server and the least any calibration
-# gives it.
-CONTEXT_FLOORS = (6.5, 3.5, 3.0, 2.5)
+# The largest JCT / first ETA per context on the tuning seeds among the agents a calibrated
+# deadline is given to (4.56, 3.49, 2.77 and 2.40; agents of fresh and taught servers, their
+# teachers' too; not those whose deadline is the worst case whatever the factor: registered
+# before the rate was measured, a guessed cost, pauses possible), rounded up to a half, none
+# below a deeper context's: each context's factor on a fresh server and the least any
+# calibration gives it.
+CONTEXT_FLOORS = (5.0, 3.5, 3.0, 2.5)
 MAX_SHARE = 0.99  # of the rate to arrivals, in `fair_share_s` (callers cap it lower)
 PROMISE_QUANTILE = 1.0  # of the recent JCT / first-ETA ratios: the largest
 MIN_SEEN = 10

@@ -8,7 +8,8 @@ in two parts, each kept while its own resend share makes it pay: the prefixes it
 named (`SHARED`) and the sequences they left under their own ids (`OWN`). The pin of a part
 ends when the agent's next request is admitted (it finds its context cached), or at once when
 that request does not resend it, when the rule stops keeping it (`keep_until`), when an agent
-ahead of it in the fair order needs the memory (`pins_to_release`), or, in the engine, before
+ahead of it in the fair order has waited long enough for the memory (`pins_to_release`; the
+wait counts from the first admission round that found that agent's request not fitting), or, in the engine, before
 any running request would be preempted. The tokens held times the seconds held are charged
 to the agent's KV token-time.
 
@@ -62,6 +63,7 @@ class SimRetention:
     sizes: dict[str, dict[str, int]] = field(default_factory=dict)  # agent -> tokens of each of those
     held_token_s: float = 0.0  # KV token-time charged for kept contexts
     yielded: int = 0  # pins given up for an agent ahead in the fair order
+    blocked: tuple[str, float] | None = None  # the head of the queue that did not fit, since when
 
     def request_kept(self, agent_id: str, key: str | None, heads: Iterable[str] = ()) -> None:
         """A finished request's sequence stayed cached under `key`, after the prefixes
@@ -150,8 +152,13 @@ class SimRetention:
         agent_id, need = head
         if self.disp.policy.admission == FOOTPRINT and self.disp.kv_capacity - self.disp.ledger.reserved_kv < need:
             return False  # its reservation does not fit anyway: memory held by pins is not why
+        if self.blocked is None or self.blocked[0] != agent_id:
+            self.blocked = (agent_id, now)
         pins = [Pin(a, h.tokens, fair_order(self.disp, a)) for a, h in self.pins.items() if a != agent_id]
-        out = pins_to_release(pins, fair_order(self.disp, agent_id), need, self.engine.free_kv)
+        engine = self.engine
+        running = engine.kv_used - engine.cache.evictable - sum(h.tokens for h in self.pins.values())
+        out = pins_to_release(pins, fair_order(self.disp, agent_id), need, engine.free_kv,
+                              now - self.blocked[1], self.prefill_token_s, running)
         for a in out:
             self.release(a, now)
         self.yielded += len(out)

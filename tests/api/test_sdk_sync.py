@@ -7,6 +7,9 @@ no twin on `Client` with the same parameters; it is shown to fail on a client th
 from __future__ import annotations
 
 import inspect
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import anyio
@@ -129,3 +132,64 @@ def test_an_error_in_a_blocking_batch_block_cancels_its_runs(server: FakeServer)
                 raise RuntimeError("stop")
         assert [h.status for h in batch] == ["cancelled", "cancelled"]
         assert {client.get_agent(h.ids[0]).state for h in batch} == {"cancelled"}
+
+
+# A script iterating a batch whose main thread spends its time in a garbage-collector
+# callback when Ctrl-C comes: Python runs SIGINT's handler there and drops the
+# KeyboardInterrupt it raises ("Exception ignored in: <function ...>").
+_DROPPED_CTRL_C = """
+import gc, json, os, signal, sys, threading, time
+import anyio
+from justitia_sdk import Client, agent
+
+@agent("sleeps")
+async def sleeps(i: int) -> int:
+    await anyio.sleep(float(sys.argv[2]))
+    return i
+
+armed = threading.Event()
+
+def ctrl_c_inside_the_collector(phase, info):
+    if phase == "start" and armed.is_set() and threading.current_thread() is threading.main_thread():
+        armed.clear()
+        signal.raise_signal(signal.SIGINT)
+        until = time.monotonic() + 0.05
+        while time.monotonic() < until:  # the handler runs here, between two bytecodes
+            pass
+
+with Client(sys.argv[1]) as client:
+    started, outcome = time.monotonic(), "completed"
+    try:
+        with client.batch(sleeps, list(range(4)), progress=False) as batch:
+            while sum(h.record is not None for h in batch) < 4:
+                time.sleep(0.05)
+            gc.set_threshold(1)  # a collection at nearly every allocation, in either thread
+            gc.callbacks.append(ctrl_c_inside_the_collector)
+            threading.Timer(1.0, armed.set).start()  # once the loop below waits
+            for handle in client.as_completed(sleeps, [9], progress=False):
+                pass
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    finally:
+        gc.callbacks.clear()
+        gc.set_threshold(700)
+    print(json.dumps({"outcome": outcome, "armed": armed.is_set(),
+                      "took": time.monotonic() - started}), flush=True)
+"""
+
+
+def test_a_ctrl_c_python_drops_in_a_collector_callback_still_stops_a_blocking_wait(
+        server: FakeServer, tmp_path) -> None:
+    script = tmp_path / "dropped_ctrl_c.py"
+    script.write_text(_DROPPED_CTRL_C)
+    sleep_s = 20.0
+    done = subprocess.run([sys.executable, str(script), server.url, str(sleep_s)],
+                          capture_output=True, text=True, timeout=sleep_s + 15.0)
+    found = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert found, done.stdout + done.stderr
+    summary = json.loads(found[-1])
+    # The Ctrl-C was raised inside the collector (so Python dropped its KeyboardInterrupt
+    # there), and the wait raised it anyway: the batch did not run its 20 s to the end.
+    assert not summary["armed"] and "Exception ignored" in done.stderr, done.stderr[-2000:]
+    assert summary["outcome"] == "interrupted", done.stderr[-2000:]
+    assert summary["took"] < sleep_s, summary

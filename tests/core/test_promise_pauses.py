@@ -94,3 +94,29 @@ def test_a_calibrated_deadline_is_never_earlier_than_the_fair_share_finish() -> 
     assert view.fair_finish_s > CONTEXT_FLOORS[3] * view.eta_s  # GPS shares the rate with the large ones
     assert view.deadline_s >= view.fair_finish_s - 1e-9
     assert view.promise_assumes  # still the calibrated deadline, inside the worst case
+
+
+def test_an_agent_that_paused_does_not_loosen_the_deadlines_of_its_context() -> None:
+    """A calibrated deadline scales the ETA by how far the ETAs of agents in the same context
+    fell short; it is given only to agents that are not expected to pause. An agent whose
+    JCT holds its client's tool time says nothing of that: it counts in the intervals'
+    record, not in its context's (a server taught by `sessions`, whose agents pause, gave the
+    agents of `tenants` that followed 8.6x their JCT; 6.0x without)."""
+    def finish(d: Dispatcher, agent_id: str, t: float, pause_s: float) -> None:
+        d.register_agent(agent_id, 10_000.0, t, shape=AgentShape(2, 10))
+        d.submit(RequestSpec(f"{agent_id}/0", agent_id, prompt_tokens=10, max_tokens=10), t)
+        d.admit(t)
+        d.on_request_finished(f"{agent_id}/0", 10, 10, t + 0.1)
+        d.submit(RequestSpec(f"{agent_id}/1", agent_id, prompt_tokens=10, max_tokens=10), t + 0.1 + pause_s)
+        d.admit(t + 0.1 + pause_s)
+        d.on_request_finished(f"{agent_id}/1", 10, 10, t + 0.2 + pause_s)
+        d.observe_jct(0.2, 0.2 + pause_s, agent_id)  # 26x its ETA with the pause, 1x without
+        d.finish_agent(agent_id, t + 0.2 + pause_s)
+
+    paused, steady = Dispatcher("justitia", 1000, 0.01), Dispatcher("justitia", 1000, 0.01)
+    for k in range(10):
+        finish(paused, f"p{k}", 10.0 * k, 5.0)
+        finish(steady, f"s{k}", 10.0 * k, 0.0)
+    assert paused.etas.calibration.seen == steady.etas.calibration.seen == 10  # the intervals see both
+    assert steady.etas.calibration.upper_ratio(1.0, 10, 0) == (pytest.approx(1.0), 10)
+    assert paused.etas.calibration.upper_ratio(1.0, 10, 0) is None  # the context's record: none

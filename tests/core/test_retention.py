@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from server.scheduler import Dispatcher, RequestSpec
+from server.scheduler import Dispatcher, RequestSpec, retention
 from server.scheduler.pauses import PauseStats
 from server.scheduler.prefix import segments
 from server.scheduler.retention import (
@@ -29,7 +29,7 @@ from server.shared.profiles import get_profile
 from server.sim.engine import EngineModel, SimRequest
 from server.sim.retain import SimRetention
 from server.sim.simulator import run_comparison, simulate
-from server.sim.talk import make_talk_mix
+from server.sim.talk import AGENTIC, make_agentic_mix, make_talk_mix
 from server.sim.workload import AgentSpec, WorkloadError, parse_agent
 
 
@@ -114,6 +114,21 @@ def test_pins_yield_to_agents_ahead_furthest_behind_first() -> None:
     assert pins_to_release(pins, 2.0, 100, 100) == []  # it fits: nobody yields
     assert pins_to_release(pins, 6.0, 2000, 100) == []  # releasing all behind would not do
     assert pins_to_release(pins, 0.5, 500, 100) == ["c"]
+
+
+def test_a_pin_yields_only_once_the_agent_ahead_waited_as_long_as_its_prefill() -> None:
+    pins = [Pin("a", 500, 1.0), Pin("b", 300, 5.0), Pin("c", 4000, 9.0)]
+    c = 0.0001  # s per prefilled token: b's context costs 0.03 s again, c's 0.4 s
+    w = retention.YIELD_WAIT
+    assert pins_to_release(pins, 2.0, 400, 100, waited_s=0.0, prefill_token_s=c) == []
+    # b's prefill is short: it gives way first; c's, ten times longer, only after a longer wait
+    assert pins_to_release(pins, 2.0, 400, 100, waited_s=w * 0.031, prefill_token_s=c) == ["b"]
+    assert pins_to_release(pins, 2.0, 4000, 100, waited_s=w * 0.031, prefill_token_s=c) == []
+    assert pins_to_release(pins, 2.0, 4000, 100, waited_s=w * 0.41, prefill_token_s=c) == ["c"]
+    assert pins_to_release(pins, 2.0, 400, 100, waited_s=w * 0.41, prefill_token_s=c) == ["c"]  # furthest behind first
+    # kept contexts holding more memory than the running requests do: waiting would not free it
+    assert pins_to_release(pins, 2.0, 400, 100, waited_s=0.0, prefill_token_s=c, running_tokens=4000) == ["c"]
+    assert pins_to_release(pins, 2.0, 400, 100, waited_s=0.0, prefill_token_s=c, running_tokens=4301) == []
 
 
 # -- the engine model: conversations kept in blocks, LRU, pins --------------------------------
@@ -251,6 +266,35 @@ def test_talk_mix_resends_whole_sequences_and_pauses() -> None:
             assert a.prefix(k, 0)[-1] == (a.ctx(k, 0), p0 + d0) and p1 > p0 + d0
     flat = make_talk_mix(60, get_profile("a100-llama7b"), seed=3, load=1.0, multi_turn=False)
     assert len(flat) == 60 and not any(a.ctxs for a in flat)
+
+
+def test_agentic_mix_loops_resend_the_whole_growing_conversation_with_tool_results() -> None:
+    prof = get_profile("a100-llama7b")
+    agents = make_agentic_mix(80, prof, seed=4, load=1.0)
+    loops = [a for a in agents if a.type == AGENTIC]
+    assert len(loops) == 40 and len({a.id for a in agents}) == 80
+    assert [a.arrival for a in agents] == sorted(a.arrival for a in agents)
+    assert any(a.ctxs and a.type != AGENTIC for a in agents)  # the multi-turn mix's talkers too
+    system = next(iter(loops)).prefix(0, 0)[0]
+    assert system[0] == f"sys/{AGENTIC}" and system[1] > 0
+    for a in loops:
+        assert all(len(st) == 1 for st in a.stages) and len(a.pauses) == len(a.stages) and a.pauses[0] == 0.0
+        assert all(x > 0 for x in a.pauses[1:])
+        assert all(p + d <= prof.max_model_len for st in a.stages for p, d in st)
+        ctx = a.ctx(0, 0)
+        assert all(a.ctx(k, 0) == ctx for k in range(len(a.stages)))
+        for k in range(1, len(a.stages)):
+            (p0, d0), (p1, _) = a.stages[k - 1][0], a.stages[k][0]
+            # the whole previous turn (prompt and output) is resent after the tool definitions,
+            # and the tool's result is appended: the conversation grows every turn
+            assert a.prefix(k, 0) == (system, (ctx, p0 + d0))
+            assert p1 >= p0 + d0 + 20
+    assert sum(len(a.stages) > 3 for a in loops) > len(loops) / 2
+    # the same seed gives the same mix; the multi-turn mix's agents kept their own conversations
+    again = make_agentic_mix(80, prof, seed=4, load=1.0)
+    assert [(a.id, a.stages, a.prefixes) for a in again] == [(a.id, a.stages, a.prefixes) for a in agents]
+    for a in agents:
+        assert all(c.startswith(f"{a.id}/") for c in a.ctxs.values())
 
 
 # -- the simulator ---------------------------------------------------------------------------

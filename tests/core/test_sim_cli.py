@@ -1,3 +1,4 @@
+import itertools
 import json
 
 import pytest
@@ -65,6 +66,21 @@ def test_make_workload_command(tmp_path, capsys):
     lines = out.read_text().splitlines()
     assert len(lines) == 30
     assert {"id", "type", "arrival", "stages"} <= set(json.loads(lines[0]))
+
+
+def test_make_workload_agentic_writes_tool_loops_that_resend_their_conversation(tmp_path, capsys):
+    out = tmp_path / "agentic.jsonl"
+    assert main(["bench", "make-workload", "--tools", "agentic", "--agents", "20", "--seed", "2",
+                 "--out", str(out)]) == 0
+    assert "resending their conversation" in capsys.readouterr().out
+    agents = [json.loads(line) for line in out.read_text().splitlines()]
+    loops = [a for a in agents if a["type"] == "function_calling"]
+    assert len(agents) == 20 and len(loops) == 10
+    for a in loops:
+        assert len(a["pauses_s"]) == len(a["stages"])
+        for before, (turn,) in itertools.pairwise(a["stages"]):
+            assert turn["ctx"] == before[0]["ctx"]
+            assert turn["prefix"][-1] == {"id": turn["ctx"], "tokens": before[0]["p"] + before[0]["d"]}
 
 
 @pytest.mark.parametrize(
