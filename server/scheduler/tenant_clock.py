@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from .tenant_levels import (
     HierProjection,
@@ -264,24 +264,22 @@ class TenantClock:
         return self._clock(tenant, now)
 
     def extend(self, key: object, old_tag: float, extra: float, now: float) -> float:
-        if self._solo is not None:
-            self._now = max(self._now, now)
-            return self._solo.extend(key, old_tag, extra, now)
-        clock = self._for(key, now)
-        if clock is None:
-            return old_tag + max(0.0, extra)
-        f = clock.extend(key, old_tag, extra, clock.now)
-        self._retag(self._tenant_of[key])
-        return f
+        return self._move(TenantGps.extend, key, old_tag, extra, now)
 
     def shift(self, key: object, old_tag: float, extra: float, now: float) -> float:
+        return self._move(TenantGps.shift, key, old_tag, extra, now)
+
+    def _move(self, move: Callable[[TenantGps, object, float, float, float], float],
+              key: object, old_tag: float, extra: float, now: float) -> float:
+        """`extend` or `shift` on the clock that holds `key`: the solo clock, or its tenant's
+        (at that clock's time, then the tenant re-tagged); a key of no tenant only moves."""
         if self._solo is not None:
             self._now = max(self._now, now)
-            return self._solo.shift(key, old_tag, extra, now)
+            return move(self._solo, key, old_tag, extra, now)
         clock = self._for(key, now)
         if clock is None:
             return old_tag + max(0.0, extra)
-        f = clock.shift(key, old_tag, extra, clock.now)
+        f = move(clock, key, old_tag, extra, clock.now)
         self._retag(self._tenant_of[key])
         return f
 
