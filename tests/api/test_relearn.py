@@ -4,8 +4,10 @@ restart made a taught server fresh again."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sqlite3
 
 import httpx
 import pytest
@@ -69,13 +71,13 @@ def test_the_history_gives_back_the_last_agents_of_each_type_and_the_registratio
     assert finished[0][2][0].cached_tokens == 60
     assert history.recent_registrations(limit=4) == [(1003.0, 30.0), (1004.0, 40.0), (1005.0, 50.0), (1006.0, 60.0)]
     # a row written by a later version (an unknown key) or mangled: its requests are skipped
-    with history._lock:
-        history._db.execute("UPDATE agents SET requests = ? WHERE id = 'a4'",
-                            (json.dumps([{"request_id": "r", "prompt_tokens": 1, "output_tokens": 2,
-                                          "submitted_s": 0, "admitted_s": 0, "finished_s": 1,
-                                          "finish_reason": None, "new_field": 1}]),))
-        history._db.execute("UPDATE agents SET requests = 'not json' WHERE id = 'a3'")
-        history._db.commit()
+    history.flush()
+    with contextlib.closing(sqlite3.connect(history.path)) as db, db:  # the file, as another writer
+        db.execute("UPDATE agents SET requests = ? WHERE id = 'a4'",
+                   (json.dumps([{"request_id": "r", "prompt_tokens": 1, "output_tokens": 2,
+                                 "submitted_s": 0, "admitted_s": 0, "finished_s": 1,
+                                 "finish_reason": None, "new_field": 1}]),))
+        db.execute("UPDATE agents SET requests = 'not json' WHERE id = 'a3'")
     reading = HistoryReading.read(history, 50, 100, EngineInfo(FAKE_MODEL, 4096, 32, 2048, 512))
     shapes = TypeShapes()
     got = recall(reading, shapes, Dispatcher("justitia", 10_000, 0.1), now=10.0, wall_now=1010.0)
