@@ -142,6 +142,11 @@ import gc, json, os, signal, sys, threading, time
 import anyio
 from justitia_sdk import Client, agent
 
+# Ctrl-C as a script started from a terminal has it: a test runner's worker may ignore
+# SIGINT, and its children inherit that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
 @agent("sleeps")
 async def sleeps(i: int) -> int:
     await anyio.sleep(float(sys.argv[2]))

@@ -36,8 +36,13 @@ SLACK_S = 30.0  # a busy machine's process start-up and exit
 BEFORE_INTERRUPT = 20  # inputs finished before the Ctrl-C
 
 _CLIENT = """
-import json, sys
+import json, signal, sys
 from justitia_sdk import Client, agent, llm
+
+# Ctrl-C as a script started from a terminal has it: a test runner (or a shell's background
+# job) may start this process with SIGINT ignored or blocked, and its children inherit that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 @agent("interrupted_batch")
 async def work(i: int) -> int:
