@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from justitia_cli import CommandError, Commands
-from justitia_cli.options import add_command, json_option, kv_tokens_option
+from justitia_cli.options import add_command, json_option, kv_tokens_option, max_model_len_option
 
 SHAPE_NAMES = ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")  # shapes.SHAPES
 
@@ -22,7 +22,10 @@ def register(commands: Commands) -> None:
             "Build each arrival shape from each seed (`bench make-workload --shape`), run the policies "
             "in the simulator with the rate measured as the live server measures it, and report per "
             "shape: first-ETA error p50/p90, promises kept, median deadline / JCT and interval "
-            "coverage. Tune rules on some seeds (e.g. 0-4), report on others (e.g. 100-104)."
+            "coverage. Tune rules on some seeds (e.g. 0-4), report on others (e.g. 100-104). "
+            "--live runs each member on the real server and vLLM CPU engine instead (a server per run), "
+            "beside the simulator's prediction of the same run with a profile calibrated on this "
+            "machine (--profile FILE from `bench calibrate` with the same --kv-tokens)."
         ),
         handler=family_command,
     )
@@ -41,6 +44,11 @@ def register(commands: Commands) -> None:
                      help="engine profile: a100-llama7b, cpu-tiny, or a file written by `bench calibrate`")
     kv_tokens_option(fam, "KV cache capacity in tokens", default=4096)
     json_option(fam, "write every run and the per-shape summary here")
+    fam.add_argument("--live", action="store_true",
+                     help="run each member on the real server and engine (minutes each: give a few shapes "
+                          "and seeds), beside the simulator's prediction of that run; needs --profile FILE")
+    max_model_len_option(fam, "--live: the engine's context length (longest p + d of the workloads must fit)")
+    fam.add_argument("--log-dir", metavar="DIR", default=None, help="--live: keep each server's log here")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -83,6 +91,12 @@ def family_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         raise CommandError(f"--profile {args.profile}: {exc}") from None
     specs = [ShapeSpec(s, args.agents, args.load, seed) for s in shapes for seed in parse_seeds(args.seeds)]
+    config = {"shapes": shapes, "seeds": parse_seeds(args.seeds), "policies": policies, "modes": modes,
+              "agents": args.agents, "load": args.load, "profile": profile.name, "kv_tokens": args.kv_tokens}
+    if args.live:
+        from justitia_cli.bench.family_live import family_live_command
+
+        return family_live_command(args, specs, modes, policies, config)
     with Progress(transient=True) as progress:
         task = progress.add_task("shapes x seeds", total=len(specs))
         rows = run_family(specs, policies, profile, args.kv_tokens,
@@ -101,7 +115,5 @@ def family_command(args: argparse.Namespace) -> int:
                       fmt(r["deadline_over_jct_p50"], ".1f"), fmt(r["eta_coverage"], ".0%"))
     Console().print(table)
     if args.json:
-        config = {"shapes": shapes, "seeds": parse_seeds(args.seeds), "policies": policies, "modes": modes,
-                  "agents": args.agents, "load": args.load, "profile": profile.name, "kv_tokens": args.kv_tokens}
         write_result(args.json, family_json(rows, config))
     return 0

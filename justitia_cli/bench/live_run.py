@@ -102,6 +102,10 @@ class LiveOptions:
     hang_timeout_s: float = 900.0
     # Each server's `serve --retain` (kept contexts of paused agents; policies that keep none: never).
     retain: str = "auto"
+    # With `teach`: the measured run's clock starts this long after the teaching's last
+    # arrival (or when its last agent is done, if later), a lull the server sees as silence.
+    # None: at once when the teaching is done.
+    teach_lull_s: float | None = None
 
 
 class PrefixTokens:
@@ -256,7 +260,7 @@ class _Conversations:
 
 async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: str,
                   progress: Callable[[int], None] | None, cluster_pid: int | None = None,
-                  restart: SchedulerRestart | None = None) -> tuple[list[dict], dict]:
+                  restart: SchedulerRestart | None = None, start_at: float | None = None) -> tuple[list[dict], dict]:
     # Idle connections are dropped here before the server would close them (its keep-alive
     # is 30 s), so a request never goes out on a connection the server is closing.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)
@@ -268,6 +272,8 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
         engine_block = int(snap0.get("block_size") or block_size)
         prompts = render(agents, opts.seed)
         costs = {a.id: declared_cost(a, policy, prompts[a.id], block_size) for a in agents}
+        if start_at is not None:  # the clock starts then (`time.monotonic()`), not before
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         t0 = time.monotonic()
         done = 0
 
@@ -300,6 +306,7 @@ async def _replay(url: str, agents: list[AgentSpec], opts: LiveOptions, policy: 
         snapshot = await _call(session, "GET", "/v1/scheduler")
         snapshot["replica_killed"] = killed
         snapshot["scheduler_killed"] = scheduler_killed
+        snapshot["replay_t0"] = t0  # when the replay's clock started (`time.monotonic()`)
         async with session.get("/metrics") as r:
             snapshot["metrics_text"] = await r.text()
     return outs, snapshot
@@ -386,15 +393,19 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
     with EmbeddedServer(args, startup_timeout=opts.startup_timeout_s, log_path=log) as srv, \
             _off_worker_cores(srv.process.pid if srv.process else None):
         taught: dict | None = None  # the server's counters once taught: the run counts from there
+        start_at = None
         if opts.teach:
             # Other token ids than the measured run's: what it taught is not its prefix cache.
             _, taught = asyncio.run(_replay(srv.url, opts.teach, replace(opts, seed=opts.seed + TEACH_SEED),
                                             policy, None))
+            if opts.teach_lull_s is not None:
+                start_at = taught["replay_t0"] + max(a.arrival for a in opts.teach) + opts.teach_lull_s
         if not restart:
             restarter = (SchedulerRestart(srv, opts.startup_timeout_s, log)
                          if opts.ray and opts.kill_scheduler_after_s is not None else None)
             try:
-                outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress, opts.ray_pid, restarter))
+                outs, snap = asyncio.run(_replay(srv.url, agents, opts, policy, progress, opts.ray_pid, restarter,
+                                                 start_at))
             finally:
                 if restarter is not None:
                     restarter.stop()  # it attached: the engines it leaves running go next
@@ -435,6 +446,8 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         "prefix_hit_rate": since("justitia_prefix_cached_tokens") / prompt_tokens if prompt_tokens else None,
         "kv_saved_total": (snap.get("kv_saved_total") or 0) - ((counted_before or {}).get("kv_saved_total") or 0),
         "taught_by": len(opts.teach) if opts.teach else 0,  # agents replayed before the run
+        # from the teaching's clock start to the measured run's, on the server that was taught
+        "teach_offset_s": snap["replay_t0"] - taught["replay_t0"] if taught and not restart else None,
         "restarted": restart,  # the measured run met a server restarted after the teaching
         # what the measured run's server learned again from the history when it started
         "recalled": snap.get("recalled"),

@@ -76,14 +76,22 @@ def teacher_of(spec: ShapeSpec) -> ShapeSpec:
     return replace(spec, shape=shape, seed=spec.seed + TEACH_SEED_OFFSET)
 
 
-def taught_workload(spec: ShapeSpec, profile: EngineProfile, kv_tokens: int | None = None) -> tuple[
-        list[AgentSpec], set[str]]:
-    """The teacher's agents, then the member's after a lull; and the member's ids."""
+def teacher_and_member(spec: ShapeSpec, profile: EngineProfile, kv_tokens: int | None = None) -> tuple[
+        list[AgentSpec], list[AgentSpec]]:
+    """The teacher's agents (ids prefixed `teach-`) and the member's, each on its own clock."""
     teacher = make_shaped(teacher_of(spec), profile, kv_tokens)
     for a in teacher:
         a.id = f"teach-{a.id}"
-    member = make_shaped(spec, profile, kv_tokens)
-    start = max(a.arrival for a in teacher) + TEACH_LULL_S
+    return teacher, make_shaped(spec, profile, kv_tokens)
+
+
+def taught_workload(spec: ShapeSpec, profile: EngineProfile, kv_tokens: int | None = None,
+                    offset_s: float | None = None) -> tuple[list[AgentSpec], set[str]]:
+    """The teacher's agents, then the member's after a lull; and the member's ids. The
+    member's clock starts `offset_s` after the teacher's (default: the teacher's last
+    arrival plus `TEACH_LULL_S`; a live run's own offset to predict that run)."""
+    teacher, member = teacher_and_member(spec, profile, kv_tokens)
+    start = max(a.arrival for a in teacher) + TEACH_LULL_S if offset_s is None else offset_s
     for a in member:
         a.arrival = round(a.arrival + start, 6)
     return teacher + member, {a.id for a in member}
@@ -103,17 +111,25 @@ def run_family(
     rows: list[FamilyRow] = []
     for spec in specs:
         for mode in modes:
-            if mode == "taught":
-                agents, ids = taught_workload(spec, profile, kv_tokens)
-            else:
-                agents = make_shaped(spec, profile, kv_tokens)
-                ids = {a.id for a in agents}
-            for result in run_comparison(agents, list(policies), profile, kv_tokens, tau="measured"):
-                mine = replace(result, agents=[a for a in result.agents if a.id in ids])
-                rows.append(row_of(spec, mine, mode))
+            rows += [row_of(spec, r, mode) for r in simulate_member(spec, mode, policies, profile, kv_tokens)]
         if on_done is not None:
             on_done(spec)
     return rows
+
+
+def simulate_member(spec: ShapeSpec, mode: str, policies: Sequence[str], profile: EngineProfile,
+                    kv_tokens: int | None = None, teach_offset_s: float | None = None) -> list[PolicyResult]:
+    """Each policy's run of one member in the simulator, the member's agents only (taught:
+    the teacher first, the member's clock `teach_offset_s` after the teacher's)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode == "taught":
+        agents, ids = taught_workload(spec, profile, kv_tokens, teach_offset_s)
+    else:
+        agents = make_shaped(spec, profile, kv_tokens)
+        ids = {a.id for a in agents}
+    return [replace(result, agents=[a for a in result.agents if a.id in ids])
+            for result in run_comparison(agents, list(policies), profile, kv_tokens, tau="measured")]
 
 
 def _median(xs: Iterable[float | None]) -> float | None:

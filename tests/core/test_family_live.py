@@ -1,0 +1,87 @@
+"""`bench family --live`'s parts that run without the engine: its checks of the profile and
+the options, the simulated side of a live run, and the comparison's arithmetic (the live runs
+themselves are benchmarks: benchmarks/results/family_live.json)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from justitia_cli import CommandError, main
+from justitia_cli.bench.family_live import WITHIN, calibrated_profile, compare, load_now, summarise_live
+from server.shared.profiles import get_profile
+from server.sim.calibrate import save_profile
+from server.sim.family import FamilyRow, simulate_member, taught_workload
+from server.sim.shapes import ShapeSpec
+
+CPU = get_profile("cpu-tiny")
+M = 4096
+
+
+def profile_file(tmp_path, kv_tokens: int = M):
+    path = tmp_path / f"profile_{kv_tokens}.json"
+    save_profile(replace(CPU, kv_tokens=kv_tokens), path, settings={"kv_tokens": kv_tokens, "measured_at": "then"},
+                 provenance={"argv": ["justitia", "bench", "calibrate", "--kv-tokens", str(kv_tokens)]})
+    return path
+
+
+def test_live_needs_a_profile_calibrated_with_the_engines_kv_capacity(tmp_path, capsys) -> None:
+    # a built-in profile describes another host: refused before any server starts
+    assert main(["bench", "family", "--live", "--shapes", "poisson", "--seeds", "100"]) == 2
+    assert "bench calibrate" in capsys.readouterr().err
+    other = profile_file(tmp_path, 8192)
+    assert main(["bench", "family", "--live", "--shapes", "poisson", "--seeds", "100",
+                 "--profile", str(other), "--kv-tokens", str(M)]) == 2
+    assert "8192" in capsys.readouterr().err
+    made = calibrated_profile(str(profile_file(tmp_path)), M)
+    assert made["made_by"] == ["justitia", "bench", "calibrate", "--kv-tokens", str(M)]
+    assert made["measured_at"] == "then" and made["profile"]["kv_tokens"] == M
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1]")
+    with pytest.raises(CommandError):
+        calibrated_profile(str(bad), M)
+    # the engine must hold one request of the context length
+    assert main(["bench", "family", "--live", "--shapes", "poisson", "--seeds", "100", "--profile",
+                 str(profile_file(tmp_path, 1024)), "--kv-tokens", "1024", "--max-model-len", "2048"]) == 2
+    assert "--max-model-len" in capsys.readouterr().err
+
+
+def test_the_simulated_side_of_a_taught_run_starts_the_member_where_the_live_one_started() -> None:
+    spec = ShapeSpec("bursts", 8, 0.9, seed=100)
+    agents, ids = taught_workload(spec, CPU, M, offset_s=123.0)
+    fresh, _ = taught_workload(spec, CPU, M, offset_s=0.0)
+    shifted = {a.id: a.arrival for a in agents if a.id in ids}
+    assert {i: round(t - 123.0, 4) for i, t in shifted.items()} == \
+        {a.id: round(a.arrival, 4) for a in fresh if a.id in ids}
+    [taught] = simulate_member(spec, "taught", ["justitia"], CPU, M, teach_offset_s=123.0)
+    assert {a.id for a in taught.agents} == ids  # the member's agents only
+    assert min(a.arrival_s for a in taught.agents) >= 123.0
+    with pytest.raises(ValueError):
+        simulate_member(spec, "stale", ["justitia"], CPU, M)
+
+
+def row(mean: float, mode: str = "fresh", seed: int = 100, kept: int = 8) -> FamilyRow:
+    return FamilyRow(shape="poisson", seed=seed, policy="justitia", agents=8, mean_jct_s=mean, eta_error_p50=0.2,
+                     eta_error_p90=0.5, promises_kept=kept, promises=8, deadline_over_jct_p50=4.0,
+                     eta_coverage=0.75, mode=mode)
+
+
+def test_the_simulator_is_within_15_percent_or_not_by_its_error_over_the_live_mean() -> None:
+    assert WITHIN == 0.15
+    near = compare(row(10.0), row(8.6), refit_mean_jct_s=9.5)
+    assert near["sim_error"] == pytest.approx(-0.14) and near["sim_within"]
+    assert near["live_over_sim_mean_jct"] == pytest.approx(10.0 / 8.6)
+    assert near["sim_refit_error"] == pytest.approx(-0.05)
+    far = compare(row(10.0, seed=101, kept=7), row(11.6, seed=101))
+    assert far["sim_error"] == pytest.approx(0.16) and not far["sim_within"]
+    assert far["sim_refit_error"] is None
+    [summary] = summarise_live([near, far])
+    assert summary["seeds"] == [100, 101] and summary["runs"] == 2 and summary["sim_within"] == 1
+    assert summary["live"]["mean_jct_s"] == 10.0 and summary["sim"]["mean_jct_s"] == pytest.approx(10.1)
+    assert summary["live"]["promises_kept"] == 15 and summary["sim"]["promises_kept"] == 16
+    assert summary["sim_error"] == pytest.approx(0.01)
+    json.dumps(summary)  # what the JSON holds
+    load = load_now()
+    assert len(load["load_average"]) == 3
