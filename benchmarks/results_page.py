@@ -114,6 +114,10 @@ LIVE_TAUGHT = ("justitia bench live --workload benchmarks/workloads/contended48.
                "--teach benchmarks/workloads/contended48_seed4.jsonl "
                "--json benchmarks/results/live_contended48_taught.json")
 
+FAMILY_LIVE = ("justitia bench family --live --shapes poisson,bursts,sessions --seeds 100 --modes fresh,taught "
+               "--profile benchmarks/results/profile_cpu_tiny_4096_famlive.json --kv-tokens 4096 --max-model-len 4096 "
+               "--json benchmarks/results/family_live.json")
+
 ENTRIES: list[Entry] = [
     *(_sim_mix(d) for d in (1, 2, 3)),
     *(_sim_noisy(d) for d in (2, 3)),
@@ -250,6 +254,24 @@ ENTRIES: list[Entry] = [
           [m("justitia / vtc mean JCT", "{v:.3f}x", v=_vs("justitia", "vtc")),
            m("justitia / justitia-nocache mean JCT", "{v:.3f}x", v=_vs("justitia", "justitia-nocache")),
            m("justitia prefix-cache hit rate", "{v:.0%}", v=_j("justitia", "prefix_hit_rate"))]),
+    Entry("family-live", "Live (vLLM CPU engine)", "The family of arrival shapes live, beside the simulator",
+          "family_live.json", FAMILY_LIVE,
+          "Three shapes of the family (held-out seed 100, 48 agents at load 0.9 of the calibrated engine) on "
+          "the real server and vLLM CPU engine, fresh and taught, each beside the simulator's prediction of "
+          "the same run with a profile calibrated on the host that hour (`profile_cpu_tiny_4096_famlive.json`).",
+          [m(f"{shape}, {mode}: mean JCT live / sim, sim error, kept live, ETA error p50 / p90 live, "
+             "deadline/JCT live, in interval live",
+             "{l:.2f} / {s:.2f} s, {e:+.0%}, {k}/{n}, {a:.2f} / {b:.2f}, {d:.1f}x, {c:.0%}",
+             l=f"shapes[shape={shape},mode={mode}].live.mean_jct_s",
+             s=f"shapes[shape={shape},mode={mode}].sim.mean_jct_s",
+             e=f"shapes[shape={shape},mode={mode}].sim_error",
+             k=f"shapes[shape={shape},mode={mode}].live.promises_kept",
+             n=f"shapes[shape={shape},mode={mode}].live.promises",
+             a=f"shapes[shape={shape},mode={mode}].live.eta_error_p50",
+             b=f"shapes[shape={shape},mode={mode}].live.eta_error_p90",
+             d=f"shapes[shape={shape},mode={mode}].live.deadline_over_jct_p50",
+             c=f"shapes[shape={shape},mode={mode}].live.eta_coverage")
+           for shape in ("poisson", "bursts", "sessions") for mode in ("fresh", "taught")]),
     Entry("live-baselines", "Live (vLLM CPU engine)", "Literature baselines live (40 agents)",
           "live_tiny40_2x_baselines.json",
           "justitia bench live --workload benchmarks/workloads/tiny40_2x.jsonl "
