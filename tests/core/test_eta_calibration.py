@@ -52,6 +52,13 @@ def test_the_eta_told_is_scaled_and_the_record_stays_the_replays() -> None:
     # it took the replay's ETA: the record says 1.0, not the 2.0 it is of the ETA told
     d.observe_jct(view.eta_s, replay, "a")
     assert d.etas.calibration.upper_ratio(1.0, MIN_SEEN + 1, 0) == (pytest.approx(1.0), MIN_SEEN + 1)
+    # an agent the dispatcher has forgotten (finished with requests in flight): its caller
+    # says what it was scaled by
+    view = d.register_agent("b", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    scale, replay = d.agents["b"].eta_scale, d.eta_time("b", 0.0)
+    d.finish_agent("b", 0.0)
+    d.observe_jct(view.eta_s, replay, "b", scale)
+    assert d.etas.calibration.upper_ratio(1.0, 1, None) == (pytest.approx(1.0), 1)
 
 
 def test_on_a_tuning_seed_the_eta_told_is_within_the_targets() -> None:
