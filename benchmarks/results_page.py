@@ -272,6 +272,23 @@ ENTRIES: list[Entry] = [
              d=f"shapes[shape={shape},mode={mode}].live.deadline_over_jct_p50",
              c=f"shapes[shape={shape},mode={mode}].live.eta_coverage")
            for shape in ("poisson", "bursts", "sessions") for mode in ("fresh", "taught")]),
+    *(Entry(f"live-retention-{mode}{'-light' if light else ''}", "Live (vLLM CPU engine)",
+            f"Kept contexts live: `--retain {mode}`, {'light contention' if light else 'contended'}",
+            f"retention_live_{mode}{'_light' if light else ''}.json",
+            f"justitia bench live --workload benchmarks/workloads/retention48{'_light' if light else ''}.jsonl "
+            f"--policies justitia,justitia-noretain --retain {mode} --kv-tokens {12288 if light else 8192} "
+            + ("--profile benchmarks/results/profile_cpu_tiny_12288_epyc.json " if light else "")
+            + f"--repeat 3 --json benchmarks/results/retention_live_{mode}{'_light' if light else ''}.json",
+            "48 agents of the multi-turn mix with tool pauses, Justitia keeping paused agents' contexts "
+            "against keeping none, three alternated rounds (each row: the run of median mean JCT); see "
+            "[Pauses and kept contexts](retention.md).",
+            [m("mean JCT, justitia / justitia-noretain", "{a:.2f} s / {b:.2f} s",
+               a=_j("justitia", "mean_jct_s"), b=_j("justitia-noretain", "mean_jct_s")),
+             m("re-prefilled tokens, justitia / justitia-noretain", "{a} / {b}",
+               a=_j("justitia", "reprefill_tokens"), b=_j("justitia-noretain", "reprefill_tokens")),
+             m("justitia promises kept", "{k}/{n}", k=_j("justitia", "promises_kept"),
+               n="#" + _j("justitia", "agents"))])
+      for mode, light in (("auto", False), ("always", False), ("always", True))),
     Entry("live-baselines", "Live (vLLM CPU engine)", "Literature baselines live (40 agents)",
           "live_tiny40_2x_baselines.json",
           "justitia bench live --workload benchmarks/workloads/tiny40_2x.jsonl "

@@ -171,6 +171,9 @@ class AgentEntry:
     cost_interval: tuple[float, float] | None = None
     stages_done: int = 0
     first_eta_s: float | None = None
+    # what the scheduler scaled its ETAs by (`AgentState.eta_scale`): its first ETA over
+    # this is the replay's, what the calibration records when it finishes
+    eta_scale: float = 1.0
     first_eta_interval_s: tuple[float, float] | None = None
     error: str | None = None  # why a failed agent failed, as its client reported it
     # Frozen at the end so that a finished agent's record stays readable after the

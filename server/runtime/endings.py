@@ -128,7 +128,8 @@ class AgentEndings:
                 and entry.finished_at is not None:
             # What the ETA intervals are calibrated on (a session's end comes after its idle
             # timeout, which no ETA forecasts).
-            self.dispatcher.observe_jct(entry.first_eta_s, entry.finished_at - entry.submitted_at, entry.id)
+            self.dispatcher.observe_jct(entry.first_eta_s, entry.finished_at - entry.submitted_at, entry.id,
+                                        entry.eta_scale)
         if forget:
             entry.final_view = self.dispatcher.view(entry.id, self.now())
             self.dispatcher.finish_agent(entry.id, self.now())

@@ -274,6 +274,7 @@ class LiveScheduler:
             cost_interval=interval,
             last_activity_mono=now,
             first_eta_s=view.eta_s,
+            eta_scale=self.dispatcher.agents[agent_id].eta_scale,
             first_eta_interval_s=view.eta_interval_s,
             declared=declared,
             on_change=self.feeds.changed,

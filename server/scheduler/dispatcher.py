@@ -479,11 +479,10 @@ class Dispatcher:
         last pass did not see is placed in its order by binary search, O(log N))."""
         return self.etas.eta_time(self._agent(agent_id), now)
 
-    def observe_jct(self, first_eta_s: float, jct_s: float, agent_id: str | None = None) -> None:
-        """A finished agent's JCT / first ETA: for intervals, and deadlines unless it paused (eta_interval.py)."""
-        agent = self.agents.get(agent_id or "")
-        self.etas.calibration.observe(first_eta_s, jct_s, agent.promise_context if agent is not None else None,
-                                      by_context=agent is None or agent.paused_s <= 0.0)
+    def observe_jct(self, first_eta_s: float, jct_s: float, agent_id: str | None = None,
+                    eta_scale: float | None = None) -> None:
+        """A finished agent's JCT / the first ETA it was told (EtaEstimator.observe_jct)."""
+        self.etas.observe_jct(self.agents.get(agent_id or ""), first_eta_s, jct_s, eta_scale)
 
     def view(self, agent_id: str, now: float) -> AgentView:
         """The agent's record: tag, costs and times (seconds from its submission)."""

@@ -100,6 +100,18 @@ class EtaEstimator:
         the engine's word beats the guess made at submission."""
         self.mean_prompt += MEAN_WEIGHT * (uncached_prompt - self.mean_prompt)
 
+    def observe_jct(self, agent: AgentState | None, first_eta_s: float, jct_s: float,
+                    eta_scale: float | None = None) -> None:
+        """A finished agent's JCT / first ETA (the one it was told): for ETAs' scale and
+        intervals, and deadlines unless it paused (eta_interval.py). The record is of the
+        replay's ETA: the one told over the scale the agent was given (`eta_scale` where the
+        dispatcher has forgotten the agent already, None: unknown)."""
+        scale = agent.eta_scale if agent is not None else eta_scale
+        if scale is not None and scale > 0.0:
+            first_eta_s /= scale
+        self.calibration.observe(first_eta_s, jct_s, agent.promise_context if agent is not None else None,
+                                 by_context=agent is None or agent.paused_s <= 0.0)
+
     @property
     def _has_mix(self) -> bool:
         return self.mean_prompt + self.mean_decode > 0

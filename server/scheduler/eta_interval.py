@@ -1,17 +1,31 @@
-"""ETA intervals: [p10, p90] around an ETA, calibrated on the agents that have finished.
+"""ETA calibration: the ETA told scaled, and the [p10, p90] interval around it, by how far
+the first ETAs of the agents that have finished fell short or long.
 
-An ETA is a forecast from what the scheduler knows when it is made; its error comes from
-what it cannot know (work that arrives later, costs that differ from their prediction, an
-engine that speeds up or slows down). Rather than model each source, the interval is set by
-how wrong the forecasts have been (split conformal prediction): every finished agent leaves
-the ratio JCT / first ETA; an agent's interval is its remaining time scaled by the 10th and
-90th percentiles of the last `window` ratios. Whatever the traffic, about 80% of agents then
-finish inside their first interval, provided the traffic ahead looks like the traffic
-behind (the record's promise says so when it does not).
+An ETA (eta.py) is a forecast from what the scheduler knows when it is made; its error comes
+from what it cannot know (work that arrives later, costs that differ from their prediction,
+an engine that speeds up or slows down) and from what its replay assumes (the work ordered
+ahead of an agent served before it, when the engine in fact runs a small agent beside the
+large ones ahead of it). Rather than model each source, every finished agent leaves the
+ratio JCT / first ETA (the replay's ETA, before any scaling), filed under the context it
+registered in (its place in the queue: tight_promise.py), and
 
-Until `min_seen` agents have finished, the interval takes prior factors, chosen on the
-tuning seeds of the evaluation family (`bench family --seeds 0-4`) and reported on held-out
-ones (docs/concepts.md, ETA intervals).
+- the ETA told is the replay's times the context's *scale*: the factor s that minimises
+  the mean relative error |s ETA - JCT| / JCT over the context's last `window` ratios,
+  the median of the ratios weighted by ETA / JCT (`weighted_median`). On the evaluation
+  family the replay's ETAs run long (median JCT / ETA 0.70 deep in the queue), and
+  relative error punishes an ETA twice the JCT (error 1) more than one half of it (0.5):
+  the scale is the one the target measures, not the plain median;
+- the interval spans the same ratios' 7.5th and 92.5th percentiles (split conformal
+  prediction by context, Mondrian): about 80% of agents finish inside their first
+  interval, provided the traffic ahead looks like the traffic behind.
+
+A context with fewer than `min_seen` ratios takes those of every context; with fewer than
+that in all, a fresh server's: no scaling, and prior interval factors chosen on the tuning
+seeds of the evaluation family (`bench family --seeds 0-4`; docs/concepts.md, ETA
+intervals). An agent keeps the scale it was given at registration for its whole life, so
+that its first ETA divided by it is the replay's again when it finishes.
+
+The deadlines' record (`upper_ratio`) is the same ratios less those of agents that paused.
 
 Pure: no clock; the dispatcher asks with `now`-relative numbers.
 """
@@ -39,8 +53,12 @@ MIN_SEEN = 10
 
 @dataclass(frozen=True)
 class Factors:
+    """What a record of JCT / first-ETA ratios gives: the interval's ends (`low`, `high`)
+    and the scale of the ETA told (`scale`), each a factor on the replay's ETA."""
+
     low: float
     high: float
+    scale: float = 1.0
 
 
 def _conformal_quantile(sorted_ratios: list[float], q: float) -> float:
@@ -50,19 +68,43 @@ def _conformal_quantile(sorted_ratios: list[float], q: float) -> float:
     return sorted_ratios[k - 1]
 
 
+def weighted_median(sorted_ratios: list[float]) -> float:
+    """The factor s minimising the sum of |s - r| / r over the ratios r = JCT / ETA, which is
+    the sum of the relative errors |s ETA - JCT| / JCT: the median of the ratios weighted by
+    1 / r (the first ratio at which the weights reach half their total)."""
+    total = sum(1.0 / r for r in sorted_ratios)
+    acc = 0.0
+    for r in sorted_ratios:
+        acc += 1.0 / r
+        if acc >= total / 2.0:
+            return r
+    return sorted_ratios[-1]
+
+
+def factors_of(sorted_ratios: list[float]) -> Factors:
+    """A record's factors. The interval holds the scaled ETA: a handful of agents that all
+    beat (or all missed) it is no proof that the next will."""
+    scale = weighted_median(sorted_ratios)
+    return Factors(min(_conformal_quantile(sorted_ratios, LOW_QUANTILE), scale),
+                   max(_conformal_quantile(sorted_ratios, HIGH_QUANTILE), scale), scale)
+
+
 class EtaCalibration:
-    """JCT / first-ETA ratios of finished agents, and the interval factors they give."""
+    """JCT / first-ETA ratios of finished agents, by the context they registered in, and the
+    scale and interval factors they give."""
 
     def __init__(self, window: int = WINDOW, min_seen: int = MIN_SEEN,
                  prior: Factors = Factors(PRIOR_LOW, PRIOR_HIGH)) -> None:
         self._window = window
         self._ratios: deque[float] = deque(maxlen=window)
-        # the same ratios by the context the agent registered in (tight_promise.py; None:
-        # observed without one)
+        # every ratio by the context the agent registered in (tight_promise.py; None:
+        # observed without one): the ETA's scale and interval
+        self._all_by_context: dict[int | None, deque[float]] = {}
+        # the same less the agents that paused: the deadlines' record (`upper_ratio`)
         self._by_context: dict[int | None, deque[float]] = {}
         self._min_seen = min_seen
         self._prior = prior
-        self._factors = prior
+        self._cache: dict[int | None, Factors] = {}  # per context, emptied by `observe`
 
     @property
     def seen(self) -> int:
@@ -70,26 +112,41 @@ class EtaCalibration:
 
     @property
     def factors(self) -> Factors:
-        return self._factors
+        """The factors of every context's ratios pooled (the prior until `min_seen`)."""
+        return self.factors_for(None)
+
+    def factors_for(self, context: int | None) -> Factors:
+        """The factors of an agent registering in `context`: its context's ratios, every
+        context's where it has fewer than `min_seen`, the prior where all have."""
+        cached = self._cache.get(context)
+        if cached is not None:
+            return cached
+        ratios = self._all_by_context.get(context) if context is not None else None
+        if ratios is None or len(ratios) < self._min_seen:
+            ratios = self._ratios
+        factors = factors_of(sorted(ratios)) if len(ratios) >= self._min_seen else self._prior
+        self._cache[context] = factors
+        return factors
+
+    def scale(self, context: int | None) -> float:
+        """The factor the ETA told to an agent registering in `context` is the replay's times."""
+        return self.factors_for(context).scale
 
     def observe(self, first_eta_s: float, jct_s: float, context: int | None = None, by_context: bool = True) -> None:
-        """A finished agent: its JCT against the ETA it was given at registration, and the
-        context it registered in (None: unknown). `by_context` False: the intervals' record
-        only, not the context's (`upper_ratio`, which deadlines are scaled by): an agent that
-        paused, whose JCT holds its client's tool time, is no measure of how far the ETAs of
-        agents that do not pause fall short (a calibrated deadline is given only to those)."""
+        """A finished agent: its JCT against the replay's ETA at its registration (before
+        any scaling), and the context it registered in (None: unknown). `by_context` False:
+        not in the deadlines' record (`upper_ratio`): an agent that paused, whose JCT holds
+        its client's tool time, is no measure of how far the ETAs of agents that do not
+        pause fall short (a calibrated deadline is given only to those). Its ETA's scale and
+        interval count it: its own ETA expected pauses too."""
         if not (first_eta_s > 0 and jct_s > 0 and math.isfinite(first_eta_s) and math.isfinite(jct_s)):
             return
-        self._ratios.append(jct_s / first_eta_s)
+        ratio = jct_s / first_eta_s
+        self._ratios.append(ratio)
+        self._all_by_context.setdefault(context, deque(maxlen=self._window)).append(ratio)
         if by_context:
-            self._by_context.setdefault(context, deque(maxlen=self._window)).append(jct_s / first_eta_s)
-        if len(self._ratios) >= self._min_seen:
-            ordered = sorted(self._ratios)
-            # The lower end of a fresh calibration stays below 1 and the upper above it:
-            # a handful of agents that all beat (or all missed) their ETA is no proof that
-            # the next will.
-            self._factors = Factors(min(_conformal_quantile(ordered, LOW_QUANTILE), 1.0),
-                                    max(_conformal_quantile(ordered, HIGH_QUANTILE), 1.0))
+            self._by_context.setdefault(context, deque(maxlen=self._window)).append(ratio)
+        self._cache.clear()
 
     def upper_ratio(self, q: float, min_seen: int, context: int | None = None) -> tuple[float, int] | None:
         """The split-conformal q-quantile of the recent JCT / first-ETA ratios of agents
@@ -102,13 +159,17 @@ class EtaCalibration:
                 return _conformal_quantile(sorted(ratios), q), len(ratios)
         return None
 
-    def interval(self, elapsed_s: float, eta_s: float, deadline_s: float | None = None) -> tuple[float, float]:
+    def interval(self, elapsed_s: float, eta_s: float, deadline_s: float | None = None,
+                 context: int | None = None, scale: float = 1.0) -> tuple[float, float]:
         """[p10, p90] in seconds from the agent's submission: its elapsed time plus its
-        remaining time (`eta_s - elapsed_s`) scaled by the factors; p90 no later than the
-        deadline it was promised when that is later than the ETA."""
+        remaining time by the replay (`eta_s - elapsed_s`) scaled by its context's factors;
+        never without the ETA told (the remaining time times `scale`, the agent's), p90 no
+        later than the deadline it was promised when that is later than the ETA told."""
         remaining = max(0.0, eta_s - elapsed_s)
-        low = elapsed_s + remaining * self._factors.low
-        high = elapsed_s + remaining * self._factors.high
-        if deadline_s is not None and deadline_s >= eta_s:
+        factors = self.factors_for(context)
+        told = elapsed_s + remaining * scale
+        low = min(elapsed_s + remaining * factors.low, told)
+        high = elapsed_s + remaining * factors.high
+        if deadline_s is not None and deadline_s >= told:
             high = min(high, deadline_s)
-        return (low, max(high, eta_s))
+        return (low, max(high, told))

@@ -18,7 +18,10 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
     """The agent's record: tag, costs and times (seconds from its submission)."""
     fair = d.fair_finish_time(agent.agent_id, now) - agent.submitted_at
     bound = agent.bound.total_s
-    eta = d.etas.eta_time(agent, now) - agent.submitted_at
+    # the replay's ETA, its remaining time scaled by the agent's calibration (eta_interval.py)
+    elapsed = now - agent.submitted_at
+    replay = d.etas.eta_time(agent, now) - agent.submitted_at
+    eta = elapsed + max(0.0, replay - elapsed) * agent.eta_scale
     deadline = (agent.deadline_at if agent.deadline_at is not None else now) - agent.submitted_at
     return AgentView(
         agent_id=agent.agent_id,
@@ -30,7 +33,8 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
         virtual_finish=agent.virtual_finish,
         fair_finish_s=fair,
         eta_s=eta,
-        eta_interval_s=d.etas.calibration.interval(now - agent.submitted_at, eta, deadline),
+        eta_interval_s=d.etas.calibration.interval(elapsed, replay, deadline, agent.promise_context,
+                                                   agent.eta_scale),
         delay_bound_s=bound,
         deadline_s=deadline,
         bound=agent.bound,
