@@ -103,6 +103,15 @@ def compare(live: Any, sim: Any, refit_mean_jct_s: float | None = None) -> dict[
     }
 
 
+def arrival_lag(planned: dict[str, float], arrived: dict[str, float]) -> dict[str, float | None]:
+    """How late the replay registered the agents against their planned arrivals (seconds,
+    median and largest): a client starved of CPU delays arrivals, which the simulator does not."""
+    lags = sorted(arrived[i] - planned[i] for i in arrived if i in planned)
+    if not lags:
+        return {"p50": None, "max": None}
+    return {"p50": lags[len(lags) // 2], "max": lags[-1]}
+
+
 def _median(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.median(vals) if vals else None
@@ -166,6 +175,7 @@ def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_pat
     row.update({
         "load_before": before, "load_after": after, "wall_s": wall, "teach_offset_s": offset,
         "last_arrival_s": max(a.arrival for a in member),
+        "arrival_lag_s": arrival_lag({a.id: a.arrival for a in member}, {a.id: a.arrival_s for a in live.agents}),
         "measured_tau_s": live.extra.get("measured_tau_s"), "sim_measured_tau_s": sim.extra.get("measured_tau_s"),
         "engine_fit": fitted.as_dict() if fitted is not None else None,
         "agents_failed": live.extra.get("agents_failed"), "agents_lost": live.extra.get("agents_lost"),

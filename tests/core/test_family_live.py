@@ -10,7 +10,14 @@ from dataclasses import replace
 import pytest
 
 from justitia_cli import CommandError, main
-from justitia_cli.bench.family_live import WITHIN, calibrated_profile, compare, load_now, summarise_live
+from justitia_cli.bench.family_live import (
+    WITHIN,
+    arrival_lag,
+    calibrated_profile,
+    compare,
+    load_now,
+    summarise_live,
+)
 from server.shared.profiles import get_profile
 from server.sim.calibrate import save_profile
 from server.sim.family import FamilyRow, simulate_member, taught_workload
@@ -85,3 +92,9 @@ def test_the_simulator_is_within_15_percent_or_not_by_its_error_over_the_live_me
     json.dumps(summary)  # what the JSON holds
     load = load_now()
     assert len(load["load_average"]) == 3
+
+
+def test_the_arrival_lag_is_how_late_the_replay_registered_the_agents() -> None:
+    lag = arrival_lag({"a": 0.0, "b": 1.0, "c": 2.0}, {"a": 0.01, "b": 1.5, "c": 2.02})
+    assert lag["p50"] == pytest.approx(0.02) and lag["max"] == pytest.approx(0.5)
+    assert arrival_lag({"a": 0.0}, {}) == {"p50": None, "max": None}  # every agent failed
