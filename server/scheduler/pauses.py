@@ -10,7 +10,15 @@ that ignored tool time would be broken by every agent that calls a tool. A type 
 pausing takes the pauses of every type; before any pause has been seen, none is expected
 (the promise says so when the agent declares more than one stage).
 
-Every stage boundary counts, a boundary crossed at once as a pause of 0 s. An ETA expects,
+Every stage boundary counts, a boundary crossed at once as a pause of 0 s. So does one
+crossed within `TURNAROUND_S`: that gap is the client's turnaround (the last response on its
+way back, the next request on its way in), not time spent outside the engine by choice. A
+live client always leaves one, and counted as pauses these gaps would mark every agent of
+several stages as one that pauses: its deadline would be the worst case and its ETA's
+record would not calibrate deadlines (`eta_estimator.py`), while the turnaround is part of
+what the first ETAs' record measures, like any other time the engine's steps do not show.
+The gaps taken for turnarounds are kept apart (`summary`), so a server shows what its
+clients' turnaround is. An ETA expects,
 before each stage, the share of the recent boundaries of any type that held a pause
 (`RECENT`) times the type's mean pause when it pauses. Pauses belong to the application
 sending the agents, not to the type: a server that served agents which called tools, then
@@ -41,6 +49,13 @@ if TYPE_CHECKING:
 WINDOW = 200
 # The stage boundaries (of any type, the most recent) whether agents pause is read from.
 RECENT = 16
+# A stage boundary's gap shorter than this is the client's turnaround, not a pause. Chosen
+# between what the two sides of it measured (docs/concepts.md, Pauses): live replays' gaps on
+# this project's CPU hosts (median 3 ms, largest 19 ms, quiet or beside 6 busy processes on
+# 2 cores) and the shortest tool pauses of the evaluation family's `sessions` shape (lognormal,
+# median 0.8 s: 0.3% of them fall below 50 ms, and a pause that short is worth no promise's
+# allowance).
+TURNAROUND_S = 0.05
 
 
 def expected_remaining_s(seen: Sequence[float], elapsed_s: float) -> float:
@@ -62,17 +77,46 @@ class PauseStats:
         self._tool_any: dict[str, deque[float]] = {}
         # The last RECENT boundaries of any type, with the times they were crossed.
         self._lately: deque[tuple[float, float]] = deque(maxlen=RECENT)
+        # The gaps taken for clients' turnarounds (the most recent), and how many in all.
+        self._turnarounds: deque[float] = deque(maxlen=window)
+        self._turnaround_count = 0
 
     def stage_started(self, agent: AgentState, now: float) -> None:
         """The agent submits a request: back from a pause, its next stage starts (the pause
         is observed); its first request starts its first stage."""
         if agent.idle_since is not None:
-            self.observe(agent.agent_type, now - agent.idle_since, now)
-            agent.paused_s += max(0.0, now - agent.idle_since)
+            pause = self.pause_of(now - agent.idle_since)
+            self.observe(agent.agent_type, pause, now)
+            agent.paused_s += pause
             agent.idle_since = None
             agent.stages_started += 1
         elif agent.stages_started == 0:
             agent.stages_started = 1
+
+    def pause_of(self, gap_s: float) -> float:
+        """The pause a boundary crossed after `gap_s` held: 0.0 for a client's turnaround
+        (shorter than `TURNAROUND_S`, kept apart), else the gap."""
+        if 0.0 < gap_s < TURNAROUND_S:
+            self._turnarounds.append(gap_s)
+            self._turnaround_count += 1
+            return 0.0
+        return max(0.0, gap_s)
+
+    def summary(self) -> dict[str, float | int | None]:
+        """What the pauses' record holds, for the scheduler's snapshot: boundaries kept, the
+        share of the recent ones that held a pause, the longest pause, and the clients'
+        turnarounds (count; median, p90 and largest of the recent ones)."""
+        turn = sorted(self._turnarounds)
+        return {
+            "boundaries": len(self._all),
+            "paused_share_lately": self.share_lately(),
+            "max_s": self.max_s(),
+            "turnaround_limit_s": TURNAROUND_S,
+            "turnarounds": self._turnaround_count,
+            "turnaround_p50_s": turn[len(turn) // 2] if turn else None,
+            "turnaround_p90_s": turn[int(0.9 * len(turn))] if turn else None,
+            "turnaround_max_s": turn[-1] if turn else None,
+        }
 
     def observe(self, agent_type: str | None, pause_s: float, now: float | None = None) -> None:
         """A boundary crossed after `pause_s` (at `now`, where known)."""

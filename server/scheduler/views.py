@@ -96,6 +96,7 @@ def snapshot(d: Dispatcher, now: float, max_queue: int = 50) -> dict[str, Any]:
         "kv_shared": d.ledger.kv_shared_now,
         "kv_saved_total": d.ledger.kv_saved_total,
         "prefix_hit_rate": d.ledger.prefix_hit_rate,
+        "pauses": d.pauses.summary(),
         "limits": dataclasses.asdict(d.promises.limits_for(None)),
         "queue": [
             {

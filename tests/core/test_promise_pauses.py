@@ -120,3 +120,43 @@ def test_an_agent_that_paused_does_not_loosen_the_deadlines_of_its_context() -> 
     assert paused.etas.calibration.seen == steady.etas.calibration.seen == 10  # the intervals see both
     assert steady.etas.calibration.upper_ratio(1.0, 10, 0) == (pytest.approx(1.0), 10)
     assert paused.etas.calibration.upper_ratio(1.0, 10, 0) is None  # the context's record: none
+
+
+def test_a_clients_turnaround_between_stages_is_not_a_pause() -> None:
+    """A live client leaves a gap of milliseconds between a stage's last response and its
+    next request. Counted as pauses, these gaps made every agent of several stages one that
+    pauses: the worst-case deadline for all of them, and none in its context's record (live,
+    the median deadline was 13x the JCT where the simulator, with no gaps, gave 5x). A gap
+    under TURNAROUND_S is a boundary crossed at once; a longer one is a pause."""
+    from server.scheduler.pauses import TURNAROUND_S
+
+    def crossed(gap_s: float) -> Dispatcher:
+        d = quiet_for(Dispatcher("justitia", 1000, 0.1))
+        d.register_agent("w", 1_000.0, 0.0, agent_type="react", shape=AgentShape(17, 10))
+        t = 0.0
+        for k in range(17):
+            d.submit(RequestSpec(f"w{k}", "w", prompt_tokens=10, max_tokens=10), t)
+            d.admit(t)
+            t += 0.5
+            d.on_request_finished(f"w{k}", 10, 10, t)
+            t += gap_s  # the client's way back and in (or a tool call)
+        d.observe_jct(0.5 * 17, t, "w")
+        d.finish_agent("w", t)
+        d.register_agent("other", 30_000.0, t)
+        d.submit(RequestSpec("o0", "other", prompt_tokens=10, max_tokens=10), t)
+        return d
+
+    turnaround, tool = crossed(0.4 * TURNAROUND_S), crossed(4.0 * TURNAROUND_S)
+    summary = turnaround.pauses.summary()
+    assert summary["turnarounds"] == 16 and summary["max_s"] == 0.0
+    assert summary["turnaround_max_s"] == pytest.approx(0.4 * TURNAROUND_S)
+    assert tool.pauses.summary()["turnarounds"] == 0 and tool.pauses.max_s() == pytest.approx(4.0 * TURNAROUND_S)
+    now = 0.5 * 17 + 17 * 0.4 * TURNAROUND_S
+    a = turnaround.register_agent("a", 10_000.0, now, agent_type="react", shape=AgentShape(3, 10))
+    assert a.promise_assumes  # calibrated: the traffic does not pause
+    now = 0.5 * 17 + 17 * 4.0 * TURNAROUND_S
+    b = tool.register_agent("b", 10_000.0, now, agent_type="react", shape=AgentShape(3, 10))
+    assert b.promise_assumes == ""  # the traffic pauses: the worst case, with the tool time
+    # the agent that crossed at once counts in its context's record, the one that paused not
+    assert turnaround.etas.calibration.upper_ratio(1.0, 1, 0) is not None
+    assert tool.etas.calibration.upper_ratio(1.0, 1, 0) is None
