@@ -114,9 +114,25 @@ LIVE_TAUGHT = ("justitia bench live --workload benchmarks/workloads/contended48.
                "--teach benchmarks/workloads/contended48_seed4.jsonl "
                "--json benchmarks/results/live_contended48_taught.json")
 
+FAMILY_LIVE_TURNAROUND = ("justitia bench family --live --shapes poisson,bursts,sessions --seeds 100 "
+                          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_quiet.json "
+                          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_turnaround.json")
+
 FAMILY_LIVE = ("justitia bench family --live --shapes poisson,bursts,sessions --seeds 100 --modes fresh,taught "
                "--profile benchmarks/results/profile_cpu_tiny_4096_famlive.json --kv-tokens 4096 --max-model-len 4096 "
                "--json benchmarks/results/family_live.json")
+
+def _family_live_metrics() -> list:
+    """Per shape and mode of a `bench family --live` file: the live figures beside the simulator's."""
+    def row(shape: str, mode: str):
+        at = f"shapes[shape={shape},mode={mode}]"
+        return m(f"{shape}, {mode}: mean JCT live / sim, sim error, kept live, ETA error p50 / p90 live, "
+                 "deadline/JCT live, in interval live",
+                 "{l:.2f} / {s:.2f} s, {e:+.0%}, {k}/{n}, {a:.2f} / {b:.2f}, {d:.1f}x, {c:.0%}",
+                 l=f"{at}.live.mean_jct_s", s=f"{at}.sim.mean_jct_s", e=f"{at}.sim_error",
+                 k=f"{at}.live.promises_kept", n=f"{at}.live.promises", a=f"{at}.live.eta_error_p50",
+                 b=f"{at}.live.eta_error_p90", d=f"{at}.live.deadline_over_jct_p50", c=f"{at}.live.eta_coverage")
+    return [row(shape, mode) for shape in ("poisson", "bursts", "sessions") for mode in ("fresh", "taught")]
 
 ENTRIES: list[Entry] = [
     *(_sim_mix(d) for d in (1, 2, 3)),
@@ -259,19 +275,15 @@ ENTRIES: list[Entry] = [
           "Three shapes of the family (held-out seed 100, 48 agents at load 0.9 of the calibrated engine) on "
           "the real server and vLLM CPU engine, fresh and taught, each beside the simulator's prediction of "
           "the same run with a profile calibrated on the host that hour (`profile_cpu_tiny_4096_famlive.json`).",
-          [m(f"{shape}, {mode}: mean JCT live / sim, sim error, kept live, ETA error p50 / p90 live, "
-             "deadline/JCT live, in interval live",
-             "{l:.2f} / {s:.2f} s, {e:+.0%}, {k}/{n}, {a:.2f} / {b:.2f}, {d:.1f}x, {c:.0%}",
-             l=f"shapes[shape={shape},mode={mode}].live.mean_jct_s",
-             s=f"shapes[shape={shape},mode={mode}].sim.mean_jct_s",
-             e=f"shapes[shape={shape},mode={mode}].sim_error",
-             k=f"shapes[shape={shape},mode={mode}].live.promises_kept",
-             n=f"shapes[shape={shape},mode={mode}].live.promises",
-             a=f"shapes[shape={shape},mode={mode}].live.eta_error_p50",
-             b=f"shapes[shape={shape},mode={mode}].live.eta_error_p90",
-             d=f"shapes[shape={shape},mode={mode}].live.deadline_over_jct_p50",
-             c=f"shapes[shape={shape},mode={mode}].live.eta_coverage")
-           for shape in ("poisson", "bursts", "sessions") for mode in ("fresh", "taught")]),
+          _family_live_metrics()),
+    Entry("family-live-turnaround", "Live (vLLM CPU engine)",
+          "The family live on a quiet host, a client's turnaround not taken for a pause",
+          "family_live_turnaround.json", FAMILY_LIVE_TURNAROUND,
+          "The same members (held-out seed 100) at a load average of 1.6-2.3, with a profile calibrated on "
+          "a quiet host (`profile_cpu_tiny_4096_famlive_quiet.json`), once the server took stage boundaries "
+          "crossed within 50 ms for the client's turnaround rather than tool pauses "
+          "([Pauses](concepts.md#pauses-tool-time-between-stages)).",
+          _family_live_metrics()),
     *(Entry(f"live-retention-{mode}{'-light' if light else ''}", "Live (vLLM CPU engine)",
             f"Kept contexts live: `--retain {mode}`, {'light contention' if light else 'contended'}",
             f"retention_live_{mode}{'_light' if light else ''}.json",
