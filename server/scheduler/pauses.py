@@ -83,24 +83,27 @@ class PauseStats:
 
     def stage_started(self, agent: AgentState, now: float) -> None:
         """The agent submits a request: back from a pause, its next stage starts (the pause
-        is observed); its first request starts its first stage."""
+        is observed; a gap the client's turnaround explains is kept apart, as a boundary
+        crossed at once); its first request starts its first stage."""
         if agent.idle_since is not None:
-            pause = self.pause_of(now - agent.idle_since)
-            self.observe(agent.agent_type, pause, now)
-            agent.paused_s += pause
+            gap = now - agent.idle_since
+            if self.is_turnaround(gap):
+                self._turnarounds.append(gap)
+                self._turnaround_count += 1
+                gap = 0.0
+            self.observe(agent.agent_type, gap, now)
+            if gap >= 0.0:
+                agent.paused_s += gap
             agent.idle_since = None
             agent.stages_started += 1
         elif agent.stages_started == 0:
             agent.stages_started = 1
 
-    def pause_of(self, gap_s: float) -> float:
-        """The pause a boundary crossed after `gap_s` held: 0.0 for a client's turnaround
-        (shorter than `TURNAROUND_S`, kept apart), else the gap."""
-        if 0.0 < gap_s < TURNAROUND_S:
-            self._turnarounds.append(gap_s)
-            self._turnaround_count += 1
-            return 0.0
-        return max(0.0, gap_s)
+    @staticmethod
+    def is_turnaround(gap_s: float) -> bool:
+        """Whether a boundary crossed after `gap_s` was the client's turnaround (shorter
+        than `TURNAROUND_S`), not a pause."""
+        return 0.0 < gap_s < TURNAROUND_S
 
     def summary(self) -> dict[str, float | int | None]:
         """What the pauses' record holds, for the scheduler's snapshot: boundaries kept, the

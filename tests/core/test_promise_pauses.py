@@ -130,7 +130,7 @@ def test_a_clients_turnaround_between_stages_is_not_a_pause() -> None:
     under TURNAROUND_S is a boundary crossed at once; a longer one is a pause."""
     from server.scheduler.pauses import TURNAROUND_S
 
-    def crossed(gap_s: float) -> Dispatcher:
+    def crossed(gap_s: float) -> tuple[Dispatcher, float]:
         d = quiet_for(Dispatcher("justitia", 1000, 0.1))
         d.register_agent("w", 1_000.0, 0.0, agent_type="react", shape=AgentShape(17, 10))
         t = 0.0
@@ -144,18 +144,16 @@ def test_a_clients_turnaround_between_stages_is_not_a_pause() -> None:
         d.finish_agent("w", t)
         d.register_agent("other", 30_000.0, t)
         d.submit(RequestSpec("o0", "other", prompt_tokens=10, max_tokens=10), t)
-        return d
+        return d, t
 
-    turnaround, tool = crossed(0.4 * TURNAROUND_S), crossed(4.0 * TURNAROUND_S)
+    (turnaround, t_turn), (tool, t_tool) = crossed(0.4 * TURNAROUND_S), crossed(4.0 * TURNAROUND_S)
     summary = turnaround.pauses.summary()
     assert summary["turnarounds"] == 16 and summary["max_s"] == 0.0
     assert summary["turnaround_max_s"] == pytest.approx(0.4 * TURNAROUND_S)
     assert tool.pauses.summary()["turnarounds"] == 0 and tool.pauses.max_s() == pytest.approx(4.0 * TURNAROUND_S)
-    now = 0.5 * 17 + 17 * 0.4 * TURNAROUND_S
-    a = turnaround.register_agent("a", 10_000.0, now, agent_type="react", shape=AgentShape(3, 10))
+    a = turnaround.register_agent("a", 10_000.0, t_turn, agent_type="react", shape=AgentShape(3, 10))
     assert a.promise_assumes  # calibrated: the traffic does not pause
-    now = 0.5 * 17 + 17 * 4.0 * TURNAROUND_S
-    b = tool.register_agent("b", 10_000.0, now, agent_type="react", shape=AgentShape(3, 10))
+    b = tool.register_agent("b", 10_000.0, t_tool, agent_type="react", shape=AgentShape(3, 10))
     assert b.promise_assumes == ""  # the traffic pauses: the worst case, with the tool time
     # the agent that crossed at once counts in its context's record, the one that paused not
     assert turnaround.etas.calibration.upper_ratio(1.0, 1, 0) is not None
