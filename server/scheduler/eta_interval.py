@@ -19,7 +19,15 @@ registered in (its place in the queue: tight_promise.py), and
   prediction by context, Mondrian): about 80% of agents finish inside their first
   interval, provided the traffic ahead looks like the traffic behind.
 
-A context with fewer than `min_seen` ratios takes those of every context; with fewer than
+Ratios are kept apart by whether the agent's first ETA expected pauses (the share of recent
+stage boundaries that held one, times its type's mean pause: pauses.py): an agent is scaled by
+the agents whose ETAs were made as its own was. After a lull, a server that had served agents
+which paused expects their pauses of the next agents too; their ETAs run long, and scaled by
+the ratios of those same first agents, the ETAs of the agents after them, which expect none,
+ran at 0.13 of the replay's (`tenants` served after `sessions` on the tuning seeds: first-ETA
+error p90 0.93, 0.84 with the kinds apart; held out 0.91 and 0.87). A kind with fewer than
+`min_seen` ratios in the context takes the context's. A context with fewer than `min_seen`
+ratios takes those of every context; with fewer than
 that in all, a fresh server's: no scaling, and prior interval factors chosen on the tuning
 seeds of the evaluation family (`bench family --seeds 0-4`; docs/concepts.md, ETA
 intervals). An agent keeps the scale it was given at registration for its whole life, so
@@ -98,13 +106,16 @@ class EtaCalibration:
         self._window = window
         self._ratios: deque[float] = deque(maxlen=window)
         # every ratio by the context the agent registered in (tight_promise.py; None:
-        # observed without one): the ETA's scale and interval
+        # observed without one)
         self._all_by_context: dict[int | None, deque[float]] = {}
         # the same less the agents that paused: the deadlines' record (`upper_ratio`)
         self._by_context: dict[int | None, deque[float]] = {}
+        # by context and whether the agent's ETA expected pauses: the scale and interval
+        self._by_kind: dict[tuple[int | None, bool], deque[float]] = {}
         self._min_seen = min_seen
         self._prior = prior
-        self._cache: dict[int | None, Factors] = {}  # per context, emptied by `observe`
+        # per (context, pausing), emptied by `observe`
+        self._cache: dict[tuple[int | None, bool], Factors] = {}
 
     @property
     def seen(self) -> int:
@@ -115,35 +126,44 @@ class EtaCalibration:
         """The factors of every context's ratios pooled (the prior until `min_seen`)."""
         return self.factors_for(None)
 
-    def factors_for(self, context: int | None) -> Factors:
-        """The factors of an agent registering in `context`: its context's ratios, every
-        context's where it has fewer than `min_seen`, the prior where all have."""
-        cached = self._cache.get(context)
+    def factors_for(self, context: int | None, pausing: bool = False) -> Factors:
+        """The factors of an agent registering in `context` whose ETA expects pauses, or
+        none (`pausing`): the ratios of the agents of its context whose first ETAs were made
+        the same way; all its context's where those are fewer than `min_seen`; every
+        context's where those are; the prior where all are."""
+        key = (context, pausing)
+        cached = self._cache.get(key)
         if cached is not None:
             return cached
-        ratios = self._all_by_context.get(context) if context is not None else None
-        if ratios is None or len(ratios) < self._min_seen:
-            ratios = self._ratios
+        ratios: deque[float] = self._ratios
+        if context is not None:
+            for mine in (self._by_kind.get(key), self._all_by_context.get(context)):
+                if mine is not None and len(mine) >= self._min_seen:
+                    ratios = mine
+                    break
         factors = factors_of(sorted(ratios)) if len(ratios) >= self._min_seen else self._prior
-        self._cache[context] = factors
+        self._cache[key] = factors
         return factors
 
-    def scale(self, context: int | None) -> float:
+    def scale(self, context: int | None, pausing: bool = False) -> float:
         """The factor the ETA told to an agent registering in `context` is the replay's times."""
-        return self.factors_for(context).scale
+        return self.factors_for(context, pausing).scale
 
-    def observe(self, first_eta_s: float, jct_s: float, context: int | None = None, by_context: bool = True) -> None:
+    def observe(self, first_eta_s: float, jct_s: float, context: int | None = None, by_context: bool = True,
+                pausing: bool = False) -> None:
         """A finished agent: its JCT against the replay's ETA at its registration (before
         any scaling), and the context it registered in (None: unknown). `by_context` False:
         not in the deadlines' record (`upper_ratio`): an agent that paused, whose JCT holds
         its client's tool time, is no measure of how far the ETAs of agents that do not
         pause fall short (a calibrated deadline is given only to those). Its ETA's scale and
-        interval count it: its own ETA expected pauses too."""
+        interval count it: its own ETA expected pauses too. `pausing`: its first ETA
+        expected pauses (the scale's record of its kind)."""
         if not (first_eta_s > 0 and jct_s > 0 and math.isfinite(first_eta_s) and math.isfinite(jct_s)):
             return
         ratio = jct_s / first_eta_s
         self._ratios.append(ratio)
         self._all_by_context.setdefault(context, deque(maxlen=self._window)).append(ratio)
+        self._by_kind.setdefault((context, pausing), deque(maxlen=self._window)).append(ratio)
         if by_context:
             self._by_context.setdefault(context, deque(maxlen=self._window)).append(ratio)
         self._cache.clear()
@@ -160,13 +180,13 @@ class EtaCalibration:
         return None
 
     def interval(self, elapsed_s: float, eta_s: float, deadline_s: float | None = None,
-                 context: int | None = None, scale: float = 1.0) -> tuple[float, float]:
+                 context: int | None = None, scale: float = 1.0, pausing: bool = False) -> tuple[float, float]:
         """[p10, p90] in seconds from the agent's submission: its elapsed time plus its
         remaining time by the replay (`eta_s - elapsed_s`) scaled by its context's factors;
         never without the ETA told (the remaining time times `scale`, the agent's), p90 no
         later than the deadline it was promised when that is later than the ETA told."""
         remaining = max(0.0, eta_s - elapsed_s)
-        factors = self.factors_for(context)
+        factors = self.factors_for(context, pausing)
         told = elapsed_s + remaining * scale
         low = min(elapsed_s + remaining * factors.low, told)
         high = elapsed_s + remaining * factors.high

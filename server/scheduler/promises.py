@@ -163,7 +163,10 @@ class Promises:
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
             # the ETA it is told: the replay's scaled by its context's record (eta_interval.py)
-            agent.eta_scale = d.etas.calibration.scale(agent.promise_context)
+            # of the agents that paused where its ETA expects pauses, of those that did not
+            # where it does not (eta_interval.py)
+            agent.eta_pausing = d.etas.pause_ahead(agent, now) > 0.0
+            agent.eta_scale = d.etas.calibration.scale(agent.promise_context, agent.eta_pausing)
         factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context)
         # Nor is an ETA resting on guesses: until the engine's rate is measured here, or
         # where the agent's cost is a guess (a type no predictor knows), the ETA is the

@@ -34,7 +34,7 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
         fair_finish_s=fair,
         eta_s=eta,
         eta_interval_s=d.etas.calibration.interval(elapsed, replay, deadline, agent.promise_context,
-                                                   agent.eta_scale),
+                                                   agent.eta_scale, agent.eta_pausing),
         delay_bound_s=bound,
         deadline_s=deadline,
         bound=agent.bound,

@@ -67,3 +67,34 @@ def test_on_a_tuning_seed_the_eta_told_is_within_the_targets() -> None:
     assert row.eta_error_p50 is not None and row.eta_error_p90 is not None
     assert row.eta_error_p50 < 0.3 and row.eta_error_p90 < 0.65, row
     assert row.promises_kept == row.promises
+
+
+def test_agents_are_scaled_by_agents_whose_etas_expected_pauses_as_their_own_did() -> None:
+    """An ETA that expects pauses and one that does not fall short by different factors: after
+    agents that paused, the next ones' ETAs expect pauses they may not take. Each kind keeps
+    its own record in the context; a kind seen too little takes the context's."""
+    cal = EtaCalibration()
+    for _ in range(MIN_SEEN):
+        cal.observe(1.0, 0.2, 0, pausing=True)  # ETAs that expected pauses not taken
+        cal.observe(1.0, 1.0, 0)
+    assert cal.scale(0) == pytest.approx(1.0) and cal.scale(0, pausing=True) == pytest.approx(0.2)
+    for _ in range(MIN_SEEN - 1):
+        cal.observe(1.0, 0.5, 3, pausing=True)
+    cal.observe(1.0, 0.5, 3)
+    assert cal.scale(3) == pytest.approx(0.5)  # one of its kind: the context's record
+
+    d = quiet()
+    for _ in range(MIN_SEEN):
+        d.etas.calibration.observe(1.0, 0.2, 0, pausing=True)
+        d.etas.calibration.observe(1.0, 1.0, 0)
+    one_stage = d.register_agent("a", 10_000.0, 0.0, agent_type="chat", shape=AgentShape(1, 10))
+    assert not d.agents["a"].eta_pausing and one_stage.eta_s == pytest.approx(d.eta_time("a", 0.0))
+    d.finish_agent("a", 0.5)
+    for k in range(16):  # the traffic pauses: an agent of three stages expects two pauses
+        d.pauses.observe("chat", 2.0, 0.1 * k)
+    d.register_agent("b", 10_000.0, 2.0, agent_type="chat", shape=AgentShape(3, 10))
+    assert d.agents["b"].promise_context == 0 and d.agents["b"].eta_pausing
+    assert d.agents["b"].eta_scale == pytest.approx(0.2)
+    # its ratio is filed with its kind's: the scale of agents that expect no pause stays
+    d.observe_jct(d.eta_time("b", 2.0), 4.0, "b")
+    assert d.etas.calibration.scale(0) == pytest.approx(1.0)
