@@ -112,6 +112,25 @@ def arrival_lag(planned: dict[str, float], arrived: dict[str, float]) -> dict[st
     return {"p50": lags[len(lags) // 2], "max": lags[-1]}
 
 
+def broken_promises(live: Any, sim: Any) -> list[dict[str, Any]]:
+    """The live run's agents that finished after the deadline given at registration, each
+    with what it was told, and the same agent in the simulator (two `PolicyResult`s): which
+    promise broke, by how much, and whether the simulation broke it too."""
+    simulated = {a.id: a for a in sim.agents}
+    out = []
+    for a in live.agents:
+        if a.promise_kept is not False:
+            continue
+        twin = simulated.get(a.id)
+        out.append({
+            "id": a.id, "arrival_s": a.arrival_s, "jct_s": a.jct_s, "first_eta_s": a.first_eta_s,
+            "first_deadline_s": a.first_deadline_s, "delay_bound_s": a.delay_bound_s,
+            "sim_jct_s": twin.jct_s if twin is not None else None,
+            "sim_first_deadline_s": twin.first_deadline_s if twin is not None else None,
+        })
+    return out
+
+
 def _median(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.median(vals) if vals else None
@@ -180,6 +199,7 @@ def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_pat
         "engine_fit": fitted.as_dict() if fitted is not None else None,
         "agents_failed": live.extra.get("agents_failed"), "agents_lost": live.extra.get("agents_lost"),
         "failures": live.extra.get("failures"), "preemptions": live.preemptions,
+        "broken": broken_promises(live, sim),
     })
     return row
 

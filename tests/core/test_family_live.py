@@ -13,6 +13,7 @@ from justitia_cli import CommandError, main
 from justitia_cli.bench.family_live import (
     WITHIN,
     arrival_lag,
+    broken_promises,
     calibrated_profile,
     compare,
     load_now,
@@ -98,3 +99,17 @@ def test_the_arrival_lag_is_how_late_the_replay_registered_the_agents() -> None:
     lag = arrival_lag({"a": 0.0, "b": 1.0, "c": 2.0}, {"a": 0.01, "b": 1.5, "c": 2.02})
     assert lag["p50"] == pytest.approx(0.02) and lag["max"] == pytest.approx(0.5)
     assert arrival_lag({"a": 0.0}, {}) == {"p50": None, "max": None}  # every agent failed
+
+
+def test_a_broken_promise_is_named_with_what_it_was_told_and_its_simulated_twin() -> None:
+    from server.sim.results import AgentResult, PolicyResult
+
+    def agent(name: str, finish: float, deadline: float | None) -> AgentResult:
+        return AgentResult(name, "t", 1.0, finish, 2.0, 5.0, first_eta_s=0.5, first_deadline_s=deadline)
+
+    live = PolicyResult("justitia", [agent("kept", 3.0, 4.0), agent("late", 6.0, 4.0), agent("none", 9.0, None)])
+    sim = PolicyResult("justitia", [agent("late", 4.5, 3.5)])
+    broken = broken_promises(live, sim)
+    assert [b["id"] for b in broken] == ["late"]
+    assert broken[0]["jct_s"] == 5.0 and broken[0]["first_deadline_s"] == 4.0
+    assert broken[0]["sim_jct_s"] == 3.5 and broken[0]["sim_first_deadline_s"] == 3.5
