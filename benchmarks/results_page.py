@@ -122,6 +122,10 @@ FAMILY_LIVE = ("justitia bench family --live --shapes poisson,bursts,sessions --
                "--profile benchmarks/results/profile_cpu_tiny_4096_famlive.json --kv-tokens 4096 --max-model-len 4096 "
                "--json benchmarks/results/family_live.json")
 
+FAMILY_LIVE_HELDOUT = ("justitia bench family --live --shapes poisson,bursts,sessions --seeds 101-104 "
+                       "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_heldout.json "
+                       "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_heldout.json")
+
 def _family_live_metrics() -> list:
     """Per shape and mode of a `bench family --live` file: the live figures beside the simulator's."""
     def row(shape: str, mode: str):
@@ -284,6 +288,17 @@ ENTRIES: list[Entry] = [
           "crossed within 50 ms for the client's turnaround rather than tool pauses "
           "([Pauses](concepts.md#pauses-tool-time-between-stages)).",
           _family_live_metrics()),
+    Entry("family-live-heldout", "Live (vLLM CPU engine)",
+          "The family live on held-out seeds 101-104, beside the simulator",
+          "family_live_heldout.json", FAMILY_LIVE_HELDOUT,
+          "Three shapes of the family on four held-out seeds, fresh and taught (24 runs of 48 agents), with "
+          "a profile calibrated on the host minutes before (`profile_cpu_tiny_4096_famlive_heldout.json`). "
+          "Each row: the medians over the four seeds of the live and simulated figures, promises summed; "
+          "the last rows: on how many of each member's runs the simulator was within 15% of the live mean JCT.",
+          [*_family_live_metrics(),
+           *(m(f"{shape}, {mode}: simulator within 15% of live, runs", "{w} of {n}",
+               w=f"shapes[shape={shape},mode={mode}].sim_within", n=f"shapes[shape={shape},mode={mode}].runs")
+             for shape in ("poisson", "bursts", "sessions") for mode in ("fresh", "taught"))]),
     *(Entry(f"live-retention-{mode}{'-light' if light else ''}", "Live (vLLM CPU engine)",
             f"Kept contexts live: `--retain {mode}`, {'light contention' if light else 'contended'}",
             f"retention_live_{mode}{'_light' if light else ''}.json",

@@ -225,7 +225,7 @@ def family_live_command(args: argparse.Namespace, specs: Sequence[Any], modes: S
 
     from server.shared.profiles import load_profile
     from server.sim.family import TEACH_LULL_S
-    from server.sim.provenance import write_result
+    from server.sim.provenance import provenance, write_result
 
     made = calibrated_profile(args.profile, args.kv_tokens)
     profile = load_profile(args.profile)
@@ -239,11 +239,14 @@ def family_live_command(args: argparse.Namespace, specs: Sequence[Any], modes: S
     if not console.is_terminal and console.width < 160:
         console = Console(width=160)  # piped output: do not squeeze the columns
     started = time.perf_counter()
+    # the code and command as the runs began: the file is written again after every run, for
+    # an hour or more, and the checkout may move on meanwhile
+    made_with = provenance()
 
     def write(runs: list[dict]) -> None:
         if args.json:  # after every run: a run cut short keeps what it measured
             doc = {"config": {**config, "wall_s": time.perf_counter() - started},
-                   "shapes": summarise_live(runs), "runs": runs}
+                   "shapes": summarise_live(runs), "runs": runs, "provenance": made_with}
             write_result(args.json, doc)
 
     done: list[dict] = []
