@@ -163,8 +163,8 @@ class Promises:
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
             # the ETA it is told: the replay's scaled by its context's record (eta_interval.py)
-            # of the agents that paused where its ETA expects pauses, of those that did not
-            # where it does not (eta_interval.py)
+            # of the agents whose first ETAs expected pauses where its own does, of those whose
+            # ETAs expected none where it does not (eta_interval.py)
             agent.eta_pausing = d.etas.pause_ahead(agent, now) > 0.0
             agent.eta_scale = d.etas.calibration.scale(agent.promise_context, agent.eta_pausing)
         factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context)
