@@ -2,15 +2,24 @@
 
 Used by the demo, the live benchmark and the test suite: the server runs exactly as
 `justitia serve` runs it, in its own process, and is stopped (with its engine) on exit.
+
+The server runs in a process group of its own, so nothing the kernel does to this process
+reaches it: when this process ends, it has to stop the server itself. A `with` block and
+Ctrl-C do; so does SIGTERM (`kill`, a job scheduler, a CI timeout), which by default ends
+Python without unwinding anything: while servers run, SIGTERM raises `SystemExit` in the
+main thread (if nobody else handles it), and the servers still running at exit are stopped.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +35,42 @@ def free_port() -> int:
 
 class ServerStartError(RuntimeError):
     pass
+
+
+# Servers started by this process and not yet stopped (a server's own stop forgets it).
+_running: set[EmbeddedServer] = set()
+_lock = threading.Lock()
+
+
+def _unwind_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _watch(srv: EmbeddedServer) -> None:
+    """Keep `srv` to be stopped however this process ends. The SIGTERM handler is set only
+    from the main thread (Python's rule) and only over the default action: a program that
+    handles SIGTERM itself keeps its handler."""
+    with _lock:
+        if not _running and threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _unwind_on_sigterm)
+        _running.add(srv)
+
+
+def _forget(srv: EmbeddedServer) -> None:
+    with _lock:
+        _running.discard(srv)
+        if not _running and threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGTERM) is _unwind_on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@atexit.register
+def _stop_running() -> None:
+    """At exit, a server started without `with` (or whose `with` a SystemExit skipped over
+    before it was entered) is stopped too."""
+    for srv in list(_running):
+        srv.stop()
 
 
 class EmbeddedServer:
@@ -65,6 +110,7 @@ class EmbeddedServer:
             self.process = subprocess.Popen(
                 cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, process_group=0
             )
+            _watch(self)
             try:
                 self._wait_ready()
                 return self
@@ -72,6 +118,7 @@ class EmbeddedServer:
                 # The free port we picked was taken before the server bound it (another
                 # process on a busy machine, or one of vLLM's own sockets): pick another.
                 if self._fixed_port or attempt == 2 or "address already in use" not in self.tail_log():
+                    self.stop()
                     raise
                 self.port = free_port()
                 self.url = f"http://127.0.0.1:{self.port}"
@@ -103,6 +150,7 @@ class EmbeddedServer:
             return "(no log)"
 
     def stop(self, timeout: float = 30.0) -> None:
+        _forget(self)
         proc = self.process
         if proc is None or proc.poll() is not None:
             return

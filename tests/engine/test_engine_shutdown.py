@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 
 import httpx
@@ -83,3 +84,64 @@ def test_ctrl_c_during_a_streaming_batch_stops_the_server_without_an_engine_rest
         if srv.process.poll() is None:
             os.killpg(srv.process.pid, signal.SIGKILL)
             srv.process.wait(10)
+
+
+# A program that starts the server, prints the server's pid and waits: in a `with` block
+# (as the bench commands) or started without one (as a notebook does).
+STARTER = """
+import sys, time
+from server.launcher import EmbeddedServer
+srv = EmbeddedServer(["--kv-tokens", "{kv}", "--max-model-len", "{len}"], env={{"JUSTITIA_HOME": {home!r}}},
+                     startup_timeout=600.0)
+if {with_block}:
+    with srv:
+        print(srv.process.pid, flush=True)
+        time.sleep(900)
+else:
+    srv.start()
+    print(srv.process.pid, flush=True)
+    time.sleep(900)
+"""
+
+
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("with_block", [True, False], ids=["with-block", "started"])
+def test_a_sigterm_to_the_program_that_started_the_server_stops_the_server_and_its_engine(
+        justitia_home: str, with_block: bool) -> None:
+    """The server runs in a process group of its own, so a SIGTERM to the program that
+    started it (`kill`, a job scheduler, a CI timeout) does not reach it: the program has
+    to stop it. It does, with its engine, and exits with 143 (128 + SIGTERM), whether the
+    server was started in a `with` block or not; nothing is left running."""
+    code = STARTER.format(kv=ENGINE_KV_TOKENS, len=ENGINE_MAX_MODEL_LEN, home=justitia_home,
+                          with_block=with_block)
+    starter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    server_pid = None
+    try:
+        assert starter.stdout is not None
+        server_pid = int(starter.stdout.readline())
+        assert server_pid in _group(server_pid)
+        engine = psutil.Process(server_pid).children(recursive=True)
+        assert engine, "the engine runs in child processes of the server"
+        starter.send_signal(signal.SIGTERM)
+        assert starter.wait(60) == 128 + signal.SIGTERM
+        wait_until(lambda: not _group(server_pid), 30.0, show=lambda: _group(server_pid))
+        assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in engine)
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait(10)
+        if server_pid is not None and _group(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)
