@@ -203,6 +203,11 @@ class WorkArrivals:
             return
         work = statistics.median(w for w, _ in self._episodes)
         length = statistics.median(d for _, d in self._episodes)
+        if self.service_rate > 0.0 and work <= self.service_rate * length:
+            # Episodes that arrived no faster than the engine serves were streams: the rate
+            # measured now projects one as well as they do, and their length (a whole
+            # stream's) would project it far ahead. Only a burst's rest is unforeseen.
+            return
         left = work - self._episode_cost
         if left <= 0.0 or age >= length:
             return

@@ -193,6 +193,28 @@ def test_a_burst_after_a_lull_is_expected_to_be_like_the_ones_before() -> None:
     assert fresh.rate * fresh.span_s == pytest.approx(100.0)  # no episode seen: what has come
 
 
+def test_only_an_episode_that_came_faster_than_the_engine_serves_is_expected_again() -> None:
+    """A stream of 48 agents over 47 s (100 units each, about 100 a second) the engine
+    served as it came (at 150 a second) is no burst: the next episode's first agent expects
+    only what has come, as on a fresh server; projected over the stream's length, the rest
+    of a stream would lengthen every early ETA (the family's members taught by another
+    shape). On an engine of 50 a second the same episode came faster than it was served:
+    the rest of it is expected."""
+    def taught_by_a_stream(service_rate: float) -> WorkArrivals:
+        w = WorkArrivals(window_s=60.0)
+        burst(w, 0.0, 48, gap=1.0)
+        w.freeze(47.0, service_rate)
+        w.add(200.0, 100.0)  # a new episode
+        return w
+
+    kept_up = taught_by_a_stream(150.0)
+    assert kept_up.episodes == 1
+    assert kept_up.rate * kept_up.span_s == pytest.approx(100.0)  # what has come
+    outpaced = taught_by_a_stream(50.0)
+    assert outpaced.rate * outpaced.span_s == pytest.approx(4700.0)  # the 47 others
+    assert outpaced.span_s == pytest.approx(47.0)
+
+
 def test_a_lull_four_times_a_short_burst_ends_its_episode() -> None:
     """A burst of 2.4 s, then 50 s without arrivals, then the next: a new episode, expected
     like the first (read as one episode with the burst before, the new one's rate would be
