@@ -30,7 +30,7 @@ error p90 0.93, 0.84 with the kinds apart; held out 0.91 and 0.87). A kind with 
 ratios takes those of every context; with fewer than
 that in all, a fresh server's: no scaling, and prior interval factors chosen on the tuning
 seeds of the evaluation family (`bench family --seeds 0-4`; docs/concepts.md, ETA
-intervals). An agent keeps the scale it was given at registration for its whole life, so
+intervals), wider for an ETA that expects pauses. An agent keeps the scale it was given at registration for its whole life, so
 that its first ETA divided by it is the replay's again when it finishes.
 
 The deadlines' record (`upper_ratio`) is the same ratios less those of agents that paused.
@@ -49,6 +49,11 @@ from dataclasses import dataclass
 # agents at load 0.9): docs/concepts.md, ETA intervals.
 PRIOR_LOW = 0.6
 PRIOR_HIGH = 1.4
+# ... of an agent whose first ETA expects pauses: its JCT holds its client's tool time, whose
+# spread the ETA's mean pause does not show (lognormal pauses): the same percentiles over
+# the tuning seeds' agents whose first ETAs expected pauses.
+PRIOR_PAUSING_LOW = 0.35
+PRIOR_PAUSING_HIGH = 1.8
 # The quantiles of the ratio the interval spans. Nominally [p10, p90]; at 0.1 / 0.9 the
 # tuning seeds covered 75-81% (the window's ratios drift as a run goes on), so the ends are
 # taken a little further out, 0.075 / 0.925, to aim at the middle of 75-95%.
@@ -102,7 +107,8 @@ class EtaCalibration:
     scale and interval factors they give."""
 
     def __init__(self, window: int = WINDOW, min_seen: int = MIN_SEEN,
-                 prior: Factors = Factors(PRIOR_LOW, PRIOR_HIGH)) -> None:
+                 prior: Factors = Factors(PRIOR_LOW, PRIOR_HIGH),
+                 prior_pausing: Factors = Factors(PRIOR_PAUSING_LOW, PRIOR_PAUSING_HIGH)) -> None:
         self._window = window
         self._ratios: deque[float] = deque(maxlen=window)
         # every ratio by the context the agent registered in (tight_promise.py; None:
@@ -114,6 +120,7 @@ class EtaCalibration:
         self._by_kind: dict[tuple[int | None, bool], deque[float]] = {}
         self._min_seen = min_seen
         self._prior = prior
+        self._prior_pausing = prior_pausing
         # per (context, pausing), emptied by `observe`
         self._cache: dict[tuple[int | None, bool], Factors] = {}
 
@@ -141,7 +148,10 @@ class EtaCalibration:
                 if mine is not None and len(mine) >= self._min_seen:
                     ratios = mine
                     break
-        factors = factors_of(sorted(ratios)) if len(ratios) >= self._min_seen else self._prior
+        if len(ratios) >= self._min_seen:
+            factors = factors_of(sorted(ratios))
+        else:
+            factors = self._prior_pausing if pausing else self._prior
         self._cache[key] = factors
         return factors
 

@@ -4,10 +4,20 @@ the replay's, and on the evaluation family the told ETA is closer than the repla
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from server.scheduler import AgentShape, Dispatcher
-from server.scheduler.eta_interval import MIN_SEEN, EtaCalibration, weighted_median
+from server.scheduler.eta_interval import (
+    MIN_SEEN,
+    PRIOR_HIGH,
+    PRIOR_LOW,
+    PRIOR_PAUSING_HIGH,
+    PRIOR_PAUSING_LOW,
+    EtaCalibration,
+    weighted_median,
+)
 from server.shared.profiles import get_profile
 from server.sim.family import run_family
 from server.sim.shapes import ShapeSpec
@@ -98,3 +108,29 @@ def test_agents_are_scaled_by_agents_whose_etas_expected_pauses_as_their_own_did
     # its ratio is filed with its kind's: the scale of agents that expect no pause stays
     d.observe_jct(d.eta_time("b", 2.0), 4.0, "b")
     assert d.etas.calibration.scale(0) == pytest.approx(1.0)
+
+
+def test_before_any_record_an_eta_that_expects_pauses_is_given_the_wider_prior_interval() -> None:
+    """A fresh server has no record of how far ETAs fall short; its prior interval is wider
+    for an agent whose ETA expects pauses (its JCT holds its client's lognormal tool time)
+    than for one whose ETA expects none, and it holds the ETA told."""
+    d = quiet()
+    plain = d.register_agent("a", 10_000.0, 0.0, agent_type="chat", shape=AgentShape(1, 10))
+    for k in range(16):  # the traffic pauses: an agent of three stages expects two pauses
+        d.pauses.observe("chat", 2.0, 0.1 * k)
+    pausing = d.register_agent("b", 10_000.0, 2.0, agent_type="chat", shape=AgentShape(3, 10))
+    assert not d.agents["a"].eta_pausing and d.agents["b"].eta_pausing
+
+    def spread(view: Any) -> tuple[float, float]:
+        low, high = view.eta_interval_s
+        return low / view.eta_s, high / view.eta_s
+
+    assert spread(plain) == pytest.approx((PRIOR_LOW, PRIOR_HIGH))
+    low, high = spread(pausing)
+    assert low == pytest.approx(PRIOR_PAUSING_LOW) and PRIOR_PAUSING_LOW < PRIOR_LOW
+    # its p90 end is the prior's, or the deadline it was promised where that is earlier
+    assert high * pausing.eta_s == pytest.approx(min(PRIOR_PAUSING_HIGH * pausing.eta_s, pausing.deadline_s))
+    cal = EtaCalibration()
+    assert cal.interval(0.0, 10.0, None, 0, pausing=True) == pytest.approx((10.0 * PRIOR_PAUSING_LOW,
+                                                                             10.0 * PRIOR_PAUSING_HIGH))
+    assert cal.interval(0.0, 10.0, None, 0) == pytest.approx((10.0 * PRIOR_LOW, 10.0 * PRIOR_HIGH))
