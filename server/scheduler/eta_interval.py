@@ -30,8 +30,9 @@ error p90 0.93, 0.84 with the kinds apart; held out 0.91 and 0.87). A kind with 
 ratios takes those of every context; with fewer than
 that in all, a fresh server's: no scaling, and prior interval factors chosen on the tuning
 seeds of the evaluation family (`bench family --seeds 0-4`; docs/concepts.md, ETA
-intervals), wider for an ETA that expects pauses. An agent keeps the scale it was given at registration for its whole life, so
-that its first ETA divided by it is the replay's again when it finishes.
+intervals), wider for an ETA that expects pauses. An agent keeps the scale it was given at
+registration for its whole life, so that its first ETA divided by it is the replay's again
+when it finishes.
 
 The deadlines' record (`upper_ratio`) is the same ratios less those of agents that paused.
 
