@@ -287,7 +287,9 @@ class AgentRecord(BaseModel):
         "What deadline_s rests on where it is tighter than the worst case (fair_finish_s + "
         "delay_bound_s with the most work the measured arrivals can bring): the ETA scaled by "
         "how far first ETAs of finished agents have fallen short, holding while work arrives "
-        "no faster than measured. Empty: deadline_s is the worst case."))
+        "no faster than measured. Where deadline_s is the worst case and allows tool time "
+        "before later stages, the tool time it allows (the client's calls, not the server's "
+        "work). Empty: the worst case, resting on nothing but the measured rate."))
     first_eta_s: float | None = Field(default=None, description="ETA given at registration.")
     first_eta_interval_s: list[float] | None = Field(
         default=None, min_length=2, max_length=2, description="eta_interval_s given at registration.")

@@ -185,6 +185,18 @@ class PauseStats:
             return 0.0
         return self.max_s() + self.p90_s(agent_type) * (left - 1)
 
+    def allowance_words(self, agent_type: str | None, left: int) -> str:
+        """What a deadline that allows `allowance_s(agent_type, left)` of tool time rests on,
+        in the record's words ("": nothing allowed). The server keeps the engine's part of a
+        promise; the tool calls are its client's, and one longer than any seen breaks it."""
+        allowed = self.allowance_s(agent_type, left)
+        if allowed <= 0.0:
+            return ""
+        each = (f", and its type's 90th percentile ({self.p90_s(agent_type):.3g} s) before each of "
+                f"the {left - 1} other(s)" if left > 1 else "")
+        return (f"its client's tool time before its {left} later stage(s) takes at most {allowed:.3g} s "
+                f"in all: the longest pause seen ({self.max_s():.3g} s) before one{each}")
+
     def p90_s(self, agent_type: str | None) -> float:
         seen = sorted(self._seen(agent_type))
         return seen[min(len(seen) - 1, int(0.9 * len(seen)))] if seen else 0.0

@@ -46,7 +46,10 @@ def test_one_long_pause_seen_is_allowed_before_a_boundary_ahead() -> None:
     paused.pauses.observe("search", 8.0)
     a = quiet.register_agent("a", 10_000.0, 0.0, agent_type="react", shape=AgentShape(2, 10))
     b = paused.register_agent("a", 10_000.0, 0.0, agent_type="react", shape=AgentShape(2, 10))
-    assert a.promise_assumes == b.promise_assumes == ""  # both the worst case
+    assert a.promise_assumes == ""  # the worst case, no pause seen: no tool time to assume
+    # the worst case with tool time rests on the client's tool calls taking no longer
+    assert b.promise_assumes == ("its client's tool time before its 1 later stage(s) takes at most 8 s in all: "
+                                 "the longest pause seen (8 s) before one")
     assert b.deadline_s - a.deadline_s == pytest.approx(8.0)
     assert "no pause seen" not in a.promise_reason + b.promise_reason  # a fresh server's: see the docs
 
@@ -154,7 +157,9 @@ def test_a_clients_turnaround_between_stages_is_not_a_pause() -> None:
     a = turnaround.register_agent("a", 10_000.0, t_turn, agent_type="react", shape=AgentShape(3, 10))
     assert a.promise_assumes  # calibrated: the traffic does not pause
     b = tool.register_agent("b", 10_000.0, t_tool, agent_type="react", shape=AgentShape(3, 10))
-    assert b.promise_assumes == ""  # the traffic pauses: the worst case, with the tool time
+    # the traffic pauses: the worst case, with the tool time it allows
+    assert b.promise_assumes.startswith("its client's tool time before its 2 later stage(s) takes at most")
+    assert "90th percentile" in b.promise_assumes and "deadline =" not in b.promise_assumes
     # the agent that crossed at once counts in its context's record, the one that paused not
     assert turnaround.etas.calibration.upper_ratio(1.0, 1, 0) is not None
     assert tool.etas.calibration.upper_ratio(1.0, 1, 0) is None
