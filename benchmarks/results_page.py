@@ -126,17 +126,39 @@ FAMILY_LIVE_HELDOUT = ("justitia bench family --live --shapes poisson,bursts,ses
                        "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_heldout.json "
                        "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_heldout.json")
 
+def _family_live_row(shape: str, mode: str):
+    """One member of a `bench family --live` file: the live figures beside the simulator's."""
+    at = f"shapes[shape={shape},mode={mode}]"
+    return m(f"{shape}, {mode}: mean JCT live / sim, sim error, kept live, ETA error p50 / p90 live, "
+             "deadline/JCT live, in interval live",
+             "{l:.2f} / {s:.2f} s, {e:+.0%}, {k}/{n}, {a:.2f} / {b:.2f}, {d:.1f}x, {c:.0%}",
+             l=f"{at}.live.mean_jct_s", s=f"{at}.sim.mean_jct_s", e=f"{at}.sim_error",
+             k=f"{at}.live.promises_kept", n=f"{at}.live.promises", a=f"{at}.live.eta_error_p50",
+             b=f"{at}.live.eta_error_p90", d=f"{at}.live.deadline_over_jct_p50", c=f"{at}.live.eta_coverage")
+
+
+def _family_live_within(shape: str, mode: str):
+    return m(f"{shape}, {mode}: simulator within 15% of live, runs", "{w} of {n}",
+             w=f"shapes[shape={shape},mode={mode}].sim_within", n=f"shapes[shape={shape},mode={mode}].runs")
+
+
 def _family_live_metrics() -> list:
-    """Per shape and mode of a `bench family --live` file: the live figures beside the simulator's."""
-    def row(shape: str, mode: str):
-        at = f"shapes[shape={shape},mode={mode}]"
-        return m(f"{shape}, {mode}: mean JCT live / sim, sim error, kept live, ETA error p50 / p90 live, "
-                 "deadline/JCT live, in interval live",
-                 "{l:.2f} / {s:.2f} s, {e:+.0%}, {k}/{n}, {a:.2f} / {b:.2f}, {d:.1f}x, {c:.0%}",
-                 l=f"{at}.live.mean_jct_s", s=f"{at}.sim.mean_jct_s", e=f"{at}.sim_error",
-                 k=f"{at}.live.promises_kept", n=f"{at}.live.promises", a=f"{at}.live.eta_error_p50",
-                 b=f"{at}.live.eta_error_p90", d=f"{at}.live.deadline_over_jct_p50", c=f"{at}.live.eta_coverage")
-    return [row(shape, mode) for shape in ("poisson", "bursts", "sessions") for mode in ("fresh", "taught")]
+    """Per shape and mode of a `bench family --live` file."""
+    return [_family_live_row(shape, mode) for shape in ("poisson", "bursts", "sessions")
+            for mode in ("fresh", "taught")]
+
+
+def _family_live_member(name: str, shape: str, mode: str, what: str, profile: str) -> Entry:
+    """One member of the family live on the held-out seeds 101-104, after a change of rule."""
+    file = f"family_live_{shape}_{mode}.json"
+    return Entry(name, "Live (vLLM CPU engine)", f"The family live: `{shape}` {mode} on held-out seeds 101-104, {what}",
+                 file, f"justitia bench family --live --shapes {shape} --seeds 101-104 --modes {mode} "
+                 f"--profile benchmarks/results/{profile} --kv-tokens 4096 --max-model-len 4096 "
+                 f"--json benchmarks/results/{file}",
+                 f"One member of the family on four held-out seeds with a profile calibrated on the host just "
+                 f"before (`{profile}`), {what}; medians over the seeds, promises summed "
+                 f"([the family live](benchmarks.md#the-family-live)).",
+                 [_family_live_row(shape, mode), _family_live_within(shape, mode)])
 
 ENTRIES: list[Entry] = [
     *(_sim_mix(d) for d in (1, 2, 3)),
@@ -296,9 +318,14 @@ ENTRIES: list[Entry] = [
           "Each row: the medians over the four seeds of the live and simulated figures, promises summed; "
           "the last rows: on how many of each member's runs the simulator was within 15% of the live mean JCT.",
           [*_family_live_metrics(),
-           *(m(f"{shape}, {mode}: simulator within 15% of live, runs", "{w} of {n}",
-               w=f"shapes[shape={shape},mode={mode}].sim_within", n=f"shapes[shape={shape},mode={mode}].runs")
-             for shape in ("poisson", "bursts", "sessions") for mode in ("fresh", "taught"))]),
+           *(_family_live_within(shape, mode) for shape in ("poisson", "bursts", "sessions")
+             for mode in ("fresh", "taught"))]),
+    _family_live_member("family-live-poisson-taught", "poisson", "taught",
+                        "after the rule that expects again only episodes that came as bursts",
+                        "profile_cpu_tiny_4096_famlive_poisson_taught.json"),
+    _family_live_member("family-live-sessions-fresh", "sessions", "fresh",
+                        "with the wider prior interval for ETAs that expect pauses",
+                        "profile_cpu_tiny_4096_famlive_sessions_fresh.json"),
     *(Entry(f"live-retention-{mode}{'-light' if light else ''}", "Live (vLLM CPU engine)",
             f"Kept contexts live: `--retain {mode}`, {'light contention' if light else 'contended'}",
             f"retention_live_{mode}{'_light' if light else ''}.json",
