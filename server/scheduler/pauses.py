@@ -185,11 +185,12 @@ class PauseStats:
             return 0.0
         return self.max_s() + self.p90_s(agent_type) * (left - 1)
 
-    def allowance_words(self, agent_type: str | None, left: int) -> str:
-        """What a deadline that allows `allowance_s(agent_type, left)` of tool time rests on,
-        in the record's words ("": nothing allowed). The server keeps the engine's part of a
-        promise; the tool calls are its client's, and one longer than any seen breaks it."""
-        allowed = self.allowance_s(agent_type, left)
+    def allowance_words(self, agent_type: str | None, left: int, allowed: float) -> str:
+        """What a deadline that allows `allowed` (`allowance_s(agent_type, left)`) of tool
+        time rests on, in the record's words ("": nothing allowed). The server keeps the
+        engine's part of a promise; the tool calls are its client's, and one longer than any
+        seen breaks it. The caller passes the allowance it added, so the words name the
+        figure the deadline holds."""
         if allowed <= 0.0:
             return ""
         each = (f", and its type's 90th percentile ({self.p90_s(agent_type):.3g} s) before each of "

@@ -188,7 +188,7 @@ class Promises:
         agent.deadline_at = deadline
         # The worst case rests on the client's tool calls taking no longer than allowed.
         agent.promise_assumes = assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context) \
-            if tight < worst else d.pauses.allowance_words(agent.agent_type, left)
+            if tight < worst else d.pauses.allowance_words(agent.agent_type, left, pauses)
         if not isinstance(d.policy, Justitia):
             agent.promise = PromiseKind.NONE
             agent.promise_reason = f"policy {d.policy.name} does not keep the delay bound (Justitia's)"
