@@ -231,6 +231,14 @@ class WorkArrivals:
         """Episodes of arrivals remembered before the current one (at most EPISODES_KEPT)."""
         return len(self._episodes)
 
+    def episode_start(self, t: float) -> float | None:
+        """When the episode of an agent registered at `t` began: `t` itself where an
+        arrival then begins one (after a lull), else the current episode's first arrival
+        (None: no arrival yet)."""
+        if self._last is None:
+            return None
+        return t if t - self._last > self._lull_s() else self._first
+
     def history_s(self, now: float) -> float | None:
         """How long the current episode's arrivals have been measured for (None: none
         arrived yet)."""

@@ -251,13 +251,18 @@ class EtaEstimator:
         shape = agent.eta_shape or agent.shape
         left = stages_left(shape.stages, agent.stages_started)
         pauses = self._d.pauses
+        # Only the boundaries crossed in its own episode of arrivals say whether the traffic
+        # pauses: after a lull, the agents that come may be another application's, and an
+        # ETA that expects a pause that does not come errs without bound (a 0.5 s agent
+        # told 8 s), one that misses a pause that comes by less than 1.
+        since = self._d.arrivals.episode_start(agent.submitted_at)
         if agent.tool is not None and agent.idle_since is not None:
             rest = pauses.remaining_s(agent, now)
             if rest is not None:
-                return rest + pauses.mean_s(agent.agent_type) * max(0, left - 1)
+                return rest + pauses.mean_s(agent.agent_type, since) * max(0, left - 1)
         if left == 0:
             return 0.0
-        mean = pauses.mean_s(agent.agent_type)
+        mean = pauses.mean_s(agent.agent_type, since)
         paused = now - agent.idle_since if agent.idle_since is not None else 0.0
         return max(0.0, mean * left - min(paused, mean))
 

@@ -24,7 +24,10 @@ before each stage, the share of the recent boundaries of any type that held a pa
 sending the agents, not to the type: a server that served agents which called tools, then
 agents of the same types that do not, would otherwise expect the earlier pauses for
 hundreds of boundaries (ETAs up to three times the JCTs), and a type's own recent
-boundaries are too few to tell (an agent of two stages crosses one). The worst case keeps the whole record (`WINDOW`).
+boundaries are too few to tell (an agent of two stages crosses one). Only the boundaries
+crossed since the agent's episode of arrivals began count (`mean_s`'s `since`): after a
+lull, the agents that come may be another application's. The worst case keeps the whole
+record (`WINDOW`).
 
 A client may also say when a tool call starts and ends (the SDK's `tool()`: the agent API's
 pause and resume calls), with the tool's name and, optionally, how long it expects it to
@@ -158,21 +161,23 @@ class PauseStats:
         """The longest pause of any type kept (0.0: none seen, or none that lasted)."""
         return max(self._all, default=0.0)
 
-    def share_lately(self) -> float:
-        """The share of the last RECENT stage boundaries (of any type) that held a pause."""
-        recent = list(itertools.islice(reversed(self._all), RECENT))
+    def share_lately(self, since: float | None = None) -> float:
+        """The share of the last RECENT stage boundaries (of any type) that held a pause;
+        of those crossed at `since` or later where given (0.0: none)."""
+        recent = list(itertools.islice(reversed(self._all), RECENT)) if since is None \
+            else [p for t, p in self._lately if t >= since]
         return sum(p > 0.0 for p in recent) / len(recent) if recent else 0.0
 
     def paused_lately(self) -> bool:
         """Whether any of the last RECENT stage boundaries (of any type) held a pause."""
         return any(p > 0.0 for p in itertools.islice(reversed(self._all), RECENT))
 
-    def mean_s(self, agent_type: str | None) -> float:
-        """The pause an ETA expects before a stage: the share of recent boundaries that
-        held one, times the type's mean pause when it paused (every type's, where the type
-        has not been seen; 0 where it never paused)."""
+    def mean_s(self, agent_type: str | None, since: float | None = None) -> float:
+        """The pause an ETA expects before a stage: the share of recent boundaries (crossed
+        at `since` or later, where given) that held one, times the type's mean pause when it
+        paused (every type's, where the type has not been seen; 0 where it never paused)."""
         lasted = [p for p in self._seen(agent_type) if p > 0.0]
-        return self.share_lately() * sum(lasted) / len(lasted) if lasted else 0.0
+        return self.share_lately(since) * sum(lasted) / len(lasted) if lasted else 0.0
 
     def allowance_s(self, agent_type: str | None, left: int) -> float:
         """The tool time a promise allows an agent with `left` stage boundaries ahead: the

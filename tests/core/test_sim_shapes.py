@@ -210,6 +210,8 @@ def test_pauses_expected_are_the_types_recent_ones_not_another_applications() ->
 
     def server(paused: bool) -> Dispatcher:
         d = Dispatcher("justitia", 4096, 0.01)
+        # the episode of arrivals the boundaries below are crossed in (pauses.mean_s `since`)
+        d.register_agent("x", 1.0, 0.0, agent_type="chat")
         if paused:
             for _ in range(150):
                 d.pauses.observe("chat", 3.0)
@@ -227,6 +229,46 @@ def test_pauses_expected_are_the_types_recent_ones_not_another_applications() ->
     # one pause among the last boundaries: each of its three stage boundaries ahead expects
     # that share of the type's 3 s
     d = server(True)
-    d.pauses.observe("chat", 3.0)
+    d.pauses.observe("chat", 3.0, 2.9)
     assert d.register_agent("b", 1000.0, 3.0, agent_type="chat", shape=shape).eta_s == \
         pytest.approx(never.eta_s + 3 * 3.0 / RECENT)
+
+
+def test_after_a_lull_an_eta_expects_only_the_pauses_seen_in_its_own_episode() -> None:
+    """The agents that come after a lull may be another application's: an ETA expects the
+    pauses of the stage boundaries crossed since its episode of arrivals began, not those of
+    the traffic before the lull, while its deadline still allows the tool time seen."""
+    from server.scheduler import Dispatcher, RequestSpec
+    from server.scheduler.bounds import AgentShape
+
+    shape = AgentShape(2, 16, 0)
+
+    def served_a_pausing_agent() -> Dispatcher:
+        disp = Dispatcher("justitia", 4096, 0.01)
+        disp.register_agent("a", 1000.0, 0.0, agent_type="chat", shape=shape)
+        for stage, at in enumerate((0.0, 2.5)):  # a 2 s pause between its stages
+            disp.submit(RequestSpec(f"a/{stage}", "a", 10, 8, 8), at)
+            for spec in disp.admit(at, 4096, 8):
+                disp.on_request_finished(spec.request_id, 10, 8, at + 0.5)
+        return disp
+
+    same = served_a_pausing_agent()
+    same.register_agent("b", 1000.0, 3.5, agent_type="chat", shape=shape)
+    assert same.agents["b"].eta_pausing
+    assert same.etas.pause_ahead(same.agents["b"], 3.5) == pytest.approx(2.0)
+
+    later = served_a_pausing_agent()
+    lull = later.arrivals.window_s + 10.0  # longer than any lull that ends an episode
+    view = later.register_agent("b", 1000.0, 3.0 + lull, agent_type="chat", shape=shape)
+    assert not later.agents["b"].eta_pausing
+    assert later.etas.pause_ahead(later.agents["b"], 3.0 + lull) == 0.0
+    # the worst case allows the pause seen, and says so
+    assert "tool time" in view.promise_assumes
+    assert view.deadline_s - view.eta_s >= 2.0
+    # once a boundary of its own episode has paused, the next agent expects pauses again
+    later.submit(RequestSpec("b/0", "b", 10, 8, 8), 3.0 + lull)
+    for spec in later.admit(3.0 + lull, 4096, 8):
+        later.on_request_finished(spec.request_id, 10, 8, 3.5 + lull)
+    later.submit(RequestSpec("b/1", "b", 10, 8, 8), 5.5 + lull)
+    later.register_agent("c", 1000.0, 6.0 + lull, agent_type="chat", shape=shape)
+    assert later.agents["c"].eta_pausing
