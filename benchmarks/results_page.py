@@ -240,6 +240,15 @@ ENTRIES: list[Entry] = [
              c=f"shapes[shape={shape},mode={mode}].eta_coverage")
            for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
            for mode in ("fresh", "taught")]),
+    Entry("eta-pause-oracle", "Simulator", "ETAs of agents that pause: the server beside an oracle",
+          "eta_pause_oracle.json",
+          "python benchmarks/eta_pause_oracle.py --seeds 100-104 --json benchmarks/results/eta_pause_oracle.json",
+          "The family's `sessions` shape (lognormal tool pauses) on a fresh server, held-out seeds: the server's "
+          "first ETAs beside those of an oracle that knows each agent's time outside its pauses and only the "
+          "distribution of its pauses (the ETA minimising the expected relative error); medians over the seeds. "
+          "Not a bound: a reference for what the pause draws alone cost.",
+          [m("server: ETA error p50 / p90", "{a:.2f} / {b:.2f}", a="summary.server_p50", b="summary.server_p90"),
+           m("oracle: ETA error p50 / p90", "{a:.2f} / {b:.2f}", a="summary.oracle_p50", b="summary.oracle_p90")]),
     Entry("eta-ceiling", "Simulator", "What the known work alone predicts", "eta_ceiling_contended48.json",
           "python benchmarks/eta_ceiling.py --profile benchmarks/results/profile_cpu_tiny_4096_epyc.json "
           "--json benchmarks/results/eta_ceiling_contended48.json",
