@@ -148,6 +148,10 @@ def _family_live_metrics() -> list:
             for mode in ("fresh", "taught")]
 
 
+# The shapes of the family live in `family_live_rest.json` (the others have files of their own).
+REST_SHAPES = ("diurnal", "heavy-tail", "tenants")
+
+
 def _family_live_member(name: str, shape: str, mode: str, what: str, profile: str) -> Entry:
     """One member of the family live on the held-out seeds 101-104, after a change of rule."""
     file = f"family_live_{shape}_{mode}.json"
@@ -338,6 +342,16 @@ ENTRIES: list[Entry] = [
     _family_live_member("family-live-sessions-fresh", "sessions", "fresh",
                         "with the wider prior interval for ETAs that expect pauses",
                         "profile_cpu_tiny_4096_famlive_sessions_fresh.json"),
+    Entry("family-live-rest", "Live (vLLM CPU engine)",
+          "The family live: `diurnal`, `heavy-tail` and `tenants` on held-out seed 101", "family_live_rest.json",
+          "justitia bench family --live --shapes diurnal,heavy-tail,tenants --seeds 101 --modes fresh,taught "
+          "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_rest.json --kv-tokens 4096 "
+          "--max-model-len 4096 --json benchmarks/results/family_live_rest.json",
+          "The shapes of the family not run live elsewhere on this page, fresh and taught, on one held-out seed "
+          "with a profile calibrated on the host just before (`profile_cpu_tiny_4096_famlive_rest.json`); "
+          "([the family live](benchmarks.md#the-family-live)).",
+          [*(_family_live_row(shape, mode) for shape in REST_SHAPES for mode in ("fresh", "taught")),
+           *(_family_live_within(shape, mode) for shape in REST_SHAPES for mode in ("fresh", "taught"))]),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),
