@@ -28,22 +28,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from justitia_cli.bench.family import parse_seeds  # noqa: E402
 from server.scheduler.eta_interval import weighted_median  # noqa: E402
 from server.shared.profiles import load_profile  # noqa: E402
 from server.sim.family import simulate_member  # noqa: E402
 from server.sim.provenance import write_result  # noqa: E402
 from server.sim.results import quantile  # noqa: E402
-from server.sim.shapes import PAUSE_MEDIAN_S, ShapeSpec, make_shaped  # noqa: E402
+from server.sim.shapes import PAUSE_MEDIAN_S, PAUSE_SIGMA, ShapeSpec, make_shaped  # noqa: E402
 from server.sim.workload import AgentSpec  # noqa: E402
-
-PAUSE_SIGMA = 1.0  # shapes.py `_sessions`: lognormvariate(log(PAUSE_MEDIAN_S), 1.0)
-
-
-def parse_seeds(text: str) -> list[int]:
-    if "-" in text:
-        lo, hi = (int(x) for x in text.split("-", 1))
-        return list(range(lo, hi + 1))
-    return [int(x) for x in text.split(",")]
 
 
 def oracle_eta(engine_s: float, pauses: int, rng: random.Random, samples: int) -> float:
@@ -70,11 +62,10 @@ def run_seed(seed: int, profile, kv_tokens: int, rng: random.Random, samples: in
     for r in result.agents:
         if r.first_eta_s is None or r.jct_s <= 0:
             continue
-        spec_a = agents[r.id]
-        paused = sum(spec_a.pauses or [])
-        drawn = sum(1 for p in (spec_a.pauses or [])[1:])  # the first turn has none
+        pauses = agents[r.id].pauses or []
+        drawn = len(pauses[1:])  # the first turn has none
         server.append((r.first_eta_s, r.jct_s))
-        oracle.append((oracle_eta(max(0.0, r.jct_s - paused), drawn, rng, samples), r.jct_s))
+        oracle.append((oracle_eta(max(0.0, r.jct_s - sum(pauses)), drawn, rng, samples), r.jct_s))
     (s50, s90), (o50, o90) = errors(server), errors(oracle)
     return {"seed": seed, "agents": len(server), "server_p50": s50, "server_p90": s90,
             "oracle_p50": o50, "oracle_p90": o90}

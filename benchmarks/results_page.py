@@ -142,14 +142,19 @@ def _family_live_within(shape: str, mode: str):
              w=f"shapes[shape={shape},mode={mode}].sim_within", n=f"shapes[shape={shape},mode={mode}].runs")
 
 
-def _family_live_metrics() -> list:
-    """Per shape and mode of a `bench family --live` file."""
-    return [_family_live_row(shape, mode) for shape in ("poisson", "bursts", "sessions")
-            for mode in ("fresh", "taught")]
+# The shapes of the family live files that do not name theirs (family_live.json, _turnaround, _heldout).
+LIVE_SHAPES = ("poisson", "bursts", "sessions")
 
 
-# The shapes of the family live in `family_live_rest.json` (the others have files of their own).
-REST_SHAPES = ("diurnal", "heavy-tail", "tenants")
+def _family_live_rows(shapes: tuple[str, ...] = LIVE_SHAPES) -> list:
+    """A `bench family --live` file of `shapes`, fresh and taught: each member's figures."""
+    return [_family_live_row(shape, mode) for shape in shapes for mode in ("fresh", "taught")]
+
+
+def _family_live_metrics(shapes: tuple[str, ...] = LIVE_SHAPES) -> list:
+    """The same, then on how many of each member's runs the simulator was within 15%."""
+    return [*_family_live_rows(shapes),
+            *(_family_live_within(shape, mode) for shape in shapes for mode in ("fresh", "taught"))]
 
 
 def _family_live_member(name: str, shape: str, mode: str, what: str, profile: str) -> Entry:
@@ -314,7 +319,7 @@ ENTRIES: list[Entry] = [
           "Three shapes of the family (held-out seed 100, 48 agents at load 0.9 of the calibrated engine) on "
           "the real server and vLLM CPU engine, fresh and taught, each beside the simulator's prediction of "
           "the same run with a profile calibrated on the host that hour (`profile_cpu_tiny_4096_famlive.json`).",
-          _family_live_metrics()),
+          _family_live_rows()),
     Entry("family-live-turnaround", "Live (vLLM CPU engine)",
           "The family live on a quiet host, a client's turnaround not taken for a pause",
           "family_live_turnaround.json", FAMILY_LIVE_TURNAROUND,
@@ -322,7 +327,7 @@ ENTRIES: list[Entry] = [
           "a quiet host (`profile_cpu_tiny_4096_famlive_quiet.json`), once the server took stage boundaries "
           "crossed within 50 ms for the client's turnaround rather than tool pauses "
           "([Pauses](concepts.md#pauses-tool-time-between-stages)).",
-          _family_live_metrics()),
+          _family_live_rows()),
     Entry("family-live-heldout", "Live (vLLM CPU engine)",
           "The family live on held-out seeds 101-104, beside the simulator",
           "family_live_heldout.json", FAMILY_LIVE_HELDOUT,
@@ -330,9 +335,7 @@ ENTRIES: list[Entry] = [
           "a profile calibrated on the host minutes before (`profile_cpu_tiny_4096_famlive_heldout.json`). "
           "Each row: the medians over the four seeds of the live and simulated figures, promises summed; "
           "the last rows: on how many of each member's runs the simulator was within 15% of the live mean JCT.",
-          [*_family_live_metrics(),
-           *(_family_live_within(shape, mode) for shape in ("poisson", "bursts", "sessions")
-             for mode in ("fresh", "taught"))]),
+          _family_live_metrics()),
     _family_live_member("family-live-poisson-taught", "poisson", "taught",
                         "after the rule that expects again only episodes that came as bursts",
                         "profile_cpu_tiny_4096_famlive_poisson_taught.json"),
@@ -348,10 +351,9 @@ ENTRIES: list[Entry] = [
           "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_rest.json --kv-tokens 4096 "
           "--max-model-len 4096 --json benchmarks/results/family_live_rest.json",
           "The shapes of the family not run live elsewhere on this page, fresh and taught, on one held-out seed "
-          "with a profile calibrated on the host just before (`profile_cpu_tiny_4096_famlive_rest.json`); "
+          "with a profile calibrated on the host just before (`profile_cpu_tiny_4096_famlive_rest.json`) "
           "([the family live](benchmarks.md#the-family-live)).",
-          [*(_family_live_row(shape, mode) for shape in REST_SHAPES for mode in ("fresh", "taught")),
-           *(_family_live_within(shape, mode) for shape in REST_SHAPES for mode in ("fresh", "taught"))]),
+          _family_live_metrics(("diurnal", "heavy-tail", "tenants"))),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),

@@ -34,7 +34,8 @@ from .workload import AgentSpec
 SHAPES = ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
 BURST_GAP_S = 0.05  # agents of one burst arrive this far apart (a notebook's batch)
 TENANT_SHARES = (("t0", 0.6), ("t1", 0.3), ("t2", 0.1))
-PAUSE_MEDIAN_S = 0.8  # a tool call's median length (lognormal, sigma 1)
+PAUSE_MEDIAN_S = 0.8  # a tool call's median length (lognormal)
+PAUSE_SIGMA = 1.0  # ... and the sigma of its log
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def _sessions(agents: list[AgentSpec], rng: random.Random) -> None:
     for a in agents:
         turns = [[r] for st in a.stages for r in st][:8]
         a.stages = turns
-        a.pauses = [0.0] + [round(rng.lognormvariate(math.log(PAUSE_MEDIAN_S), 1.0), 3) for _ in turns[1:]]
+        a.pauses = [0.0] + [round(rng.lognormvariate(math.log(PAUSE_MEDIAN_S), PAUSE_SIGMA), 3) for _ in turns[1:]]
 
 
 RESHAPE: dict[str, Callable[[list[AgentSpec], random.Random], None]] = {
