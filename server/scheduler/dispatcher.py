@@ -411,6 +411,7 @@ class Dispatcher:
         """A pending request the queue has let go enters the engine."""
         agent.pending -= 1
         agent.running += 1
+        req.admitted_at = now
         self.ledger.admit(req)
         if self._hooked:
             self.policy.on_admit(self, agent, req, now)

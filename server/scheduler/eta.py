@@ -7,6 +7,7 @@ the remaining work of the agents served before it:
     start_j = W_<j / R_j                      work ordered before j, at the rate left to it
     eta_j   = now + max((W_<j + w_j) / R_j,   all of it, served at full memory
                         start_j + cp_j)       then j's own remaining critical path
+    start_j >= wait                           not before a request's memory is free
 
 where w_j is j's remaining charged work (charged minus consumed, policy cost units; with a
 time model, its declared prefill added at the engine's time: `Dispatcher._replay_rates`), cp_j the
@@ -17,7 +18,9 @@ that is faster) minus the rate a_j of work that will arrive *ahead of j* while i
 agents the policy orders before j: under justitia, those whose cost is below j's tag minus
 V, less half of what V advances over the arrivals' span, `closing_gap`; none under fcfs),
 for as long as arrivals have been measured (at least 2 s, at most the 60 s window): then at
-full rate again (`served_by`).
+full rate again (`served_by`). An agent with no request in the engine starts no sooner than
+the running requests free the memory one of its requests reserves (`MemoryDrain`): first
+in the order, it still waits for them, since admission never preempts.
 The arrival rate of work and its cost distribution are measured over the recent
 registrations (`WorkArrivals`).
 
@@ -33,7 +36,7 @@ import bisect
 import collections
 import itertools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -296,8 +299,37 @@ def served_by(work: float, rate: float, arriving: float, span_s: float) -> float
     return max(span_s, (work + arriving * span_s) / rate)
 
 
+@dataclass(frozen=True)
+class MemoryDrain:
+    """When the memory the running requests hold frees: `free` KV tokens free now, and
+    `ends[i]` seconds from now `freed[i]` more (cumulative, in the order they end).
+
+    Admission is non-preemptive: an agent first in the policy's order still waits for the
+    requests in the engine to end before its own fit (one request of a long context can
+    hold the whole cache for hundreds of steps)."""
+
+    free: float = 0.0
+    ends: tuple[float, ...] = ()
+    freed: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, running: Iterable[tuple[float, int]], free: float) -> MemoryDrain:
+        """From the running requests' `(seconds to their end, tokens reserved)`."""
+        ends = sorted(running)
+        return cls(free, tuple(t for t, _ in ends), tuple(itertools.accumulate(k for _, k in ends)))
+
+    def wait_s(self, need: float) -> float:
+        """Seconds until `need` KV tokens are free (O(log n)); past the whole cache, until
+        every running request has ended."""
+        if need <= 0.0 or self.free >= need or not self.ends:
+            return 0.0
+        i = bisect.bisect_left(self.freed, need - self.free)
+        return self.ends[min(i, len(self.ends) - 1)]
+
+
 def eta_of(now: float, before: float, own: float, rate: float, arrivals_ahead: float,
-           critical_path_s: float, span_s: float = float("inf")) -> float:
-    """The ETA formula of the module docstring for one agent."""
-    start = served_by(before, rate, arrivals_ahead, span_s)
+           critical_path_s: float, span_s: float = float("inf"), wait_s: float = 0.0) -> float:
+    """The ETA formula of the module docstring for one agent; it starts no sooner than
+    `wait_s` (`MemoryDrain.wait_s`)."""
+    start = max(wait_s, served_by(before, rate, arrivals_ahead, span_s))
     return now + max(served_by(before + own, rate, arrivals_ahead, span_s), start + critical_path_s)

@@ -27,7 +27,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .eta import MAX_ARRIVAL_SHARE, EtaPass, StepTimeSource, eta_of, step_function
+from .eta import MAX_ARRIVAL_SHARE, EtaPass, MemoryDrain, StepTimeSource, eta_of, step_function
 from .eta_interval import EtaCalibration
 from .pauses import stages_left
 from .policies import Justitia
@@ -72,6 +72,7 @@ class EtaEstimator:
         self.mean_prompt = 0.0
         self.mean_decode = 0.0
         self.mean_context = 0.0
+        self._drain: tuple[tuple[float, float], MemoryDrain] | None = None  # memory_drain's, at (now, it)
 
     # -- what is observed ------------------------------------------------------------
     def repredict(self, agent: AgentState, expected_total_kv: float) -> None:
@@ -209,6 +210,37 @@ class EtaEstimator:
         step = step_function(self.time_model)
         return max(0.0, (step(1, PREFILL_PROBE_TOKENS, 0) - step(1, 0, 0)) / PREFILL_PROBE_TOKENS)
 
+    def memory_drain(self, now: float, it: float) -> MemoryDrain:
+        """When the running requests free their memory (`eta.MemoryDrain`): each ends after
+        its expected output less the steps (`it` each) it has run since admitted; one past
+        its expectation, after one more step."""
+        if self._drain is not None and self._drain[0] == (now, it):
+            return self._drain[1]  # a burst's registrations at one instant
+        d = self._d
+        free = d.kv_capacity - d.ledger.reserved_kv - d.ledger.pinned_kv
+        running = []
+        for req in d.ledger.running.values():
+            ran = (now - req.admitted_at) / it if req.admitted_at is not None and it > 0 else 0.0
+            running.append((max(1.0, req.spec.expected_tokens - ran) * it, req.footprint))
+        drain = MemoryDrain.of(running, free)
+        self._drain = ((now, it), drain)
+        return drain
+
+    def request_need(self, agent: AgentState) -> float:
+        """The memory one of the agent's requests reserves: a request of the mix (its whole
+        prompt and expected output), no more than a stage of its declared shape holds
+        (prompts and longest output per stage), nor the cache."""
+        need = self.mean_context + self.mean_decode
+        shape = agent.eta_shape or agent.shape
+        if shape.prefill_tokens is not None and shape.critical_path_tokens is not None:
+            need = min(need, (shape.prefill_tokens + shape.critical_path_tokens) / max(1, shape.stages))
+        return min(float(self._d.kv_capacity), need)
+
+    def start_wait(self, agent: AgentState, drain: MemoryDrain) -> float:
+        """Seconds before the agent can start: none with a request in the engine, else until
+        the running requests free what one of its requests reserves."""
+        return 0.0 if agent.running else drain.wait_s(self.request_need(agent))
+
     # -- one agent's work ---------------------------------------------------------------
     def remaining(self, agent: AgentState) -> tuple[float, float]:
         """(work not yet done, its total) in policy units: the re-predicted total once there
@@ -321,8 +353,10 @@ class EtaEstimator:
         reading = d.clock.peek(now)
         v = d.clock.tenant_v(agent.tenant, now) if d.clock.hierarchical else reading.V
         ahead = d.arrivals.ahead(d.policy.arrival_gap(agent, v, self.gap_closing(reading.backlog)))
+        it = self.iteration_s()
+        wait = self.start_wait(agent, self.memory_drain(now, it))
         return eta_of(now, before, self.replay_work(agent, rates), rates[0], ahead * rates[1],
-                      self.critical_path_s(agent, self.iteration_s()), d.arrivals.span_s) \
+                      self.critical_path_s(agent, it), d.arrivals.span_s, wait) \
             + self.pause_ahead(agent, now)
 
     # -- the fast pass -----------------------------------------------------------------
@@ -357,6 +391,7 @@ class EtaEstimator:
         scale = d.arrivals.rate * per_unit / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
         cap = MAX_ARRIVAL_SHARE * rate
         span = d.arrivals.span_s
+        drain = self.memory_drain(now, it)
         total = 0.0
         for k, i in enumerate(order):
             a = agents[i]
@@ -389,6 +424,8 @@ class EtaEstimator:
                 finish = max(span, (total + work + arriving * span) / rate)
                 if start > span:
                     start = max(span, (total + arriving * span) / rate)
+            wait = self.start_wait(a, drain)
+            start, finish = max(start, wait), max(finish, wait)
             if shape.critical_path_tokens is not None:
                 path = ((shape.critical_path_tokens + max(1, shape.stages)) * it
                         + (shape.prefill_tokens or 0) * prefill_s) * left

@@ -43,6 +43,9 @@ class KvLedger:
         self.pending_kv = 0  # footprints of pending requests
         self.running_count = 0
         self.pinned_kv = 0  # kept contexts of paused agents
+        # The admitted, unfinished requests by seq: when their memory frees (an ETA's wait
+        # for memory, eta.py `memory_wait_s`).
+        self.running: dict[int, RequestState] = {}
 
     # -- pending ----------------------------------------------------------------
     def enqueue(self, req: RequestState) -> None:
@@ -83,6 +86,7 @@ class KvLedger:
         reserved (the part of its shared prefixes no running request holds, plus its own)."""
         req.status = RUNNING
         self.dequeue(req)
+        self.running[req.seq] = req
         self.running_count += 1
         self.running_footprint += req.footprint
         if req.segments:
@@ -105,6 +109,7 @@ class KvLedger:
             self.reserved_kv -= req.footprint
             self.reserved_prompt -= req.spec.prompt_tokens
         self.running_count -= 1
+        self.running.pop(req.seq, None)
         req.status = DONE
 
     # -- the engine's prefix cache ------------------------------------------------
@@ -136,4 +141,5 @@ class KvLedger:
             and len(self.holds) == 0
             and self.pending_count == 0
             and self.running_count == 0
+            and not self.running
         )

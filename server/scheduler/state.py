@@ -114,6 +114,7 @@ class RequestState:
     status: RequestStatus = RequestStatus.PENDING
     ticket: GroupTicket | None = None  # EWSJF's routing
     charge: Charge | None = None  # Equinox's provisional charge while running
+    admitted_at: float | None = None  # when it entered the engine (its memory frees when it ends)
 
 
 HeapEntry = tuple[SortKey, int, RequestState]  # (order, seq, request): an agent's pending heap

@@ -1,0 +1,55 @@
+"""An agent first in the order still waits for the memory the running requests hold:
+admission never preempts, so its ETA starts when enough of them have ended (eta.py
+`MemoryDrain`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.scheduler import AgentShape, Dispatcher, RequestSpec
+from server.scheduler.eta import MemoryDrain
+from server.scheduler.time_model import TimeModel
+
+M = 4096
+STEP = TimeModel(base_s=0.005, per_seq_s=0.0, per_prefill_token_s=0.0, per_kv_token_s=0.0)  # 5 ms a step
+
+
+def test_the_wait_is_the_end_of_the_first_requests_that_free_enough() -> None:
+    drain = MemoryDrain.of([(3.0, 1000), (1.0, 500), (2.0, 2000)], free=100)
+    assert drain.wait_s(50) == 0.0  # fits now
+    assert drain.wait_s(600) == 1.0  # 100 + 500
+    assert drain.wait_s(2600) == 2.0  # 100 + 500 + 2000
+    assert drain.wait_s(10_000) == 3.0  # more than the cache: once every request has ended
+    assert MemoryDrain.of([], free=0).wait_s(100) == 0.0  # nothing running: nothing to wait for
+
+
+def _cache_held_by_one_long_request(now: float) -> Dispatcher:
+    """One request of 3,500 prompt tokens and 500 expected output tokens holds the cache."""
+    d = Dispatcher("justitia", M, 0.02, time_model=STEP)
+    d.register_agent("long", 5e6, 0.0, shape=AgentShape(1, 500, 3500))
+    d.submit(RequestSpec("long-0", "long", prompt_tokens=3500, max_tokens=500), 0.0)
+    assert [s.request_id for s in d.admit(0.0)] == ["long-0"]
+    d.refresh_etas(now)
+    return d
+
+
+@pytest.mark.parametrize("fast_pass", [False, True])
+def test_an_agent_first_in_line_waits_for_the_request_holding_the_cache(fast_pass: bool) -> None:
+    now = 1.0  # 200 of the long request's 500 steps run: 300 left, 1.5 s
+    d = _cache_held_by_one_long_request(now)
+    # small: first in Justitia's order (a far smaller cost), but 2,306 tokens do not fit
+    d.register_agent("small", 1e4, now, shape=AgentShape(1, 25, 2281))
+    if fast_pass:
+        d.refresh_etas(now)
+    eta = d.eta_time("small", now) - now
+    assert d.policy.static_key(d.agents["small"]) < d.policy.static_key(d.agents["long"])
+    assert eta == pytest.approx(1.5 + (25 + 1) * 0.005, rel=0.05)
+
+
+def test_an_agent_that_fits_beside_the_running_requests_does_not_wait() -> None:
+    now = 1.0
+    d = _cache_held_by_one_long_request(now)
+    d.register_agent("tiny", 1e3, now, shape=AgentShape(1, 10, 200))  # 210 tokens: 96 free
+    wait_for_one_small_request = d.eta_time("tiny", now) - now
+    d.register_agent("tinier", 1e2, now, shape=AgentShape(1, 10, 50))  # 60 tokens: fits now
+    assert d.eta_time("tinier", now) - now < 0.1 < wait_for_one_small_request
