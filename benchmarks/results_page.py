@@ -249,6 +249,23 @@ ENTRIES: list[Entry] = [
              c=f"shapes[shape={shape},mode={mode}].eta_coverage")
            for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
            for mode in ("fresh", "taught")]),
+    Entry("family-heldout-calibrated", "Simulator",
+          "Promises on unseen traffic, on a profile calibrated on this machine (held-out seeds)",
+          "family_heldout_famlive_rest.json",
+          "justitia bench family --seeds 100-104 --modes fresh,taught "
+          "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_rest.json "
+          "--json benchmarks/results/family_heldout_famlive_rest.json",
+          "The family of arrival shapes, held-out seeds 100-104, on the step model `bench calibrate` measured "
+          "on this machine (M = 4,096 tokens, requests of up to 4,096): long requests that hold the whole "
+          "cache. Tuning seeds: family_tuning_famlive_rest.json (`--seeds 0-4`).",
+          [m(f"{shape}, {mode}: kept, ETA error p50 / p90, deadline/JCT",
+             "{k}/{n}, {a:.2f} / {b:.2f}, {d:.1f}x",
+             a=f"shapes[shape={shape},mode={mode}].eta_error_p50",
+             b=f"shapes[shape={shape},mode={mode}].eta_error_p90",
+             k=f"shapes[shape={shape},mode={mode}].promises_kept", n=f"shapes[shape={shape},mode={mode}].promises",
+             d=f"shapes[shape={shape},mode={mode}].deadline_over_jct_p50")
+           for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
+           for mode in ("fresh", "taught")]),
     Entry("eta-pause-oracle", "Simulator", "ETAs of agents that pause: the server beside an oracle",
           "eta_pause_oracle.json",
           "python benchmarks/eta_pause_oracle.py --seeds 100-104 --json benchmarks/results/eta_pause_oracle.json",

@@ -72,7 +72,7 @@ class EtaEstimator:
         self.mean_prompt = 0.0
         self.mean_decode = 0.0
         self.mean_context = 0.0
-        self._drain: tuple[tuple[float, float], MemoryDrain] | None = None  # memory_drain's, at (now, it)
+        self._drain: tuple[tuple[float, ...], MemoryDrain] | None = None  # memory_drain's last, and its key
 
     # -- what is observed ------------------------------------------------------------
     def repredict(self, agent: AgentState, expected_total_kv: float) -> None:
@@ -212,18 +212,20 @@ class EtaEstimator:
 
     def memory_drain(self, now: float, it: float) -> MemoryDrain:
         """When the running requests free their memory (`eta.MemoryDrain`): each ends after
-        its expected output less the steps (`it` each) it has run since admitted; one past
-        its expectation, after one more step."""
-        if self._drain is not None and self._drain[0] == (now, it):
-            return self._drain[1]  # a burst's registrations at one instant
+        its expected output less the steps (`it` each, the iteration of the ETA's critical
+        paths) it has run since admitted; one past its expectation, after one more step."""
         d = self._d
-        free = d.kv_capacity - d.ledger.reserved_kv - d.ledger.pinned_kv
+        ledger = d.ledger
+        key = (now, it, ledger.running_count, ledger.reserved_kv, ledger.pinned_kv)
+        if self._drain is not None and self._drain[0] == key:
+            return self._drain[1]  # a burst's registrations at one instant, nothing admitted between
+        free = d.kv_capacity - ledger.reserved_kv - ledger.pinned_kv
         running = []
-        for req in d.ledger.running.values():
+        for req in ledger.running.values():
             ran = (now - req.admitted_at) / it if req.admitted_at is not None and it > 0 else 0.0
             running.append((max(1.0, req.spec.expected_tokens - ran) * it, req.footprint))
         drain = MemoryDrain.of(running, free)
-        self._drain = ((now, it), drain)
+        self._drain = (key, drain)
         return drain
 
     def request_need(self, agent: AgentState) -> float:
