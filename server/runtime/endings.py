@@ -105,13 +105,15 @@ class AgentEndings:
         entry.final_view = self.dispatcher.view(entry.id, self.now())
         now = self.now()
         if state in (AgentStatus.FINISHED, AgentStatus.FAILED):
-            # Its GPS work stays charged (the agent ran); only its requests go.
+            # Its GPS work stays charged (the agent ran); only its requests go. Closed before
+            # the dispatcher forgets it: its JCT is filed under the context it registered in.
             running = [rid for rid, r in self.dispatcher.requests.items()
                        if r.spec.agent_id == entry.id and r.status is RequestStatus.RUNNING]
+            self.close(entry, state, forget=False)
             self.dispatcher.finish_agent(entry.id, now)
         else:
             running = self.dispatcher.cancel_agent(entry.id, now)
-        self.close(entry, state, forget=False)
+            self.close(entry, state, forget=False)
         self.admission.fail_waiting(AgentConflict(f"agent {entry.id} was {state}"), agent=entry)
         for request_id in running:
             # The engine ends the request with finish_reason "abort" and frees its KV.

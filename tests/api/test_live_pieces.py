@@ -304,3 +304,34 @@ def test_an_agent_between_its_requests_is_paused_and_its_record_says_since_when(
     # its second pause began when its second request ended, 2.5 s later
     assert again.paused_at == pytest.approx(5102.5) and again.paused_for_s == pytest.approx(1.0)
     assert ended.state == "finished" and ended.paused_at is None and ended.paused_for_s is None
+
+
+def test_an_agent_that_ends_with_a_request_in_flight_is_filed_under_its_own_context() -> None:
+    """Its JCT / first ETA goes to the ETA record while the dispatcher still knows the agent:
+    filed under the context it registered in and with the pauses its ETA expected, not as
+    an agent of no context (which every context would read where its own are few)."""
+    filed: list[tuple[int | None, bool]] = []
+
+    async def body(live: LiveScheduler) -> int | None:
+        calibration = live.dispatcher.etas.calibration
+        observe = calibration.observe
+
+        def spy(first_eta_s: float, jct_s: float, context: int | None = None, by_context: bool = True,
+                pausing: bool = False) -> None:
+            filed.append((context, by_context))
+            observe(first_eta_s, jct_s, context, by_context, pausing)
+
+        calibration.observe = spy  # type: ignore[method-assign]
+        e = live.register("t", "prompt", "x", predicted_cost=1e4)
+        context = live.dispatcher.agents[e.id].promise_context
+        gen = live.run(e, "r1", (1, 5, 6, 7), SamplingOptions(max_tokens=200, ignore_eos=True))
+        await gen.__anext__()  # admitted, in the engine
+        assert e.in_flight
+        await live.finish(e)  # the agent's code returned without waiting for r1
+        await gen.aclose()
+        assert e.state == "finished" and e.id not in live.dispatcher.agents
+        return context
+
+    context = live_run(body)
+    assert context is not None
+    assert filed == [(context, True)]
