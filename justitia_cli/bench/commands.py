@@ -196,7 +196,8 @@ def register(commands: Commands) -> None:
             "(non-negative least squares, the server's own fitter), prints each grid point's "
             "measured time, the fitted model's and the simulator's prediction of it, and writes "
             "a profile JSON for `bench sim --profile FILE` and `bench live --profile FILE`. "
-            "About 2-4 minutes on 2 cores (--quick: one minute, four points)."
+            "About 2-4 minutes on 2 cores (--quick: one minute, four points). --served: then the points "
+            "of several requests through `justitia serve`, the step model scaled by their median slowdown."
         ),
         handler=calibrate_command,
     )
@@ -205,6 +206,11 @@ def register(commands: Commands) -> None:
     cal.add_argument("--out", required=True, metavar="PROFILE.json", help="profile file to write")
     cal.add_argument("--name", default=None, help="profile name (default: the file's stem)")
     cal.add_argument("--quick", action="store_true", help="a four-point grid (a smoke test, not a calibration)")
+    cal.add_argument("--served", action="store_true",
+                     help="then run the grid's points of two requests or more through `justitia serve` (as "
+                          "`bench live` does) and scale the step model by their median slowdown: the step "
+                          "times the live path sees, the server and client sharing the machine with the "
+                          "engine (about a minute more)")
     seed_option(cal, "seed of the random prompt token ids")
 
     st = add_command(

@@ -194,9 +194,13 @@ def calibrate_command(args: argparse.Namespace) -> int:
     profile, model = calibrate.fit_profile(results, info["kv_tokens"], info["max_model_len"], name)
     rows = calibrate.point_rows(results, profile, model)
     summary = calibrate.summary(rows, model)
+    served: dict = {}
+    if args.served:
+        served, profile = _served(results, profile, info, args.seed)
     wall = time.perf_counter() - t0
     save_profile(profile, args.out, fit={**model.as_dict(), **summary, "points": rows},
-                 settings=calibrate.settings(args.kv_tokens, args.max_model_len, info, args.quick, wall))
+                 settings=calibrate.settings(args.kv_tokens, args.max_model_len, info, args.quick, wall),
+                 **({"served": served} if served else {}))
     table = Table(title=f"bench calibrate: M={info['kv_tokens']} N={info['max_model_len']}  ({wall:.0f} s)")
     for col in ("batch", "prompt", "output", "steps", "measured s", "fitted s", "fit err", "sim s", "sim err"):
         table.add_column(col, justify="right")
@@ -214,9 +218,37 @@ def calibrate_command(args: argparse.Namespace) -> int:
         f"   ({model.samples} steps; per-step error p50 {100 * (model.error_p50 or 0):.0f}%, "
         f"p90 {100 * (model.error_p90 or 0):.0f}%; per point: fit {100 * summary['point_fit_error_mean']:.0f}% mean, "
         f"simulator {100 * summary['point_sim_error_mean']:.0f}% mean)")
+    if served:
+        console.print(f"served through the server: {len(served['points'])} points, slowdown "
+                      + ", ".join(f"{r['slowdown']:.2f}" for r in served["points"])
+                      + f"; the step model is scaled by their median, {served['slowdown']:.2f}")
     console.print(f"wrote {args.out}: use it with `bench sim --profile {args.out}` "
                   f"or `bench live --profile {args.out}`")
     return 0
+
+
+def _served(results: list, profile: EngineProfile, info: dict, seed: int) -> tuple[dict, EngineProfile]:
+    """Run the grid's points of two requests or more through the server (`bench live`'s
+    runner, policy justitia) and scale the profile by their median slowdown
+    (server/sim/calibrate_served.py)."""
+    from justitia_cli.bench.live_run import LiveOptions, run_policy
+    from server.sim import calibrate_served
+
+    points = calibrate_served.served_points(results)
+    if not points:
+        raise CommandError("--served needs grid points of two requests or more: the cache holds one request "
+                           "of each size; give a larger --kv-tokens")
+    print(f"serving {len(points)} points through `justitia serve` (a server start, then about "
+          f"{sum(calibrate_served.SERVED_ROOM * r.seconds + calibrate_served.SERVED_GAP_S for r in points):.0f} s)")
+    run = run_policy(calibrate_served.served_workload(points), "justitia",
+                     LiveOptions(kv_tokens=info["kv_tokens"], max_model_len=info["max_model_len"], seed=seed))
+    rows = calibrate_served.served_rows(points, {a.id: a.finish_s for a in run.agents},
+                                        {a.id: a.arrival_s for a in run.agents})
+    if not rows:
+        raise CommandError("no calibration point finished through the server; see its log")
+    factor = calibrate_served.slowdown(rows)
+    return ({"slowdown": factor, "points": rows, "engine_alone": profile.as_dict()},
+            calibrate_served.scaled(profile, factor))
 
 
 def make_workload_command(args: argparse.Namespace) -> int:

@@ -38,10 +38,12 @@ def test_scheduler_shows_the_time_model_learned_from_engine_steps(vllm_client: h
 
 @pytest.mark.engine
 def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys) -> None:
+    """`--served` too: the points of several requests run again through `justitia serve`, and
+    the profile is the engine-alone fit scaled by their median slowdown."""
     out = tmp_path / "prof.json"
     cores = os.sched_getaffinity(0)
     assert main(["bench", "calibrate", "--kv-tokens", "2048", "--max-model-len", "1024",
-                 "--out", str(out), "--quick"]) == 0
+                 "--out", str(out), "--quick", "--served"]) == 0
     # the in-process engine kept this process off its worker's cores while it ran, and gave
     # them back when it closed (the servers later tests start inherit this process's cores)
     assert os.sched_getaffinity(0) == cores
@@ -57,6 +59,15 @@ def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys)
     for p in points:
         assert p["steps"] >= p["output"]  # every step of the point was recorded
         assert p["seconds"] > 0 and abs(p["fit_error"]) < 3
+    served = doc["served"]
+    assert [(r["batch"], r["prompt"]) for r in served["points"]] == \
+        [(p["batch"], p["prompt"]) for p in points if p["batch"] >= 2]
+    for r in served["points"]:
+        assert r["served_s"] > 0 and r["slowdown"] == pytest.approx(r["served_s"] / r["engine_s"])
+    alone = served["engine_alone"]
+    assert alone["base_s"] == pytest.approx(doc["fit"]["base_s"])  # the engine-alone fit, kept
+    for term in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s"):
+        assert doc["profile"][term] == pytest.approx(alone[term] * served["slowdown"])
     prof = load_profile(str(out))
     assert prof.kv_tokens == 2048 and prof.max_model_len == 1024
     assert prof.base_s + prof.per_seq_s > 0 and prof.per_prefill_token_s >= 0
