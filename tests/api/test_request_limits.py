@@ -120,6 +120,16 @@ def compiling(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_server_is_ready_once_its_grammar_worker_has_loaded_its_compiler(compiling) -> None:
+    """The worker's imports (torch, xgrammar) take seconds of CPU: done before the server
+    says it is ready, not beside the engine serving its first agents."""
+    warming = compiling.app.state.grammar_warm_up
+    assert warming.done() and warming.exception() is None
+    assert compiling.app.state.grammars._pool is not None  # started, and kept
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # loading the compiler in each new worker takes 5-25 s here
 def test_grammars_over_the_time_budget_or_refused_are_400s(compiling) -> None:
     with local_client(base_url=compiling.url, timeout=300) as c:

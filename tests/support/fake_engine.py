@@ -592,7 +592,8 @@ class FakeServer:
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True,
                                         name=f"fake-server-{port}")
         self._thread.start()
-        deadline = time.monotonic() + 30
+        # the app waits up to a minute for a grammar worker to load (`grammar_warm_up`)
+        deadline = time.monotonic() + (90 if self.config.grammar_warm_up else 30)
         with local_client(base_url=self.url, timeout=2) as probe:
             while not self._ready(probe):
                 assert self._thread.is_alive(), "the fake server's thread died while starting"
