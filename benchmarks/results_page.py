@@ -371,6 +371,17 @@ ENTRIES: list[Entry] = [
           "with a profile calibrated on the host just before (`profile_cpu_tiny_4096_famlive_rest.json`) "
           "([the family live](benchmarks.md#the-family-live)).",
           _family_live_metrics(("diurnal", "heavy-tail", "tenants"))),
+    Entry("family-live-served", "Live (vLLM CPU engine)",
+          "The family live after the memory wait and a server ready once warm: `diurnal`, `heavy-tail`, "
+          "`tenants` on held-out seed 101", "family_live_served.json",
+          "justitia bench family --live --shapes diurnal,heavy-tail,tenants --seeds 101 --modes fresh,taught "
+          "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_served.json --kv-tokens 4096 "
+          "--max-model-len 4096 --json benchmarks/results/family_live_served.json",
+          "The same members as family-live-rest, with a calibration made just before with `--served` "
+          "(`profile_cpu_tiny_4096_famlive_served.json`). That calibration came out about twice as slow as "
+          "one made 19 minutes earlier, so the workloads (sized from it) were light for the engine and the "
+          "simulator is long of every run ([the family live](benchmarks.md#the-family-live)).",
+          _family_live_metrics(("diurnal", "heavy-tail", "tenants"))),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),
