@@ -44,7 +44,7 @@ class KvLedger:
         self.running_count = 0
         self.pinned_kv = 0  # kept contexts of paused agents
         # The admitted, unfinished requests by seq: when their memory frees (an ETA's wait
-        # for memory, eta.py `memory_wait_s`).
+        # for memory, eta.py `MemoryDrain`).
         self.running: dict[int, RequestState] = {}
 
     # -- pending ----------------------------------------------------------------
