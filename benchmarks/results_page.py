@@ -157,6 +157,22 @@ def _family_live_metrics(shapes: tuple[str, ...] = LIVE_SHAPES) -> list:
             *(_family_live_within(shape, mode) for shape in shapes for mode in ("fresh", "taught"))]
 
 
+def _family_sim_row(shape: str, mode: str) -> Metric:
+    """One member of a simulated `bench family` file: ETA error, promises, deadline/JCT, coverage."""
+    at = f"shapes[shape={shape},mode={mode}]"
+    return m(f"{shape}, {mode}: ETA error p50 / p90, kept, deadline/JCT, in interval",
+             "{a:.2f} / {b:.2f}, {k}/{n}, {d:.1f}x, {c:.0%}",
+             a=f"{at}.eta_error_p50", b=f"{at}.eta_error_p90", k=f"{at}.promises_kept", n=f"{at}.promises",
+             d=f"{at}.deadline_over_jct_p50", c=f"{at}.eta_coverage")
+
+
+def _family_sim_rows() -> list:
+    """Every member of a simulated `bench family` file of the six shapes, fresh and taught."""
+    return [_family_sim_row(shape, mode)
+            for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
+            for mode in ("fresh", "taught")]
+
+
 def _family_live_member(name: str, shape: str, mode: str, what: str, profile: str) -> Entry:
     """One member of the family live on the held-out seeds 101-104, after a change of rule."""
     file = f"family_live_{shape}_{mode}.json"
@@ -240,15 +256,7 @@ ENTRIES: list[Entry] = [
           "cpu-tiny profile, the rate measured as the live server measures it; each on a fresh server and on "
           "one taught by another shape first. Rules and constants were chosen on seeds 0-4 "
           "(family_tuning.json, the same command with `--seeds 0-4`).",
-          [m(f"{shape}, {mode}: ETA error p50 / p90, kept, deadline/JCT, in interval",
-             "{a:.2f} / {b:.2f}, {k}/{n}, {d:.1f}x, {c:.0%}",
-             a=f"shapes[shape={shape},mode={mode}].eta_error_p50",
-             b=f"shapes[shape={shape},mode={mode}].eta_error_p90",
-             k=f"shapes[shape={shape},mode={mode}].promises_kept", n=f"shapes[shape={shape},mode={mode}].promises",
-             d=f"shapes[shape={shape},mode={mode}].deadline_over_jct_p50",
-             c=f"shapes[shape={shape},mode={mode}].eta_coverage")
-           for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
-           for mode in ("fresh", "taught")]),
+          _family_sim_rows()),
     Entry("family-heldout-calibrated", "Simulator",
           "Promises on unseen traffic, on a profile calibrated on this machine (held-out seeds)",
           "family_heldout_famlive_rest.json",
@@ -258,14 +266,7 @@ ENTRIES: list[Entry] = [
           "The family of arrival shapes, held-out seeds 100-104, on the step model `bench calibrate` measured "
           "on this machine (M = 4,096 tokens, requests of up to 4,096): long requests that hold the whole "
           "cache. Tuning seeds: family_tuning_famlive_rest.json (`--seeds 0-4`).",
-          [m(f"{shape}, {mode}: kept, ETA error p50 / p90, deadline/JCT",
-             "{k}/{n}, {a:.2f} / {b:.2f}, {d:.1f}x",
-             a=f"shapes[shape={shape},mode={mode}].eta_error_p50",
-             b=f"shapes[shape={shape},mode={mode}].eta_error_p90",
-             k=f"shapes[shape={shape},mode={mode}].promises_kept", n=f"shapes[shape={shape},mode={mode}].promises",
-             d=f"shapes[shape={shape},mode={mode}].deadline_over_jct_p50")
-           for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
-           for mode in ("fresh", "taught")]),
+          _family_sim_rows()),
     Entry("eta-pause-oracle", "Simulator", "ETAs of agents that pause: the server beside an oracle",
           "eta_pause_oracle.json",
           "python benchmarks/eta_pause_oracle.py --seeds 100-104 --json benchmarks/results/eta_pause_oracle.json",

@@ -41,11 +41,15 @@ class KvLedger:
         self.cached_tokens_total = 0
         self.pending_count = 0
         self.pending_kv = 0  # footprints of pending requests
-        self.running_count = 0
         self.pinned_kv = 0  # kept contexts of paused agents
         # The admitted, unfinished requests by seq: when their memory frees (an ETA's wait
         # for memory, eta.py `MemoryDrain`).
         self.running: dict[int, RequestState] = {}
+
+    @property
+    def running_count(self) -> int:
+        """Admitted, unfinished requests."""
+        return len(self.running)
 
     # -- pending ----------------------------------------------------------------
     def enqueue(self, req: RequestState) -> None:
@@ -87,7 +91,6 @@ class KvLedger:
         req.status = RUNNING
         self.dequeue(req)
         self.running[req.seq] = req
-        self.running_count += 1
         self.running_footprint += req.footprint
         if req.segments:
             held = self.holds.add(req.segments)
@@ -108,7 +111,6 @@ class KvLedger:
         else:
             self.reserved_kv -= req.footprint
             self.reserved_prompt -= req.spec.prompt_tokens
-        self.running_count -= 1
         self.running.pop(req.seq, None)
         req.status = DONE
 
@@ -140,6 +142,5 @@ class KvLedger:
             and self.running_footprint == 0
             and len(self.holds) == 0
             and self.pending_count == 0
-            and self.running_count == 0
             and not self.running
         )
