@@ -223,7 +223,9 @@ class LiveScheduler:
         """A new agent. `metadata_json`: `metadata` already encoded (`encode_metadata`),
         by a caller that did it off the event loop."""
         self.config.quotas.check_agents(tenant, self.table.live_count(tenant))
-        now = self.now()
+        # One instant for both clocks: the wall-clock submission time is the moment the
+        # promise is made from, not after the prediction and the scheduler's pass.
+        now, submitted_at = self.now(), self._wall()
         metadata = metadata or {}
         kept_prompt = prompt[:KEPT_PROMPT_CHARS]
         if metadata_json is None:
@@ -264,7 +266,7 @@ class LiveScheduler:
             # What a predictor learns from later (the history); the rest served prediction.
             prompt=kept_prompt,
             metadata=None,
-            submitted_at=self._wall(),
+            submitted_at=submitted_at,
             submitted_mono=now,
             predicted_cost=predicted_cost,
             auto=auto,

@@ -34,6 +34,7 @@ GRACE_S = 10.0
 GONE_S = 15.0  # the client's server_gone_s: short, so that the test does not wait 120 s
 SLACK_S = 30.0  # a busy machine's process start-up and exit
 BEFORE_INTERRUPT = 20  # inputs finished before the Ctrl-C
+SUMMARY_START = '{"outcome"'  # the client's last line, a JSON summary
 
 _CLIENT = """
 import json, signal, sys
@@ -117,7 +118,9 @@ def _summary(proc: subprocess.Popen[str], lines: list[str], limit_s: float) -> d
         rest, _ = proc.communicate()
         raise AssertionError("the client hung:\n" + "\n".join((lines + rest.splitlines())[-30:])) from None
     lines += rest.splitlines()
-    found = [line for line in lines if line.startswith("{")]
+    # The Ctrl-C may land inside a print of an ended input, which then ends mid-line
+    # ("ended{...}"): the summary is found where it starts, not only at a line's start.
+    found = [line[line.index(SUMMARY_START):] for line in lines if SUMMARY_START in line]
     assert found, "\n".join(lines[-30:])
     return json.loads(found[-1])
 

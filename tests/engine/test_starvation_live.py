@@ -63,9 +63,9 @@ WARM_MIN_S = 20.0
 WARM_MAX_S = 60.0
 # ... and while the share of the pessimistic rate the server measures arriving is at most
 # this (its estimate of bound_tau moves with the host's load: a promise made above 90% is
-# widened); at most SHARE_WAIT_S more.
+# widened; the stream holds back meanwhile); at most SHARE_WAIT_S more.
 SHARE_AT_MOST = 0.86
-SHARE_WAIT_S = 10.0
+SHARE_WAIT_S = 15.0
 # If the burst was served by then, TOP_UP more small agents (three requests each: more than
 # the engine runs at once), at most TOP_UPS times; snapshots every POLL_S meanwhile.
 TOP_UP = MIN_BURST
@@ -169,13 +169,16 @@ def _has_backlog(snap: dict) -> bool:
     return snap["queued_agents"] >= 2 and snap["pending_requests"] >= 3
 
 
-async def _queue_a_backlog(session: aiohttp.ClientSession, send_small: Callable[[], asyncio.Task], burst: int
-                           ) -> tuple[dict, list[asyncio.Task], int]:
+async def _queue_a_backlog(session: aiohttp.ClientSession, send_small: Callable[[], asyncio.Task], burst: int,
+                           held: asyncio.Event) -> tuple[dict, list[asyncio.Task], int]:
     """Send `burst` small agents at once, then wait until the server has counted them in the
     arrivals (a pass of ETAs after them) and measures the arrivals at most SHARE_AT_MOST of
     its pessimistic rate (at most SHARE_WAIT_S). The engine may have served the burst by
     then (a fast host): then TOP_UP more small agents, a backlog that adds little to the
-    arrivals, at most TOP_UPS times; the scenario's assertions fail if none is left.
+    arrivals, at most TOP_UPS times; the scenario's assertions fail if none is left. If the
+    arrivals measured have fallen below NEAR_SHARE of the rate meanwhile (the host sped up),
+    the top-up is as many as bring them back to it. While they measure above SHARE_AT_MOST
+    (the host slowed down), the stream is `held`: it sends nothing until they are back under.
     Returns the snapshot to register on, the burst's tasks and the top-ups it took."""
     tasks = [send_small() for _ in range(burst)]
     limit = time.monotonic() + SHARE_WAIT_S
@@ -189,13 +192,30 @@ async def _queue_a_backlog(session: aiohttp.ClientSession, send_small: Callable[
             continue
         counted = (snap["etas_refreshed_at"] or 0.0) > counted_after
         calm = snap["promise"] == "firm" and _arriving_share(snap) <= SHARE_AT_MOST
+        if counted and _arriving_share(snap) > SHARE_AT_MOST:
+            held.set()
+        elif counted:
+            held.clear()
         if not (counted and (calm or time.monotonic() > limit)):
             continue
-        if _has_backlog(snap) or top_ups == TOP_UPS:
+        short = _agents_short_of_near_share(snap)
+        if (_has_backlog(snap) and not short) or top_ups == TOP_UPS:
+            held.clear()
             return snap, tasks, top_ups
-        tasks += [send_small() for _ in range(TOP_UP)]
+        tasks += [send_small() for _ in range(max(TOP_UP, short))]
         top_ups += 1
         counted_after = None
+
+
+def _agents_short_of_near_share(snap: dict) -> int:
+    """How many more small agents would bring the arrivals measured to NEAR_SHARE (and a
+    little over) of the pessimistic rate: the host may have sped up since the warm-up
+    measured them near it, and the rate with it."""
+    gap = NEAR_SHARE + 0.03 - _arriving_share(snap)
+    if gap <= 0.0:
+        return 0
+    history = snap["arrival_history_s"] or 1.0
+    return math.ceil(gap * _pessimistic_rate(snap) * history / _cost([SMALL]))
 
 
 async def _scenario(url: str) -> dict:
@@ -205,6 +225,7 @@ async def _scenario(url: str) -> dict:
         rng = random.Random(7)
         prime_rounds = await _measure_the_engine(session, rng)
         stop = asyncio.Event()
+        held = asyncio.Event()  # the stream sends nothing while set
         small: list[asyncio.Task] = []
         small_cost = _cost([SMALL])
         every = [1.0]  # the stream's interval: one a second until the rate is measured
@@ -217,7 +238,8 @@ async def _scenario(url: str) -> dict:
         async def stream() -> None:
             next_at = t0
             while not stop.is_set() and time.monotonic() - t0 < STREAM_LIMIT_S:
-                send_small()
+                if not held.is_set():
+                    send_small()
                 next_at += every[0]
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
@@ -245,9 +267,11 @@ async def _scenario(url: str) -> dict:
                         and history >= HORIZON_MARGIN * _horizon_s(snap, share)):
                     break
             warm_s = time.monotonic() - t0
+            # From here the stream keeps STREAM_SHARE of the rate, not a catch-up pace.
+            every[0] = max(MIN_INTERVAL_S, small_cost / (STREAM_SHARE * rate))
             # The burst: a backlog of small agents queued beyond what the engine serves at once.
             burst_at = time.monotonic()
-            at_registration, burst_tasks, top_ups = await _queue_a_backlog(session, send_small, burst)
+            at_registration, burst_tasks, top_ups = await _queue_a_backlog(session, send_small, burst, held)
             frozen_interval = every[0]  # the stream keeps the pace the promise was made at
             burst_wait_s = time.monotonic() - burst_at
             big = await _run(session, "big", LARGE, rng, "large")
