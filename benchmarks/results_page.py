@@ -383,6 +383,16 @@ ENTRIES: list[Entry] = [
           "one made 19 minutes earlier, so the workloads (sized from it) were light for the engine and the "
           "simulator is long of every run ([the family live](benchmarks.md#the-family-live)).",
           _family_live_metrics(("diurnal", "heavy-tail", "tenants"))),
+    Entry("family-live-all", "Live (vLLM CPU engine)",
+          "The family live: every shape on held-out seed 102", "family_live_all.json",
+          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 102 "
+          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_all.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_all.json",
+          "All six shapes of the family, fresh and taught, on one held-out seed, with a calibration made just "
+          "before with `--served` (`profile_cpu_tiny_4096_famlive_all.json`). A taught member runs faster live "
+          "than the same member on a fresh server, which the simulator does not model "
+          "([the family live](benchmarks.md#the-family-live)).",
+          _family_live_metrics(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),
