@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from justitia_sdk import AsyncClient, ServerUnavailableError, llm
+from server.api.app import WARM_UP_BATCH, WARM_UP_ROUNDS
 from server.runtime.limits import Rate
 from tests.support.fake_engine import FAKE_MODEL, FakeEngine, FakeServer
 from tests.support.waiting import wait_until
@@ -114,8 +115,10 @@ async def test_the_sdk_runs_agents_in_process_over_asgi(tmp_path) -> None:
         [record] = await client.list_agents()
         assert record.type == "in_process" and record.state == "finished"
         assert record.requests_done == 2
-        # the warm-up request, then the agent's two
-        assert [r.sampling.max_tokens for r in engine.requests] == [8, 2, 5]
+        # the warm-up batch, then the agent's two
+        warm = [r for r in engine.requests if r.request_id.startswith("justitia-warmup")]
+        assert len(warm) == WARM_UP_ROUNDS * len(WARM_UP_BATCH)
+        assert [r.sampling.max_tokens for r in engine.requests[len(warm):]] == [2, 5]
 
 
 # -- the fake server itself ----------------------------------------------------------------------
