@@ -162,10 +162,11 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
 
 
 # The warm-up: (prompt tokens, output tokens) of requests run together, WARM_UP_ROUNDS times.
-# One short generation left a fresh server's first agents 20-30% slower than the same agents
-# after a few seconds of traffic (the vLLM CPU engine, the family's `tenants` seed 102: mean
-# JCT 1.26-1.52 s fresh against 1.06-1.14 s after eight agents; mean step 4.1-4.5 ms against
-# 3.8 ms): the engine's first batches of each size and length pay for lazy set-up.
+# With one short generation instead, a fresh server's first agents ran slower than the same
+# agents after a few seconds of traffic (the vLLM CPU engine, the family's `tenants` seed
+# 102: mean JCT median 1.32 s over six fresh servers, 1.06-1.14 s after eight agents, median
+# 1.14 s over four with this batch): the engine's first batches of each size and length pay
+# for lazy set-up.
 WARM_UP_BATCH = ((64, 16), (256, 16), (1024, 16), (64, 64), (256, 64), (512, 64))
 WARM_UP_ROUNDS = 2
 
@@ -174,11 +175,12 @@ def warm_up_requests(info: EngineInfo, text_ids: Sequence[int], round_: int = 0)
     """The warm-up batch for an engine of `info`: each request cut to fit its context and
     the KV cache alone, its prompt `text_ids` repeated from a shifted start (a prompt of its
     own: the prefix cache must not make its prefill free)."""
+    if not text_ids:
+        return []
     requests = []
     for k, (prompt, output) in enumerate(WARM_UP_BATCH):
-        room = min(info.max_model_len, info.kv_capacity_tokens) - output
-        prompt = min(prompt, room)
-        if prompt < 1 or not text_ids:
+        prompt = min(prompt, min(info.max_model_len, info.kv_capacity_tokens) - output)
+        if prompt < 1:
             continue
         shift = k * 7 + round_ * 3
         ids = tuple(text_ids[(shift + i) % len(text_ids)] for i in range(prompt))
