@@ -66,6 +66,12 @@ class LocalEngineConfig:
 EngineState = Literal["stopped", "starting", "running", "restarting", "failed"]
 
 
+def warm_batch_sizes(max_num_seqs: int, usable_blocks: int) -> list[int]:
+    """The batch sizes a CPU engine warms its kernels for before it runs: 1 to the most
+    sequences it can hold at once (one block each at least, `max_num_seqs` at most)."""
+    return list(range(1, max(0, min(max_num_seqs, usable_blocks)) + 1))
+
+
 # The in-process engine's name in per-engine figures (the time model of each engine).
 ENGINE_NAME = "local"
 
@@ -112,6 +118,8 @@ class LocalVLLMEngine(TokenizerEngine):
         # given back on close: an in-process engine's caller (a test, a notebook, `bench
         # calibrate`) must not stay on fewer cores, nor hand them to the servers it starts.
         self._cores_before: set[int] | None = None
+        # Batch sizes whose kernels the worker built before the engine ran (CPU only).
+        self.warmed_batch_sizes = 0
 
     @property
     def healthy(self) -> bool:
@@ -232,6 +240,23 @@ class LocalVLLMEngine(TokenizerEngine):
             if PINNING and self._cores_before is None:  # a restart keeps the first start's
                 self._cores_before = set(os.sched_getaffinity(0))
             keep_off_worker_cores()
+            await self._warm_up_batch_sizes(blocks - 1)
+
+    async def _warm_up_batch_sizes(self, usable_blocks: int) -> None:
+        """Build the CPU kernels of every batch size the engine can run (see
+        server/engine/cpu_worker.py): at most one sequence per usable block, and at most
+        `max_num_seqs`. Prefill steps of more tokens still build theirs when first met."""
+        sizes = warm_batch_sizes(self.config.max_num_seqs, usable_blocks)
+        started = time.perf_counter()
+        try:
+            [done] = await self._llm.collective_rpc("warm_up_batch_sizes", args=(sizes,))
+        except Exception as exc:  # only speed is lost: the kernels are built when first met
+            log.warning("the engine's kernels could not be built ahead (%s): the first steps "
+                        "of each batch size will be slow", exc)
+            return
+        self.warmed_batch_sizes = len(done)
+        log.info("the engine's kernels are built for batches of 1-%d tokens (%.1f s)",
+                 len(done), time.perf_counter() - started)
 
     # -- supervision ------------------------------------------------------------------
     async def _supervise(self) -> None:

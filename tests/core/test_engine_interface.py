@@ -113,3 +113,11 @@ def test_the_shared_request_guards_refuse_what_vllm_refuses() -> None:
     assert "empty" in str(refused(()))
     assert refused((5,), max_tokens=0).param == "max_tokens"
     check_request(EngineRequest("ok", (5,) * 400, SamplingOptions(max_tokens=112)), info)
+
+
+def test_a_cpu_engine_warms_every_batch_size_it_can_hold() -> None:
+    from server.engine.vllm_local import warm_batch_sizes
+
+    assert warm_batch_sizes(256, 64) == list(range(1, 65))  # one block per sequence at least
+    assert warm_batch_sizes(8, 64) == list(range(1, 9))  # no more than max_num_seqs
+    assert warm_batch_sizes(256, 0) == []
