@@ -393,6 +393,26 @@ ENTRIES: list[Entry] = [
           "than the same member on a fresh server, which the simulator does not model "
           "([the family live](benchmarks.md#the-family-live)).",
           _family_live_metrics(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
+    Entry("family-live-103", "Live (vLLM CPU engine)",
+          "The family live: every shape on seed 103, before the engine built its kernels ahead", "family_live_103.json",
+          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 103 "
+          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_103.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_103.json",
+          "All six shapes, fresh and taught, with a calibration of the engine alone made just before "
+          "(`profile_cpu_tiny_4096_famlive_103.json`, no `--served`). The run the kernel build was chosen on: "
+          "fresh servers ran slower than taught ones on most shapes "
+          "([the family live](benchmarks.md#the-family-live)).",
+          _family_live_metrics(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
+    Entry("family-live-104", "Live (vLLM CPU engine)",
+          "The family live: every shape on held-out seed 104, the engine's kernels built ahead", "family_live_104.json",
+          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 104 "
+          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_104.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_104.json",
+          "All six shapes, fresh and taught, on a seed never run live before, with the engine's kernels built "
+          "for every batch size before it serves (the calibration's engine too: "
+          "`profile_cpu_tiny_4096_famlive_104.json`, the engine alone) "
+          "([the family live](benchmarks.md#the-family-live)).",
+          _family_live_metrics(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),
