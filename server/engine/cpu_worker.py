@@ -22,11 +22,12 @@ The worker also warms the model's kernels for every batch size the engine can ru
 exact number of rows (tokens in the step, or requests for the logits), and building one
 (JIT code generation) costs more than the step itself. Measured here on the embedded model:
 the model and its logits over batches of 1-256 tokens took 4.5 s the first time and 1.2 s
-the second; a fresh server's first minute ran steps of every new size slow, so a 48-agent
-workload (`bursts`, seed 103) took 2.64-2.90 s mean JCT on fresh servers against 2.10 s with
-the sizes warmed and 2.05 s on a server taught by another workload first.
+the second. A fresh server's first minute ran steps of every new size slow: a 48-agent
+workload (the family's `bursts`, seed 103) took a median mean JCT of 2.77 s on six fresh
+servers without the build, 2.15 s on ten with it, 2.05 s on a server taught by another
+workload first (docs/server.md, "On this machine").
 
-The worker also makes the engine die with the server: vLLM's worker exits when its
+It also makes the engine die with the server: vLLM's worker exits when its
 EngineCore does (a pipe), but the EngineCore process outlives an API process that is killed
 (SIGKILL, OOM killer), and keeps its memory and a core spinning. A thread in the worker
 watches the API process and, when it is gone, kills the EngineCore and exits.
