@@ -166,7 +166,9 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
 # agents after a few seconds of traffic (the vLLM CPU engine, the family's `tenants` seed
 # 102: mean JCT median 1.32 s over six fresh servers, 1.06-1.14 s after eight agents, median
 # 1.14 s over four with this batch): the engine's first batches of each size and length pay
-# for lazy set-up.
+# for lazy set-up. Most of it is a CPU kernel per row count, which the engine builds itself
+# for every batch size it can hold (server/engine/cpu_worker.py); this batch also reaches the
+# prefill lengths and the server's own paths (streams, output tasks).
 WARM_UP_BATCH = ((64, 16), (256, 16), (1024, 16), (64, 64), (256, 64), (512, 64))
 WARM_UP_ROUNDS = 2
 
