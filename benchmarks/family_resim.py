@@ -21,9 +21,8 @@ import json
 import sys
 
 from server.shared.profiles import EngineProfile, load_profile
-from server.sim.family import taught_workload
-from server.sim.shapes import ShapeSpec, make_shaped
-from server.sim.simulator import run_comparison
+from server.sim.family import simulate_member
+from server.sim.shapes import ShapeSpec
 
 WITHIN = 0.15
 
@@ -47,18 +46,12 @@ def resimulate(doc: dict, profiles: dict[str, EngineProfile]) -> list[dict]:
     rows = []
     for run in doc["runs"]:
         spec = ShapeSpec(run["shape"], cfg["agents"], cfg["load"], run["seed"])
-        if run["mode"] == "taught":
-            agents, ids = taught_workload(spec, sized, cfg["kv_tokens"], run["teach_offset_s"])
-        else:
-            agents = make_shaped(spec, sized, cfg["kv_tokens"])
-            ids = {a.id for a in agents}
         live = run["live"]["mean_jct_s"]
         row = {"shape": run["shape"], "seed": run["seed"], "mode": run["mode"], "live_mean_jct_s": live}
         for name, profile in profiles.items():
-            [result] = run_comparison([dataclasses.replace(a) for a in agents], ["justitia"], profile,
-                                      cfg["kv_tokens"], tau="measured")
-            mine = [a.jct_s for a in result.agents if a.id in ids]
-            row[name] = sum(mine) / len(mine) / live - 1.0
+            [result] = simulate_member(spec, run["mode"], ["justitia"], profile, cfg["kv_tokens"],
+                                       run["teach_offset_s"], sized_with=sized)
+            row[name] = result.summary()["mean_jct_s"] / live - 1.0
         rows.append(row)
     return rows
 

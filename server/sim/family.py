@@ -118,15 +118,21 @@ def run_family(
 
 
 def simulate_member(spec: ShapeSpec, mode: str, policies: Sequence[str], profile: EngineProfile,
-                    kv_tokens: int | None = None, teach_offset_s: float | None = None) -> list[PolicyResult]:
+                    kv_tokens: int | None = None, teach_offset_s: float | None = None,
+                    sized_with: EngineProfile | None = None) -> list[PolicyResult]:
     """Each policy's run of one member in the simulator, the member's agents only (taught:
-    the teacher first, the member's clock `teach_offset_s` after the teacher's)."""
+    the teacher first, the member's clock `teach_offset_s` after the teacher's).
+
+    The workload's arrival rate is sized with `sized_with` (default: `profile`), so that a
+    run made with one profile can be simulated again on another step model: the same agents
+    and arrivals, only the engine's speed changed."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    sizing = profile if sized_with is None else sized_with
     if mode == "taught":
-        agents, ids = taught_workload(spec, profile, kv_tokens, teach_offset_s)
+        agents, ids = taught_workload(spec, sizing, kv_tokens, teach_offset_s)
     else:
-        agents = make_shaped(spec, profile, kv_tokens)
+        agents = make_shaped(spec, sizing, kv_tokens)
         ids = {a.id for a in agents}
     return [replace(result, agents=[a for a in result.agents if a.id in ids])
             for result in run_comparison(agents, list(policies), profile, kv_tokens, tau="measured")]

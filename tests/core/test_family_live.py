@@ -113,3 +113,39 @@ def test_a_broken_promise_is_named_with_what_it_was_told_and_its_simulated_twin(
     assert [b["id"] for b in broken] == ["late"]
     assert broken[0]["jct_s"] == 5.0 and broken[0]["first_deadline_s"] == 4.0
     assert broken[0]["sim_jct_s"] == 3.5 and broken[0]["sim_first_deadline_s"] == 3.5
+
+
+def test_repeated_runs_of_a_member_are_judged_by_their_median() -> None:
+    # three draws of one member: the first and the last are 20% off the simulator, the
+    # median is within 15%; another member whose median is off stays off
+    draws = [compare(row(mean), row(10.0)) for mean in (8.0, 9.5, 12.5)]
+    other = [compare(row(mean, seed=101), row(10.0, seed=101)) for mean in (12.0, 13.0)]
+    [summary] = summarise_live(draws + other)
+    assert summary["runs"] == 5 and summary["sim_within"] == 1
+    first, second = summary["members"]
+    assert (first["seed"], first["runs"], first["live_mean_jct_s"]) == (100, 3, [8.0, 9.5, 12.5])
+    assert first["live_median_mean_jct_s"] == 9.5 and first["sim_error"] == pytest.approx(0.5 / 9.5)
+    assert first["sim_within"] is True
+    assert second["live_median_mean_jct_s"] == 12.5 and second["sim_error"] == pytest.approx(-0.2)
+    assert second["sim_within"] is False
+    assert summary["members_within"] == 1
+
+
+def test_repeats_are_for_live_runs_and_at_least_one(capsys) -> None:
+    assert main(["bench", "family", "--shapes", "poisson", "--seeds", "100", "--repeats", "2"]) == 2
+    assert "--repeats needs --live" in capsys.readouterr().err
+    assert main(["bench", "family", "--live", "--shapes", "poisson", "--seeds", "100", "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
+def test_a_run_simulated_again_on_another_step_model_keeps_its_workload() -> None:
+    # sized with one profile, simulated on a slower one: the same agents and arrivals, later JCTs
+    spec = ShapeSpec("poisson", 12, 0.9, seed=100)
+    slow = replace(CPU, base_s=CPU.base_s * 3, per_seq_s=CPU.per_seq_s * 3,
+                   per_prefill_token_s=CPU.per_prefill_token_s * 3, per_kv_token_s=CPU.per_kv_token_s * 3)
+    [same] = simulate_member(spec, "fresh", ["justitia"], CPU, M)
+    [slower] = simulate_member(spec, "fresh", ["justitia"], slow, M, sized_with=CPU)
+    [resized] = simulate_member(spec, "fresh", ["justitia"], slow, M)
+    assert [(a.id, a.arrival_s) for a in slower.agents] == [(a.id, a.arrival_s) for a in same.agents]
+    assert [(a.id, a.arrival_s) for a in resized.agents] != [(a.id, a.arrival_s) for a in same.agents]
+    assert slower.summary()["mean_jct_s"] > same.summary()["mean_jct_s"]

@@ -157,3 +157,35 @@ def test_bench_live_restarts_the_taught_server_on_its_history(tmp_path, justitia
     recalled = result["recalled"]
     assert (recalled["agents"], recalled["types"], recalled["registrations"]) == (3, 1, 3)
     assert result["accounting_zero"] is True and result["preemptions"] == 0
+
+
+def test_bench_family_live_runs_each_member_again_on_a_fresh_server(tmp_path, justitia_home,
+                                                                     monkeypatch) -> None:
+    """`bench family --live --repeats 2`: one member twice, a server each, both runs in the
+    file and the summary judging the simulator against their median."""
+    from dataclasses import replace
+
+    from server.sim.calibrate import save_profile
+
+    monkeypatch.setenv("JUSTITIA_HOME", justitia_home)
+    profile = tmp_path / "profile.json"
+    save_profile(replace(get_profile("cpu-tiny"), kv_tokens=4096), profile, settings={"kv_tokens": 4096},
+                 provenance={"argv": ["justitia", "bench", "calibrate", "--kv-tokens", "4096"]})
+    out = tmp_path / "family.json"
+    rc = main(["bench", "family", "--live", "--shapes", "poisson", "--seeds", "100", "--agents", "4",
+               "--repeats", "2", "--profile", str(profile), "--kv-tokens", "4096", "--max-model-len", "4096",
+               "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["repeats"] == 2
+    runs = doc["runs"]
+    assert [r["repeat"] for r in runs] == [0, 1]
+    for r in runs:
+        assert r["live"]["agents"] == 4 and r["agents_failed"] == 0 and r["agents_lost"] == 0
+        assert r["sim"]["agents"] == 4
+    [shape] = doc["shapes"]
+    [member] = shape["members"]
+    assert member["runs"] == 2
+    assert member["live_mean_jct_s"] == [r["live"]["mean_jct_s"] for r in runs]
+    assert member["live_median_mean_jct_s"] == pytest.approx(sum(member["live_mean_jct_s"]) / 2)
+    assert shape["members_within"] == int(member["sim_within"])
