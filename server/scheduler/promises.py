@@ -187,8 +187,9 @@ class Promises:
             return  # made again (late start, over-run): a promise only ever moves later
         agent.deadline_at = deadline
         # The worst case rests on the client's tool calls taking no longer than allowed.
-        agent.promise_assumes = assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context) \
-            if tight < worst else d.pauses.allowance_words(agent.agent_type, left, pauses)
+        agent.promise_assumes = (
+            assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context, d.tau)
+            if tight < worst else d.pauses.allowance_words(agent.agent_type, left, pauses))
         if not isinstance(d.policy, Justitia):
             agent.promise = PromiseKind.NONE
             agent.promise_reason = f"policy {d.policy.name} does not keep the delay bound (Justitia's)"

@@ -730,6 +730,8 @@ def test_a_deadline_is_the_eta_scaled_by_how_far_etas_have_fallen_short() -> Non
     assert fresh.delay_bound_s == pytest.approx(worst.delay_bound_s)  # still reported beside it
     assert fresh.promise == "firm" and "prior" in fresh.promise_assumes
     assert "no faster than measured" in fresh.promise_assumes
+    # and on the engine keeping its measured speed: a slower host lengthens every step counted
+    assert "the engine keeps the speed measured (tau = 100 ms per iteration)" in fresh.promise_assumes
     # a server whose ETAs fell up to 7.2x short promises 7.2x the ETA, or the worst case
     # where that is the tighter (it is here: the worst case then rests on nothing more)
     d = server()
