@@ -50,9 +50,9 @@ def register(commands: Commands) -> None:
     max_model_len_option(fam, "--live: the engine's context length (longest p + d of the workloads must fit)")
     fam.add_argument("--log-dir", metavar="DIR", default=None, help="--live: keep each server's log here")
     fam.add_argument("--repeats", type=int, default=1, metavar="N",
-                     help="--live: run each member N times, one fresh server each (a live mean JCT at load "
-                          "0.9 moves by more than 15%% run to run here); the summary compares the simulator "
-                          "with the median of the N runs")
+                     help="--live: run each member N times in a row, on a server of its own each time (a live "
+                          "mean JCT at load 0.9 moves by more than 15%% from run to run here); the summary "
+                          "compares the simulator with the median of the N runs")
 
 
 def parse_seeds(text: str) -> list[int]:

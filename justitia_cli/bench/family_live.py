@@ -275,8 +275,7 @@ def family_live_command(args: argparse.Namespace, specs: Sequence[Any], modes: S
     def heard(run: dict) -> None:
         done.append(run)
         console.print(f"{run['shape']} {run['seed']} {run['mode']} {run['policy']} run {run['repeat'] + 1}: "
-                      f"live mean JCT "
-                      f"{run['live']['mean_jct_s']:.2f} s, simulator {run['sim']['mean_jct_s']:.2f} s "
+                      f"live mean JCT {run['live']['mean_jct_s']:.2f} s, simulator {run['sim']['mean_jct_s']:.2f} s "
                       f"({100 * (run['sim_error'] or 0):+.0f}%), load {run['load_before']['load_average'][0]:.2f}"
                       f" -> {run['load_after']['load_average'][0]:.2f}")
         write(done)
