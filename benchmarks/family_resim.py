@@ -6,11 +6,16 @@ the run's own offset), then simulated on each profile given, and its mean JCT co
 the live one. It answers "would the simulator have been within 15% of these runs on that
 profile?" without running the engine again.
 
-    python benchmarks/family_resim.py benchmarks/results/family_live_all.json \
-        engine-alone=x0.877
+    python benchmarks/family_resim.py benchmarks/results/family_live_104_repeats.json \
+        calibrated=run calibrated+chunked=run+chunked refit=refit refit+chunked=refit+chunked
 
-A profile is `NAME=FILE` (a `bench calibrate` file or a built-in name) or `NAME=xF` (the
-run's own profile with every term of its step time F times longer).
+A profile is `NAME=SOURCE[+chunked]`. SOURCE is a `bench calibrate` file or a built-in
+name; `xF`: the run's own profile with every term of its step time F times longer; `run`:
+the run's own profile; `refit`: each run's engine as the server fitted it to the run's own
+steps (`engine_fit`). `+chunked` adds the chunked-prefill term of prompts longer than the
+engine's step budget (server/shared/profiles.py), as `bench calibrate` fits it now to the
+grid points of the run's profile file (`--chunk-tokens`: the budget, where the file does
+not record it).
 """
 
 from __future__ import annotations
@@ -18,59 +23,119 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
+from collections.abc import Callable
 
 from server.shared.profiles import EngineProfile, load_profile
+from server.sim.calibrate import GridPoint, fit_chunked_prefill
 from server.sim.family import simulate_member
 from server.sim.shapes import ShapeSpec
 
 WITHIN = 0.15
+VLLM_CPU_CHUNK_TOKENS = 2048  # vLLM's max_num_batched_tokens for the server on the CPU
+
+ProfileOf = Callable[[dict], EngineProfile]
 
 
-def profile_of(spec: str, run_profile: EngineProfile) -> tuple[str, EngineProfile]:
+def chunked(profile: EngineProfile, calibration: dict, chunk_tokens: int) -> EngineProfile:
+    """`profile` with the chunked-prefill term fitted to a calibration file's grid points."""
+    chunk = int((calibration.get("settings") or {}).get("max_num_batched_tokens") or chunk_tokens)
+    points = [(GridPoint(p["batch"], p["prompt"], p["output"]), p["seconds"])
+              for p in (calibration.get("fit") or {}).get("points", [])]
+    return fit_chunked_prefill(points, profile, chunk)
+
+
+def refitted(run_profile: EngineProfile, run: dict) -> EngineProfile:
+    fit = run.get("engine_fit")
+    if not fit:
+        raise SystemExit(f"{run['shape']} seed {run['seed']} {run['mode']}: no engine_fit to refit with")
+    return dataclasses.replace(run_profile, base_s=fit["base_s"], per_seq_s=fit["per_seq_s"],
+                               per_prefill_token_s=fit["per_prefill_token_s"], per_kv_token_s=fit["per_kv_token_s"])
+
+
+def profile_of(spec: str, run_profile: EngineProfile, calibration: dict, chunk_tokens: int) -> tuple[str, ProfileOf]:
     name, _, value = spec.partition("=")
     if not name or not value:
-        raise SystemExit(f"a profile is NAME=FILE or NAME=xF, not {spec!r}")
-    if value.startswith("x"):
-        f = float(value[1:])
-        return name, dataclasses.replace(
-            run_profile, base_s=run_profile.base_s * f, per_seq_s=run_profile.per_seq_s * f,
-            per_prefill_token_s=run_profile.per_prefill_token_s * f,
-            per_kv_token_s=run_profile.per_kv_token_s * f)
-    return name, load_profile(value)
+        raise SystemExit(f"a profile is NAME=SOURCE[+chunked], not {spec!r}")
+    source, plus, extra = value.partition("+")
+    if plus and extra != "chunked":
+        raise SystemExit(f"{spec!r}: the only addition is +chunked")
+
+    term = chunked(run_profile, calibration, chunk_tokens)
+
+    def finish(profile: EngineProfile) -> EngineProfile:
+        if not plus:
+            return profile
+        return dataclasses.replace(profile, prefill_chunk_tokens=term.prefill_chunk_tokens,
+                                   per_chunked_prefill_s=term.per_chunked_prefill_s)
+
+    if source == "refit":
+        return name, lambda run: finish(refitted(run_profile, run))
+    if source == "run":
+        fixed = finish(run_profile)
+    elif source.startswith("x"):
+        fixed = finish(run_profile.scaled(float(source[1:])))
+    else:
+        fixed = finish(load_profile(source))
+    return name, lambda run: fixed
 
 
-def resimulate(doc: dict, profiles: dict[str, EngineProfile]) -> list[dict]:
+def resimulate(doc: dict, profiles: dict[str, ProfileOf]) -> list[dict]:
     cfg = doc["config"]
     sized = load_profile(cfg["profile_file"]["file"])
     rows = []
     for run in doc["runs"]:
         spec = ShapeSpec(run["shape"], cfg["agents"], cfg["load"], run["seed"])
         live = run["live"]["mean_jct_s"]
-        row = {"shape": run["shape"], "seed": run["seed"], "mode": run["mode"], "live_mean_jct_s": live}
-        for name, profile in profiles.items():
-            [result] = simulate_member(spec, run["mode"], ["justitia"], profile, cfg["kv_tokens"],
+        row = {"shape": run["shape"], "seed": run["seed"], "mode": run["mode"], "live_mean_jct_s": live, "sim": {}}
+        for name, profile_for in profiles.items():
+            [result] = simulate_member(spec, run["mode"], ["justitia"], profile_for(run), cfg["kv_tokens"],
                                        run["teach_offset_s"], sized_with=sized)
-            row[name] = result.summary()["mean_jct_s"] / live - 1.0
+            row["sim"][name] = result.summary()["mean_jct_s"]
+            row[name] = row["sim"][name] / live - 1.0
         rows.append(row)
     return rows
+
+
+def members_within(rows: list[dict], name: str) -> tuple[int, int]:
+    """Of the members (shape, seed, mode) run once or more: how many have the median of
+    their simulated mean JCTs within WITHIN of the median of their live ones."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["shape"], r["seed"], r["mode"]), []).append(r)
+    within = 0
+    for mine in groups.values():
+        live = statistics.median(r["live_mean_jct_s"] for r in mine)
+        sim = statistics.median(r["sim"][name] for r in mine)
+        within += abs(sim / live - 1.0) <= WITHIN
+    return within, len(groups)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("family_json", help="a `bench family --live --json` file")
-    ap.add_argument("profiles", nargs="+", help="NAME=FILE or NAME=xF (see above)")
+    ap.add_argument("profiles", nargs="+", help="NAME=SOURCE[+chunked] (see above)")
+    ap.add_argument("--chunk-tokens", type=int, default=VLLM_CPU_CHUNK_TOKENS,
+                    help="the engine's token budget per step, where the calibration file does not record it "
+                         "(default: %(default)s, vLLM's for the server on the CPU)")
     args = ap.parse_args(argv)
     doc = json.load(open(args.family_json))
-    run_profile = load_profile(doc["config"]["profile_file"]["file"])
-    profiles = dict(profile_of(p, run_profile) for p in args.profiles)
+    profile_file = doc["config"]["profile_file"]["file"]
+    run_profile = load_profile(profile_file)
+    calibration = json.load(open(profile_file))
+    profiles = dict(profile_of(p, run_profile, calibration, args.chunk_tokens) for p in args.profiles)
     rows = resimulate(doc, profiles)
     for row in rows:
         errors = "  ".join(f"{n} {100 * row[n]:+.0f}%" for n in profiles)
         print(f"{row['shape']:10s} {row['seed']} {row['mode']:6s} live {row['live_mean_jct_s']:.2f} s  {errors}")
     for name in profiles:
         within = sum(abs(r[name]) <= WITHIN for r in rows)
-        print(f"{name}: simulator within {WITHIN:.0%} of {within} of {len(rows)} live runs")
+        errors = sorted(r[name] for r in rows)
+        members, of = members_within(rows, name)
+        print(f"{name}: simulator within {WITHIN:.0%} of {within} of {len(rows)} live runs "
+              f"(median error {100 * statistics.median(errors):+.0f}%); of the median of each member's runs: "
+              f"{members} of {of}")
     return 0
 
 

@@ -191,7 +191,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
         results, info = asyncio.run(calibrate.measure(points, args.kv_tokens, args.max_model_len,
                                                       seed=args.seed, progress=advance))
     name = args.name or Path(args.out).stem
-    profile, model = calibrate.fit_profile(results, info["kv_tokens"], info["max_model_len"], name)
+    profile, model = calibrate.fit_profile(results, info["kv_tokens"], info["max_model_len"], name,
+                                           chunk_tokens=info["max_num_batched_tokens"])
     rows = calibrate.point_rows(results, profile, model)
     summary = calibrate.summary(rows, model)
     served: dict = {}
@@ -218,6 +219,10 @@ def calibrate_command(args: argparse.Namespace) -> int:
         f"   ({model.samples} steps; per-step error p50 {100 * (model.error_p50 or 0):.0f}%, "
         f"p90 {100 * (model.error_p90 or 0):.0f}%; per point: fit {100 * summary['point_fit_error_mean']:.0f}% mean, "
         f"simulator {100 * summary['point_sim_error_mean']:.0f}% mean)")
+    if profile.per_chunked_prefill_s > 0:
+        console.print(f"a prompt past the engine's {profile.prefill_chunk_tokens}-token step budget adds "
+                      f"{profile.per_chunked_prefill_s * 1e9:.2f} ns x (tokens past it) x (its tokens), "
+                      f"its chunked prefill's attention (fitted to the points past the budget)")
     if served:
         console.print(f"served through the server: {len(served['points'])} points, slowdown "
                       + ", ".join(f"{r['slowdown']:.2f}" for r in served["points"])

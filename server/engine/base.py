@@ -146,6 +146,9 @@ class EngineInfo:
     # where unknown, e.g. a remote replica). A profile measured in another dtype measures
     # another engine: on a CPU without native bfloat16, prefill at twice the cost.
     dtype: str = ""
+    # The most tokens one step computes (vLLM's max_num_batched_tokens; 0: unknown): a longer
+    # prompt is prefilled in chunks over several steps, each attending over the ones before.
+    max_num_batched_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,7 @@ class LocalVLLMEngine(TokenizerEngine):
                            int(vcfg.model_config.get_vocab_size())),
             max_logprobs=int(vcfg.model_config.max_logprobs),
             dtype=str(vcfg.model_config.dtype).removeprefix("torch."),
+            max_num_batched_tokens=int(vcfg.scheduler_config.max_num_batched_tokens or 0),
         )
         if self._info is not None and info != self._info:
             # Same settings, same engine: the scheduler keeps the first one's capacity.

@@ -10,6 +10,16 @@ duration is modelled as
 (`kv_tokens_attended`: the running requests' contexts summed, a shared prefix once per
 request that reads it; see server/scheduler/time_model.py.)
 
+A prompt longer than the engine's token budget per step (vLLM's `max_num_batched_tokens`,
+`prefill_chunk_tokens`) costs more than that line: it is prefilled in chunks over several
+steps, and each later chunk attends over the chunks before it, so its attention grows with
+the square of the prompt where the model's prefill term is linear. The simulator's engine adds
+`per_chunked_prefill_s x (p - chunk) x p` for such a prompt of p tokens computed
+(`chunked_prefill_s`); `bench calibrate` fits the coefficient to what its long-prompt grid
+points took beyond the linear model (on the CPU engine, a 3,968-token prompt took 0.068 s
+more than the line through the others: -32% at that point without the term). Without a
+prompt past the budget (a context no longer than it), the term is 0.
+
 `tau_ref_s` is the iteration time the scheduler's GPS rate uses (R = M / tau_ref): the
 iteration time of a decode batch with the whole KV cache in use.
 
@@ -40,7 +50,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from server.shared.step_time import TimeModel
@@ -62,6 +72,8 @@ class EngineProfile:
     length_scale: float = 1.0  # default scale of trace lengths for workloads of this profile
     source: str = ""
     block_size: int = 16  # KV block (tokens): the unit the prefix cache keeps and evicts
+    prefill_chunk_tokens: int = 0  # the engine's token budget per step (0: no chunking modelled)
+    per_chunked_prefill_s: float = 0.0  # per (prompt token past the budget x prompt token)
 
     def iteration_s(self, batch: float, prefill_tokens: float, kv_tokens: float) -> float:
         """Duration of one iteration (seconds)."""
@@ -72,6 +84,14 @@ class EngineProfile:
             + self.per_kv_token_s * kv_tokens
         )
 
+    def chunked_prefill_s(self, prompt_tokens: float) -> float:
+        """What a prompt of `prompt_tokens` computed costs beyond `iteration_s`'s linear
+        prefill term: 0 within one step's budget (module docstring)."""
+        over = prompt_tokens - self.prefill_chunk_tokens
+        if self.prefill_chunk_tokens <= 0 or over <= 0:
+            return 0.0
+        return self.per_chunked_prefill_s * over * prompt_tokens
+
     def tau_ref_s(self, kv_tokens: int | None = None, typical_footprint: int = 700) -> float:
         """Iteration time of a decode batch that fills the KV cache: the GPS tau."""
         m = kv_tokens or self.kv_tokens
@@ -80,6 +100,13 @@ class EngineProfile:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def scaled(self, factor: float) -> EngineProfile:
+        """The profile with every term of its step time `factor` times longer."""
+        return replace(self, base_s=self.base_s * factor, per_seq_s=self.per_seq_s * factor,
+                       per_prefill_token_s=self.per_prefill_token_s * factor,
+                       per_kv_token_s=self.per_kv_token_s * factor,
+                       per_chunked_prefill_s=self.per_chunked_prefill_s * factor)
 
     def time_model(self) -> TimeModel:
         """The profile's step-time coefficients as the scheduler's plain-data time model."""
@@ -90,16 +117,21 @@ class EngineProfile:
     def from_dict(cls, d: dict) -> EngineProfile:
         """A profile from its fields (extra keys, such as a calibration's fit, are ignored)."""
         names = {f.name for f in fields(cls)}
-        missing = sorted(n for n in names - {"length_scale", "source", "block_size"} if n not in d)
+        optional = {"length_scale", "source", "block_size", "prefill_chunk_tokens", "per_chunked_prefill_s"}
+        missing = sorted(n for n in names - optional if n not in d)
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
         kw = {k: d[k] for k in names if k in d}
-        for k in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s", "length_scale"):
+        for k in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s", "length_scale",
+                  "per_chunked_prefill_s"):
             if k in kw and not (isinstance(kw[k], (int, float)) and math.isfinite(kw[k]) and kw[k] >= 0):
                 raise ValueError(f"{k} must be a finite number >= 0, not {kw[k]!r}")
         for k in ("kv_tokens", "max_num_seqs", "max_model_len", "block_size"):
             if k in kw and not (isinstance(kw[k], int) and kw[k] > 0):
                 raise ValueError(f"{k} must be a positive integer, not {kw[k]!r}")
+        chunk = kw.get("prefill_chunk_tokens", 0)
+        if not (isinstance(chunk, int) and chunk >= 0):
+            raise ValueError(f"prefill_chunk_tokens must be an integer >= 0, not {chunk!r}")
         return cls(**kw)
 
     def effective_tau_s(self, kv_tokens: int, requests: list[tuple[int, int]]) -> float:
@@ -107,7 +139,8 @@ class EngineProfile:
         request mix, with its KV cache full of reservations (p + d per running request).
 
         Over time a running request reserves p + d tokens but uses p + d/2 on average, and its
-        prompt is prefilled once over its d iterations. With b = M / r requests running
+        prompt is prefilled once over its d iterations (a prompt past the step budget with
+        its chunked prefill's extra, `chunked_prefill_s`). With b = M / r requests running
         (r: time-weighted reservation), one iteration serves b * u cost units (u: time-weighted
         use) and lasts iteration_s(b, b * P/D, b * u) (P/D: prompt tokens per decode step).
         tau = M / (cost units per second). The live server measures the same quantity online:
@@ -120,7 +153,8 @@ class EngineProfile:
         u = sum(p * d + d * (d + 1) / 2 for p, d in requests) / sum_d
         prompt_per_step = sum(p for p, _ in requests) / sum_d
         batch = min(float(self.max_num_seqs), kv_tokens / r)
-        it = self.iteration_s(batch, batch * prompt_per_step, batch * u)
+        chunked_per_step = sum(self.chunked_prefill_s(p) for p, _ in requests) / sum_d
+        it = self.iteration_s(batch, batch * prompt_per_step, batch * u) + batch * chunked_per_step
         return kv_tokens * it / (batch * u)
 
 

@@ -14,6 +14,12 @@ grid point is checked twice:
 * `sim_error`: the simulator's engine model (server/sim/engine.py) run on the same batch with
   the fitted profile, against the measured time (how well the simulator predicts the run
   from its shape alone: this is what `bench sim` and `bench live`'s `sim_mean_jct_s` use).
+
+The step samples cannot show what a prompt longer than the engine's token budget per step
+costs beyond the linear model (vLLM counts a chunked prompt at its last chunk, and a step's
+statistics do not say how long its prompts were): that term (`chunked_prefill_s`,
+server/shared/profiles.py) is fitted to the grid points whose prompts pass the budget, as what
+they took beyond the simulator's time for them without it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -125,7 +131,8 @@ async def measure(points: list[GridPoint], kv_tokens: int, max_model_len: int, *
             if progress:
                 progress(k + 1, pt)
         info = {"kv_tokens": engine.info.kv_capacity_tokens, "block_size": engine.info.block_size,
-                "max_model_len": engine.info.max_model_len, "dtype": engine.info.dtype, "startup_s": startup}
+                "max_model_len": engine.info.max_model_len, "dtype": engine.info.dtype,
+                "max_num_batched_tokens": engine.info.max_num_batched_tokens, "startup_s": startup}
     finally:
         await engine.close()
     return results, info
@@ -145,8 +152,9 @@ def simulate_point(profile: EngineProfile, kv_tokens: int, pt: GridPoint) -> flo
 
 
 def fit_profile(results: list[PointResult], kv_tokens: int, max_model_len: int,
-                name: str, prior: TimeModel | None = None) -> tuple[EngineProfile, TimeModel]:
-    """Fit the step samples of every point (a weak prior: the data decide)."""
+                name: str, prior: TimeModel | None = None, chunk_tokens: int = 0) -> tuple[EngineProfile, TimeModel]:
+    """Fit the step samples of every point (a weak prior: the data decide), then the
+    chunked-prefill term of prompts past `chunk_tokens`, the engine's budget per step."""
     prior = prior or PROFILES["cpu-tiny"].time_model()
     model = fit_samples([s for r in results for s in r.samples], prior, prior_weight=1.0)
     base = PROFILES["cpu-tiny"]
@@ -157,7 +165,23 @@ def fit_profile(results: list[PointResult], kv_tokens: int, max_model_len: int,
         length_scale=base.length_scale,
         source=f"justitia bench calibrate on {platform.node() or 'this machine'}: "
                f"{len(results)} grid points, {model.samples} engine steps")
-    return profile, model
+    return fit_chunked_prefill([(r.point, r.seconds) for r in results], profile, chunk_tokens), model
+
+
+def fit_chunked_prefill(points: list[tuple[GridPoint, float]], profile: EngineProfile,
+                        chunk_tokens: int) -> EngineProfile:
+    """`profile` with the engine's budget per step and the chunked-prefill coefficient that
+    best explains (least squares through 0, never negative) what the points whose prompts pass
+    the budget took, in seconds, beyond the simulator's time for them without the term.
+    Without such points the coefficient is 0: the grid did not measure it."""
+    base = replace(profile, prefill_chunk_tokens=max(0, chunk_tokens), per_chunked_prefill_s=0.0)
+    past = [(pt, seconds) for pt, seconds in points if chunk_tokens > 0 and pt.prompt > chunk_tokens]
+    if not past:
+        return base
+    x = [pt.batch * (pt.prompt - chunk_tokens) * pt.prompt for pt, _ in past]
+    y = [seconds - simulate_point(base, base.kv_tokens, pt) for pt, seconds in past]
+    coefficient = sum(a * b for a, b in zip(x, y, strict=True)) / sum(a * a for a in x)
+    return replace(base, per_chunked_prefill_s=max(0.0, coefficient))
 
 
 def point_rows(results: list[PointResult], profile: EngineProfile, model: TimeModel) -> list[dict]:

@@ -82,6 +82,5 @@ def scaled(profile: EngineProfile, factor: float) -> EngineProfile:
     if not factor > 0:
         raise ValueError(f"a slowdown must be positive, not {factor!r}")
     return dataclasses.replace(
-        profile, base_s=profile.base_s * factor, per_seq_s=profile.per_seq_s * factor,
-        per_prefill_token_s=profile.per_prefill_token_s * factor, per_kv_token_s=profile.per_kv_token_s * factor,
+        profile.scaled(factor),
         source=f"{profile.source}; x{factor:.2f}, the median slowdown of its points served through the server")

@@ -18,7 +18,11 @@ Free memory, as the engine reports it, counts such unreferenced prefixes as free
 
 An iteration's time is the profile's function of the batch, the prompt tokens it prefills
 and the context tokens its sequences attend over: each running request its whole prompt and
-what it has generated, a shared prefix once per request that reads it. Memory counts a shared
+what it has generated, a shared prefix once per request that reads it. A prompt longer than
+the engine's token budget per step adds its chunked prefill's extra
+(`EngineProfile.chunked_prefill_s`), charged in the one iteration that prefills it: vLLM
+spreads it over as many steps as it has chunks, with the other requests' decodes in each,
+which moves time within the stretch but not its sum. Memory counts a shared
 prefix once; attention does not (16 requests over one shared 2,048-token head step 5.4 ms
 slower than over 16-token heads on the CPU engine, docs/benchmarks.md).
 
@@ -407,6 +411,8 @@ class EngineModel:
             n = 1
             dt = prof.iteration_s(batch, prefill, self.attended)
             for r in self.running:
+                if r.prefill:
+                    dt += prof.chunked_prefill_s(r.prefill)
                 r.prefill = 0
         else:
             n = min(r.output_tokens - r.generated for r in self.running)

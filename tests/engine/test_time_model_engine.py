@@ -70,6 +70,11 @@ def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys)
         assert doc["profile"][term] == pytest.approx(alone[term] * served["slowdown"])
     prof = load_profile(str(out))
     assert prof.kv_tokens == 2048 and prof.max_model_len == 1024
+    # the engine's token budget per step, as vLLM set it; no prompt of a 1,024-token context
+    # passes it, so the chunked-prefill term is recorded unfitted
+    assert doc["settings"]["max_num_batched_tokens"] >= 1024
+    assert prof.prefill_chunk_tokens == doc["settings"]["max_num_batched_tokens"]
+    assert prof.per_chunked_prefill_s == 0.0
     assert prof.base_s + prof.per_seq_s > 0 and prof.per_prefill_token_s >= 0
     wl = tmp_path / "w.jsonl"
     wl.write_text(json.dumps({"id": "a", "arrival": 0, "stages": [[{"p": 300, "d": 20}]]}) + "\n")
