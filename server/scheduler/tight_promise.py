@@ -91,8 +91,7 @@ def fair_share_s(fluid_s: float, share: float, span_s: float) -> float:
     return stretched if stretched <= span_s else fluid_s + share * span_s
 
 
-def assumption(factor: float, seen: int, arrival_rate: float, context: int = 0,
-               iteration_s: float | None = None) -> str:
+def assumption(factor: float, seen: int, arrival_rate: float, context: int, iteration_s: float) -> str:
     """What a calibrated deadline rests on, in the record's words: the record of ETAs behind
     its factor, the arrivals, and the engine's speed (a host slower than when the deadline
     was given makes every step longer than the ETA counted)."""
@@ -100,10 +99,9 @@ def assumption(factor: float, seen: int, arrival_rate: float, context: int = 0,
     basis = (f"the largest JCT / first ETA of the last {seen} agents finished, at least "
              f"{CONTEXT_FLOORS[context]:g} for an agent {place}" if seen >= MIN_SEEN
              else f"a fresh server's prior for an agent {place}")
-    engine = "" if iteration_s is None else \
-        f", the engine keeps the speed measured (tau = {1000 * iteration_s:.3g} ms per iteration)"
     return (f"deadline = {factor:.2g} x the ETA ({basis}); holds while work arrives no faster than measured "
-            f"({arrival_rate:.4g} units/s){engine} and the traffic ahead is like the traffic behind; "
+            f"({arrival_rate:.4g} units/s), the engine keeps the speed measured (tau = {1000 * iteration_s:.3g} ms "
+            f"per iteration) and the traffic ahead is like the traffic behind; "
             f"without those assumptions: fair_finish_s + delay_bound_s")
 
 
