@@ -131,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['shape']:10s} {row['seed']} {row['mode']:6s} live {row['live_mean_jct_s']:.2f} s  {errors}")
     for name in profiles:
         within = sum(abs(r[name]) <= WITHIN for r in rows)
-        errors = sorted(r[name] for r in rows)
+        median = statistics.median(r[name] for r in rows)
         members, of = members_within(rows, name)
         print(f"{name}: simulator within {WITHIN:.0%} of {within} of {len(rows)} live runs "
-              f"(median error {100 * statistics.median(errors):+.0f}%); of the median of each member's runs: "
+              f"(median error {100 * median:+.0f}%); of the median of each member's runs: "
               f"{members} of {of}")
     return 0
 

@@ -460,6 +460,9 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         # agents that ended with an error (a request failed), and agents that hung
         "agents_failed": sum("error" in o and not o.get("lost") for o in outs),
         "agents_lost": sum(bool(o.get("lost")) for o in outs),
+        # the server's data dir, kept: its history holds every agent's requests with when each
+        # was submitted, admitted and finished (benchmarks/requests_vs_sim.py reads it)
+        "data_dir": home,
         "failures": [{"id": a.id, "error": o["error"], "lost": bool(o.get("lost"))}
                      for a, o in zip(agents, outs, strict=True) if "error" in o],
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +68,16 @@ def test_bench_live_replays_a_workload_and_writes_the_contract(tmp_path, justiti
     # the same run simulated with the step-time model the server fitted to this engine
     assert result["time_model"]["engines"]["local"]["samples"] > 0
     assert LIVE_OVER_ONLINE_SIM[0] < online < LIVE_OVER_ONLINE_SIM[1], result
+    # the server's data dir is kept: its history times every request, which the simulator's
+    # run of the same workload is compared with, request by request
+    from benchmarks.requests_vs_sim import main as requests_vs_sim
+
+    assert (Path(result["data_dir"]) / "history.sqlite3").is_file()
+    compared = tmp_path / "requests.json"
+    assert requests_vs_sim([str(out), "--json", str(compared)]) == 0
+    by_size = json.loads(compared.read_text())["engine_time_by_size"]
+    assert sum(b["requests"] for b in by_size.values()) == sum(len(st) for a in agents for st in a.stages)
+    assert all(b["live_s"] > 0 and b["sim_s"] > 0 for b in by_size.values() if b["requests"])
 
 
 def test_bench_live_renders_shared_prefixes_that_the_engine_caches(tmp_path, justitia_home,
