@@ -146,15 +146,17 @@ def _family_live_within(shape: str, mode: str):
 LIVE_SHAPES = ("poisson", "bursts", "sessions")
 
 
-def _family_repeats_row(shape: str, mode: str):
-    """One member of a `bench family --live --repeats 3` file: its three runs, their median
+def _family_repeats_row(shape: str, mode: str, repeats: int = 3):
+    """One member of a `bench family --live --repeats N` file: its N runs, their median
     beside the simulator's, and the live figures (medians over the runs, promises summed)."""
     at = f"shapes[shape={shape},mode={mode}]"
     runs = f"{at}.members[0].live_mean_jct_s"
-    return m(f"{shape}, {mode}: mean JCT of three runs live; their median / sim, sim error against the median, "
+    count = {2: "two", 3: "three"}.get(repeats, str(repeats))
+    each = ", ".join(f"{{r{i}:.2f}}" for i in range(repeats))
+    return m(f"{shape}, {mode}: mean JCT of {count} runs live; their median / sim, sim error against the median, "
              "kept live, ETA error p50 / p90 live, deadline/JCT live, in interval live",
-             "{r0:.2f}, {r1:.2f}, {r2:.2f} s; {l:.2f} / {s:.2f} s, {e:+.0%}, {k}/{n}, {a:.2f} / {b:.2f}, {d:.1f}x, "
-             "{c:.0%}", r0=f"{runs}[0]", r1=f"{runs}[1]", r2=f"{runs}[2]",
+             each + " s; {l:.2f} / {s:.2f} s, {e:+.0%}, {k}/{n}, {a:.2f} / {b:.2f}, {d:.1f}x, {c:.0%}",
+             **{f"r{i}": f"{runs}[{i}]" for i in range(repeats)},
              l=f"{at}.members[0].live_median_mean_jct_s", s=f"{at}.members[0].sim_median_mean_jct_s",
              e=f"{at}.members[0].sim_error", k=f"{at}.live.promises_kept", n=f"{at}.live.promises",
              a=f"{at}.live.eta_error_p50", b=f"{at}.live.eta_error_p90", d=f"{at}.live.deadline_over_jct_p50",
@@ -441,6 +443,20 @@ ENTRIES: list[Entry] = [
           "([the family live](benchmarks.md#repeats-on-seed-104)).",
           [_family_repeats_row(shape, mode) for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants",
                                                           "sessions") for mode in ("fresh", "taught")]),
+    Entry("family-live-103-chunked", "Live (vLLM CPU engine)",
+          "The family live: every shape on held-out seed 103, two runs of each member, the simulator "
+          "timing prompts past the step budget",
+          "family_live_103_chunked.json",
+          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 103 "
+          "--modes fresh,taught --repeats 2 "
+          "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_103_chunked.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_103_chunked.json",
+          "All six shapes, fresh and taught, each run twice on a server of its own, with a calibration made just "
+          "before that fits the chunked-prefill term (`profile_cpu_tiny_4096_famlive_103_chunked.json`). "
+          "The simulator is judged against the median of each member's runs "
+          "([seed 103 with the term](benchmarks.md#seed-103-with-the-term-twice-per-member)).",
+          [_family_repeats_row(shape, mode, 2) for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants",
+                                                             "sessions") for mode in ("fresh", "taught")]),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),
