@@ -62,10 +62,10 @@ def profile_of(spec: str, run_profile: EngineProfile, calibration: dict, chunk_t
     if plus and extra != "chunked":
         raise SystemExit(f"{spec!r}: the only addition is +chunked")
 
-    term = chunked(run_profile, calibration, chunk_tokens)
+    term = chunked(run_profile, calibration, chunk_tokens) if plus else None
 
     def finish(profile: EngineProfile) -> EngineProfile:
-        if not plus:
+        if term is None:
             return profile
         return dataclasses.replace(profile, prefill_chunk_tokens=term.prefill_chunk_tokens,
                                    per_chunked_prefill_s=term.per_chunked_prefill_s)

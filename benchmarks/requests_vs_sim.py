@@ -32,6 +32,12 @@ from server.sim.workload import AgentSpec, load_workload
 SIZES = ((0, 1024), (1024, 2048), (2048, 3500), (3500, 10**9))  # prompt + output tokens
 
 
+def _size_name(tokens: int) -> str:
+    """The SIZES bucket a request of `tokens` (prompt + output) falls in, as "lo-hi"."""
+    lo, hi = next(b for b in SIZES if b[0] <= tokens < b[1])
+    return f"{lo}-{hi if hi < 10**9 else ''}"
+
+
 def live_requests(history: Path) -> dict[tuple[str, int], list[dict]]:
     """(workload agent id, prompt + output tokens) -> its requests' times, in seconds since
     the first agent's registration."""
@@ -87,7 +93,7 @@ def simulated_requests(agents: list[AgentSpec], policy: str, profile: EngineProf
 
 def compare(live: dict, sim: dict) -> dict:
     """Requests matched by agent and size, in order: engine time per size, waits in all."""
-    sizes: dict[str, list[list[float]]] = {f"{lo}-{hi if hi < 10**9 else ''}": [[], []] for lo, hi in SIZES}
+    sizes: dict[str, list[list[float]]] = {_size_name(lo): [[], []] for lo, _ in SIZES}
     waits = [0.0, 0.0]
     for key, mine in live.items():
         twins = list(sim.get(key, []))
@@ -95,8 +101,7 @@ def compare(live: dict, sim: dict) -> dict:
             if not twins:
                 continue
             s = twins.pop(0)
-            lo, hi = next(b for b in SIZES if b[0] <= key[1] < b[1])
-            bucket = sizes[f"{lo}-{hi if hi < 10**9 else ''}"]
+            bucket = sizes[_size_name(key[1])]
             bucket[0].append(r["finished"] - r["admitted"])
             bucket[1].append(s["finished"] - s["admitted"])
             waits[0] += r["admitted"] - r["submitted"]

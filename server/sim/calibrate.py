@@ -175,7 +175,7 @@ def fit_chunked_prefill(points: list[tuple[GridPoint, float]], profile: EnginePr
     the budget took, in seconds, beyond the simulator's time for them without the term.
     Without such points the coefficient is 0: the grid did not measure it."""
     base = replace(profile, prefill_chunk_tokens=max(0, chunk_tokens), per_chunked_prefill_s=0.0)
-    past = [(pt, seconds) for pt, seconds in points if chunk_tokens > 0 and pt.prompt > chunk_tokens]
+    past = [(pt, seconds) for pt, seconds in points if pt.prompt > chunk_tokens] if chunk_tokens > 0 else []
     if not past:
         return base
     x = [pt.batch * (pt.prompt - chunk_tokens) * pt.prompt for pt, _ in past]
