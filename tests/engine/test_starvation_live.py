@@ -66,11 +66,13 @@ WARM_MAX_S = 60.0
 # widened; the stream holds back meanwhile); at most SHARE_WAIT_S more.
 SHARE_AT_MOST = 0.86
 SHARE_WAIT_S = 15.0
-# If the burst was served by then, TOP_UP more small agents (three requests each: more than
-# the engine runs at once), at most TOP_UPS times; snapshots every POLL_S meanwhile.
+# Arrivals fallen short of NEAR_SHARE meanwhile are topped up (at least TOP_UP small agents,
+# at most TOP_UPS times); a burst served by then is replaced by TOP_UP more (three requests
+# each: more than the engine runs at once). Snapshots every POLL_S meanwhile.
 TOP_UP = MIN_BURST
 TOP_UPS = 3
 POLL_S = 0.1
+BACKLOG_WAIT_S = 2.0  # a top-up shows queued within this, or the assertions fail
 # Before the stream: PRIME small agents at once, until the server has timed a step with the
 # cache at least half full (its promises are widened until then), at most PRIME_ROUNDS times.
 PRIME = 6
@@ -173,13 +175,18 @@ async def _queue_a_backlog(session: aiohttp.ClientSession, send_small: Callable[
                            held: asyncio.Event) -> tuple[dict, list[asyncio.Task], int]:
     """Send `burst` small agents at once, then wait until the server has counted them in the
     arrivals (a pass of ETAs after them) and measures the arrivals at most SHARE_AT_MOST of
-    its pessimistic rate (at most SHARE_WAIT_S). The engine may have served the burst by
-    then (a fast host): then TOP_UP more small agents, a backlog that adds little to the
-    arrivals, at most TOP_UPS times; the scenario's assertions fail if none is left. If the
-    arrivals measured have fallen below NEAR_SHARE of the rate meanwhile (the host sped up),
-    the top-up is as many as bring them back to it. While they measure above SHARE_AT_MOST
-    (the host slowed down), the stream is `held`: it sends nothing until they are back under.
-    Returns the snapshot to register on, the burst's tasks and the top-ups it took."""
+    its pessimistic rate (at most SHARE_WAIT_S). While they measure above it (the host slowed
+    down, and the pessimistic rate with it), the stream is `held`: it sends nothing until they
+    are back under. If they have fallen below NEAR_SHARE of the rate meanwhile (the host sped
+    up), as many small agents as bring them back to it are sent and counted in turn.
+
+    The engine may have served the burst by then (a fast host, or a long hold). Then TOP_UP
+    more small agents are sent, and the snapshot to register on is the first that shows them
+    queued. No pass of ETAs is waited for: they are registered work ahead of the large agent,
+    which its promise counts as backlog (not as arrivals to come), and a few small agents are
+    served in less time than a pass or two takes. Returns the snapshot to register on, the
+    burst's tasks and the top-ups it took (at most TOP_UPS; the assertions fail if the
+    arrivals are still short of the rate then)."""
     tasks = [send_small() for _ in range(burst)]
     limit = time.monotonic() + SHARE_WAIT_S
     counted_after = None
@@ -198,13 +205,30 @@ async def _queue_a_backlog(session: aiohttp.ClientSession, send_small: Callable[
             held.clear()
         if not (counted and (calm or time.monotonic() > limit)):
             continue
+        held.clear()
         short = _agents_short_of_near_share(snap)
-        if (_has_backlog(snap) and not short) or top_ups == TOP_UPS:
-            held.clear()
+        if short and top_ups < TOP_UPS:
+            tasks += [send_small() for _ in range(max(TOP_UP, short))]
+            top_ups += 1
+            counted_after = None
+            continue
+        if _has_backlog(snap) or short:
             return snap, tasks, top_ups
-        tasks += [send_small() for _ in range(max(TOP_UP, short))]
-        top_ups += 1
-        counted_after = None
+        tasks += [send_small() for _ in range(TOP_UP)]
+        return await _first_backlog(session, snap), tasks, top_ups + 1
+
+
+async def _first_backlog(session: aiohttp.ClientSession, snap: dict) -> dict:
+    """The first snapshot that shows a backlog, polled as fast as a snapshot comes (at most
+    BACKLOG_WAIT_S; `snap` if none does): small agents just sent register and queue within
+    milliseconds, and the engine starts serving them as soon."""
+    limit = time.monotonic() + BACKLOG_WAIT_S
+    while time.monotonic() < limit:
+        latest = await _snapshot(session)
+        if _has_backlog(latest):
+            return latest
+        await asyncio.sleep(0.01)
+    return snap
 
 
 def _agents_short_of_near_share(snap: dict) -> int:
