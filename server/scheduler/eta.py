@@ -247,6 +247,12 @@ class WorkArrivals:
         arrived yet)."""
         return None if self._first is None else max(0.0, now - self._first)
 
+    def median_cost(self) -> float | None:
+        """The median cost of the recent arrivals (as of the last `freeze`; None: none)."""
+        if not self._costs:
+            return None
+        return self._costs[len(self._costs) // 2]
+
     def expected_agents(self) -> float:
         """Agents the measured rate brings over its span, at the recent mean cost (as of the
         last `freeze`)."""

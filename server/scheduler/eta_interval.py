@@ -115,8 +115,9 @@ class EtaCalibration:
         # every ratio by the context the agent registered in (tight_promise.py; None:
         # observed without one)
         self._all_by_context: dict[int | None, deque[float]] = {}
-        # the same less the agents that paused: the deadlines' record (`upper_ratio`)
-        self._by_context: dict[int | None, deque[float]] = {}
+        # the same less the agents that paused, by context and size: the deadlines' record
+        # (`upper_ratio`)
+        self._by_context: dict[tuple[int | None, bool], deque[float]] = {}
         # by context and whether the agent's ETA expected pauses: the scale and interval
         self._by_kind: dict[tuple[int | None, bool], deque[float]] = {}
         self._min_seen = min_seen
@@ -161,14 +162,15 @@ class EtaCalibration:
         return self.factors_for(context, pausing).scale
 
     def observe(self, first_eta_s: float, jct_s: float, context: int | None = None, by_context: bool = True,
-                pausing: bool = False) -> None:
+                pausing: bool = False, large: bool = False) -> None:
         """A finished agent: its JCT against the replay's ETA at its registration (before
         any scaling), and the context it registered in (None: unknown). `by_context` False:
         not in the deadlines' record (`upper_ratio`): an agent that paused, whose JCT holds
         its client's tool time, is no measure of how far the ETAs of agents that do not
         pause fall short (a calibrated deadline is given only to those). Its ETA's scale and
         interval count it: its own ETA expected pauses too. `pausing`: its first ETA
-        expected pauses (the scale's record of its kind)."""
+        expected pauses (the scale's record of its kind). `large`: its cost was large for
+        the mix it registered in (the deadlines' record keeps large agents apart)."""
         if not (first_eta_s > 0 and jct_s > 0 and math.isfinite(first_eta_s) and math.isfinite(jct_s)):
             return
         ratio = jct_s / first_eta_s
@@ -176,15 +178,17 @@ class EtaCalibration:
         self._all_by_context.setdefault(context, deque(maxlen=self._window)).append(ratio)
         self._by_kind.setdefault((context, pausing), deque(maxlen=self._window)).append(ratio)
         if by_context:
-            self._by_context.setdefault(context, deque(maxlen=self._window)).append(ratio)
+            self._by_context.setdefault((context, large), deque(maxlen=self._window)).append(ratio)
         self._cache.clear()
 
-    def upper_ratio(self, q: float, min_seen: int, context: int | None = None) -> tuple[float, int] | None:
+    def upper_ratio(self, q: float, min_seen: int, context: int | None = None,
+                    large: bool = False) -> tuple[float, int] | None:
         """The split-conformal q-quantile of the recent JCT / first-ETA ratios of agents
-        registered in `context` (those observed without a context where fewer than
-        `min_seen` of it have finished), and how many it is of; None: too few of either.
-        Contexts are not pooled: a context's ratios say nothing of another's tail."""
-        for key in (context, None):
+        registered in `context` of the same size (`large`; those observed without a context
+        where fewer than `min_seen` of it have finished), and how many it is of; None: too
+        few of either. Contexts are not pooled: a context's ratios say nothing of another's
+        tail, nor a typical agent's of a large one's."""
+        for key in ((context, large), (None, False)):
             ratios = self._by_context.get(key)
             if ratios is not None and len(ratios) >= min_seen:
                 return _conformal_quantile(sorted(ratios), q), len(ratios)

@@ -32,7 +32,7 @@ from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S
 from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState, ObservedLimits, PromiseKind
-from .tight_promise import assumption, context_of, fair_share_s, promise_factor, tight_deadline
+from .tight_promise import assumption, context_of, fair_share_s, is_large, promise_factor, tight_deadline
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -162,12 +162,14 @@ class Promises:
         # they would not (10 of 240 broken).
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
+            agent.promise_large = is_large(agent.charged_cost, d.arrivals.median_cost(), agent.eta_shape or agent.shape,
+                                           d.kv_capacity)
             # the ETA it is told: the replay's scaled by its context's record (eta_interval.py)
             # of the agents whose first ETAs expected pauses where its own does, of those whose
             # ETAs expected none where it does not (eta_interval.py)
             agent.eta_pausing = d.etas.pause_ahead(agent, now) > 0.0
             agent.eta_scale = d.etas.calibration.scale(agent.promise_context, agent.eta_pausing)
-        factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context)
+        factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context, agent.promise_large)
         # Nor is an ETA resting on guesses: until the engine's rate is measured here, or
         # where the agent's cost is a guess (a type no predictor knows), the ETA is the
         # guess's and no record of ETAs says how far it may fall short: the opening burst of
@@ -188,7 +190,8 @@ class Promises:
         agent.deadline_at = deadline
         # The worst case rests on the client's tool calls taking no longer than allowed.
         agent.promise_assumes = (
-            assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context, d.tau)
+            assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context, d.tau,
+                       agent.promise_large)
             if tight < worst else d.pauses.allowance_words(agent.agent_type, left, pauses))
         if not isinstance(d.policy, Justitia):
             agent.promise = PromiseKind.NONE

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 
+from .bounds import AgentShape
 from .eta_interval import EtaCalibration
 
 # Contexts: the work ahead of an agent over its own, at registration, below 1 (at the head),
@@ -51,7 +52,15 @@ CONTEXT_EDGES = (1.0, 2.0, 3.0)
 # before the rate was measured, a guessed cost, pauses possible), rounded up to a half, none
 # below a deeper context's: each context's factor on a fresh server and the least any
 # calibration gives it.
-CONTEXT_FLOORS = (5.0, 3.5, 3.0, 2.5)
+CONTEXT_FLOORS = (2.5, 2.5, 2.5, 2.5)
+# ... of a large agent: one whose cost is at least LARGE_COST times the median cost of the
+# recent arrivals (it runs long, and work arriving faster than measured meanwhile goes ahead
+# of it), or whose stages' prompts hold at least LARGE_PROMPT of the cache on average (a
+# stage that needs half the cache starts only once the running requests have freed it:
+# admission is non-preemptive, and the ETA counts the time the agent's work takes, not that)
+LARGE_COST = 2.0
+LARGE_PROMPT = 0.5
+LARGE_CONTEXT_FLOORS = (5.5, 5.0, 2.5, 2.5)
 MAX_SHARE = 0.99  # of the rate to arrivals, in `fair_share_s` (callers cap it lower)
 PROMISE_QUANTILE = 1.0  # of the recent JCT / first-ETA ratios: the largest
 MIN_SEEN = 10
@@ -64,11 +73,26 @@ def context_of(work_ahead: float, own_work: float) -> int:
     return bisect.bisect_right(CONTEXT_EDGES, work_ahead / own_work)
 
 
-def promise_factor(calibration: EtaCalibration, context: int = 0) -> tuple[float, int]:
+def is_large(cost: float, median_cost: float | None, shape: AgentShape, kv_capacity: float) -> bool:
+    """Whether an agent of `cost` and `shape` is large: for the mix arriving (its median
+    cost; None: no arrival measured), or for the cache (`kv_capacity` tokens)."""
+    if median_cost is not None and median_cost > 0.0 and cost >= LARGE_COST * median_cost:
+        return True
+    prompt = shape.prefill_tokens
+    return prompt is not None and prompt >= LARGE_PROMPT * kv_capacity * max(1, shape.stages)
+
+
+def floor_of(context: int, large: bool = False) -> float:
+    """The least factor an agent's deadline allows in its context, and a fresh server's."""
+    return (LARGE_CONTEXT_FLOORS if large else CONTEXT_FLOORS)[context]
+
+
+def promise_factor(calibration: EtaCalibration, context: int = 0, large: bool = False) -> tuple[float, int]:
     """How many times its ETA an agent's deadline allows, and how many finished agents that
-    rests on (0: the context's floor alone): the calibrated upper quantile of the context."""
-    floor = CONTEXT_FLOORS[context]
-    upper = calibration.upper_ratio(PROMISE_QUANTILE, MIN_SEEN, context)
+    rests on (0: the context's floor alone): the calibrated upper quantile of the context,
+    among agents of its size."""
+    floor = floor_of(context, large)
+    upper = calibration.upper_ratio(PROMISE_QUANTILE, MIN_SEEN, context, large)
     return (floor, 0) if upper is None else (max(floor, upper[0]), upper[1])
 
 
@@ -91,14 +115,15 @@ def fair_share_s(fluid_s: float, share: float, span_s: float) -> float:
     return stretched if stretched <= span_s else fluid_s + share * span_s
 
 
-def assumption(factor: float, seen: int, arrival_rate: float, context: int, iteration_s: float) -> str:
+def assumption(factor: float, seen: int, arrival_rate: float, context: int, iteration_s: float,
+               large: bool = False) -> str:
     """What a calibrated deadline rests on, in the record's words: the record of ETAs behind
     its factor, the arrivals, and the engine's speed (a host slower than when the deadline
     was given makes every step longer than the ETA counted)."""
-    place = _context_words(context)
+    place = ("a large " if large else "an ") + f"agent {_context_words(context)}"
     basis = (f"the largest JCT / first ETA of the last {seen} agents finished, at least "
-             f"{CONTEXT_FLOORS[context]:g} for an agent {place}" if seen >= MIN_SEEN
-             else f"a fresh server's prior for an agent {place}")
+             f"{floor_of(context, large):g} for {place}" if seen >= MIN_SEEN
+             else f"a fresh server's prior for {place}")
     return (f"deadline = {factor:.2g} x the ETA ({basis}); holds while work arrives no faster than measured "
             f"({arrival_rate:.4g} units/s), the engine keeps the speed measured (tau = {1000 * iteration_s:.3g} ms "
             f"per iteration) and the traffic ahead is like the traffic behind; "

@@ -780,6 +780,69 @@ def test_an_agent_deep_in_the_queue_is_promised_a_smaller_multiple_of_its_eta() 
     assert d.etas.calibration.upper_ratio(1.0, 11, 3) == (3.0, 11)
 
 
+def test_a_large_agent_is_told_apart_by_its_cost_or_its_prompts() -> None:
+    from server.scheduler.tight_promise import LARGE_COST, LARGE_PROMPT, is_large
+
+    typical = AgentShape(2, 100, 400)
+    assert not is_large(10_000.0, 10_000.0, typical, 1000)
+    assert is_large(LARGE_COST * 10_000.0, 10_000.0, typical, 1000)  # large for the mix arriving
+    assert not is_large(LARGE_COST * 10_000.0, None, typical, 1000)  # no mix measured: not by cost
+    assert not is_large(LARGE_COST * 10_000.0, 0.0, typical, 1000)
+    # prompts of half the cache a stage on average: each stage waits for the cache to drain
+    assert is_large(10.0, 10_000.0, AgentShape(2, 100, int(2 * LARGE_PROMPT * 1000)), 1000)
+    assert not is_large(10.0, 10_000.0, AgentShape(3, 100, int(2 * LARGE_PROMPT * 1000)), 1000)
+    assert not is_large(10.0, None, AgentShape(1, 100, None), 1000)  # prompts unknown
+
+
+def test_a_large_agent_is_promised_by_the_record_of_large_agents() -> None:
+    from server.scheduler.tight_promise import CONTEXT_FLOORS, LARGE_CONTEXT_FLOORS
+
+    assert all(big >= small for big, small in zip(LARGE_CONTEXT_FLOORS, CONTEXT_FLOORS, strict=True))
+    assert list(LARGE_CONTEXT_FLOORS) == sorted(LARGE_CONTEXT_FLOORS, reverse=True)
+
+    def server() -> Dispatcher:
+        """Declared limits leave the worst case far out; a mix of 1,000-unit agents measured."""
+        d = quiet_for(Dispatcher("justitia", 1000, 0.1, limits=BoundLimits(kv_cost(300, 300), 200_000.0, 300)))
+        for k in range(10):
+            d.arrivals.add(-10.0 + k, 1_000.0)
+        d.refresh_etas(0.0)
+        return d
+
+    assert server().arrivals.median_cost() == pytest.approx(1_000.0)
+    shapes = {"typical": (1_000.0, AgentShape(1, 10)), "big": (5_000.0, AgentShape(1, 10)),
+              "heavy": (1_000.0, AgentShape(1, 10, prefill_tokens=600))}
+    for name, (cost, shape) in shapes.items():  # each alone at the head of its own server
+        d = server()
+        view = d.register_agent(name, cost, 0.0, shape=shape)
+        agent = d.agents[name]
+        assert agent.promise_context == 0 and agent.promise_large == (name != "typical")
+        floor = (LARGE_CONTEXT_FLOORS if agent.promise_large else CONTEXT_FLOORS)[0]
+        assert view.deadline_s == pytest.approx(floor * view.eta_s)
+        assert ("a large agent" in view.promise_assumes) == agent.promise_large
+    # large agents' ratios raise large agents' deadlines only
+    d = server()
+    for _ in range(10):
+        d.etas.calibration.observe(1.0, 9.0, 0, large=True)
+    assert d.etas.calibration.upper_ratio(1.0, 10, 0, large=True) == (9.0, 10)
+    assert d.etas.calibration.upper_ratio(1.0, 10, 0) is None
+    heavy = d.register_agent("heavy", 1_000.0, 0.0, shape=shapes["heavy"][1])
+    worst = worst_case_promises(server()).register_agent("heavy", 1_000.0, 0.0, shape=shapes["heavy"][1])
+    # (deadlines scale the replay's ETA, the one told is scaled by the record: eta_interval.py)
+    replay = d.eta_time("heavy", 0.0)
+    assert heavy.deadline_s == pytest.approx(min(9.0 * replay, worst.deadline_s))
+    assert heavy.deadline_s > LARGE_CONTEXT_FLOORS[0] * replay
+    d2 = server()
+    for _ in range(10):
+        d2.etas.calibration.observe(1.0, 9.0, 0, large=True)
+    typical = d2.register_agent("typical", 1_000.0, 0.0, shape=AgentShape(1, 10))
+    assert typical.deadline_s == pytest.approx(CONTEXT_FLOORS[0] * d2.eta_time("typical", 0.0))
+    # a finished large agent is filed under its context and size
+    told_over_replay = d.agents["heavy"].eta_scale
+    d.observe_jct(1.0, 3.0, "heavy")
+    assert d.etas.calibration.upper_ratio(1.0, 11, 0, large=True) == (pytest.approx(3.0 * told_over_replay), 11)
+    assert d.etas.calibration.upper_ratio(1.0, 1, 0) is None
+
+
 def test_a_calibrated_deadline_allows_for_a_predictions_p90_and_the_p90_tool_time() -> None:
     from server.scheduler.tight_promise import tight_deadline
 
