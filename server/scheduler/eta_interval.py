@@ -169,8 +169,8 @@ class EtaCalibration:
         its client's tool time, is no measure of how far the ETAs of agents that do not
         pause fall short (a calibrated deadline is given only to those). Its ETA's scale and
         interval count it: its own ETA expected pauses too. `pausing`: its first ETA
-        expected pauses (the scale's record of its kind). `large`: its cost was large for
-        the mix it registered in (the deadlines' record keeps large agents apart)."""
+        expected pauses (the scale's record of its kind). `large`: it was large when it
+        registered (tight_promise.is_large: the deadlines' record keeps large agents apart)."""
         if not (first_eta_s > 0 and jct_s > 0 and math.isfinite(first_eta_s) and math.isfinite(jct_s)):
             return
         ratio = jct_s / first_eta_s

@@ -155,7 +155,7 @@ class AgentState:
     promise_reason: str = ""
     promise_assumes: str = ""  # what a deadline tighter than the worst case rests on (tight_promise.py)
     promise_context: int | None = None  # its place in the queue at registration (tight_promise.py)
-    promise_large: bool = False  # its cost at registration was large for the recent mix (tight_promise.py)
+    promise_large: bool = False  # large for the recent mix or the cache at registration (tight_promise.py)
     eta_scale: float = 1.0  # its ETA told is the replay's times this, its context's at registration (eta_interval.py)
     eta_pausing: bool = False  # its first ETA expected pauses: its scale is of agents whose ETAs did too
     cost_guessed: bool = False  # its cost is a guess (no predictor knows its type): no calibrated deadline
