@@ -457,6 +457,17 @@ ENTRIES: list[Entry] = [
           "([seed 103 with the term](benchmarks.md#seed-103-with-the-term-twice-per-member)).",
           [_family_repeats_row(shape, mode, 2) for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants",
                                                              "sessions") for mode in ("fresh", "taught")]),
+    Entry("family-live-105", "Live (vLLM CPU engine)",
+          "The family live: every shape on held-out seed 105, deadlines kept apart for large agents",
+          "family_live_105.json",
+          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 105 "
+          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_105.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_105.json",
+          "All six shapes, fresh and taught, on a seed no rule was chosen on, with a calibration made just before "
+          "(`profile_cpu_tiny_4096_famlive_105.json`); each member's deadlines are the tighter of the worst case "
+          "and the ETA times its context's factor, typical and large agents apart "
+          "([seed 105](benchmarks.md#seed-105-deadlines-by-size)).",
+          _family_live_rows(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),
