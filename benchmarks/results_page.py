@@ -466,7 +466,17 @@ ENTRIES: list[Entry] = [
           "All six shapes, fresh and taught, on a seed no rule was chosen on, with a calibration made just before "
           "(`profile_cpu_tiny_4096_famlive_105.json`); each member's deadlines are the tighter of the worst case "
           "and the ETA times its context's factor, typical and large agents apart "
-          "([seed 105](benchmarks.md#seed-105-deadlines-by-size)).",
+          "([seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)).",
+          _family_live_rows(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
+    Entry("family-live-106", "Live (vLLM CPU engine)",
+          "The family live: every shape on held-out seed 106, deadlines kept apart for large agents",
+          "family_live_106.json",
+          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 106 "
+          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_106.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_106.json",
+          "As seed 105, on seed 106 with a calibration of its own made just before "
+          "(`profile_cpu_tiny_4096_famlive_106.json`), which read the engine slower than it ran "
+          "([seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)).",
           _family_live_rows(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
