@@ -86,7 +86,7 @@ def is_large(cost: float, median_cost: float | None, shape: AgentShape, kv_capac
     if median_cost is not None and median_cost > 0.0 and cost >= LARGE_COST * median_cost:
         return True
     prompt = shape.prefill_tokens
-    return prompt is not None and prompt >= LARGE_PROMPT * kv_capacity * max(1, shape.stages)
+    return prompt is not None and kv_capacity > 0 and prompt >= LARGE_PROMPT * kv_capacity * max(1, shape.stages)
 
 
 def floor_of(context: int, large: bool = False) -> float:

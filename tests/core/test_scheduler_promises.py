@@ -792,6 +792,7 @@ def test_a_large_agent_is_told_apart_by_its_cost_or_its_prompts() -> None:
     assert is_large(10.0, 10_000.0, AgentShape(2, 100, int(2 * LARGE_PROMPT * 1000)), 1000)
     assert not is_large(10.0, 10_000.0, AgentShape(3, 100, int(2 * LARGE_PROMPT * 1000)), 1000)
     assert not is_large(10.0, None, AgentShape(1, 100, None), 1000)  # prompts unknown
+    assert not is_large(10.0, None, AgentShape(1, 100, 600), 0)  # nor the cache
 
 
 def test_a_large_agent_is_promised_by_the_record_of_large_agents() -> None:
