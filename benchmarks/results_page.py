@@ -478,6 +478,16 @@ ENTRIES: list[Entry] = [
           "(`profile_cpu_tiny_4096_famlive_106.json`), which read the engine slower than it ran "
           "([seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)).",
           _family_live_rows(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
+    Entry("family-live-106-again", "Live (vLLM CPU engine)",
+          "The family live: every shape on held-out seed 106 again, with a calibration the engine then fell behind",
+          "family_live_106_again.json",
+          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 106 "
+          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_106_again.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_106_again.json",
+          "Seed 106 a second time, with a calibration of its own made just before "
+          "(`profile_cpu_tiny_4096_famlive_106_again.json`), which read the engine faster than it then ran "
+          "([seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)).",
+          _family_live_rows(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),
