@@ -144,6 +144,7 @@ def _family_live_within(shape: str, mode: str):
 
 # The shapes of the family live files that do not name theirs (family_live.json, _turnaround, _heldout).
 LIVE_SHAPES = ("poisson", "bursts", "sessions")
+FAMILY_SHAPES = ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
 
 
 def _family_repeats_row(shape: str, mode: str, repeats: int = 3):
@@ -201,6 +202,19 @@ def _family_live_member(name: str, shape: str, mode: str, what: str, profile: st
                  f"before (`{profile}`), {what}; medians over the seeds, promises summed "
                  f"([the family live](benchmarks.md#the-family-live)).",
                  [_family_live_row(shape, mode), _family_live_within(shape, mode)])
+
+def _family_live_seed(name: str, seed: int, stem: str, profile: str, what: str, note: str) -> Entry:
+    """The whole family live on one held-out seed, once per member: `what` ends the title,
+    `note` (which may name `{profile}`) describes the run."""
+    return Entry(name, "Live (vLLM CPU engine)", f"The family live: every shape on held-out seed {seed}{what}",
+                 f"{stem}.json",
+                 f"justitia bench family --live --shapes {','.join(FAMILY_SHAPES)} --seeds {seed} "
+                 f"--modes fresh,taught --profile benchmarks/results/{profile} "
+                 f"--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/{stem}.json",
+                 note.format(profile=profile)
+                 + " ([seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)).",
+                 _family_live_rows(FAMILY_SHAPES))
+
 
 ENTRIES: list[Entry] = [
     *(_sim_mix(d) for d in (1, 2, 3)),
@@ -457,37 +471,20 @@ ENTRIES: list[Entry] = [
           "([seed 103 with the term](benchmarks.md#seed-103-with-the-term-twice-per-member)).",
           [_family_repeats_row(shape, mode, 2) for shape in ("poisson", "bursts", "diurnal", "heavy-tail", "tenants",
                                                              "sessions") for mode in ("fresh", "taught")]),
-    Entry("family-live-105", "Live (vLLM CPU engine)",
-          "The family live: every shape on held-out seed 105, deadlines kept apart for large agents",
-          "family_live_105.json",
-          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 105 "
-          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_105.json "
-          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_105.json",
-          "All six shapes, fresh and taught, on a seed no rule was chosen on, with a calibration made just before "
-          "(`profile_cpu_tiny_4096_famlive_105.json`); each member's deadlines are the tighter of the worst case "
-          "and the ETA times its context's factor, typical and large agents apart "
-          "([seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)).",
-          _family_live_rows(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
-    Entry("family-live-106", "Live (vLLM CPU engine)",
-          "The family live: every shape on held-out seed 106, deadlines kept apart for large agents",
-          "family_live_106.json",
-          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 106 "
-          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_106.json "
-          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_106.json",
-          "As seed 105, on seed 106 with a calibration of its own made just before "
-          "(`profile_cpu_tiny_4096_famlive_106.json`), which read the engine slower than it ran "
-          "([seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)).",
-          _family_live_rows(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
-    Entry("family-live-106-again", "Live (vLLM CPU engine)",
-          "The family live: every shape on held-out seed 106 again, with a calibration the engine then fell behind",
-          "family_live_106_again.json",
-          "justitia bench family --live --shapes poisson,bursts,diurnal,heavy-tail,tenants,sessions --seeds 106 "
-          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_106_again.json "
-          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_106_again.json",
-          "Seed 106 a second time, with a calibration of its own made just before "
-          "(`profile_cpu_tiny_4096_famlive_106_again.json`), which read the engine faster than it then ran "
-          "([seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)).",
-          _family_live_rows(("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions"))),
+    _family_live_seed("family-live-105", 105, "family_live_105", "profile_cpu_tiny_4096_famlive_105.json",
+                      ", deadlines kept apart for large agents",
+                      "All six shapes, fresh and taught, on a seed no rule was chosen on, with a calibration made "
+                      "just before (`{profile}`); each member's deadlines are the tighter of the worst case and the "
+                      "ETA times its context's factor, typical and large agents apart"),
+    _family_live_seed("family-live-106", 106, "family_live_106", "profile_cpu_tiny_4096_famlive_106.json",
+                      ", deadlines kept apart for large agents",
+                      "As seed 105, on seed 106 with a calibration of its own made just before (`{profile}`), which "
+                      "read the engine slower than it ran"),
+    _family_live_seed("family-live-106-again", 106, "family_live_106_again",
+                      "profile_cpu_tiny_4096_famlive_106_again.json",
+                      " again, with a calibration the engine then fell behind",
+                      "Seed 106 a second time, with a calibration of its own made just before (`{profile}`), which "
+                      "read the engine faster than it then ran"),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),

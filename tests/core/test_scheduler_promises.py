@@ -820,10 +820,15 @@ def test_a_large_agent_is_promised_by_the_record_of_large_agents() -> None:
         floor = (LARGE_CONTEXT_FLOORS if agent.promise_large else CONTEXT_FLOORS)[0]
         assert view.deadline_s == pytest.approx(floor * view.eta_s)
         assert ("a large agent" in view.promise_assumes) == agent.promise_large
+    def taught_by_large_agents() -> Dispatcher:
+        """A server whose large agents at the head have finished at 9x their ETAs."""
+        d = server()
+        for _ in range(10):
+            d.etas.calibration.observe(1.0, 9.0, 0, large=True)
+        return d
+
     # large agents' ratios raise large agents' deadlines only
-    d = server()
-    for _ in range(10):
-        d.etas.calibration.observe(1.0, 9.0, 0, large=True)
+    d = taught_by_large_agents()
     assert d.etas.calibration.upper_ratio(1.0, 10, 0, large=True) == (9.0, 10)
     assert d.etas.calibration.upper_ratio(1.0, 10, 0) is None
     heavy = d.register_agent("heavy", 1_000.0, 0.0, shape=shapes["heavy"][1])
@@ -832,9 +837,7 @@ def test_a_large_agent_is_promised_by_the_record_of_large_agents() -> None:
     replay = d.eta_time("heavy", 0.0)
     assert heavy.deadline_s == pytest.approx(min(9.0 * replay, worst.deadline_s))
     assert heavy.deadline_s > LARGE_CONTEXT_FLOORS[0] * replay
-    d2 = server()
-    for _ in range(10):
-        d2.etas.calibration.observe(1.0, 9.0, 0, large=True)
+    d2 = taught_by_large_agents()
     typical = d2.register_agent("typical", 1_000.0, 0.0, shape=AgentShape(1, 10))
     assert typical.deadline_s == pytest.approx(CONTEXT_FLOORS[0] * d2.eta_time("typical", 0.0))
     # a finished large agent is filed under its context and size
