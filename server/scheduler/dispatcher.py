@@ -55,7 +55,7 @@ from .cost import COMPUTE
 from .eta import StepTimeSource, WorkArrivals
 from .eta_estimator import EtaEstimator
 from .kv_ledger import KvLedger
-from .pauses import PauseStats
+from .pauses import PauseStats, stages_left
 from .policies import Policy, get_policy
 from .prefix import uncached_prompt
 from .promises import Promises
@@ -260,6 +260,7 @@ class Dispatcher:
         """Forget the agent (finished, failed, cancelled or expired alike for the reference:
         the charge it did not use leaves the GPS backlog; what it used stays)."""
         agent = self._agent(agent_id)
+        self.pauses.forget(agent_id)
         running: list[str] = []
         pending: list[RequestState] = []
         for rid in sorted(agent.request_ids, key=lambda r: self.requests[r].seq):
@@ -377,6 +378,8 @@ class Dispatcher:
         agent.requests_done += 1
         if agent.pending == 0 and agent.running == 0:
             agent.idle_since = now  # paused until it submits again (or finishes)
+            if stages_left((agent.eta_shape or agent.shape).stages, agent.stages_started) > 0:
+                self.pauses.pause_began(agent, now)
         self.commit(agent, real - req.est_cost, now)
         self.queue.requeue(agent)
         self._flush_if_dry(now)

@@ -33,6 +33,7 @@ from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState
 from .tenant_clock import HierProjection
+from .tool_time import level_of, remaining_times, told_with_tools
 from .virtual_clock import Projection
 
 if TYPE_CHECKING:
@@ -108,8 +109,14 @@ class EtaEstimator:
         replay's ETA: the one told over the scale the agent was given (`eta_scale` where the
         dispatcher has forgotten the agent already, None: unknown)."""
         scale = agent.eta_scale if agent is not None else eta_scale
-        if scale is not None and scale > 0.0:
+        if agent is not None and agent.eta_tools and agent.eta_replay_s is not None:
+            first_eta_s = agent.eta_replay_s  # its ETA told was not the replay's scaled
+        elif scale is not None and scale > 0.0:
             first_eta_s /= scale
+        if agent is not None and agent.eta_tools and agent.eta_engine_s:
+            self.calibration.observe_engine((jct_s - agent.paused_s) / agent.eta_engine_s, agent.promise_context)
+        if agent is not None and agent.eta_times:
+            self.calibration.observe_level(level_of(agent.eta_times, jct_s))
         self.calibration.observe(first_eta_s, jct_s, agent.promise_context if agent is not None else None,
                                  by_context=agent is None or agent.paused_s <= 0.0,
                                  pausing=agent is not None and agent.eta_pausing,
@@ -300,6 +307,34 @@ class EtaEstimator:
         mean = pauses.mean_s(agent.agent_type, since)
         paused = now - agent.idle_since if agent.idle_since is not None else 0.0
         return max(0.0, mean * left - min(paused, mean))
+
+    def expects_tools(self, agent: AgentState, now: float) -> bool:
+        """Whether the agent's ETA counts tool time apart (`told_with_tools`): it has stages
+        ahead, and the recent boundaries of its episode of arrivals held pauses."""
+        shape = agent.eta_shape or agent.shape
+        if stages_left(shape.stages, agent.stages_started) <= 0:
+            return False
+        return self._d.pauses.share_lately(self._d.arrivals.episode_start(agent.submitted_at)) > 0.0
+
+    def remaining_times(self, agent: AgentState, now: float) -> list[float] | None:
+        """The remaining time of an agent whose ETA counts tool time apart, as equally likely
+        points (tool_time.py): its engine time by the replay, as far off as such ETAs have
+        been, plus its tool time by the pauses seen. None where its tool time is not known
+        that way (`PauseStats.tool_grid`)."""
+        shape = agent.eta_shape or agent.shape
+        left = stages_left(shape.stages, agent.stages_started)
+        since = self._d.arrivals.episode_start(agent.submitted_at)
+        tool = self._d.pauses.tool_grid(agent, left, since, now)
+        if tool is None:
+            return None
+        engine = max(0.0, self.eta_time(agent, now) - now - self.pause_ahead(agent, now))
+        return remaining_times(engine, self.calibration.engine_ratios(agent.promise_context), tool)
+
+    def told_with_tools(self, agent: AgentState, now: float) -> tuple[float, float, float] | None:
+        """(ETA, interval low, interval high), seconds from now, of an agent whose ETA counts
+        tool time apart (`remaining_times`; None: not known that way)."""
+        times = self.remaining_times(agent, now)
+        return None if times is None else told_with_tools(times, *self.calibration.tool_levels())
 
     def eta_key(self, agent: AgentState, now: float, fair: Any = None) -> Any:
         """The agent's place in the replay: the policy's static key, or, with several

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 # Prior factors (JCT / first ETA) of a fresh server: the 10th and 90th percentiles of the
 # ratio over the tuning seeds 0-4 of every shape of the family (cpu-tiny, M = 4096, 48
@@ -63,6 +65,14 @@ HIGH_QUANTILE = 0.925
 # Finished agents the calibration uses (the most recent); fewer than MIN_SEEN: the prior.
 WINDOW = 200
 MIN_SEEN = 10
+# Prior of the engine-time ratio (JCT less its pauses over the first ETA less the pauses
+# it expected) of an agent that pauses (tool_time.py): lognormal, its median and sigma those
+# of the tuning seeds' `sessions` agents (docs/concepts.md, ETA intervals).
+PRIOR_ENGINE_MEDIAN = 0.37
+PRIOR_ENGINE_SIGMA = 0.55
+# Equally likely points standing for a distribution (`quantile_grid`): the tool-time ETA's
+# grids (tool_time.py) and the engine ratios' (`EtaCalibration.engine_ratios`).
+GRID = 16
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,18 @@ def _conformal_quantile(sorted_ratios: list[float], q: float) -> float:
     n = len(sorted_ratios)
     k = min(n, max(1, math.ceil((n + 1) * q)))
     return sorted_ratios[k - 1]
+
+
+
+
+def quantile_grid(values: Sequence[float], points: int = GRID) -> tuple[float, ...]:
+    """`points` equally likely values standing for the distribution of `values`: the order
+    statistics at the middle of each of `points` equal slices (() when there are none)."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0 or points <= 0:
+        return ()
+    return tuple(xs[min(n - 1, int((i + 0.5) * n / points))] for i in range(points))
 
 
 def weighted_median(sorted_ratios: list[float]) -> float:
@@ -125,6 +147,13 @@ class EtaCalibration:
         self._prior_pausing = prior_pausing
         # per (context, pausing), emptied by `observe`
         self._cache: dict[tuple[int | None, bool], Factors] = {}
+        # engine-time ratios of the agents that paused, by context (`engine_ratios`), and
+        # their grids, emptied by `observe_engine`
+        self._engine: deque[float] = deque(maxlen=window)
+        self._engine_by_context: dict[int | None, deque[float]] = {}
+        self._engine_grids: dict[int | None, tuple[float, ...]] = {}
+        # where the JCTs of those agents fell in their first ETA's distribution (`tool_levels`)
+        self._levels: deque[float] = deque(maxlen=window)
 
     @property
     def seen(self) -> int:
@@ -180,6 +209,51 @@ class EtaCalibration:
         if by_context:
             self._by_context.setdefault((context, large), deque(maxlen=self._window)).append(ratio)
         self._cache.clear()
+
+    def observe_engine(self, ratio: float, context: int | None = None) -> None:
+        """A finished agent whose first ETA expected pauses: its JCT less the time it
+        paused, over its first ETA less the pauses that ETA expected (tool_time.py)."""
+        if not (ratio > 0.0 and math.isfinite(ratio)):
+            return
+        self._engine.append(ratio)
+        self._engine_by_context.setdefault(context, deque(maxlen=self._window)).append(ratio)
+        self._engine_grids.clear()
+
+    def observe_level(self, level: float) -> None:
+        """Where a finished agent's remaining time at registration fell in the distribution
+        its first ETA gave it (tool_time.py `level_of`): 0 below every point, 1 above."""
+        if 0.0 <= level <= 1.0:
+            self._levels.append(level)
+
+    def tool_levels(self) -> tuple[float, float]:
+        """The quantiles of an ETA's distribution (tool_time.py) its interval spans: where the
+        recent JCTs fell in theirs, at LOW_QUANTILE and HIGH_QUANTILE (split conformal:
+        however far the distributions were off, the interval's ends move so that the recent
+        JCTs fell inside as often as it aims at); those levels themselves until `min_seen`
+        have finished."""
+        if len(self._levels) < self._min_seen:
+            return LOW_QUANTILE, HIGH_QUANTILE
+        levels = sorted(self._levels)
+        return _conformal_quantile(levels, LOW_QUANTILE), _conformal_quantile(levels, HIGH_QUANTILE)
+
+    def engine_ratios(self, context: int | None = None) -> tuple[float, ...]:
+        """How far the engine part of the ETAs of agents that pause falls short or long,
+        as equally likely points: the context's ratios, every context's where those are
+        fewer than `min_seen`, the prior (lognormal) where those are."""
+        cached = self._engine_grids.get(context)
+        if cached is not None:
+            return cached
+        ratios = self._engine_by_context.get(context)
+        if ratios is None or len(ratios) < self._min_seen:
+            ratios = self._engine
+        if len(ratios) >= self._min_seen:
+            grid = quantile_grid(list(ratios))
+        else:
+            normal = NormalDist()
+            grid = tuple(PRIOR_ENGINE_MEDIAN * math.exp(PRIOR_ENGINE_SIGMA * normal.inv_cdf((i + 0.5) / GRID))
+                         for i in range(GRID))
+        self._engine_grids[context] = grid
+        return grid
 
     def upper_ratio(self, q: float, min_seen: int, context: int | None = None,
                     large: bool = False) -> tuple[float, int] | None:

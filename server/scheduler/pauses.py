@@ -45,6 +45,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from .eta_interval import quantile_grid
+from .tool_time import lasting_quantiles, pause_grid, sum_grid
+
 if TYPE_CHECKING:
     from .state import AgentState
 
@@ -83,11 +86,19 @@ class PauseStats:
         # The gaps taken for clients' turnarounds (the most recent), and how many in all.
         self._turnarounds: deque[float] = deque(maxlen=window)
         self._turnaround_count = 0
+        # Pauses under way: since when each agent with stages ahead has been paused
+        # (`tool_grid` counts them as lasting at least that long).
+        self._under_way: dict[str, float] = {}
+        # tool_grid's lengths and grids at one instant (a view of every agent asks at once)
+        self._grids_at: float | None = None
+        self._grids: dict[tuple[float, int], tuple[float, ...]] = {}
+        self._lasting: tuple[float, ...] = ()
 
     def stage_started(self, agent: AgentState, now: float) -> None:
         """The agent submits a request: back from a pause, its next stage starts (the pause
         is observed; a gap the client's turnaround explains is kept apart, as a boundary
         crossed at once); its first request starts its first stage."""
+        self.forget(agent.agent_id)
         if agent.idle_since is not None:
             gap = now - agent.idle_since
             if self.is_turnaround(gap):
@@ -101,6 +112,16 @@ class PauseStats:
             agent.stages_started += 1
         elif agent.stages_started == 0:
             agent.stages_started = 1
+
+    def pause_began(self, agent: AgentState, now: float) -> None:
+        """The agent has nothing in flight and stages ahead: a pause is under way."""
+        self._under_way[agent.agent_id] = now
+        self._grids_at = None
+
+    def forget(self, agent_id: str) -> None:
+        """The agent is gone: its pause, if one was under way, is no longer one."""
+        if self._under_way.pop(agent_id, None) is not None:
+            self._grids_at = None
 
     @staticmethod
     def is_turnaround(gap_s: float) -> bool:
@@ -130,6 +151,7 @@ class PauseStats:
             return
         self._by_type.setdefault(agent_type, deque(maxlen=self._window)).append(pause_s)
         self._all.append(pause_s)
+        self._grids_at = None
         if now is not None:
             self._lately.append((now, pause_s))
 
@@ -202,6 +224,36 @@ class PauseStats:
                 f"the {left - 1} other(s)" if left > 1 else "")
         return (f"its client's tool time before its {left} later stage(s) takes at most {allowed:.3g} s "
                 f"in all: the longest pause seen ({self.max_s():.3g} s) before one{each}")
+
+    def tool_grid(self, agent: AgentState, left: int, since: float | None, now: float) -> tuple[float, ...] | None:
+        """The tool time ahead of the agent before its `left` later stages, as equally likely
+        points (tool_time.py): before each, no pause with the probability that one of the
+        recent boundaries (crossed at `since` or later, as `mean_s`) held none, else a pause
+        as long as those of every type (the pauses are the application's: `mean_s`), the
+        ones under way counted as lasting at least as long as they have; where the agent is
+        paused, the rest of its pause from the pauses that lasted longer. None where that
+        is not known: no pause seen lately, a tool call its client announced (`remaining_s`
+        goes by the tool's calls), or a pause that has outlasted every one seen."""
+        if left <= 0:
+            return (0.0,)
+        share = self.share_lately(since)
+        if agent.tool is not None or share <= 0.0:
+            return None
+        if self._grids_at != now:
+            self._grids_at, self._grids = now, {}
+            self._lasting = lasting_quantiles([p for p in self._all if p > 0.0],
+                                              [now - t for t in self._under_way.values()])
+        if not self._lasting:
+            return None
+        each = pause_grid(self._lasting, share)
+        if agent.idle_since is None:
+            grid = self._grids.get((share, left))
+            if grid is None:
+                grid = self._grids[(share, left)] = sum_grid(each, each, left)
+            return grid
+        elapsed = now - agent.idle_since
+        rest = [p - elapsed for p in self._lasting if p > elapsed]
+        return sum_grid(quantile_grid(rest), each, left) if rest else None
 
     def p90_s(self, agent_type: str | None) -> float:
         seen = sorted(self._seen(agent_type))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from .bounds import BoundLimits, delay_bound
 from .cost import kv_cost
 from .eta import MAX_ARRIVAL_SHARE, PROMISE_MIN_SPAN_S
+from .eta_interval import quantile_grid
 from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState, ObservedLimits, PromiseKind
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from .dispatcher import Dispatcher
+
+# The points of an ETA's distribution an agent keeps from registration (tool_time.py), to
+# tell where its JCT fell in it when it finishes.
+TIMES_KEPT = 32
 
 
 class Promises:
@@ -167,8 +172,14 @@ class Promises:
             # the ETA it is told: the replay's scaled by its context's record (eta_interval.py)
             # of the agents whose first ETAs expected pauses where its own does, of those whose
             # ETAs expected none where it does not (eta_interval.py)
-            agent.eta_pausing = d.etas.pause_ahead(agent, now) > 0.0
+            pauses_expected = d.etas.pause_ahead(agent, now)
+            agent.eta_pausing = pauses_expected > 0.0
             agent.eta_scale = d.etas.calibration.scale(agent.promise_context, agent.eta_pausing)
+            agent.eta_tools = d.etas.expects_tools(agent, now)
+            times = d.etas.remaining_times(agent, now) if agent.eta_tools else None
+            agent.eta_times = quantile_grid(times, TIMES_KEPT) if times else ()
+            agent.eta_replay_s = max(0.0, d.etas.eta_time(agent, now) - now)
+            agent.eta_engine_s = max(0.0, agent.eta_replay_s - pauses_expected)
         factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context, agent.promise_large)
         # Nor is an ETA resting on guesses: until the engine's rate is measured here, or
         # where the agent's cost is a guess (a type no predictor knows), the ETA is the

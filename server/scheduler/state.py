@@ -158,6 +158,15 @@ class AgentState:
     promise_large: bool = False  # large for the recent mix or the cache at registration (tight_promise.py)
     eta_scale: float = 1.0  # its ETA told is the replay's times this, its context's at registration (eta_interval.py)
     eta_pausing: bool = False  # its first ETA expected pauses: its scale is of agents whose ETAs did too
+    # Its ETA counts tool time apart from the engine's (tool_time.py): fixed at registration,
+    # with the distribution of its remaining time then (a few equally likely points)
+    eta_tools: bool = False
+    eta_times: tuple[float, ...] = ()
+    # Its first ETA by the replay (seconds from registration) and the engine's part of it,
+    # the pauses it expected taken out: what its ratios are of when it finishes
+    # (eta_interval.py; the engine's part: tool_time.py)
+    eta_replay_s: float | None = None
+    eta_engine_s: float | None = None
     cost_guessed: bool = False  # its cost is a guess (no predictor knows its type): no calibrated deadline
     consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)
     consumed_kv: float = 0.0  # real KV token-time of finished requests

@@ -20,9 +20,8 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
     bound = agent.bound.total_s
     # the replay's ETA, its remaining time scaled by the agent's calibration (eta_interval.py)
     elapsed = now - agent.submitted_at
-    replay = d.etas.eta_time(agent, now) - agent.submitted_at
-    eta = elapsed + max(0.0, replay - elapsed) * agent.eta_scale
     deadline = (agent.deadline_at if agent.deadline_at is not None else now) - agent.submitted_at
+    eta, interval = _eta_and_interval(d, agent, now, elapsed, deadline)
     return AgentView(
         agent_id=agent.agent_id,
         agent_type=agent.agent_type,
@@ -33,8 +32,7 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
         virtual_finish=agent.virtual_finish,
         fair_finish_s=fair,
         eta_s=eta,
-        eta_interval_s=d.etas.calibration.interval(elapsed, replay, deadline, agent.promise_context,
-                                                   agent.eta_scale, agent.eta_pausing),
+        eta_interval_s=interval,
         delay_bound_s=bound,
         deadline_s=deadline,
         bound=agent.bound,
@@ -49,6 +47,25 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
         tool=agent.tool,
         pause_remaining_s=d.pauses.remaining_s(agent, now),
     )
+
+
+def _eta_and_interval(d: Dispatcher, agent: AgentState, now: float, elapsed: float,
+                      deadline: float) -> tuple[float, tuple[float, float]]:
+    """The ETA told and its [p10, p90] interval, seconds from the agent's submission: the
+    replay's remaining time scaled by the agent's calibration (eta_interval.py), or, for an
+    agent whose ETA counts tool time apart (`eta_tools`), its engine time and tool time weighed apart
+    (tool_time.py). The interval's p90 is no later than the deadline promised when that is
+    later than the ETA told."""
+    with_tools = d.etas.told_with_tools(agent, now) if agent.eta_tools else None
+    if with_tools is not None:
+        told, low, high = (elapsed + x for x in with_tools)
+        if deadline >= told:
+            high = min(high, deadline)
+        return told, (low, max(high, told))
+    replay = d.etas.eta_time(agent, now) - agent.submitted_at
+    eta = elapsed + max(0.0, replay - elapsed) * agent.eta_scale
+    return eta, d.etas.calibration.interval(elapsed, replay, deadline, agent.promise_context, agent.eta_scale,
+                                            agent.eta_pausing)
 
 
 def server_promise(d: Dispatcher) -> PromiseKind:

@@ -4,8 +4,6 @@ the replay's, and on the evaluation family the told ETA is closer than the repla
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from server.scheduler import AgentShape, Dispatcher
@@ -110,26 +108,27 @@ def test_agents_are_scaled_by_agents_whose_etas_expected_pauses_as_their_own_did
     assert d.etas.calibration.scale(0) == pytest.approx(1.0)
 
 
-def test_before_any_record_an_eta_that_expects_pauses_is_given_the_wider_prior_interval() -> None:
-    """A fresh server has no record of how far ETAs fall short; its prior interval is wider
-    for an agent whose ETA expects pauses (its JCT holds its client's lognormal tool time)
-    than for one whose ETA expects none, and it holds the ETA told."""
+def test_before_any_record_an_eta_that_expects_pauses_spans_its_tool_time() -> None:
+    """A fresh server has no record of how far ETAs fall short. An agent whose ETA expects
+    no pause is given the prior interval around it; one whose ETA expects pauses is told
+    its tool time apart from its engine time (tool_time.py): two pauses ahead of it, every
+    pause seen 2 s long, make 4 s in every outcome, and its engine time is off by the
+    prior's ratios. Where its tool time is not known that way, an ETA that expects pauses
+    has a wider prior interval than one that does not (its JCT holds its client's tool time)."""
     d = quiet()
     plain = d.register_agent("a", 10_000.0, 0.0, agent_type="chat", shape=AgentShape(1, 10))
     for k in range(16):  # the traffic pauses: an agent of three stages expects two pauses
         d.pauses.observe("chat", 2.0, 0.1 * k)
     pausing = d.register_agent("b", 10_000.0, 2.0, agent_type="chat", shape=AgentShape(3, 10))
     assert not d.agents["a"].eta_pausing and d.agents["b"].eta_pausing
+    assert not d.agents["a"].eta_tools and d.agents["b"].eta_tools
 
-    def spread(view: Any) -> tuple[float, float]:
-        low, high = view.eta_interval_s
-        return low / view.eta_s, high / view.eta_s
-
-    assert spread(plain) == pytest.approx((PRIOR_LOW, PRIOR_HIGH))
-    low, high = spread(pausing)
-    assert low == pytest.approx(PRIOR_PAUSING_LOW) and PRIOR_PAUSING_LOW < PRIOR_LOW
-    # its p90 end is the prior's, or the deadline it was promised where that is earlier
-    assert high * pausing.eta_s == pytest.approx(min(PRIOR_PAUSING_HIGH * pausing.eta_s, pausing.deadline_s))
+    low, high = plain.eta_interval_s
+    assert (low / plain.eta_s, high / plain.eta_s) == pytest.approx((PRIOR_LOW, PRIOR_HIGH))
+    engine = d.agents["b"].eta_engine_s
+    ratios = d.etas.calibration.engine_ratios(d.agents["b"].promise_context)
+    low, high = pausing.eta_interval_s
+    assert 4.0 + min(ratios) * engine <= low < pausing.eta_s < high <= 4.0 + max(ratios) * engine
     cal = EtaCalibration()
     assert cal.interval(0.0, 10.0, None, 0, pausing=True) == pytest.approx((10.0 * PRIOR_PAUSING_LOW,
                                                                              10.0 * PRIOR_PAUSING_HIGH))
