@@ -485,6 +485,17 @@ ENTRIES: list[Entry] = [
                       " again, with a calibration the engine then fell behind",
                       "Seed 106 a second time, with a calibration of its own made just before (`{profile}`), which "
                       "read the engine faster than it then ran"),
+    Entry("family-live-sessions-tools", "Live (vLLM CPU engine)",
+          "The family live: `sessions` on held-out seeds 105-107, tool time told apart",
+          "family_live_sessions_tools.json",
+          "justitia bench family --live --shapes sessions --seeds 105,106,107 --modes fresh,taught "
+          "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_sessions_tools.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_sessions_tools.json",
+          "The agents that pause, on three seeds no rule was chosen on, with a calibration made just before "
+          "(`profile_cpu_tiny_4096_famlive_sessions_tools.json`): their ETAs weigh engine time and tool time "
+          "apart; medians over the seeds, promises summed "
+          "([the ETA of an agent that pauses](concepts.md#the-eta-of-an-agent-that-pauses)).",
+          _family_live_metrics(("sessions",))),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),
