@@ -32,11 +32,14 @@ Pure: callers pass the records.
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
 from collections.abc import Sequence
 
 from .eta_interval import GRID, quantile_grid, weighted_median
 
 LASTING_POINTS = 64  # pause lengths kept of the Kaplan-Meier estimate (`lasting_quantiles`)
+SUM_EXACT = 16  # boundaries whose draws are summed point by point (`sum_grid`)
 
 
 def lasting_quantiles(ended: Sequence[float], under_way: Sequence[float],
@@ -86,12 +89,22 @@ def sum_grid(first: Sequence[float], each: Sequence[float], boundaries: int,
              points: int = GRID) -> tuple[float, ...]:
     """The tool time of `boundaries` boundaries: `first`'s draw before the next stage (the
     rest of a pause under way, else a boundary like the others) and `each`'s before every
-    later one, drawn independently; kept to `points` values after each sum."""
+    later one, drawn independently; kept to `points` values after each sum. Past
+    `SUM_EXACT` boundaries the sum of the others is taken as normal (the central limit):
+    an agent may declare up to a million stages, and its ETA must not cost a million sums."""
     if boundaries <= 0:
         return (0.0,)
+    exact = min(boundaries, SUM_EXACT)
     total = tuple(first)
-    for _ in range(boundaries - 1):
+    for _ in range(exact - 1):
         total = quantile_grid([a + b for a in total for b in each], points)
+    rest = boundaries - exact
+    if rest > 0 and each:
+        mean, spread = statistics.fmean(each), math.sqrt(rest * statistics.pvariance(each))
+        normal = statistics.NormalDist(rest * mean, spread) if spread > 0.0 else None
+        tail = (tuple(max(0.0, normal.inv_cdf((i + 0.5) / points)) for i in range(points)) if normal is not None
+                else (rest * mean,))
+        total = quantile_grid([a + b for a in total for b in tail], points)
     return total
 
 

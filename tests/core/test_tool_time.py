@@ -15,6 +15,7 @@ from server.scheduler.eta_interval import HIGH_QUANTILE, LOW_QUANTILE, MIN_SEEN,
 from server.scheduler.pauses import PauseStats
 from server.scheduler.time_model import TimeModel
 from server.scheduler.tool_time import (
+    SUM_EXACT,
     lasting_quantiles,
     level_of,
     pause_grid,
@@ -152,3 +153,19 @@ def test_a_finished_agent_that_paused_teaches_the_engine_ratio_and_where_its_jct
     # interval's levels are that place, no longer the nominal ones
     low, high = d.etas.calibration.tool_levels()
     assert (low, high) != (LOW_QUANTILE, HIGH_QUANTILE) and low == high
+
+
+def test_an_agent_of_a_million_stages_is_told_its_tool_time_without_a_million_sums() -> None:
+    """Past SUM_EXACT boundaries the rest of the sum is normal: the median of a million
+    pauses is a million times their mean, and the agent registers and is viewed at once."""
+    each = pause_grid([0.5, 1.0, 4.0] * 10, 1.0)
+    many = sum_grid(each, each, 1_000_000)
+    assert statistics.median(many) == pytest.approx(1_000_000 * statistics.fmean(each), rel=0.01)
+    exact = sum_grid(each, each, SUM_EXACT)
+    assert statistics.median(sum_grid(each, each, SUM_EXACT + 1)) > statistics.median(exact)
+    d = Dispatcher("justitia", 4096, 0.01)
+    d.register_agent("x", 1.0, 0.0, agent_type="chat")
+    for k in range(16):
+        d.pauses.observe("chat", 1.0, 0.01 * k)
+    view = d.register_agent("huge", 1000.0, 1.0, agent_type="chat", shape=AgentShape(1_000_000, 60))
+    assert d.agents["huge"].eta_tools and view.eta_s >= 999_999 * 1.0
