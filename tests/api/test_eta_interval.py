@@ -4,6 +4,7 @@ simulator's coverage on held-out seeds of the evaluation family."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -72,3 +73,30 @@ def test_records_carry_the_interval_and_finished_agents_calibrate_it(fake_client
     assert calibration.seen == seen + 3  # each finished agent's JCT / first ETA
     ended = fake_client.get(f"/v1/agents/{agent['id']}").json()
     assert ended["first_eta_interval_s"] is not None and ended["jct_s"] is not None
+
+
+def test_an_agent_that_will_pause_is_told_its_tool_time_apart(fake_client) -> None:
+    """Agents of three stages pause 0.2 s before their second and third: the next such agent
+    is told its two pauses ahead apart from its engine time (server/scheduler/tool_time.py),
+    so its interval starts no earlier than those 0.4 s, where the replay's ETA scaled by the
+    prior would start at a third of it."""
+    pause_s = 0.2
+
+    def register(i: int) -> dict:
+        r = fake_client.post("/v1/agents", json={"type": "tool_user", "prompt": f"turns {i}",
+                                                 "metadata": {"stages": 3}})
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    for i in range(3):
+        agent = register(i)
+        for stage in range(3):
+            r = fake_client.post("/v1/completions", headers={"X-Justitia-Agent": agent["id"]},
+                                 json={"prompt": f"turn {stage}", "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            if stage < 2:
+                time.sleep(pause_s)
+        assert fake_client.post(f"/v1/agents/{agent['id']}/finish").status_code == 200
+    told = register(3)
+    low, high = told["eta_interval_s"]
+    assert 2 * pause_s <= low <= told["eta_s"] <= high
