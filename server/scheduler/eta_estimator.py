@@ -330,11 +330,21 @@ class EtaEstimator:
         engine = max(0.0, self.eta_time(agent, now) - now - self.pause_ahead(agent, now))
         return remaining_times(engine, self.calibration.engine_ratios(agent.promise_context), tool)
 
-    def told_with_tools(self, agent: AgentState, now: float) -> tuple[float, float, float] | None:
-        """(ETA, interval low, interval high), seconds from now, of an agent whose ETA counts
-        tool time apart (`remaining_times`; None: not known that way)."""
+    def told_with_tools(self, agent: AgentState, now: float) -> tuple[float, float, float, bool] | None:
+        """(ETA, interval low, interval high, open-ended), seconds from now, of an agent whose
+        ETA counts tool time apart (`remaining_times`; None: not known that way). Open-ended:
+        the pauses seen cannot place the interval's high end (`PauseStats.tail_unseen`:
+        early in an episode, more than the share the interval leaves above it may fall
+        past the longest pause that has ended)."""
         times = self.remaining_times(agent, now)
-        return None if times is None else told_with_tools(times, *self.calibration.tool_levels())
+        if times is None:
+            return None
+        low_q, high_q = self.calibration.tool_levels()
+        told, low, high = told_with_tools(times, low_q, high_q)
+        shape = agent.eta_shape or agent.shape
+        left = stages_left(shape.stages, agent.stages_started)
+        unseen = self._d.pauses.tail_unseen(left, self._d.arrivals.episode_start(agent.submitted_at))
+        return told, low, high, unseen > 1.0 - high_q
 
     def eta_key(self, agent: AgentState, now: float, fair: Any = None) -> Any:
         """The agent's place in the replay: the policy's static key, or, with several

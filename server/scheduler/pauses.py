@@ -93,6 +93,7 @@ class PauseStats:
         self._grids_at: float | None = None
         self._grids: dict[tuple[float, int], tuple[float, ...]] = {}
         self._lasting: tuple[float, ...] = ()
+        self._unseen = 0.0  # the share of `_lasting` past the longest pause that ended
 
     def stage_started(self, agent: AgentState, now: float) -> None:
         """The agent submits a request: back from a pause, its next stage starts (the pause
@@ -241,8 +242,10 @@ class PauseStats:
             return None
         if self._grids_at != now:
             self._grids_at, self._grids = now, {}
-            self._lasting = lasting_quantiles([p for p in self._all if p > 0.0],
-                                              [now - t for t in self._under_way.values()])
+            ended = [p for p in self._all if p > 0.0]
+            self._lasting = lasting_quantiles(ended, [now - t for t in self._under_way.values()])
+            longest = max(ended, default=0.0)
+            self._unseen = sum(x > longest for x in self._lasting) / len(self._lasting) if self._lasting else 0.0
         if not self._lasting:
             return None
         each = pause_grid(self._lasting, share)
@@ -254,6 +257,15 @@ class PauseStats:
         elapsed = now - agent.idle_since
         rest = [p - elapsed for p in self._lasting if p > elapsed]
         return sum_grid(quantile_grid(rest), each, left) if rest else None
+
+    def tail_unseen(self, left: int, since: float | None) -> float:
+        """The chance that one of the `left` pauses ahead of an agent outlasts every pause
+        that has ended (as of the last `tool_grid`: the pauses under way say only that some
+        last longer, not how much): where it is larger than the share an interval leaves
+        above its end, the pauses seen cannot place that end."""
+        if left <= 0:
+            return 0.0
+        return 1.0 - (1.0 - self.share_lately(since) * self._unseen) ** left
 
     def p90_s(self, agent_type: str | None) -> float:
         seen = sorted(self._seen(agent_type))

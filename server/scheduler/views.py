@@ -58,9 +58,11 @@ def _eta_and_interval(d: Dispatcher, agent: AgentState, now: float, elapsed: flo
     later than the ETA told."""
     with_tools = d.etas.told_with_tools(agent, now) if agent.eta_tools else None
     if with_tools is not None:
-        told, low, high = (elapsed + x for x in with_tools)
+        told, low, high = (elapsed + x for x in with_tools[:3])
         if deadline >= told:
-            high = min(high, deadline)
+            # where the pauses seen cannot place the high end, the deadline promised does:
+            # it allows the longest pause seen before one stage and the p90 before the others
+            high = deadline if with_tools[3] else min(high, deadline)
         return told, (low, max(high, told))
     replay = d.etas.eta_time(agent, now) - agent.submitted_at
     eta = elapsed + max(0.0, replay - elapsed) * agent.eta_scale

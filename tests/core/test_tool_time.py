@@ -169,3 +169,25 @@ def test_an_agent_of_a_million_stages_is_told_its_tool_time_without_a_million_su
         d.pauses.observe("chat", 1.0, 0.01 * k)
     view = d.register_agent("huge", 1000.0, 1.0, agent_type="chat", shape=AgentShape(1_000_000, 60))
     assert d.agents["huge"].eta_tools and view.eta_s >= 999_999 * 1.0
+
+
+def test_where_the_pauses_seen_cannot_place_the_interval_end_the_deadline_does() -> None:
+    """Early in an episode every pause that ended is short while longer ones are under way:
+    how long the pauses ahead may last is not known, and the interval's high end is the
+    deadline promised (which allows the longest pause seen and the p90s). Once those pauses
+    have ended, their lengths place it."""
+    def server(under_way: int) -> Dispatcher:
+        d = Dispatcher("justitia", 4096, 0.01)
+        d.register_agent("x", 1.0, 0.0, agent_type="chat")
+        for k in range(16):
+            d.pauses.observe("chat", 0.2, 0.01 * k)
+        for k in range(under_way):  # paused since 0.5 s, still paused at 3 s
+            d.register_agent(f"p{k}", 1.0, 0.4, agent_type="chat", shape=AgentShape(3, 10))
+            d.pauses.pause_began(d.agents[f"p{k}"], 0.5)
+        return d
+
+    early = server(under_way=16).register_agent("a", 1000.0, 3.0, agent_type="chat", shape=AgentShape(3, 10))
+    assert early.eta_interval_s[1] == pytest.approx(early.deadline_s) and early.deadline_s > early.eta_s
+    known = server(under_way=0).register_agent("a", 1000.0, 3.0, agent_type="chat", shape=AgentShape(3, 10))
+    assert known.eta_interval_s[1] < known.deadline_s
+    assert known.eta_interval_s[1] >= 0.4  # its two pauses of 0.2 s
