@@ -7,7 +7,8 @@ per variant the first-ETA error p50 / p90 and the share of JCTs inside their fir
 apart:
 
 - `built`: as the server does it (every type's pauses, those under way counted, the longest
-  seen past the last that ended);
+  seen past the last that ended, the deadline as the interval's high end where the pauses
+  seen cannot place it);
 - `scaled`: no tool time apart: the replay's ETA with the mean pauses, scaled as the ETAs of
   agents that do not pause are;
 - `ended-only`: the pauses under way not counted (only those that ended);

@@ -67,7 +67,7 @@ WINDOW = 200
 MIN_SEEN = 10
 # Prior of the engine-time ratio (JCT less its pauses over the first ETA less the pauses
 # it expected) of an agent that pauses (tool_time.py): lognormal, its median and sigma those
-# of the tuning seeds' `sessions` agents (docs/concepts.md, ETA intervals).
+# of the tuning seeds' `sessions` agents (docs/concepts.md, The ETA of an agent that pauses).
 PRIOR_ENGINE_MEDIAN = 0.37
 PRIOR_ENGINE_SIGMA = 0.55
 # Equally likely points standing for a distribution (`quantile_grid`): the tool-time ETA's
@@ -90,8 +90,6 @@ def _conformal_quantile(sorted_ratios: list[float], q: float) -> float:
     n = len(sorted_ratios)
     k = min(n, max(1, math.ceil((n + 1) * q)))
     return sorted_ratios[k - 1]
-
-
 
 
 def quantile_grid(values: Sequence[float], points: int = GRID) -> tuple[float, ...]:
@@ -211,7 +209,7 @@ class EtaCalibration:
         self._cache.clear()
 
     def observe_engine(self, ratio: float, context: int | None = None) -> None:
-        """A finished agent whose first ETA expected pauses: its JCT less the time it
+        """A finished agent whose ETA counted tool time apart: its JCT less the time it
         paused, over its first ETA less the pauses that ETA expected (tool_time.py)."""
         if not (ratio > 0.0 and math.isfinite(ratio)):
             return

@@ -171,7 +171,9 @@ class Promises:
                                            d.kv_capacity)
             # the ETA it is told: the replay's scaled by its context's record (eta_interval.py)
             # of the agents whose first ETAs expected pauses where its own does, of those whose
-            # ETAs expected none where it does not (eta_interval.py)
+            # ETAs expected none where it does not (eta_interval.py); or, where the traffic of
+            # its episode pauses and it has stages ahead, its engine time and tool time weighed
+            # apart (tool_time.py), with what its record at the end is of
             pauses_expected = d.etas.pause_ahead(agent, now)
             agent.eta_pausing = pauses_expected > 0.0
             agent.eta_scale = d.etas.calibration.scale(agent.promise_context, agent.eta_pausing)

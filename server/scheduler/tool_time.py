@@ -7,21 +7,24 @@ when the ETA is made, in different ways:
 
 - S is drawn by its client, one pause per stage boundary ahead (lognormal tool calls on the
   family's `sessions` shape: median 0.8 s, a tail of 10 s and more). Its distribution is what
-  the scheduler has seen (`PauseStats`): the share of recent boundaries that held a pause,
-  and the pauses of the agent's type;
+  the scheduler has seen (`PauseStats.tool_grid`): the share of recent boundaries that held
+  a pause, and the pauses of every type, those under way counted as lasting at least as
+  long as they have (`lasting_quantiles`);
 - E is the replay's ETA without the pauses, times how far such ETAs fell short or long: the
-  ratio (JCT - paused) / (first ETA - the pauses it expected) of the agents that paused
+  ratio (JCT - paused) / (first ETA - the pauses it expected) of the agents told this way
   (`EtaCalibration.engine_ratios`). It is its own record because it is far below the
   ratio of agents that do not pause: the replay serves every agent ordered ahead before
   this one, while the agents ahead that pause are away for much of it (on the tuning seeds
-  the median ratio was 0.27 against 0.5-0.7).
+  the median ratio was 0.37 against 0.5-0.7).
 
 Scaling E + mean(S) by one factor, as the ETAs of agents that do not pause are, mixes the
 two: a pause's mean is far above its median, and one factor cannot fit agents of one stage
 and of five. Here both parts are kept as distributions on small grids of equally likely
 points (`GRID`), T's grid is every sum of one point of each, and the ETA told is the T
 minimising the mean of |x - T| / T, the median weighted by 1 / T (`eta_interval.
-weighted_median`, the rule every ETA's scale follows); the interval is T's quantiles. On the
+weighted_median`, the rule every ETA's scale follows); the interval is T's quantiles, at
+levels recalibrated by where finished agents' JCTs fell in theirs (`level_of`), its high end
+the deadline where the pauses seen cannot place it (`PauseStats.tail_unseen`). On the
 `sessions` shape the oracle that knows E exactly and S's true distribution reaches a
 first-ETA error of 0.29 / 0.60 (p50 / p90, `benchmarks/eta_pause_oracle.py`): no ETA of
 this traffic does better.
