@@ -321,14 +321,7 @@ class EtaEstimator:
         points (tool_time.py): its engine time by the replay, as far off as such ETAs have
         been, plus its tool time by the pauses seen. None where its tool time is not known
         that way (`PauseStats.tool_grid`)."""
-        shape = agent.eta_shape or agent.shape
-        left = stages_left(shape.stages, agent.stages_started)
-        since = self._d.arrivals.episode_start(agent.submitted_at)
-        tool = self._d.pauses.tool_grid(agent, left, since, now)
-        if tool is None:
-            return None
-        engine = max(0.0, self.eta_time(agent, now) - now - self.pause_ahead(agent, now))
-        return remaining_times(engine, self.calibration.engine_ratios(agent.promise_context), tool)
+        return self._remaining_times(agent, now, *self._boundaries_ahead(agent))
 
     def told_with_tools(self, agent: AgentState, now: float) -> tuple[float, float, float, bool] | None:
         """(ETA, interval low, interval high, open-ended), seconds from now, of an agent whose
@@ -336,15 +329,26 @@ class EtaEstimator:
         the pauses seen cannot place the interval's high end (`PauseStats.tail_unseen`:
         early in an episode, more than the share the interval leaves above it may fall
         past the longest pause that has ended)."""
-        times = self.remaining_times(agent, now)
+        left, since = self._boundaries_ahead(agent)
+        times = self._remaining_times(agent, now, left, since)
         if times is None:
             return None
         low_q, high_q = self.calibration.tool_levels()
         told, low, high = told_with_tools(times, low_q, high_q)
+        return told, low, high, self._d.pauses.tail_unseen(left, since, now) > 1.0 - high_q
+
+    def _boundaries_ahead(self, agent: AgentState) -> tuple[int, float | None]:
+        """The agent's stage boundaries ahead and the start of its episode of arrivals."""
         shape = agent.eta_shape or agent.shape
-        left = stages_left(shape.stages, agent.stages_started)
-        unseen = self._d.pauses.tail_unseen(left, self._d.arrivals.episode_start(agent.submitted_at))
-        return told, low, high, unseen > 1.0 - high_q
+        return (stages_left(shape.stages, agent.stages_started),
+                self._d.arrivals.episode_start(agent.submitted_at))
+
+    def _remaining_times(self, agent: AgentState, now: float, left: int, since: float | None) -> list[float] | None:
+        tool = self._d.pauses.tool_grid(agent, left, since, now)
+        if tool is None:
+            return None
+        engine = max(0.0, self.eta_time(agent, now) - now - self.pause_ahead(agent, now))
+        return remaining_times(engine, self.calibration.engine_ratios(agent.promise_context), tool)
 
     def eta_key(self, agent: AgentState, now: float, fair: Any = None) -> Any:
         """The agent's place in the replay: the policy's static key, or, with several

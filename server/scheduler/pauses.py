@@ -240,12 +240,7 @@ class PauseStats:
         share = self.share_lately(since)
         if agent.tool is not None or share <= 0.0:
             return None
-        if self._grids_at != now:
-            self._grids_at, self._grids = now, {}
-            ended = [p for p in self._all if p > 0.0]
-            self._lasting = lasting_quantiles(ended, [now - t for t in self._under_way.values()])
-            longest = max(ended, default=0.0)
-            self._unseen = sum(x > longest for x in self._lasting) / len(self._lasting) if self._lasting else 0.0
+        self._estimate_lasting(now)
         if not self._lasting:
             return None
         each = pause_grid(self._lasting, share)
@@ -258,14 +253,26 @@ class PauseStats:
         rest = [p - elapsed for p in self._lasting if p > elapsed]
         return sum_grid(quantile_grid(rest), each, left) if rest else None
 
-    def tail_unseen(self, left: int, since: float | None) -> float:
+    def tail_unseen(self, left: int, since: float | None, now: float) -> float:
         """The chance that one of the `left` pauses ahead of an agent outlasts every pause
-        that has ended (as of the last `tool_grid`: the pauses under way say only that some
-        last longer, not how much): where it is larger than the share an interval leaves
-        above its end, the pauses seen cannot place that end."""
+        that has ended (the pauses under way say only that some last longer, not how much):
+        where it is larger than the share an interval leaves above its end, the pauses seen
+        cannot place that end."""
         if left <= 0:
             return 0.0
+        self._estimate_lasting(now)
         return 1.0 - (1.0 - self.share_lately(since) * self._unseen) ** left
+
+    def _estimate_lasting(self, now: float) -> None:
+        """The pauses' lengths at `now` (`lasting_quantiles`) and the share of them past the
+        longest that ended, once per instant: a view of every agent asks at one `now`."""
+        if self._grids_at == now:
+            return
+        self._grids_at, self._grids = now, {}
+        ended = [p for p in self._all if p > 0.0]
+        self._lasting = lasting_quantiles(ended, [now - t for t in self._under_way.values()])
+        longest = max(ended, default=0.0)
+        self._unseen = sum(x > longest for x in self._lasting) / len(self._lasting) if self._lasting else 0.0
 
     def p90_s(self, agent_type: str | None) -> float:
         seen = sorted(self._seen(agent_type))
