@@ -160,8 +160,12 @@ def simulate(
     `tau`: where the dispatcher's rate R = M / tau comes from. "profile": what the profile's
     engine sustains on the workload's mix, known from the start (`gps_tau_s`); "measured":
     measured from the simulated steps as the live server measures the real ones (a
-    `TauEstimator` from the server's initial guess, updated once a simulated second), so that
-    ETAs and deadlines are those the live server would give.
+    `TauEstimator` from the server's initial guess, updated once a simulated second), and the
+    delay bound's limits (c_max, C_max, d_max) observed from the requests submitted so far,
+    the first bounded against the engine's context, so that ETAs and deadlines are those the
+    live server would give. (Told the workload's own limits, a server promises early agents
+    against requests it has not seen yet: live, a taught server's opening agents got half
+    the deadlines the simulator gave them.)
     `retain`: whether paused agents' contexts are kept (auto, always, never; server/sim/retain.py),
     for policies that keep them (`Policy.retains`; the others never do)."""
     import time
@@ -174,15 +178,20 @@ def simulate(
     profile_tau = gps_tau_s(profile, m, agents)
     estimator = TauEstimator(m, MEASURED_TAU_PRIOR_S) if tau == "measured" else None
     predictions = predictions or make_predictions(agents)
-    limits = workload_limits(agents)
+    # measured: the server bounds agents against the limits it has seen, as the live one does
+    # (it knows nothing of the requests ahead, and bounds the first against its context)
+    # where the profile's server is told the workload's own
+    observed = estimator is not None
     if gps_finish is None:
         gps_finish = reference_finish_times(agents, m / profile_tau, tenant_weights)
     pol = get_policy(policy) if isinstance(policy, str) else policy
     # measured: the loop hands the estimator's guess (and its widened promises) over at t = 0,
     # before the first agent registers
-    disp = Dispatcher(pol, m, profile_tau if estimator is None else estimator.tau_s, limits=limits,
-                      backfill=backfill, seed=seed, time_model=profile, tenant_weights=tenant_weights,
-                      tenant_limits=tenant_limits(agents))
+    disp = Dispatcher(pol, m, profile_tau if estimator is None else estimator.tau_s,
+                      limits=None if observed else workload_limits(agents), backfill=backfill, seed=seed,
+                      time_model=profile, tenant_weights=tenant_weights,
+                      tenant_limits=None if observed else tenant_limits(agents),
+                      context_tokens=min(profile.max_model_len, m) if observed else None)
     # conversations (resent contexts, pauses): the engine keeps finished sequences, in blocks
     talks = any(a.ctxs or a.pauses for a in agents)
     engine = EngineModel(profile, m, preempt_newest=(pol.name == "fcfs"),

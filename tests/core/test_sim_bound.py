@@ -78,3 +78,20 @@ def test_the_simulated_server_starts_from_the_live_servers_guess():
     live = LiveConfig()
     assert MEASURED_TAU_PRIOR_S == ServerConfig.model_fields["initial_tau_s"].default == live.initial_tau_s
     assert TAU_UPDATE_S == live.housekeeping_s and ETA_REFRESH_S == live.eta_refresh_s
+
+
+def test_a_simulated_server_bounds_agents_against_the_requests_it_has_seen():
+    """`tau="measured"` stands for the live server, which knows nothing of the requests to
+    come: an agent is bounded against the longest decode seen when it registers, not the
+    workload's (a later agent's 600 tokens), and the first, before any request, against the
+    engine's context (its promise widened)."""
+    profile = get_profile("cpu-tiny")
+    agents = build([(0.0, [[(64, 8)]]), (5.0, [[(64, 8)]]), (10.0, [[(64, 600)]])])
+    told, seen = (simulate(agents, "justitia", profile, 4096, tau=t) for t in ("profile", "measured"))
+    first, second, _ = seen.agents
+    # against a d_max of 600 the blocking term alone is 601 iterations of at least the
+    # profile's base step; against the 8 tokens seen it is 9
+    assert told.agents[1].delay_bound_s >= 601 * profile.base_s > second.delay_bound_s
+    # against the engine's context before any request was seen
+    assert first.delay_bound_s >= min(profile.max_model_len, 4096) * profile.base_s
+    assert second.jct_s <= second.first_deadline_s
