@@ -113,13 +113,14 @@ def family_command(args: argparse.Namespace) -> int:
     table = Table(title=f"family: {args.agents} agents, load {args.load:g}, {profile.name}, M={args.kv_tokens}, "
                         f"seeds {args.seeds}")
     table.add_column("shape", min_width=10)  # whole names: the other columns wrap
-    for col in ("mode", "policy", "mean JCT s", "ETA err p50", "ETA err p90", "kept", "deadline/JCT p50",
-                "in interval"):
+    for col in ("mode", "policy", "mean JCT s", "ETA err p50", "ETA err p90", "kept", "broken by tools",
+                "deadline/JCT p50", "in interval"):
         table.add_column(col)
     fmt = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
     for r in summary:
         table.add_row(r["shape"], r["mode"], r["policy"], fmt(r["mean_jct_s"], ".1f"), fmt(r["eta_error_p50"]),
                       fmt(r["eta_error_p90"]), f"{r['promises_kept']}/{r['promises']}",
+                      str(r["promises_broken_by_tools"]),
                       fmt(r["deadline_over_jct_p50"], ".1f"), fmt(r["eta_coverage"], ".0%"))
     Console().print(table)
     if args.json:

@@ -125,6 +125,8 @@ def broken_promises(live: Any, sim: Any) -> list[dict[str, Any]]:
         out.append({
             "id": a.id, "arrival_s": a.arrival_s, "jct_s": a.jct_s, "first_eta_s": a.first_eta_s,
             "first_deadline_s": a.first_deadline_s, "delay_bound_s": a.delay_bound_s,
+            "first_tool_allowance_s": a.first_tool_allowance_s, "paused_s": a.paused_s,
+            "by_tools": a.promise_broken_by_tools,
             "sim_jct_s": twin.jct_s if twin is not None else None,
             "sim_first_deadline_s": twin.first_deadline_s if twin is not None else None,
         })
@@ -150,6 +152,7 @@ def summarise_live(runs: Sequence[dict]) -> list[dict]:
                 **{k: _median([x[k] for x in rows]) for k in ("mean_jct_s", "eta_error_p50", "eta_error_p90",
                                                               "deadline_over_jct_p50", "eta_coverage")},
                 "promises_kept": sum(x["promises_kept"] for x in rows), "promises": sum(x["promises"] for x in rows),
+                "promises_broken_by_tools": sum(x.get("promises_broken_by_tools", 0) for x in rows),
             }
         row["live_over_sim_mean_jct"] = _median([r["live_over_sim_mean_jct"] for r in mine])
         row["sim_error"] = _median([r["sim_error"] for r in mine])

@@ -424,7 +424,9 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
                     gps_finish_s=g, delay_bound_s=float(o["final"]["delay_bound_s"]),
                     first_eta_s=float(o["first"]["eta_s"]), first_deadline_s=float(o["first"]["deadline_s"]),
                     first_eta_interval_s=_interval(o["first"].get("eta_interval_s")),
-                    reprefill_tokens=int(o.get("reprefill_tokens") or 0))
+                    reprefill_tokens=int(o.get("reprefill_tokens") or 0),
+                    first_tool_allowance_s=o["first"].get("tool_allowance_s"),
+                    paused_s=float(o["final"].get("paused_s") or 0.0))
         for a, o, g in zip(agents, outs, gps, strict=True) if "error" not in o
     ]
     counted_before = taught if not restart else None  # a restarted server counts from zero

@@ -290,6 +290,14 @@ class AgentRecord(BaseModel):
         "no faster than measured. Where deadline_s is the worst case and allows tool time "
         "before later stages, the tool time it allows (the client's calls, not the server's "
         "work). Empty: the worst case, resting on nothing but the measured rate."))
+    tool_allowance_s: float = Field(default=0.0, description=(
+        "The client's tool time (pauses between stages: tool calls, think time) deadline_s "
+        "allows before the agent's later stages, seconds; 0 where it allows none. The server "
+        "keeps the engine's part of a promise: a pause longer than allowed moves the finish "
+        "past deadline_s by as much."))
+    paused_s: float = Field(default=0.0, description=(
+        "How long the agent has been paused in all (running, nothing in flight, between "
+        "stages), seconds, the pause under way included."))
     first_eta_s: float | None = Field(default=None, description="ETA given at registration.")
     first_eta_interval_s: list[float] | None = Field(
         default=None, min_length=2, max_length=2, description="eta_interval_s given at registration.")

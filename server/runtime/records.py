@@ -55,5 +55,7 @@ def agent_record(entry: AgentEntry, view: AgentView, now: float | None = None) -
         promise=view.promise,
         promise_reason=view.promise_reason,
         promise_assumes=view.promise_assumes,
+        tool_allowance_s=view.tool_allowance_s,
+        paused_s=view.paused_s,
         expected_cost=view.expected_cost,
     )

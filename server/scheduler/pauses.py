@@ -114,6 +114,12 @@ class PauseStats:
         elif agent.stages_started == 0:
             agent.stages_started = 1
 
+    def paused_so_far(self, agent: AgentState, now: float) -> float:
+        """How long the agent has paused in all by `now`: the pauses it came back from and
+        the one under way (a gap as short as the client's turnaround is none)."""
+        gap = now - agent.idle_since if agent.idle_since is not None and agent.stages_started else 0.0
+        return agent.paused_s + (gap if gap > 0.0 and not self.is_turnaround(gap) else 0.0)
+
     def pause_began(self, agent: AgentState, now: float) -> None:
         """The agent has nothing in flight and stages ahead: a pause is under way."""
         self._under_way[agent.agent_id] = now
@@ -202,29 +208,46 @@ class PauseStats:
         lasted = [p for p in self._seen(agent_type) if p > 0.0]
         return self.share_lately(since) * sum(lasted) / len(lasted) if lasted else 0.0
 
-    def allowance_s(self, agent_type: str | None, left: int) -> float:
-        """The tool time a promise allows an agent with `left` stage boundaries ahead: the
-        longest pause kept of any type before one of them, the type's 90th percentile before
-        each other. One long tool call is what outlasts an allowance of p90 per boundary
-        (pauses are heavy-tailed: the family's `sessions` agents broke their promises on
-        single pauses of 6-10 s against a p90 near 3 s), while the sum of several pauses
-        seldom outlasts their p90s. 0.0: no boundary ahead, or no pause seen yet."""
+    def allowance_s(self, agent_type: str | None, left: int, now: float) -> float:
+        """The tool time a promise made at `now` allows an agent with `left` stage boundaries
+        ahead: the longest pause before one of them, the 90th percentile before each other
+        (`allowance_parts`). One long tool call is what outlasts an allowance of p90 per
+        boundary (pauses are heavy-tailed: the family's `sessions` agents broke their
+        promises on single pauses of 6-10 s against a p90 near 3 s), while the sum of several
+        pauses seldom outlasts their p90s. 0.0: no boundary ahead, or no pause seen yet."""
         if left <= 0 or not self._all:
             return 0.0
-        return self.max_s() + self.p90_s(agent_type) * (left - 1)
+        longest, each = self.allowance_parts(agent_type, now)
+        return longest + each * (left - 1)
 
-    def allowance_words(self, agent_type: str | None, left: int, allowed: float) -> str:
-        """What a deadline that allows `allowed` (`allowance_s(agent_type, left)`) of tool
-        time rests on, in the record's words ("": nothing allowed). The server keeps the
+    def allowance_parts(self, agent_type: str | None, now: float) -> tuple[float, float]:
+        """The allowance's two figures at `now`: the longest pause of any type, a pause under
+        way counting as long as it has lasted; and the 90th percentile of pauses, the type's
+        or, where longer, every type's estimated with the pauses under way (Kaplan-Meier,
+        `lasting_quantiles`). Early in an episode the pauses that have ended are the short
+        ones (a long one has not ended yet): from those alone, the family's `sessions` agents
+        that registered in an episode's first seconds were allowed 1-7 s against 10-18 s of
+        tool time (tuning seeds, simulator: 6 of 480 promises broken, 2 with pauses under
+        way counted)."""
+        under_way = max((now - since for since in self._under_way.values()), default=0.0)
+        self._estimate_lasting(now)
+        lasting = sorted(self._lasting)
+        p90_lasting = lasting[min(len(lasting) - 1, int(0.9 * len(lasting)))] if lasting else 0.0
+        return max(self.max_s(), under_way), max(self.p90_s(agent_type), p90_lasting)
+
+    def allowance_words(self, agent_type: str | None, left: int, allowed: float, now: float) -> str:
+        """What a deadline that allows `allowed` (`allowance_s(agent_type, left, now)`) of
+        tool time rests on, in the record's words ("": nothing allowed). The server keeps the
         engine's part of a promise; the tool calls are its client's, and one longer than any
         seen breaks it. The caller passes the allowance it added, so the words name the
         figure the deadline holds."""
         if allowed <= 0.0:
             return ""
-        each = (f", and its type's 90th percentile ({self.p90_s(agent_type):.3g} s) before each of "
-                f"the {left - 1} other(s)" if left > 1 else "")
+        longest, each = self.allowance_parts(agent_type, now)
+        others = (f", and the pauses' 90th percentile ({each:.3g} s) before each of the {left - 1} other(s)"
+                  if left > 1 else "")
         return (f"its client's tool time before its {left} later stage(s) takes at most {allowed:.3g} s "
-                f"in all: the longest pause seen ({self.max_s():.3g} s) before one{each}")
+                f"in all: the longest pause seen ({longest:.3g} s) before one{others}")
 
     def tool_grid(self, agent: AgentState, left: int, since: float | None, now: float) -> tuple[float, ...] | None:
         """The tool time ahead of the agent before its `left` later stages, as equally likely

@@ -150,7 +150,7 @@ class Promises:
         # Tool time: the longest pause seen before one stage it has not started, the type's
         # p90 before each other (pauses.py).
         left = stages_left(agent.shape.stages, agent.stages_started)
-        pauses = d.pauses.allowance_s(agent.agent_type, left)
+        pauses = d.pauses.allowance_s(agent.agent_type, left, now)
         if left and pauses <= 0.0 and d.pauses.any_seen and not d.pauses.unpaused_lately(now):
             # boundaries crossed, none paused, but not lately: whether the traffic of the
             # moment pauses is not known, and the deadline allows it no tool time
@@ -201,11 +201,12 @@ class Promises:
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later
         agent.deadline_at = deadline
+        agent.tool_allowance_s = pauses if tight >= worst else 0.0
         # The worst case rests on the client's tool calls taking no longer than allowed.
         agent.promise_assumes = (
             assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context, d.tau,
                        agent.promise_large)
-            if tight < worst else d.pauses.allowance_words(agent.agent_type, left, pauses))
+            if tight < worst else d.pauses.allowance_words(agent.agent_type, left, pauses, now))
         if not isinstance(d.policy, Justitia):
             agent.promise = PromiseKind.NONE
             agent.promise_reason = f"policy {d.policy.name} does not keep the delay bound (Justitia's)"

@@ -154,6 +154,9 @@ class AgentState:
     promise: PromiseKind = PromiseKind.FIRM
     promise_reason: str = ""
     promise_assumes: str = ""  # what a deadline tighter than the worst case rests on (tight_promise.py)
+    # The client's tool time its deadline allows before its later stages (the worst case's
+    # allowance, pauses.py; 0.0: none, as a calibrated deadline or one with no pause seen)
+    tool_allowance_s: float = 0.0
     promise_context: int | None = None  # its place in the queue at registration (tight_promise.py)
     promise_large: bool = False  # large for the recent mix or the cache at registration (tight_promise.py)
     eta_scale: float = 1.0  # its ETA told is the replay's times this, its context's at registration (eta_interval.py)
@@ -238,6 +241,8 @@ class AgentView:
     promise: PromiseKind = PromiseKind.FIRM  # how far deadline_s can be trusted
     promise_reason: str = ""  # why a promise is widened (or none)
     promise_assumes: str = ""  # what deadline_s rests on where it is tighter than the worst case
+    tool_allowance_s: float = 0.0  # the client's tool time deadline_s allows (AgentState.tool_allowance_s)
+    paused_s: float = 0.0  # time spent paused so far, the pause under way included (pauses.py)
     expected_cost: float | None = None  # re-predicted total KV cost (None: not re-predicted)
     eta_interval_s: tuple[float, float] | None = None  # [p10, p90] around eta_s (eta_interval.py)
     tool: str | None = None  # the tool call its client announced it is in (pauses.py)

@@ -43,6 +43,8 @@ def agent_view(d: Dispatcher, agent: AgentState, now: float) -> AgentView:
         promise=agent.promise,
         promise_reason=agent.promise_reason,
         promise_assumes=agent.promise_assumes,
+        tool_allowance_s=agent.tool_allowance_s,
+        paused_s=d.pauses.paused_so_far(agent, now),
         expected_cost=agent.expected_kv,
         tool=agent.tool,
         pause_remaining_s=d.pauses.remaining_s(agent, now),

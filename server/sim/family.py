@@ -48,6 +48,8 @@ class FamilyRow:
     deadline_over_jct_p50: float | None
     eta_coverage: float | None
     mode: str = "fresh"
+    # promises broken only by the client's tool time beyond what they allowed (results.py)
+    promises_broken_by_tools: int = 0
 
 
 def _quantile(xs: Sequence[float], q: float) -> float | None:
@@ -66,6 +68,7 @@ def row_of(spec: ShapeSpec, result: PolicyResult, mode: str = "fresh") -> Family
         mean_jct_s=s["mean_jct_s"], eta_error_p50=s["eta_error_p50"], eta_error_p90=s["eta_error_p90"],
         promises_kept=s["promises_kept"], promises=sum(a.first_deadline_s is not None for a in result.agents),
         deadline_over_jct_p50=_quantile(ratios, 0.5), eta_coverage=s["eta_coverage"], mode=mode,
+        promises_broken_by_tools=s["promises_broken_by_tools"],
     )
 
 
@@ -156,6 +159,7 @@ def summarise(rows: Sequence[FamilyRow]) -> list[dict]:
             "eta_error_p90": _median(r.eta_error_p90 for r in mine),
             "promises_kept": sum(r.promises_kept for r in mine),
             "promises": sum(r.promises for r in mine),
+            "promises_broken_by_tools": sum(r.promises_broken_by_tools for r in mine),
             "deadline_over_jct_p50": _median(r.deadline_over_jct_p50 for r in mine),
             "eta_coverage": _median(r.eta_coverage for r in mine),
         })

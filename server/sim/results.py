@@ -27,6 +27,10 @@ class AgentResult:
     first_eta_interval_s: tuple[float, float] | None = None
     # prompt tokens prefilled again that the engine had computed for this agent before
     reprefill_tokens: int = 0
+    # The client's tool time the first deadline allowed (None: not known) and the time the
+    # agent spent paused in all (tool calls, think time between stages).
+    first_tool_allowance_s: float | None = None
+    paused_s: float = 0.0
 
     @property
     def jct_s(self) -> float:
@@ -52,6 +56,16 @@ class AgentResult:
             return None
         return self.jct_s <= self.first_deadline_s + 1e-6
 
+    @property
+    def promise_broken_by_tools(self) -> bool:
+        """The promise broke, and would have held had the client's tool time kept within what
+        the promise allowed: the JCT less the tool time beyond the allowance is within the
+        deadline (the server kept the engine's part; the client's calls took longer)."""
+        if self.promise_kept is not False or self.first_tool_allowance_s is None or self.first_deadline_s is None:
+            return False
+        beyond = max(0.0, self.paused_s - self.first_tool_allowance_s)
+        return self.jct_s - beyond <= self.first_deadline_s + 1e-6
+
     def as_dict(self) -> dict:
         return {
             "id": self.id,
@@ -67,6 +81,8 @@ class AgentResult:
             "isolated_s": self.isolated_s,
             "slowdown": self.slowdown,
             "reprefill_tokens": self.reprefill_tokens,
+            "first_tool_allowance_s": self.first_tool_allowance_s,
+            "paused_s": self.paused_s,
         }
 
 
@@ -97,6 +113,8 @@ class PolicyResult:
             "eta_error_p90": quantile(eta_errors, 0.90) if eta_errors else None,
             "eta_coverage": eta_coverage(self.agents),
             "promises_kept": sum(a.promise_kept is True for a in self.agents),
+            # broken only by the client's tool time beyond what the promise allowed
+            "promises_broken_by_tools": sum(a.promise_broken_by_tools for a in self.agents),
             "reprefill_tokens": sum(a.reprefill_tokens for a in self.agents),
             "jain_slowdown": jain_index([s for a in self.agents if (s := a.slowdown) is not None]),
             "max_slowdown": max((s for a in self.agents if (s := a.slowdown) is not None), default=None),

@@ -206,7 +206,7 @@ def simulate(
     results = [
         AgentResult(a.id, a.type, a.arrival, run.finish[i], gps_finish[i], run.bounds[i], run.first_eta[i],
                     run.first_deadline[i], isolated[i] or None, run.first_interval[i],
-                    engine.reprefill_tokens(a.id))
+                    engine.reprefill_tokens(a.id), run.first_allowance[i], run.paused_total[i])
         for i, a in enumerate(agents)
     ]
     return PolicyResult(
@@ -259,6 +259,8 @@ class _Run:
         self.first_eta = [0.0] * n
         self.first_deadline = [0.0] * n
         self.first_interval: list[tuple[float, float] | None] = [None] * n
+        self.first_allowance = [0.0] * n  # the client's tool time the first deadline allowed
+        self.paused_total = [0.0] * n  # the time each agent spent paused, as the server saw it
         self.nxt = 0  # the next agent to arrive
         self.done = 0
         # Paused agents (a tool call before their next stage): (resume time, agent index).
@@ -329,6 +331,7 @@ class _Run:
             self.bounds[i] = view.delay_bound_s
             self.first_eta[i], self.first_deadline[i] = view.eta_s, view.deadline_s
             self.first_interval[i] = view.eta_interval_s
+            self.first_allowance[i] = view.tool_allowance_s
             if a.stages:
                 self.start_stage(i, t)
             else:
@@ -402,6 +405,7 @@ class _Run:
             self.keeper.last_heads.pop(self.agents[i].id, None)
             self.keeper.sizes.pop(self.agents[i].id, None)
         self.disp.observe_jct(self.first_eta[i], t - self.agents[i].arrival, self.agents[i].id)
+        self.paused_total[i] = self.disp.pauses.paused_so_far(self.disp.agents[self.agents[i].id], t)
         self.disp.finish_agent(self.agents[i].id, t)
         self.finish[i] = t
         self.done += 1

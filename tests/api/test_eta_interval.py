@@ -97,6 +97,13 @@ def test_an_agent_that_will_pause_is_told_its_tool_time_apart(fake_client) -> No
             if stage < 2:
                 time.sleep(pause_s)
         assert fake_client.post(f"/v1/agents/{agent['id']}/finish").status_code == 200
+        # the record says how long it paused in all
+        paused = fake_client.get(f"/v1/agents/{agent['id']}").json()["paused_s"]
+        assert 2 * pause_s <= paused < 2 * pause_s + 1.0
     told = register(3)
     low, high = told["eta_interval_s"]
     assert 2 * pause_s <= low <= told["eta_s"] <= high
+    # its deadline is the worst case, which allows the tool time of two such pauses and says so
+    assert told["tool_allowance_s"] >= 2 * pause_s and told["paused_s"] == 0.0
+    assert told["deadline_s"] > told["fair_finish_s"] + told["delay_bound_s"] + 2 * pause_s - 1e-6
+    assert "tool time" in told["promise_assumes"]

@@ -32,13 +32,13 @@ def test_one_long_pause_seen_is_allowed_before_a_boundary_ahead() -> None:
     """Pauses are heavy-tailed: an allowance of the p90 per boundary is outlasted by a single
     long tool call, the sum of several seldom outlasts their p90s."""
     stats = PauseStats()
-    assert stats.allowance_s("react", 2) == 0.0  # nothing seen: nothing allowed
+    assert stats.allowance_s("react", 2, 1.0) == 0.0  # nothing seen: nothing allowed
     for _ in range(19):
         stats.observe("react", 0.5, 1.0)
     stats.observe("search", 8.0, 1.0)  # another type's: pauses belong to the application
-    assert stats.allowance_s("react", 0) == 0.0  # no boundary ahead
-    assert stats.allowance_s("react", 1) == pytest.approx(8.0)
-    assert stats.allowance_s("react", 3) == pytest.approx(8.0 + 2 * 0.5)
+    assert stats.allowance_s("react", 0, 1.0) == 0.0  # no boundary ahead
+    assert stats.allowance_s("react", 1, 1.0) == pytest.approx(8.0)
+    assert stats.allowance_s("react", 3, 1.0) == pytest.approx(8.0 + 2 * 0.5)
     # in a deadline: the worst case (the traffic pauses) carries the whole allowance
     quiet, paused = server(), server()
     for _ in range(19):
@@ -52,6 +52,34 @@ def test_one_long_pause_seen_is_allowed_before_a_boundary_ahead() -> None:
                                  "the longest pause seen (8 s) before one")
     assert b.deadline_s - a.deadline_s == pytest.approx(8.0)
     assert "no pause seen" not in a.promise_reason + b.promise_reason  # a fresh server's: see the docs
+
+
+class _Paused:
+    """What PauseStats reads of an agent whose pause is under way."""
+
+    def __init__(self, agent_id: str) -> None:
+        self.agent_id, self.agent_type, self.idle_since, self.tool = agent_id, "react", None, None
+
+
+def test_the_allowance_counts_the_pauses_under_way_as_lasting_at_least_as_long_as_they_have() -> None:
+    """Early in an episode the pauses that ended are the short ones: the long ones are still
+    under way. They count as lasting at least as long as they have, in the longest pause and
+    in the 90th percentile (Kaplan-Meier), and the record's words name the figures used."""
+    stats = PauseStats()
+    for k in range(4):
+        stats.observe("react", 0.5, 1.0 + k)
+    assert stats.allowance_s("react", 3, 10.0) == pytest.approx(0.5 + 2 * 0.5)  # the ended ones alone
+    for k in range(6):  # six agents paused at 2 s, still paused at 10 s: at least 8 s each
+        stats.pause_began(_Paused(f"p{k}"), 2.0)  # type: ignore[arg-type]
+    longest, each = stats.allowance_parts("react", 10.0)
+    assert longest == pytest.approx(8.0) and each == pytest.approx(8.0)
+    assert stats.allowance_s("react", 3, 10.0) == pytest.approx(8.0 + 2 * 8.0)
+    assert stats.allowance_words("react", 3, 24.0, 10.0) == (
+        "its client's tool time before its 3 later stage(s) takes at most 24 s in all: the longest pause seen "
+        "(8 s) before one, and the pauses' 90th percentile (8 s) before each of the 2 other(s)")
+    for k in range(6):  # gone: they are no longer pauses
+        stats.forget(f"p{k}")
+    assert stats.allowance_s("react", 3, 11.0) == pytest.approx(1.5)
 
 
 def test_boundaries_crossed_without_a_pause_speak_for_the_traffic_until_a_longer_silence() -> None:

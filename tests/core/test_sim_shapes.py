@@ -278,3 +278,30 @@ def test_after_a_lull_an_eta_expects_only_the_pauses_seen_in_its_own_episode() -
     later.submit(RequestSpec("b/1", "b", 10, 8, 8), 5.5 + lull)
     later.register_agent("c", 1000.0, 6.0 + lull, agent_type="chat", shape=shape)
     assert later.agents["c"].eta_pausing
+
+
+def test_a_promise_broken_by_a_pause_longer_than_it_allowed_is_counted_apart() -> None:
+    """The first agent pauses 1 s between its stages; the second, promised that tool time
+    (the longest pause seen), pauses 30 s: its promise breaks, by the client's tool time
+    beyond what it allowed, and the engine's part held. A promise kept is not counted."""
+    from server.sim.results import AgentResult
+    from server.sim.simulator import simulate
+    from server.sim.workload import AgentSpec
+
+    stages = [[(40, 8)], [(60, 8)]]
+    first = AgentSpec("a", "chat", 0.0, stages, pauses=[0.0, 1.0])
+    second = AgentSpec("b", "chat", 5.0, stages, pauses=[0.0, 30.0])
+    res = simulate([first, second], "justitia", CPU, M, tau="measured")
+    a, b = res.agents
+    assert a.paused_s == pytest.approx(1.0, abs=0.05) and b.paused_s == pytest.approx(30.0, abs=0.05)
+    assert b.first_tool_allowance_s == pytest.approx(1.0, abs=0.05)
+    assert b.promise_kept is False and b.promise_broken_by_tools
+    assert res.summary()["promises_broken_by_tools"] == 1
+    assert b.as_dict()["first_tool_allowance_s"] == b.first_tool_allowance_s
+    # broken with the tool time kept within the allowance: the engine's part broke
+    late = AgentResult("c", "chat", 0.0, 10.0, 1.0, 1.0, first_deadline_s=5.0, first_tool_allowance_s=2.0,
+                       paused_s=3.0)
+    assert late.promise_kept is False and not late.promise_broken_by_tools
+    kept = AgentResult("d", "chat", 0.0, 4.0, 1.0, 1.0, first_deadline_s=5.0, first_tool_allowance_s=0.0,
+                       paused_s=3.0)
+    assert kept.promise_kept and not kept.promise_broken_by_tools
