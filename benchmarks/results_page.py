@@ -147,6 +147,17 @@ LIVE_SHAPES = ("poisson", "bursts", "sessions")
 FAMILY_SHAPES = ("poisson", "bursts", "diurnal", "heavy-tail", "tenants", "sessions")
 
 
+def _family_promises_row(shape: str, mode: str):
+    """A `bench family --live` member's promises: kept live and simulated, those broken only by
+    the client's tool time beyond the allowance, and deadline / JCT on both sides."""
+    at = f"shapes[shape={shape},mode={mode}]"
+    return m(f"{shape}, {mode}: kept live / sim, broken by tools live / sim, deadline/JCT live / sim",
+             "{k}/{n} / {s}/{n}, {t} / {u}, {d:.1f}x / {e:.1f}x",
+             k=f"{at}.live.promises_kept", s=f"{at}.sim.promises_kept", n=f"{at}.live.promises",
+             t=f"{at}.live.promises_broken_by_tools", u=f"{at}.sim.promises_broken_by_tools",
+             d=f"{at}.live.deadline_over_jct_p50", e=f"{at}.sim.deadline_over_jct_p50")
+
+
 def _family_repeats_row(shape: str, mode: str, repeats: int = 3):
     """One member of a `bench family --live --repeats N` file: its N runs, their median
     beside the simulator's, and the live figures (medians over the runs, promises summed)."""
@@ -496,6 +507,19 @@ ENTRIES: list[Entry] = [
           "apart; medians over the seeds, promises summed "
           "([the ETA of an agent that pauses](concepts.md#the-eta-of-an-agent-that-pauses)).",
           _family_live_metrics(("sessions",))),
+    Entry("family-live-sessions-limits", "Live (vLLM CPU engine)",
+          "The family live: `sessions` on held-out seeds 105-107, bounds against the limits seen",
+          "family_live_sessions_limits.json",
+          "justitia bench family --live --shapes sessions --seeds 105,106,107 --modes fresh,taught "
+          "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_sessions_limits.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_sessions_limits.json",
+          "The same seeds again, the simulator bounding agents against the requests seen so far as the live "
+          "server does, and the tool time allowed counting the pauses under way, with a calibration made just "
+          "before (`profile_cpu_tiny_4096_famlive_sessions_limits.json`); medians over the seeds, promises "
+          "summed, and the promises broken only by the client's tool time beyond what they allowed "
+          "([Pauses](concepts.md#pauses-tool-time-between-stages)).",
+          [*_family_live_metrics(("sessions",)),
+           *(_family_promises_row("sessions", mode) for mode in ("fresh", "taught"))]),
     _family_live_member("family-live-tenants-taught", "tenants", "taught",
                         "after the rule that an ETA expects only the pauses of its own episode of arrivals",
                         "profile_cpu_tiny_4096_famlive_tenants_taught.json"),
