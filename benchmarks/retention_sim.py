@@ -86,9 +86,10 @@ def _one(seed: int, load: float, mix: str, policies: list[str], bound: bool = Fa
         for r in run_comparison(agents, pols, profile, retain=mode):
             s = r.summary()
             name = r.policy if r.policy != "justitia" else f"justitia-{mode}"
-            out[name] = {k: s[k] for k in ("mean_jct_s", "p90_jct_s", "reprefill_tokens", "promises_kept",
-                                           "preemptions", "makespan_s")} | {k: s.get(k) for k in (
-                                               "retained_kv_token_s", "retention_yields", "retention_pins_broken")}
+            kept = ("mean_jct_s", "p90_jct_s", "reprefill_tokens", "promises_kept", "promises_broken_by_tools",
+                    "preemptions", "makespan_s")
+            out[name] = {k: s[k] for k in kept} | {k: s.get(k) for k in (
+                "retained_kv_token_s", "retention_yields", "retention_pins_broken")}
     out["agents"] = len(agents)
     # what the resent conversations would cost the engine if every one were prefilled again
     out["resent_tokens"] = sum(chain[-1][1] for a in agents for key, chain in a.prefixes.items()
