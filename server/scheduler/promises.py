@@ -3,7 +3,8 @@
 An agent's worst-case deadline is its GPS finish projected with the work expected to arrive
 ahead of it, served at the pessimistic rate (M / bound_tau), plus its delay bound (bounds.py)
 at the pessimistic step time, plus the tool time allowed before the stages it has not
-started (the longest pause seen before one, its type's p90 before each other: pauses.py).
+started (the longest pause seen before one, the pauses' p90 before each other, pauses under
+way counted as lasting at least as long as they have: pauses.py).
 The deadline given is the tighter of that and its ETA scaled by how far the first ETAs of
 agents in its context (its place in the queue) have fallen short (tight_promise.py; the
 record's promise_assumes says what that rests on).
@@ -147,8 +148,8 @@ class Promises:
                            f"arrives at {MAX_ARRIVAL_SHARE:.0%} of the engine's rate")
             share = MAX_ARRIVAL_SHARE
             horizon = fluid / (1.0 - share) * slow
-        # Tool time: the longest pause seen before one stage it has not started, the type's
-        # p90 before each other (pauses.py).
+        # Tool time: the longest pause seen before one stage it has not started, the pauses'
+        # p90 before each other, those under way counted (pauses.py `allowance_parts`).
         left = stages_left(agent.shape.stages, agent.stages_started)
         pauses = d.pauses.allowance_s(agent.agent_type, left, now)
         if left and pauses <= 0.0 and d.pauses.any_seen and not d.pauses.unpaused_lately(now):
