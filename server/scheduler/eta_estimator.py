@@ -120,7 +120,8 @@ class EtaEstimator:
         self.calibration.observe(first_eta_s, jct_s, agent.promise_context if agent is not None else None,
                                  by_context=agent is None or agent.paused_s <= 0.0,
                                  pausing=agent is not None and agent.eta_pausing,
-                                 large=agent is not None and agent.promise_large)
+                                 large=agent is not None and agent.promise_large,
+                                 deadline_eta_s=agent.eta_replay_s if agent is not None else None)
 
     @property
     def _has_mix(self) -> bool:

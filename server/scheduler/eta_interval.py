@@ -189,7 +189,7 @@ class EtaCalibration:
         return self.factors_for(context, pausing).scale
 
     def observe(self, first_eta_s: float, jct_s: float, context: int | None = None, by_context: bool = True,
-                pausing: bool = False, large: bool = False) -> None:
+                pausing: bool = False, large: bool = False, deadline_eta_s: float | None = None) -> None:
         """A finished agent: its JCT against the replay's ETA at its registration (before
         any scaling), and the context it registered in (None: unknown). `by_context` False:
         not in the deadlines' record (`upper_ratio`): an agent that paused, whose JCT holds
@@ -197,7 +197,9 @@ class EtaCalibration:
         pause fall short (a calibrated deadline is given only to those). Its ETA's scale and
         interval count it: its own ETA expected pauses too. `pausing`: its first ETA
         expected pauses (the scale's record of its kind). `large`: it was large when it
-        registered (tight_promise.is_large: the deadlines' record keeps large agents apart)."""
+        registered (tight_promise.is_large: the deadlines' record keeps large agents apart).
+        `deadline_eta_s`: the replay's ETA its deadline scaled, where that was another (the
+        deadlines' record is of that one: the factor must scale the ETA it was learned on)."""
         if not (first_eta_s > 0 and jct_s > 0 and math.isfinite(first_eta_s) and math.isfinite(jct_s)):
             return
         ratio = jct_s / first_eta_s
@@ -205,6 +207,8 @@ class EtaCalibration:
         self._all_by_context.setdefault(context, deque(maxlen=self._window)).append(ratio)
         self._by_kind.setdefault((context, pausing), deque(maxlen=self._window)).append(ratio)
         if by_context:
+            if deadline_eta_s is not None and deadline_eta_s > 0 and math.isfinite(deadline_eta_s):
+                ratio = jct_s / deadline_eta_s
             self._by_context.setdefault((context, large), deque(maxlen=self._window)).append(ratio)
         self._cache.clear()
 

@@ -69,6 +69,30 @@ def test_the_eta_told_is_scaled_and_the_record_stays_the_replays() -> None:
     assert d.etas.calibration.upper_ratio(1.0, 1, None) == (pytest.approx(1.0), 1)
 
 
+def test_the_deadlines_record_is_of_the_eta_the_deadline_scaled() -> None:
+    """A deadline scales the replay's ETA at registration, before the agent's own arrival
+    counts among the arrivals; the ETA told is the replay's after it. Where the two differ
+    (an agent after a lull, its own arrival the only one measured), the deadlines' record
+    must be of the first: a factor learned on the larger ETA told and applied to the smaller
+    one gave deadlines short of the JCTs (the 300-agent mix at 1x: 16 of 300 broken, 4 with
+    deadlines before the ETA told). The scale's record stays the told ETA's replay."""
+    cal = EtaCalibration()
+    cal.observe(10.0, 20.0, 0, deadline_eta_s=4.0)
+    assert cal.upper_ratio(1.0, 1, 0) == (pytest.approx(5.0), 1)  # 20 / 4, not 20 / 10
+    told = EtaCalibration()
+    told.observe(10.0, 20.0, 0)
+    assert told.upper_ratio(1.0, 1, 0) == (pytest.approx(2.0), 1)
+    assert [cal.factors_for(0)] == [told.factors_for(0)]  # the ETA's factors are the told ETA's
+    # through the dispatcher: the agent's deadline scaled a replay of half its told ETA's
+    d = quiet()
+    view = d.register_agent("a", 10_000.0, 0.0, shape=AgentShape(1, 10))
+    agent = d.agents["a"]
+    assert agent.eta_replay_s == pytest.approx(d.eta_time("a", 0.0))
+    agent.eta_replay_s = 0.5 * view.eta_s / agent.eta_scale
+    d.observe_jct(view.eta_s, 3.0 * view.eta_s, "a")
+    assert d.etas.calibration.upper_ratio(1.0, 1, 0) == (pytest.approx(6.0 * agent.eta_scale), 1)
+
+
 def test_on_a_tuning_seed_the_eta_told_is_within_the_targets() -> None:
     # Poisson, seed 1: the replay's ETAs ran long (error p50 0.44, p90 0.78); scaled, 0.20 / 0.58
     row, = run_family([ShapeSpec("poisson", 48, 0.9, 1)], ["justitia"], get_profile("cpu-tiny"), 4096)
