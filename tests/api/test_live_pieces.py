@@ -317,9 +317,9 @@ def test_an_agent_that_ends_with_a_request_in_flight_is_filed_under_its_own_cont
         observe = calibration.observe
 
         def spy(first_eta_s: float, jct_s: float, context: int | None = None, by_context: bool = True,
-                pausing: bool = False, large: bool = False) -> None:
+                pausing: bool = False, large: bool = False, deadline_eta_s: float | None = None) -> None:
             filed.append((context, by_context))
-            observe(first_eta_s, jct_s, context, by_context, pausing, large)
+            observe(first_eta_s, jct_s, context, by_context, pausing, large, deadline_eta_s)
 
         calibration.observe = spy  # type: ignore[method-assign]
         e = live.register("t", "prompt", "x", predicted_cost=1e4)

@@ -840,10 +840,11 @@ def test_a_large_agent_is_promised_by_the_record_of_large_agents() -> None:
     d2 = taught_by_large_agents()
     typical = d2.register_agent("typical", 1_000.0, 0.0, shape=AgentShape(1, 10))
     assert typical.deadline_s == pytest.approx(CONTEXT_FLOORS[0] * d2.eta_time("typical", 0.0))
-    # a finished large agent is filed under its context and size
-    told_over_replay = d.agents["heavy"].eta_scale
-    d.observe_jct(1.0, 3.0, "heavy")
-    assert d.etas.calibration.upper_ratio(1.0, 11, 0, large=True) == (pytest.approx(3.0 * told_over_replay), 11)
+    # a finished large agent is filed under its context and size, its JCT over the replay's
+    # ETA its deadline scaled
+    d.observe_jct(1.0, 30.0, "heavy")
+    assert d.etas.calibration.upper_ratio(1.0, 11, 0, large=True) == (
+        pytest.approx(max(9.0, 30.0 / d.agents["heavy"].eta_replay_s)), 11)
     assert d.etas.calibration.upper_ratio(1.0, 1, 0) is None
 
 
