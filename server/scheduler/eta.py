@@ -17,10 +17,16 @@ engine's rate R (`Dispatcher.eta_rate`: M / tau, or the time model's rate on the
 that is faster) minus the rate a_j of work that will arrive *ahead of j* while it waits (new
 agents the policy orders before j: under justitia, those whose cost is below j's tag minus
 V, less half of what V advances over the arrivals' span, `closing_gap`; none under fcfs),
-for as long as arrivals have been measured (at least 2 s, at most the 60 s window): then at
-full rate again (`served_by`). An agent with no request in the engine starts no sooner than
-the running requests free the memory one of its requests reserves (`MemoryDrain`): first
-in the order, it still waits for them, since admission never preempts.
+for as long as the episode's arrivals have been measured (at least 2 s, at most the 600 s
+long window), at the rate of the last 60 s: then at full rate again (`served_by`). A stream
+that has lasted ten minutes is expected to last the wait of an agent deep in its queue:
+capped at the 60 s the rate is measured over, the ETAs of the 300-agent mix's large agents
+deep in the queue at 2-3x density fell short by up to 3.7x (they wait hundreds of seconds,
+and arrivals go ahead of them throughout); capped at the long window, by up to 2.9x, with
+the family of shapes unchanged (its episodes last under a minute).
+An agent with no request in the engine starts no sooner than the running requests free the
+memory one of its requests reserves (`MemoryDrain`): first in the order, it still waits for
+them, since admission never preempts.
 The arrival rate of work and its cost distribution are measured over the recent
 registrations (`WorkArrivals`).
 
@@ -117,7 +123,7 @@ class WorkArrivals:
     declared: DeclaredBatches = field(default_factory=DeclaredBatches)
     service_rate: float = 0.0
     rate: float = 0.0  # cost units arriving per second, recent window
-    span_s: float = 0.0  # the time `rate` was measured over (ETAs assume it goes on this long)
+    span_s: float = 0.0  # the episode's age, 2 s to the long window (ETAs assume `rate` goes on this long)
     promise_rate: float = 0.0  # max(rate, the long window's)
 
     def add(self, t: float, cost: float) -> None:
@@ -188,7 +194,7 @@ class WorkArrivals:
             return
         self.rate = self._rate(now, self.window_s, self.min_window_s, self._first)
         first = now if self._first is None else self._first
-        self.span_s = max(self.min_window_s, min(self.window_s, now - first))
+        self.span_s = max(self.min_window_s, min(self.long_window_s, now - first))
         self._forecast_from_episodes(now - first)
         self._forecast_from_batches(now)
         # A promise takes the rate over the history there is (a floor of 10 s would halve

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from server.scheduler import AgentShape, BoundLimits, Dispatcher, RequestSpec, TauEstimator, kv_cost
-from server.scheduler.eta import WorkArrivals
+from server.scheduler.eta import WorkArrivals, served_by
 from server.scheduler.policies import POLICIES, closing_gap
 from tests.support.dispatchers import quiet_for, worst_case_promises
 
@@ -135,6 +135,27 @@ def test_an_eta_reads_a_young_burst_at_its_rate() -> None:
     assert w.rate == pytest.approx(3000.0 / 2.0) and w.span_s == pytest.approx(2.0)
     w.freeze(5.0)  # past the floor: the history there is
     assert w.rate == pytest.approx(3000.0 / 5.0) and w.span_s == pytest.approx(5.0)
+
+
+def test_an_eta_expects_a_long_stream_to_go_on_for_as_long_as_it_has_lasted() -> None:
+    """A stream that has run for five minutes is expected to run through the wait of an agent
+    deep in its queue: the span arrivals are assumed over is the episode's age, up to the long
+    window, at the rate of the last minute (capped at that minute, the ETAs of large agents
+    waiting hundreds of seconds counted a sixth of the arrivals that went ahead of them)."""
+    w = WorkArrivals(window_s=60.0, long_window_s=600.0)
+    for i in range(301):
+        w.add(float(i), 100.0)  # one agent a second, for 300 s
+    w.freeze(300.0)
+    assert w.rate == pytest.approx(100.0 * 61 / 60.0, rel=0.02)  # the last minute's rate
+    assert w.span_s == pytest.approx(300.0)  # the stream's age, not the minute
+    # 20,000 units of work ahead at 200 a second, with 100 a second arriving ahead: arrivals
+    # for the whole 200 s the wait lasts, not 60 of them
+    assert served_by(20_000.0, 200.0, 100.0, w.span_s) == pytest.approx(200.0)
+    assert served_by(20_000.0, 200.0, 100.0, 60.0) == pytest.approx(130.0)
+    for i in range(301, 701):
+        w.add(float(i), 100.0)
+    w.freeze(700.0)  # a stream older than the long window: the span is that window
+    assert w.span_s == pytest.approx(600.0)
 
 
 def test_work_arrivals_rate_and_shares() -> None:
