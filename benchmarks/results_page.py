@@ -214,16 +214,16 @@ def _family_live_member(name: str, shape: str, mode: str, what: str, profile: st
                  f"([the family live](benchmarks.md#the-family-live)).",
                  [_family_live_row(shape, mode), _family_live_within(shape, mode)])
 
-def _family_live_seed(name: str, seed: int, stem: str, profile: str, what: str, note: str) -> Entry:
+def _family_live_seed(name: str, seed: int, stem: str, profile: str, what: str, note: str,
+                      section: str = "[seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)") -> Entry:
     """The whole family live on one held-out seed, once per member: `what` ends the title,
-    `note` (which may name `{profile}`) describes the run."""
+    `note` (which may name `{profile}`) describes the run, `section` links its discussion."""
     return Entry(name, "Live (vLLM CPU engine)", f"The family live: every shape on held-out seed {seed}{what}",
                  f"{stem}.json",
                  f"justitia bench family --live --shapes {','.join(FAMILY_SHAPES)} --seeds {seed} "
                  f"--modes fresh,taught --profile benchmarks/results/{profile} "
                  f"--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/{stem}.json",
-                 note.format(profile=profile)
-                 + " ([seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)).",
+                 note.format(profile=profile) + f" ({section}).",
                  _family_live_rows(FAMILY_SHAPES))
 
 
@@ -496,6 +496,10 @@ ENTRIES: list[Entry] = [
                       " again, with a calibration the engine then fell behind",
                       "Seed 106 a second time, with a calibration of its own made just before (`{profile}`), which "
                       "read the engine faster than it then ran"),
+    _family_live_seed("family-live-108", 108, "family_live_108", "profile_cpu_tiny_4096_famlive_108.json", "",
+                      "All six shapes, fresh and taught, on a seed never run live before, with a calibration of the "
+                      "engine alone made just before (`{profile}`), on a host loaded 1-2.3 by the run itself and its "
+                      "neighbours", "[seed 108](benchmarks.md#seed-108)"),
     Entry("family-live-sessions-tools", "Live (vLLM CPU engine)",
           "The family live: `sessions` on held-out seeds 105-107, tool time told apart",
           "family_live_sessions_tools.json",
