@@ -107,7 +107,18 @@ class EtaEstimator:
         """A finished agent's JCT / first ETA (the one it was told): for ETAs' scale and
         intervals, and deadlines unless it paused (eta_interval.py). The record is of the
         replay's ETA: the one told over the scale the agent was given (`eta_scale` where the
-        dispatcher has forgotten the agent already, None: unknown)."""
+        dispatcher has forgotten the agent already, None: unknown).
+
+        Not an agent whose first ETA rested on a cost no predictor made (`eta_guessed`: a
+        cold start's guess for a type no predictor knows): the records scale and bound ETAs
+        of predicted costs, and a guess's error, tens of times theirs, is another error.
+        Counted, a new server's first ten agents of an unseen type, told 0.09-2.6 s for jobs
+        of 0.03 s, set the scale of the next ones at a fiftieth: told 2 ms for the same 25 ms
+        jobs. (An ETA made before the engine's rate is measured is counted: its error, a
+        prior rate's, is of the same kind as a measured rate's, and a fresh server's first
+        agents are most of what its scale can learn from early on.)"""
+        if agent is not None and agent.eta_guessed:
+            return
         scale = agent.eta_scale if agent is not None else eta_scale
         if agent is not None and agent.eta_tools and agent.eta_replay_s is not None:
             first_eta_s = agent.eta_replay_s  # its ETA told was not the replay's scaled

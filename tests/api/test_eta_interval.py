@@ -53,10 +53,19 @@ def test_held_out_seeds_land_about_eighty_percent_inside_their_first_interval() 
 
 
 def test_records_carry_the_interval_and_finished_agents_calibrate_it(fake_client, fake_server) -> None:
-    def register(i: int) -> dict:
-        r = fake_client.post("/v1/agents", json={"type": "interval_probe", "prompt": f"probe {i}"})
+    def register(i: int, cost: float | None = 200.0) -> dict:
+        body = {"type": "interval_probe", "prompt": f"probe {i}"}
+        if cost is not None:
+            body["predicted_cost"] = cost
+        r = fake_client.post("/v1/agents", json=body)
         assert r.status_code == 201, r.text
         return r.json()
+
+    def run(agent: dict) -> None:
+        r = fake_client.post("/v1/completions", headers={"X-Justitia-Agent": agent["id"]},
+                             json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert fake_client.post(f"/v1/agents/{agent['id']}/finish").status_code == 200
 
     first = register(0)
     low, high = first["eta_interval_s"]
@@ -66,11 +75,13 @@ def test_records_carry_the_interval_and_finished_agents_calibrate_it(fake_client
     seen = calibration.seen
     for i in range(3):
         agent = register(i + 1)
-        r = fake_client.post("/v1/completions", headers={"X-Justitia-Agent": agent["id"]},
-                             json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        assert fake_client.post(f"/v1/agents/{agent['id']}/finish").status_code == 200
+        run(agent)
     assert calibration.seen == seen + 3  # each finished agent's JCT / first ETA
+    # an agent whose cost is a cold start's guess (no predictor knows its type) teaches nothing
+    guessed = register(9, cost=None)
+    assert guessed["cost_source"] == "cold_start"
+    run(guessed)
+    assert calibration.seen == seen + 3
     ended = fake_client.get(f"/v1/agents/{agent['id']}").json()
     assert ended["first_eta_interval_s"] is not None and ended["jct_s"] is not None
 

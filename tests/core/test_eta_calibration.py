@@ -93,6 +93,25 @@ def test_the_deadlines_record_is_of_the_eta_the_deadline_scaled() -> None:
     assert d.etas.calibration.upper_ratio(1.0, 1, 0) == (pytest.approx(6.0 * agent.eta_scale), 1)
 
 
+def test_no_record_learns_from_an_eta_made_of_a_guessed_cost() -> None:
+    """A cold start's guess for a type no predictor knows is tens of times off: a new
+    server's first agents of an unseen type, told 0.09-2.6 s for jobs of 0.03 s, set the
+    scale at a fiftieth and the next agents were told 2 ms for 25 ms jobs. Their ratios
+    enter no record; an agent of a predicted cost still does."""
+    d = quiet()
+    for i in range(2 * MIN_SEEN):
+        view = d.register_agent(f"g{i}", 10_000.0, float(i), shape=AgentShape(1, 10), cost_guessed=True)
+        assert d.agents[f"g{i}"].eta_guessed
+        d.observe_jct(view.eta_s, view.eta_s / 50.0, f"g{i}")  # the guess 50x long
+        d.finish_agent(f"g{i}", float(i))
+    assert d.etas.calibration.seen == 0
+    assert d.etas.calibration.scale(0) == pytest.approx(1.0)  # the prior: nothing learned
+    view = d.register_agent("p", 10_000.0, 100.0, shape=AgentShape(1, 10))
+    assert not d.agents["p"].eta_guessed
+    d.observe_jct(view.eta_s, 2.0 * view.eta_s, "p")
+    assert d.etas.calibration.seen == 1
+
+
 def test_on_a_tuning_seed_the_eta_told_is_within_the_targets() -> None:
     # Poisson, seed 1: the replay's ETAs ran long (error p50 0.44, p90 0.78); scaled, 0.20 / 0.58
     row, = run_family([ShapeSpec("poisson", 48, 0.9, 1)], ["justitia"], get_profile("cpu-tiny"), 4096)
