@@ -109,7 +109,7 @@ class EtaEstimator:
         replay's ETA: the one told over the scale the agent was given (`eta_scale` where the
         dispatcher has forgotten the agent already, None: unknown).
 
-        Not an agent whose first ETA rested on a cost no predictor made (`eta_guessed`: a
+        Not an agent whose first ETA rested on a cost no predictor made (`cost_guessed`: a
         cold start's guess for a type no predictor knows): the records scale and bound ETAs
         of predicted costs, and a guess's error, tens of times theirs, is another error.
         Counted, a new server's first ten agents of an unseen type, told 0.09-2.6 s for jobs
@@ -117,7 +117,7 @@ class EtaEstimator:
         jobs. (An ETA made before the engine's rate is measured is counted: its error, a
         prior rate's, is of the same kind as a measured rate's, and a fresh server's first
         agents are most of what its scale can learn from early on.)"""
-        if agent is not None and agent.eta_guessed:
+        if agent is not None and agent.cost_guessed:
             return
         scale = agent.eta_scale if agent is not None else eta_scale
         if agent is not None and agent.eta_tools and agent.eta_replay_s is not None:

@@ -183,7 +183,6 @@ class Promises:
             agent.eta_times = quantile_grid(times, TIMES_KEPT) if times else ()
             agent.eta_replay_s = max(0.0, d.etas.eta_time(agent, now) - now)
             agent.eta_engine_s = max(0.0, agent.eta_replay_s - pauses_expected)
-            agent.eta_guessed = agent.cost_guessed
         factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context, agent.promise_large)
         # Nor is an ETA resting on guesses: until the engine's rate is measured here, or
         # where the agent's cost is a guess (a type no predictor knows), the ETA is the

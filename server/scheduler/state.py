@@ -170,10 +170,9 @@ class AgentState:
     # (eta_interval.py; the engine's part: tool_time.py)
     eta_replay_s: float | None = None
     eta_engine_s: float | None = None
-    # Its first ETA rested on a cost no predictor made (a cold start's guess): no record of
+    # its cost is a guess (no predictor knows its type): no calibrated deadline, and no record of
     # how far ETAs fall short learns from it (eta_estimator.py)
-    eta_guessed: bool = False
-    cost_guessed: bool = False  # its cost is a guess (no predictor knows its type): no calibrated deadline
+    cost_guessed: bool = False
     consumed_cost: float = 0.0  # real cost of finished requests (policy cost units)
     consumed_kv: float = 0.0  # real KV token-time of finished requests
     # The latest re-prediction of its total KV cost as it runs (reprediction.py): ETAs count

@@ -101,13 +101,13 @@ def test_no_record_learns_from_an_eta_made_of_a_guessed_cost() -> None:
     d = quiet()
     for i in range(2 * MIN_SEEN):
         view = d.register_agent(f"g{i}", 10_000.0, float(i), shape=AgentShape(1, 10), cost_guessed=True)
-        assert d.agents[f"g{i}"].eta_guessed
+        assert d.agents[f"g{i}"].cost_guessed
         d.observe_jct(view.eta_s, view.eta_s / 50.0, f"g{i}")  # the guess 50x long
         d.finish_agent(f"g{i}", float(i))
     assert d.etas.calibration.seen == 0
     assert d.etas.calibration.scale(0) == pytest.approx(1.0)  # the prior: nothing learned
     view = d.register_agent("p", 10_000.0, 100.0, shape=AgentShape(1, 10))
-    assert not d.agents["p"].eta_guessed
+    assert not d.agents["p"].cost_guessed
     d.observe_jct(view.eta_s, 2.0 * view.eta_s, "p")
     assert d.etas.calibration.seen == 1
 
