@@ -5,8 +5,9 @@ its prompt, the numbers its metadata declared, its real cost, and the prediction
 served. Once ``retrain_every`` new samples of a (tenant, type) have arrived (and at least
 :data:`~predictors.training.MIN_SAMPLES` in all), a retraining job is queued:
 
-* it runs in one worker *process* (spawned, niced): training never holds the event loop or
-  the GIL the server serves with, and never more than one job runs at a time (bounded CPU);
+* it runs in one worker *process* (spawned, at the lowest CPU priority, set up before it
+  imports anything: :mod:`predictors.worker`): training never holds the event loop or the
+  GIL the server serves with, and never more than one job runs at a time (bounded CPU);
 * the newest 20% of the samples (at least :data:`MIN_RECENT`) are held out; the model is
   chosen by cross-validation and fitted on the others (:func:`predictors.training.fit_predictor`);
 * it is swapped in only if its mean relative error on those recent held-out samples is at
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .worker import init_helper
 
 if TYPE_CHECKING:
     from .model import CostPredictor
@@ -88,58 +91,10 @@ class TypeState:
                 "median_relative_error": float(np.median(errors))}
 
 
-#: How often the worker looks whether the server that started it is still there.
-PARENT_POLL_S = 0.5
-
-
-def exit_with_parent(parent: int, kernel: bool, poll_s: float = PARENT_POLL_S) -> None:
-    """End this process soon after process `parent` ends, however it ends (kill -9
-    included). A pool worker waits on a pipe whose other end it holds itself, so it never
-    sees its server die: without this, each kill of the server would leave one behind for ever.
-
-    A thread polls the parent's pid. With `kernel` (the worker was started by the parent's
-    main thread: the kernel ties the signal to the thread that forked, not the process), on
-    Linux the kernel is also asked to SIGKILL it the moment the parent dies
-    (PR_SET_PDEATHSIG)."""
-    import sys
-    import threading
-
-    if kernel and sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            import signal
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="justitia-parent-watch", daemon=True).start()
-
-
-def _init_worker(parent: int | None = None, kernel: bool = False) -> None:
-    """Runs first in the worker process: tie its life to the server's (`parent`), import
-    what training needs (NumPy, scikit-learn), then drop to the CPU priority of the CPU
-    engine's process (nice 10), below the server. The imports come first: a niced process
-    importing on a machine that other work keeps busy can take many seconds, which the
-    first job would wait for."""
-    if parent is not None:
-        exit_with_parent(parent, kernel)
-    from . import training  # noqa: F401
-
-    try:
-        os.nice(10)
-    except OSError:
-        pass
-
-
 def warm_up() -> None:
-    """A job that does nothing: submitting it starts the worker process (and its imports)."""
+    """A job that only imports what training needs (NumPy, scikit-learn: seconds on a busy
+    machine): submitting it starts the worker, so that the first retraining does not wait."""
+    from . import training  # noqa: F401
 
 
 def train_job(agent_type: str, samples: list[dict[str, Any]], served: list[float], seed: int = 0) -> dict[str, Any]:
@@ -176,7 +131,8 @@ class OnlineTrainer:
 
     def __init__(self, retrain_every: int = DEFAULT_RETRAIN_EVERY,
                  executor: concurrent.futures.Executor | None = None,
-                 on_swap: Callable[[str, str], None] | None = None) -> None:
+                 on_swap: Callable[[str, str], None] | None = None,
+                 worker_setup: Callable[[int], None] | None = None) -> None:
         from .training import MIN_SAMPLES
 
         self.retrain_every = int(retrain_every)
@@ -189,6 +145,9 @@ class OnlineTrainer:
         # `_finished` at once, inside `observe`'s hold of the lock.
         self._lock = threading.RLock()
         self._on_swap = on_swap
+        # Runs first in the worker (see `predictors.worker.init_helper`): the server passes
+        # one that also keeps it off the engine's cores.
+        self._worker_setup = worker_setup
 
     @property
     def enabled(self) -> bool:
@@ -198,8 +157,8 @@ class OnlineTrainer:
         if self._executor is None:
             # spawn, not fork: the server's process holds threads (the engine's, SQLite's).
             self._executor = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                initargs=(os.getpid(), threading.current_thread() is threading.main_thread()))
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=init_helper,
+                initargs=(os.getpid(), threading.current_thread() is threading.main_thread(), self._worker_setup))
         return self._executor
 
     def warm(self) -> concurrent.futures.Future[None]:

@@ -273,8 +273,11 @@ async def _tool_parser(config: ServerConfig, engine: Engine) -> ToolCallParser |
 def _predictors(config: ServerConfig):
     from predictors import PredictorRegistry
     from predictors.online import OnlineTrainer
+    from server.engine.processes import run_when_engine_idle
 
-    online = OnlineTrainer(config.retrain_every) if config.retrain_every > 0 else None
+    # Retraining waits for CPU time nothing else wants (server/engine/processes.py).
+    online = (OnlineTrainer(config.retrain_every, worker_setup=run_when_engine_idle)
+              if config.retrain_every > 0 else None)
     return PredictorRegistry(config.predictors_dir, online=online)
 
 

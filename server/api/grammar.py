@@ -30,8 +30,9 @@ import multiprocessing
 import os
 from typing import Any
 
+from predictors.worker import init_helper
 from server.api.request_limits import RequestLimitExceeded
-from server.engine.processes import without_sigint
+from server.engine.processes import keep_to_spare_cpu, without_sigint
 
 log = logging.getLogger("justitia.grammar")
 
@@ -41,46 +42,6 @@ CACHE_SIZE = 4096
 MAX_REFUSAL_CHARS = 500
 
 _compiler: Any = None
-
-
-def _init_worker(parent: int) -> None:
-    # Dies with the server, kill -9 included: a spawned pool worker waits on a pipe it
-    # holds itself and would outlive it (and keep multiprocessing's resource tracker alive).
-    # The pool may spawn it from any thread, so the parent's pid is polled rather than tied
-    # to the forking thread by the kernel.
-    from predictors.online import exit_with_parent
-
-    exit_with_parent(parent, kernel=False)
-    keep_to_spare_cpu(parent)
-
-
-#: The worker's niceness: the lowest priority there is, below the EngineCore's (10).
-WORKER_NICE = 19
-#: Thread-pool settings of the libraries the compiler loads (xgrammar imports torch, whose
-#: OpenMP pool would start a thread per core): one thread, on the cores left to it.
-_ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-               "NUMEXPR_NUM_THREADS": "1", "TORCH_NUM_THREADS": "1"}
-
-
-def keep_to_spare_cpu(parent: int) -> None:
-    """In the worker, before the compiler loads: the lowest CPU priority, one thread, and
-    off the cores vLLM's CPU model worker is pinned to (every engine step waits for that
-    worker, so a compile sharing its core would slow every tenant's tokens)."""
-    os.environ.update(_ONE_THREAD)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICE)
-    except OSError:
-        pass
-    from server.engine.processes import PINNING, worker_cores
-
-    if not PINNING:
-        return
-    try:
-        spare = set(os.sched_getaffinity(0)) - worker_cores(parent)
-        if spare:
-            os.sched_setaffinity(0, spare)
-    except OSError:  # best effort: only speed depends on it
-        pass
 
 
 def available() -> bool:
@@ -129,7 +90,10 @@ class GrammarChecker:
         # spawn: forking a process that runs threads (uvicorn, the engine's) is unsafe
         return concurrent.futures.ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=(os.getpid(),))
+            # Dies with the server, kill -9 included (the pool may spawn it from any thread, so
+            # the parent's pid is polled rather than tied to the forking thread by the kernel),
+            # and runs on the CPU the engine leaves spare.
+            initializer=init_helper, initargs=(os.getpid(), False, keep_to_spare_cpu))
 
     async def start(self) -> None:
         """Start the worker and load the compiler, so that the first schema's budget is
