@@ -502,8 +502,8 @@ ENTRIES: list[Entry] = [
                       "neighbours", "[seed 108](benchmarks.md#seed-108)"),
     _family_live_seed("family-live-109", 109, "family_live_109", "profile_cpu_tiny_4096_famlive_109.json", "",
                       "All six shapes, fresh and taught, on a seed never run live before, with a calibration of the "
-                      "engine alone made just before (`{profile}`), whose steps were up to 22% slower than the run's on "
-                      "10 of 12 members (host load 1.1-2.1)", "[seed 109](benchmarks.md#seed-109)"),
+                      "engine alone made just before (`{profile}`), whose steps were up to 22% slower than "
+                      "the run's on 10 of 12 members (host load 1.1-2.1)", "[seed 109](benchmarks.md#seed-109)"),
     Entry("family-live-sessions-tools", "Live (vLLM CPU engine)",
           "The family live: `sessions` on held-out seeds 105-107, tool time told apart",
           "family_live_sessions_tools.json",
