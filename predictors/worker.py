@@ -55,12 +55,10 @@ def lowest_priority(parent: int) -> None:
         pass
 
 
-def init_helper(parent: int | None, kernel: bool = False,
+def init_helper(parent: int, kernel: bool = False,
                 setup: Callable[[int], None] | None = None) -> None:
     """A helper pool's initializer: die with the server (`parent`), then `setup(parent)`
     (where and how hard the helper may run; `lowest_priority` if None). A module-level
     `setup` pickles by name: its module should be as light as this one."""
-    if parent is None:
-        return
     exit_with_parent(parent, kernel)
     (setup or lowest_priority)(parent)

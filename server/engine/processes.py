@@ -118,21 +118,19 @@ def without_sigint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-#: The niceness of the server's helper processes (the grammar compiler, the predictors'
-#: retraining): the lowest priority there is, below the EngineCore's (10) and the server's (0).
-WORKER_NICE = 19
 #: Thread-pool settings of the libraries a helper loads (xgrammar imports torch, NumPy and
 #: scikit-learn bring OpenMP and BLAS pools, each of which would start a thread per core).
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                "NUMEXPR_NUM_THREADS": "1", "TORCH_NUM_THREADS": "1"}
 
 
-def _lowest_priority() -> None:
+def _lowest_priority(parent: int) -> None:
+    """The lowest CPU priority (`predictors.worker.HELPER_NICE`, below the EngineCore's 10
+    and the server's 0), its libraries on one thread."""
+    from predictors.worker import lowest_priority
+
     os.environ.update(_ONE_THREAD)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICE)
-    except OSError:
-        pass
+    lowest_priority(parent)
 
 
 def _pin(cores: set[int]) -> None:
@@ -149,7 +147,7 @@ def keep_to_spare_cpu(parent: int) -> None:
     to (every engine step waits for that worker, so a helper sharing its core would slow every
     tenant's tokens). For work a request waits on (the grammar compiler: it has a budget of
     seconds even while the engine is busy)."""
-    _lowest_priority()
+    _lowest_priority(parent)
     if PINNING:
         try:
             _pin(set(os.sched_getaffinity(0)) - worker_cores(parent))
@@ -172,14 +170,11 @@ def run_when_engine_idle(parent: int) -> None:
     waits for the model worker by yielding its core, which hands it to whatever else may run
     there), nor at nice 19 on the worker's core (42-47 ms median for every type: a niced
     process still takes its share of the worker's core; the idle class takes none)."""
-    _lowest_priority()
+    _lowest_priority(parent)
     if hasattr(os, "SCHED_IDLE"):
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:
             pass
     if PINNING:
-        try:
-            _pin(worker_cores(parent))
-        except OSError:
-            pass
+        _pin(worker_cores(parent))  # empty (left as it is) when it cannot be read

@@ -179,7 +179,7 @@ def _grammar_worker_facts() -> tuple[int, str, int]:
 def test_the_grammar_worker_runs_at_the_lowest_priority_on_one_thread(compiling) -> None:
     """A compile must not take the engine's CPU: the worker runs at nice 19 (below the
     EngineCore's 10) and its libraries on one thread."""
-    from server.engine.processes import WORKER_NICE
+    from predictors.worker import HELPER_NICE as WORKER_NICE
 
     with local_client(base_url=compiling.url, timeout=300) as c:
         r = c.post("/v1/chat/completions", json=_schema_request({"type": "number"}))

@@ -12,6 +12,7 @@ import os
 import httpx
 import psutil
 
+from server.engine.processes import worker_cores
 from tests.support.workloads import learn_new_type
 
 
@@ -26,12 +27,6 @@ def _retraining_worker(server_pid: int) -> psutil.Process:
     raise AssertionError("no retraining worker among the server's children")
 
 
-def _model_worker_cores(server_pid: int) -> set[int]:
-    return {core for child in psutil.Process(server_pid).children(recursive=True)
-            if "VLLM::Worker" in child.name() or "VLLM::Worker" in " ".join(child.cmdline()[:1])
-            for core in child.cpu_affinity()}
-
-
 def test_a_new_type_is_learned_on_the_engine(vllm_server, vllm_client: httpx.Client) -> None:
     out = learn_new_type(vllm_client, "lookup_or_survey_on_vllm", tokens=16, deadline_s=15.0)
     print("online learning on vLLM:", out)
@@ -43,5 +38,5 @@ def test_a_new_type_is_learned_on_the_engine(vllm_server, vllm_client: httpx.Cli
     trainer = _retraining_worker(process.pid)
     assert os.sched_getscheduler(trainer.pid) == os.SCHED_IDLE
     assert trainer.nice() == 19
-    cores = _model_worker_cores(process.pid)
+    cores = worker_cores(process.pid)
     assert cores and set(trainer.cpu_affinity()) == cores
