@@ -33,7 +33,8 @@ MAX_PROMPT_CHARS = 1_000_000
 MAX_PREDICTED_COST = 1e18
 # The metadata keys the bound uses (server/runtime/declared.py), and the ranges that keep the
 # bound's arithmetic finite.
-_SHAPE_RANGES = {"stages": (1, 1_000_000), "critical_path_tokens": (0, 10**12), "prefill_tokens": (0, 10**12)}
+_SHAPE_RANGES = {"stages": (1, 1_000_000), "critical_path_tokens": (0, 10**12), "prefill_tokens": (0, 10**12),
+                 "first_request_tokens": (0, 10**12)}
 
 
 class AgentCreate(RequestBody):
@@ -49,7 +50,9 @@ class AgentCreate(RequestBody):
                      "64 KiB by default); `stages` (int, 1 to 1e6) and `critical_path_tokens` (int, "
                      "0 to 1e12) declare the agent's structure for its delay bound, "
                      "`prefill_tokens` (int, 0 to 1e12: the prompt tokens its requests will "
-                     "compute) the prefill its ETA counts."))
+                     "compute) the prefill its ETA counts, `first_request_tokens` (int, 0 to "
+                     "1e12: prompt and output of its first stage's largest request) the wait "
+                     "for room for it its ETA counts."))
     predicted_cost: float | None = Field(
         default=None, ge=0, le=MAX_PREDICTED_COST, allow_inf_nan=False,
         description=("The agent's total KV token-time cost, when the caller knows it (trace "

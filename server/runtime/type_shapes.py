@@ -13,7 +13,9 @@ declare none: a pessimistic shape, as promises need. Their ETAs expect the media
 an estimate, and the p90 of three agents is the longest of them. Shapes are kept per tenant: what one
 tenant's agents did never shapes another tenant's promises. A shape also carries the prompt
 tokens the agent's requests computed (not served by the prefix cache): their prefill lies on
-its path, and ETAs count it (`AgentShape.prefill_tokens`).
+its path, and ETAs count it (`AgentShape.prefill_tokens`); and the memory its first stage's
+largest request held (prompt and output): an agent waits for that much to be free before it
+starts, and ETAs count the wait (`AgentShape.first_request_tokens`).
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ ETA_QUANTILE = 0.5  # an ETA's: the typical agent of the type
 def infer_shape(requests: Sequence[RequestLog]) -> AgentShape | None:
     """The stages of a finished agent, from its requests' submission and finish times: a
     request submitted once all earlier ones had finished starts a new stage (a stage's
-    requests run in parallel, stages one after another), and the prompt tokens they computed
-    (those the prefix cache did not serve, where the engine reported it). None without
-    requests."""
+    requests run in parallel, stages one after another), the prompt tokens they computed
+    (those the prefix cache did not serve, where the engine reported it), and the largest
+    request of the first stage (prompt and output). None without requests."""
     if not requests:
         return None
     stages = 0
     critical = 0
     longest = 0
+    first_request = 0
     busy_until = -math.inf
     for r in sorted(requests, key=lambda r: r.submitted_s):
         if r.submitted_s >= busy_until:  # nothing of the agent was running: a new stage
@@ -49,9 +52,12 @@ def infer_shape(requests: Sequence[RequestLog]) -> AgentShape | None:
             stages += 1
             longest = 0
         longest = max(longest, r.output_tokens)
+        if stages == 1:
+            first_request = max(first_request, r.prompt_tokens + r.output_tokens)
         busy_until = max(busy_until, r.finished_s)
     prefill = sum(r.prompt_tokens - min(r.prompt_tokens, r.cached_tokens or 0) for r in requests)
-    return AgentShape(stages=stages, critical_path_tokens=critical + longest, prefill_tokens=prefill)
+    return AgentShape(stages=stages, critical_path_tokens=critical + longest, prefill_tokens=prefill,
+                      first_request_tokens=first_request)
 
 
 def _quantile(xs: list[int], q: float) -> int:
@@ -90,4 +96,5 @@ class TypeShapes(AgentListener):
             stages=_quantile([s.stages for s in seen], quantile),
             critical_path_tokens=_quantile([s.critical_path_tokens or 0 for s in seen], quantile),
             prefill_tokens=_quantile([s.prefill_tokens or 0 for s in seen], quantile),
+            first_request_tokens=_quantile([s.first_request_tokens or 0 for s in seen], quantile),
         )

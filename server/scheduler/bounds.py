@@ -44,14 +44,18 @@ class AgentShape:
     stages: number of sequential stages; critical_path_tokens: sum over stages of the longest
     output of the stage; prefill_tokens: the prompt tokens its requests compute (those the
     prefix cache does not serve), whose prefill lies on its path too: a stage's requests
-    decode only once their prompts are in (None: unknown, ETAs count no prefill). The live
-    server uses what the agent declared, else its type's typical shape
+    decode only once their prompts are in (None: unknown, ETAs count no prefill);
+    first_request_tokens: the memory its first stage's largest request reserves (its prompt
+    and output): an agent that has not started waits until that much is free, which a mean
+    request of the mix can understate by most of the cache (None: unknown). The live server
+    uses what the agent declared, else its type's typical shape
     (server/runtime/type_shapes.py), else this default: one stage whose longest decode is d_max.
     """
 
     stages: int = 1
     critical_path_tokens: int | None = None
     prefill_tokens: int | None = None
+    first_request_tokens: int | None = None
 
 
 @dataclass(frozen=True)

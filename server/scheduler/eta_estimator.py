@@ -249,13 +249,17 @@ class EtaEstimator:
         return drain
 
     def request_need(self, agent: AgentState) -> float:
-        """The memory one of the agent's requests reserves: a request of the mix (its whole
-        prompt and expected output), no more than a stage of its declared shape holds
-        (prompts and longest output per stage), nor the cache."""
+        """The memory one of the agent's requests reserves, no more than the cache: a request
+        of the mix (its whole prompt and expected output), no more than a stage of its shape
+        holds (prompts and longest output per stage); but before any of its requests has
+        finished, no less than its first stage's largest request where its shape says it (a
+        first request of most of the cache waits for most of it to drain)."""
         need = self.mean_context + self.mean_decode
         shape = agent.eta_shape or agent.shape
         if shape.prefill_tokens is not None and shape.critical_path_tokens is not None:
             need = min(need, (shape.prefill_tokens + shape.critical_path_tokens) / max(1, shape.stages))
+        if shape.first_request_tokens is not None and agent.requests_done == 0:
+            need = max(need, shape.first_request_tokens)
         return min(float(self._d.kv_capacity), need)
 
     def start_wait(self, agent: AgentState, drain: MemoryDrain) -> float:

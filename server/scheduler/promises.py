@@ -168,8 +168,7 @@ class Promises:
         # they would not (10 of 240 broken).
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
-            agent.promise_large = is_large(agent.charged_cost, d.arrivals.median_cost(), agent.eta_shape or agent.shape,
-                                           d.kv_capacity)
+            agent.promise_large = is_large(agent.charged_cost, d.arrivals.median_cost())
             # the ETA it is told: the replay's scaled by its context's record (eta_interval.py)
             # of the agents whose first ETAs expected pauses where its own does, of those whose
             # ETAs expected none where it does not (eta_interval.py); or, where the traffic of

@@ -18,12 +18,13 @@ ahead of it over its own work (`CONTEXT_EDGES`). An agent at the head of the que
 its time alone, and whatever arrives while it runs is all error; an agent deep in the queue
 is told the known work ahead of it, which the arrivals change much less. The size is
 whether the agent is large (`is_large`): its cost at least twice the median of the recent
-arrivals' (it runs long, and a burst that arrives meanwhile goes ahead of it), or its
-stages' prompts half the cache on average (admission is non-preemptive: such a stage starts
-only once the requests in the engine have freed the cache, a wait its ETA does not count).
-On the family's tuning seeds (0-4, fresh and taught servers, every shape, three engine
-profiles) the JCT of a large agent at the head reached 5.25 times its ETA, of any other
-agent 2.11 times: one factor for both made every deadline as loose as the large agents'.
+arrivals' (it runs long, and a burst that arrives meanwhile goes ahead of it). A long
+prompt alone does not make it large: its ETA counts the wait for the running requests to
+free what its first stage's largest request needs (`EtaEstimator.request_need`), the wait
+admission imposes (it is non-preemptive). On the family's tuning seeds (0-4, fresh and
+taught servers, every shape, three engine profiles) the JCT of a large agent at the head
+reached 5.25 times its ETA, of any other agent 2.11 times: one factor for both made every
+deadline as loose as the large agents'.
 The floors are the largest ratio seen in each cell among the agents a calibrated deadline
 is given to, rounded up to a half, never below a deeper context's nor, for a large agent,
 below a typical one's (`CONTEXT_FLOORS`, `LARGE_CONTEXT_FLOORS`); held-out figures in
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import bisect
 
-from .bounds import AgentShape
 from .eta_interval import EtaCalibration
 
 # Contexts: the work ahead of an agent over its own, at registration, below 1 (at the head),
@@ -61,11 +61,8 @@ CONTEXT_EDGES = (1.0, 2.0, 3.0)
 CONTEXT_FLOORS = (2.5, 2.5, 2.5, 2.5)
 # ... of a large agent: one whose cost is at least LARGE_COST times the median cost of the
 # recent arrivals (it runs long, and work arriving faster than measured meanwhile goes ahead
-# of it), or whose stages' prompts hold at least LARGE_PROMPT of the cache on average (a
-# stage that needs half the cache starts only once the running requests have freed it:
-# admission is non-preemptive, and the ETA counts the time the agent's work takes, not that)
+# of it)
 LARGE_COST = 2.0
-LARGE_PROMPT = 0.5
 # The same among the large agents (5.25, 4.78, 1.74 and 1.73), none below a typical agent's.
 LARGE_CONTEXT_FLOORS = (5.5, 5.0, 2.5, 2.5)
 MAX_SHARE = 0.99  # of the rate to arrivals, in `fair_share_s` (callers cap it lower)
@@ -80,13 +77,10 @@ def context_of(work_ahead: float, own_work: float) -> int:
     return bisect.bisect_right(CONTEXT_EDGES, work_ahead / own_work)
 
 
-def is_large(cost: float, median_cost: float | None, shape: AgentShape, kv_capacity: float) -> bool:
-    """Whether an agent of `cost` and `shape` is large: for the mix arriving (its median
-    cost; None: no arrival measured), or for the cache (`kv_capacity` tokens)."""
-    if median_cost is not None and median_cost > 0.0 and cost >= LARGE_COST * median_cost:
-        return True
-    prompt = shape.prefill_tokens
-    return prompt is not None and kv_capacity > 0 and prompt >= LARGE_PROMPT * kv_capacity * max(1, shape.stages)
+def is_large(cost: float, median_cost: float | None) -> bool:
+    """Whether an agent of `cost` is large for the mix arriving (its median cost; None: no
+    arrival measured)."""
+    return median_cost is not None and median_cost > 0.0 and cost >= LARGE_COST * median_cost
 
 
 def floor_of(context: int, large: bool = False) -> float:

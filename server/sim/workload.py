@@ -88,6 +88,11 @@ class AgentSpec:
         return sum(max(d for _, d in st) for st in self.stages if st)
 
     @property
+    def first_request_tokens(self) -> int:
+        """The memory its first stage's largest request reserves (prompt and output)."""
+        return max((p + d for p, d in self.stages[0]), default=0) if self.stages else 0
+
+    @property
     def prefill_tokens(self) -> int:
         """The prompt tokens its requests compute, in submission order: a request's prompt
         minus the longest of its named prefixes that an earlier request of the agent (or a

@@ -110,6 +110,8 @@ def test_agent_values_that_overflowed_are_refused(admin: httpx.Client) -> None:
         "stages": 2, "critical_path_tokens": 10**400}}), "metadata.critical_path_tokens")
     _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {
         "stages": 2, "prefill_tokens": -1}}), "metadata.prefill_tokens")
+    _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {
+        "stages": 2, "first_request_tokens": 10**400}}), "metadata.first_request_tokens")
     # stages 0 is refused like any declared shape out of range (not ignored)
     _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {"stages": 0}}),
                 "metadata.stages")

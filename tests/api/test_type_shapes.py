@@ -40,6 +40,17 @@ def test_a_shape_counts_the_prompt_tokens_its_requests_computed() -> None:
     assert shape is not None and shape.prefill_tokens == 500 + 700 + 300
 
 
+def test_a_shape_holds_the_largest_request_of_the_first_stage() -> None:
+    """Prompt and output, cached prompt tokens included (the engine holds them too); a later
+    stage's larger request is not the first stage's."""
+    def req(submitted: float, finished: float, prompt: int, out: int) -> RequestLog:
+        return RequestLog("r", prompt_tokens=prompt, output_tokens=out, submitted_s=submitted,
+                          admitted_s=submitted, finished_s=finished, finish_reason="stop", cached_tokens=prompt // 2)
+
+    shape = infer_shape([req(0.0, 1.0, 300, 20), req(0.0, 2.0, 900, 40), req(2.5, 3.0, 3_000, 10)])
+    assert shape is not None and shape.stages == 2 and shape.first_request_tokens == 900 + 40
+
+
 def _run_three_stages(c: httpx.Client, type_: str) -> None:
     rec = register(c, type_=type_)
     for _ in range(3):

@@ -53,3 +53,36 @@ def test_an_agent_that_fits_beside_the_running_requests_does_not_wait() -> None:
     wait_for_one_small_request = d.eta_time("tiny", now) - now
     d.register_agent("tinier", 1e2, now, shape=AgentShape(1, 10, 50))  # 60 tokens: fits now
     assert d.eta_time("tinier", now) - now < 0.1 < wait_for_one_small_request
+
+
+def _cache_two_thirds_held_by_small_requests(first_request_tokens: int | None) -> tuple[Dispatcher, str]:
+    """Four requests of 600 tokens hold 2,400 of the cache (100 steps each, 0.4 s left at
+    t = 0.1); then an agent registers whose first request needs 4,087 tokens, more than the
+    1,696 free, though the mix's mean request (600) fits."""
+    d = Dispatcher("justitia", M, 0.02, time_model=STEP)
+    d.register_agent("busy", 1e5, 0.0, shape=AgentShape(1, 100, 2000))
+    for i in range(4):
+        d.submit(RequestSpec(f"busy-{i}", "busy", prompt_tokens=500, max_tokens=100), 0.0)
+    assert len(d.admit(0.0)) == 4
+    now = 0.1
+    d.refresh_etas(now)
+    d.register_agent("big", 1e4, now, shape=AgentShape(2, 20, 4100, first_request_tokens=first_request_tokens))
+    return d, "big"
+
+
+@pytest.mark.parametrize("fast_pass", [False, True])
+def test_an_agent_whose_first_request_needs_most_of_the_cache_waits_for_it_to_drain(fast_pass: bool) -> None:
+    d, big = _cache_two_thirds_held_by_small_requests(4087)
+    if fast_pass:
+        d.refresh_etas(0.1)
+    waits = d.eta_time(big, 0.1) - 0.1
+    d_mean, _ = _cache_two_thirds_held_by_small_requests(None)  # its first request unknown
+    assert d_mean.eta_time(big, 0.1) - 0.1 < 0.4 <= waits  # 80 steps of 5 ms left to drain
+
+
+def test_the_first_request_counts_only_until_one_of_the_agents_requests_has_finished() -> None:
+    d, big = _cache_two_thirds_held_by_small_requests(4087)
+    agent = d.agents[big]
+    assert d.etas.request_need(agent) == 4087
+    agent.requests_done = 1  # past its first request: a request of the mix, as any agent's
+    assert d.etas.request_need(agent) < 4087

@@ -801,19 +801,13 @@ def test_an_agent_deep_in_the_queue_is_promised_a_smaller_multiple_of_its_eta() 
     assert d.etas.calibration.upper_ratio(1.0, 11, 3) == (3.0, 11)
 
 
-def test_a_large_agent_is_told_apart_by_its_cost_or_its_prompts() -> None:
-    from server.scheduler.tight_promise import LARGE_COST, LARGE_PROMPT, is_large
+def test_a_large_agent_is_told_apart_by_its_cost() -> None:
+    from server.scheduler.tight_promise import LARGE_COST, is_large
 
-    typical = AgentShape(2, 100, 400)
-    assert not is_large(10_000.0, 10_000.0, typical, 1000)
-    assert is_large(LARGE_COST * 10_000.0, 10_000.0, typical, 1000)  # large for the mix arriving
-    assert not is_large(LARGE_COST * 10_000.0, None, typical, 1000)  # no mix measured: not by cost
-    assert not is_large(LARGE_COST * 10_000.0, 0.0, typical, 1000)
-    # prompts of half the cache a stage on average: each stage waits for the cache to drain
-    assert is_large(10.0, 10_000.0, AgentShape(2, 100, int(2 * LARGE_PROMPT * 1000)), 1000)
-    assert not is_large(10.0, 10_000.0, AgentShape(3, 100, int(2 * LARGE_PROMPT * 1000)), 1000)
-    assert not is_large(10.0, None, AgentShape(1, 100, None), 1000)  # prompts unknown
-    assert not is_large(10.0, None, AgentShape(1, 100, 600), 0)  # nor the cache
+    assert not is_large(10_000.0, 10_000.0)
+    assert is_large(LARGE_COST * 10_000.0, 10_000.0)  # large for the mix arriving
+    assert not is_large(LARGE_COST * 10_000.0, None)  # no mix measured: not by cost
+    assert not is_large(LARGE_COST * 10_000.0, 0.0)
 
 
 def test_a_large_agent_is_promised_by_the_record_of_large_agents() -> None:
@@ -831,13 +825,14 @@ def test_a_large_agent_is_promised_by_the_record_of_large_agents() -> None:
         return d
 
     assert server().arrivals.median_cost() == pytest.approx(1_000.0)
+    # a long prompt alone is not large: the ETA counts its wait for room (request_need)
     shapes = {"typical": (1_000.0, AgentShape(1, 10)), "big": (5_000.0, AgentShape(1, 10)),
-              "heavy": (1_000.0, AgentShape(1, 10, prefill_tokens=600))}
+              "long prompt": (1_000.0, AgentShape(1, 10, prefill_tokens=600))}
     for name, (cost, shape) in shapes.items():  # each alone at the head of its own server
         d = server()
         view = d.register_agent(name, cost, 0.0, shape=shape)
         agent = d.agents[name]
-        assert agent.promise_context == 0 and agent.promise_large == (name != "typical")
+        assert agent.promise_context == 0 and agent.promise_large == (name == "big")
         floor = (LARGE_CONTEXT_FLOORS if agent.promise_large else CONTEXT_FLOORS)[0]
         assert view.deadline_s == pytest.approx(floor * view.eta_s)
         assert ("a large agent" in view.promise_assumes) == agent.promise_large
@@ -852,8 +847,8 @@ def test_a_large_agent_is_promised_by_the_record_of_large_agents() -> None:
     d = taught_by_large_agents()
     assert d.etas.calibration.upper_ratio(1.0, 10, 0, large=True) == (9.0, 10)
     assert d.etas.calibration.upper_ratio(1.0, 10, 0) is None
-    heavy = d.register_agent("heavy", 1_000.0, 0.0, shape=shapes["heavy"][1])
-    worst = worst_case_promises(server()).register_agent("heavy", 1_000.0, 0.0, shape=shapes["heavy"][1])
+    heavy = d.register_agent("heavy", 5_000.0, 0.0, shape=shapes["big"][1])
+    worst = worst_case_promises(server()).register_agent("heavy", 5_000.0, 0.0, shape=shapes["big"][1])
     # (deadlines scale the replay's ETA, the one told is scaled by the record: eta_interval.py)
     replay = d.eta_time("heavy", 0.0)
     assert heavy.deadline_s == pytest.approx(min(9.0 * replay, worst.deadline_s))
