@@ -504,6 +504,20 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on a seed never run live before, with a calibration of the "
                       "engine alone made just before (`{profile}`), whose steps were up to 22% slower than "
                       "the run's on 10 of 12 members (host load 1.1-2.1)", "[seed 109](benchmarks.md#seed-109)"),
+    _family_live_seed("family-live-110", 110, "family_live_110", "profile_cpu_tiny_4096_famlive_110.json", "",
+                      "All six shapes, fresh and taught, on a seed never run live before, with ETAs that wait for "
+                      "room for an agent's first request and a calibration of the engine alone made just before "
+                      "(`{profile}`)", "[seed 110](benchmarks.md#seed-110)"),
+    Entry("family-live-109-tenants", "Live (vLLM CPU engine)",
+          "The family live: `tenants` on seed 109 again, ETAs that wait for room for the first request",
+          "family_live_109_tenants.json",
+          "justitia bench family --live --shapes tenants --seeds 109 --modes fresh,taught "
+          "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_110.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_109_tenants.json",
+          "The member where an agent whose first request held 4,087 of the 4,096 cache tokens broke its "
+          "promise (family-live-109), run again after seed 110 with its calibration "
+          "([seed 110](benchmarks.md#seed-110)).",
+          _family_live_rows(("tenants",))),
     Entry("family-live-sessions-tools", "Live (vLLM CPU engine)",
           "The family live: `sessions` on held-out seeds 105-107, tool time told apart",
           "family_live_sessions_tools.json",
