@@ -219,9 +219,12 @@ class LiveScheduler:
         lease_s: float | None = None,
         session: str | None = None,
         metadata_json: bytes | None = None,
+        shape: AgentShape | None = None,
     ) -> AgentEntry:
         """A new agent. `metadata_json`: `metadata` already encoded (`encode_metadata`),
-        by a caller that did it off the event loop."""
+        by a caller that did it off the event loop. `shape`: its structure where the caller
+        knows it (a one-request agent made for an untagged request), over what its metadata
+        declares."""
         self.config.quotas.check_agents(tenant, self.table.live_count(tenant))
         # One instant for both clocks: the wall-clock submission time is the moment the
         # promise is made from, not after the prediction and the scheduler's pass.
@@ -242,7 +245,7 @@ class LiveScheduler:
         else:
             cost_source = "request" if auto else "declared"
         agent_id = new_agent_id()
-        declared = declared_shape(metadata)
+        declared = shape or declared_shape(metadata)
         view = self.dispatcher.register_agent(
             agent_id, predicted_cost, now, agent_type=agent_type, tenant=tenant,
             shape=declared or self.type_shapes.typical(tenant, agent_type),

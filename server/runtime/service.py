@@ -26,7 +26,7 @@ from server.engine.base import (
     check_vocabulary,
 )
 from server.runtime.agents import DEFAULT_AGENT_TYPE
-from server.scheduler import kv_cost
+from server.scheduler import AgentShape, kv_cost
 
 if TYPE_CHECKING:
     from server.runtime.agents import AgentEntry, SessionRef
@@ -186,7 +186,9 @@ class InferenceService:
         """The agent a request belongs to: the tagged one; else its session's implicit agent
         (server/api/sessions.py); else a one-request agent of type `default`, charged exactly
         what the request can cost, so that any OpenAI client is scheduled fairly without
-        knowing about agents. The agent tag wins over a session header."""
+        knowing about agents; its ETA waits for room for the request (admission reserves its
+        prompt and max_tokens for each of its `n` sequences). The agent tag wins over a
+        session header."""
         if agent_id is not None:
             entry = self.scheduler.get(agent_id, tenant)
             self.scheduler.require_live(entry)
@@ -196,7 +198,8 @@ class InferenceService:
         p, d = len(prepared.prompt_token_ids), prepared.sampling.max_tokens
         return self.scheduler.register(
             DEFAULT_AGENT_TYPE, prompt_text, tenant,
-            predicted_cost=prepared.sampling.n * kv_cost(p, d), auto=True
+            predicted_cost=prepared.sampling.n * kv_cost(p, d), auto=True,
+            shape=AgentShape(stages=1, first_request_tokens=prepared.sampling.n * (p + d)),
         )
 
     async def stream(self, prepared: PreparedRequest, agent: AgentEntry) -> AsyncIterator[EngineOutput]:

@@ -337,3 +337,29 @@ def test_an_agent_that_ends_with_a_request_in_flight_is_filed_under_its_own_cont
     context = live_run(body)
     assert context is not None
     assert filed == [(context, True)]
+
+
+def test_an_untagged_request_waits_in_its_eta_for_room_for_itself() -> None:
+    """The one-request agent of an untagged request is registered with that request's shape:
+    admission reserves its prompt and max_tokens for each of its n sequences, and its ETA
+    waits until the running requests have freed that much (eta_estimator.request_need)."""
+    from server.runtime.service import InferenceService, PreparedRequest
+
+    async def main() -> list[tuple[int | None, float]]:
+        engine = FakeEngine()
+        await engine.start()
+        live = LiveScheduler(engine, LiveConfig())
+        service = InferenceService(engine, engine.model, live)
+        try:
+            seen = []
+            for prompt, max_tokens, n in ((100, 50, 2), (3000, 900, 1)):
+                sampling = SamplingOptions(max_tokens=max_tokens, n=n)
+                request = PreparedRequest(f"r{prompt}", tuple(range(prompt)), sampling)
+                agent = live.dispatcher.agents[service.agent_for(None, "x", request, "prompt").id]
+                seen.append((agent.shape.first_request_tokens, live.dispatcher.etas.request_need(agent)))
+            return seen
+        finally:
+            await live.close()
+            await engine.close()
+
+    assert asyncio.run(main()) == [(300, 300.0), (3900, 3900.0)]
