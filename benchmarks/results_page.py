@@ -508,6 +508,9 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on a seed never run live before, with ETAs that wait for "
                       "room for an agent's first request and a calibration of the engine alone made just before "
                       "(`{profile}`)", "[seed 110](benchmarks.md#seed-110)"),
+    _family_live_seed("family-live-111", 111, "family_live_111", "profile_cpu_tiny_4096_famlive_111.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with a calibration "
+                      "of the engine alone made just before (`{profile}`)", "[seed 111](benchmarks.md#seed-111)"),
     Entry("family-live-109-tenants", "Live (vLLM CPU engine)",
           "The family live: `tenants` on seed 109 again, ETAs that wait for room for the first request",
           "family_live_109_tenants.json",
