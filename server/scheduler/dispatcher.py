@@ -231,6 +231,9 @@ class Dispatcher:
         self.promises.bound(agent)
         self.agents[agent_id] = agent
         self.etas.registered(agent)
+        # an arrival after a lull begins its episode before its promise: it is promised with
+        # the episode's forecast, as the agents registered after it are
+        self.arrivals.open_episode(now)
         self.promises.promise(agent, now)
         self.arrivals.add(now, charge)  # after its own promise: it is not ahead of itself
         return self.view(agent_id, now)

@@ -113,6 +113,7 @@ class WorkArrivals:
     _first: float | None = None  # the first arrival of the current episode
     _last: float | None = None
     _episode_cost: float = 0.0  # work registered in the current episode
+    _opening: bool = False  # an episode opened (`open_episode`) before its first arrival's work
     # the last episodes before it: (work, seconds from their first to their last arrival)
     _episodes: collections.deque[tuple[float, float]] = field(
         default_factory=lambda: collections.deque(maxlen=EPISODES_KEPT))
@@ -126,23 +127,38 @@ class WorkArrivals:
     span_s: float = 0.0  # the episode's age, 2 s to the long window (ETAs assume `rate` goes on this long)
     promise_rate: float = 0.0  # max(rate, the long window's)
 
+    def open_episode(self, t: float) -> bool:
+        """An arrival at `t` that begins an episode (after a lull) begins it now: the last
+        episode is closed and this one measured from its start (`freeze`), so that the agent
+        arriving is promised with the episode's forecast, as the agents after it are, not
+        with what the last refresh measured of the lull. Nothing where `t` continues the
+        current episode (idempotent: `add` calls it too). Returns whether it began one."""
+        if self.window_s <= 0 or self._last is None or t - self._last <= self._lull_s():
+            return False
+        if self._first is not None:
+            self._episodes.append((self._episode_cost, self._last - self._first))
+        self._first, self._last, self._episode_cost = t, t, 0.0
+        self._opening = True  # measured again with its first arrival's work (`add`)
+        # what the last refresh measured is of the last episode: measure this one now
+        self.freeze(t)
+        return True
+
     def add(self, t: float, cost: float) -> None:
         if self.window_s <= 0:  # allowance switched off
             return
         if self._origin is None:
             self._origin = t
-        begun = False  # a new episode after an earlier one
-        if self._last is None or t - self._last > self._lull_s():
-            if self._first is not None and self._last is not None:
-                self._episodes.append((self._episode_cost, self._last - self._first))
-                begun = True
+        # a new episode after an earlier one (here, or by the registration just before)
+        begun = self.open_episode(t) or self._opening
+        self._opening = False
+        if self._first is None:
             self._first, self._episode_cost = t, 0.0
         self._last = t if self._last is None else max(t, self._last)
         self._episode_cost += cost
         self._events.append((t, cost))
         if len(self._events) > self.max_samples:
             self._events.popleft()
-        if begun:  # what the last refresh measured is of the last episode: measure this one now
+        if begun:  # measured with its first arrival's work
             self.freeze(t)
 
     def declare(self, t: float, cost: float, batch: BatchDeclaration, service_rate: float) -> bool:
@@ -207,7 +223,9 @@ class WorkArrivals:
         """An episode younger than the typical one of those before it is expected to bring
         their typical work (median) over their typical length: a server that has seen bursts
         of 48 agents expects the rest of the next one, where the measured rate only projects
-        what has come so far. Kept only where it expects more than the measured rate does."""
+        what has come so far. Kept only where it expects more than the measured rate does.
+        An episode no older than the typical one's length still expects its rest: batches
+        submitted at once (episodes of one instant) expect theirs at their first arrival."""
         if not self._episodes:
             return
         work = statistics.median(w for w, _ in self._episodes)
@@ -218,7 +236,7 @@ class WorkArrivals:
             # stream's) would project it far ahead. Only a burst's rest is unforeseen.
             return
         left = work - self._episode_cost
-        if left <= 0.0 or age >= length:
+        if left <= 0.0 or age > length:
             return
         span = max(self.min_window_s, length - age)
         if left > self.rate * self.span_s:
