@@ -511,6 +511,10 @@ ENTRIES: list[Entry] = [
     _family_live_seed("family-live-111", 111, "family_live_111", "profile_cpu_tiny_4096_famlive_111.json", "",
                       "All six shapes, fresh and taught, on another seed never run live before, with a calibration "
                       "of the engine alone made just before (`{profile}`)", "[seed 111](benchmarks.md#seed-111)"),
+    _family_live_seed("family-live-112", 112, "family_live_112", "profile_cpu_tiny_4096_famlive_112.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with the intervals "
+                      "at the 5th-95th percentiles and a calibration of the engine alone made just before "
+                      "(`{profile}`)", "[seed 112](benchmarks.md#seed-112)"),
     Entry("family-live-109-tenants", "Live (vLLM CPU engine)",
           "The family live: `tenants` on seed 109 again, ETAs that wait for room for the first request",
           "family_live_109_tenants.json",
