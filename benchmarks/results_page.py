@@ -515,6 +515,10 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on another seed never run live before, with the intervals "
                       "at the 5th-95th percentiles and a calibration of the engine alone made just before "
                       "(`{profile}`)", "[seed 112](benchmarks.md#seed-112)"),
+    _family_live_seed("family-live-113", 113, "family_live_113", "profile_cpu_tiny_4096_famlive_113.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with the first agent "
+                      "of an episode promised with the episode's forecast and a calibration of the engine alone made "
+                      "just before (`{profile}`)", "[seed 113](benchmarks.md#seed-113)"),
     Entry("family-live-109-tenants", "Live (vLLM CPU engine)",
           "The family live: `tenants` on seed 109 again, ETAs that wait for room for the first request",
           "family_live_109_tenants.json",

@@ -16,7 +16,7 @@ registered in (its place in the queue: tight_promise.py), and
   relative error punishes an ETA twice the JCT (error 1) more than one half of it (0.5):
   the scale is the one the target measures, not the plain median;
 - the interval spans the same ratios' 5th and 95th percentiles (split conformal
-  prediction by context, Mondrian): about 80% of agents finish inside their first
+  prediction by context, Mondrian): about 85% of agents finish inside their first
   interval, provided the traffic ahead looks like the traffic behind.
 
 Ratios are kept apart by whether the agent's first ETA expected pauses (the share of recent
