@@ -7,7 +7,8 @@ the remaining work of the agents served before it:
     start_j = W_<j / R_j                      work ordered before j, at the rate left to it
     eta_j   = now + max((W_<j + w_j) / R_j,   all of it, served at full memory
                         start_j + cp_j)       then j's own remaining critical path
-    start_j >= wait                           not before a request's memory is free
+    start_j >= wait                           not before a request's memory is free,
+    start_j >= held                           nor before the agents ahead waiting for theirs
 
 where w_j is j's remaining charged work (charged minus consumed, policy cost units; with a
 time model, its declared prefill added at the engine's time: `Dispatcher._replay_rates`), cp_j the
@@ -26,7 +27,9 @@ and arrivals go ahead of them throughout); capped at the long window, by up to 2
 the family of shapes unchanged (its episodes last under a minute).
 An agent with no request in the engine starts no sooner than the running requests free the
 memory one of its requests reserves (`MemoryDrain`): first in the order, it still waits for
-them, since admission never preempts.
+them, since admission never preempts. Nor sooner than the agents ordered before it that wait
+for memory (`held`): admission in strict order stops at the first request that does not fit,
+so a small request behind it waits too (`EtaPass.blocked_until`; none with backfill).
 The arrival rate of work and its cost distribution are measured over the recent
 registrations (`WorkArrivals`).
 
@@ -309,10 +312,17 @@ class EtaPass:
     rate: float  # R, cost units per second
     keys: list[Any] = field(default_factory=list)  # sorted policy keys
     prefix: list[float] = field(default_factory=lambda: [0.0])  # remaining work before index i
+    # when the agents before index i can all have started (absolute time; `blocked_until`)
+    blocked: list[float] = field(default_factory=lambda: [float("-inf")])
 
     def work_before(self, key: Any) -> float:
         """Remaining work of the agents ordered before `key` (O(log N))."""
         return self.prefix[bisect.bisect_left(self.keys, key)]
+
+    def blocked_until(self, key: Any) -> float:
+        """When the agents ordered before `key` that wait for memory can all have started:
+        admission in strict order starts none after them sooner (O(log N))."""
+        return self.blocked[bisect.bisect_left(self.keys, key)]
 
 
 def served_by(work: float, rate: float, arriving: float, span_s: float) -> float:

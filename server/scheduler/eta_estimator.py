@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .eta import MAX_ARRIVAL_SHARE, EtaPass, MemoryDrain, StepTimeSource, eta_of, step_function
 from .eta_interval import EtaCalibration
 from .pauses import stages_left
-from .policies import Justitia
+from .policies import ENGINE, Justitia
 from .state import AgentState
 from .tenant_clock import HierProjection
 from .tool_time import level_of, remaining_times, told_with_tools
@@ -73,7 +73,9 @@ class EtaEstimator:
         self.mean_prompt = 0.0
         self.mean_decode = 0.0
         self.mean_context = 0.0
-        self._drain: tuple[tuple[float, ...], MemoryDrain] | None = None  # memory_drain's last, and its key
+        # memory_drain's last few, by key (the drain at the ETAs' iteration and at the running
+        # batch's alone: `draining_step_s`)
+        self._drains: dict[tuple[float, ...], MemoryDrain] = {}
 
     # -- what is observed ------------------------------------------------------------
     def repredict(self, agent: AgentState, expected_total_kv: float) -> None:
@@ -230,6 +232,14 @@ class EtaEstimator:
         step = step_function(self.time_model)
         return max(0.0, (step(1, PREFILL_PROBE_TOKENS, 0) - step(1, 0, 0)) / PREFILL_PROBE_TOKENS)
 
+    def draining_step_s(self, it: float) -> float:
+        """One engine step while nothing is admitted: the time model's with the running
+        requests alone (`it` without a time model or any running)."""
+        ledger = self._d.ledger
+        if self.time_model is None or not ledger.running_count:
+            return it
+        return step_function(self.time_model)(ledger.running_count, 0, int(ledger.reserved_kv))
+
     def memory_drain(self, now: float, it: float) -> MemoryDrain:
         """When the running requests free their memory (`eta.MemoryDrain`): each ends after
         its expected output less the steps (`it` each, the iteration of the ETA's critical
@@ -237,15 +247,18 @@ class EtaEstimator:
         d = self._d
         ledger = d.ledger
         key = (now, it, ledger.running_count, ledger.reserved_kv, ledger.pinned_kv)
-        if self._drain is not None and self._drain[0] == key:
-            return self._drain[1]  # a burst's registrations at one instant, nothing admitted between
+        cached = self._drains.get(key)
+        if cached is not None:
+            return cached  # a burst's registrations at one instant, nothing admitted between
         free = d.kv_capacity - ledger.reserved_kv - ledger.pinned_kv
         running = []
         for req in ledger.running.values():
             ran = (now - req.admitted_at) / it if req.admitted_at is not None and it > 0 else 0.0
             running.append((max(1.0, req.spec.expected_tokens - ran) * it, req.footprint))
         drain = MemoryDrain.of(running, free)
-        self._drain = (key, drain)
+        if len(self._drains) >= 4:
+            self._drains.clear()
+        self._drains[key] = drain
         return drain
 
     def request_need(self, agent: AgentState) -> float:
@@ -397,6 +410,41 @@ class EtaEstimator:
                 work += self.replay_work(a, rates)
         return work
 
+    def in_order(self) -> bool:
+        """Whether admission starts the queue's requests in strict order (no backfill, the
+        scheduler's own admission): then a request that waits for memory holds back every
+        agent ordered after it."""
+        d = self._d
+        return not d.backfill and d.policy.admission != ENGINE
+
+    def blocked_before(self, agent: AgentState, key: Any, it: float, now: float) -> float:
+        """Seconds until the agents the policy orders before `agent` (at `key`) that wait
+        for memory can all have started: admission in strict order starts none of the
+        agents after them sooner, whatever their own size. The last pass's, and that of the
+        agents registered since (O(log N) plus those)."""
+        if not self.in_order():
+            return 0.0
+        blocked = self.last_pass.blocked_until(key) - now if self.last_pass is not None else 0.0
+        d = self._d
+        static_key: Callable[[AgentState], Any] = d.policy.static_key
+        if d.clock.hierarchical and isinstance(d.policy, Justitia):
+            static_key = functools.partial(self.eta_key, now=now)
+        held: MemoryDrain | None = None
+        for a in self.unpassed:
+            if (a is not agent and a.pending and not a.running and d.agents.get(a.agent_id) is a
+                    and static_key(a) < key):
+                held = held or self.memory_drain(now, self.draining_step_s(it))
+                blocked = max(blocked, self.holds_back(a, held))
+        return max(0.0, blocked)
+
+    def holds_back(self, agent: AgentState, held: MemoryDrain | None) -> float:
+        """Seconds the agent holds back the agents ordered after it: until its pending
+        request can start, where it has one and none running (`held`: the running requests'
+        drain while nothing is admitted; None: admission not in order, no agent holds back)."""
+        if held is None or not agent.pending or agent.running:
+            return 0.0
+        return self.start_wait(agent, held)
+
     def work_before(self, agent: AgentState, key: Any, rates: ReplayRates, now: float) -> float:
         """Remaining work the policy orders before `agent` (at `key`): the last pass's,
         and that of the agents registered since (O(log N) plus those)."""
@@ -422,7 +470,8 @@ class EtaEstimator:
         v = d.clock.tenant_v(agent.tenant, now) if d.clock.hierarchical else reading.V
         ahead = d.arrivals.ahead(d.policy.arrival_gap(agent, v, self.gap_closing(reading.backlog)))
         it = self.iteration_s()
-        wait = self.start_wait(agent, self.memory_drain(now, it))
+        drain = self.memory_drain(now, it)
+        wait = max(self.start_wait(agent, drain), self.blocked_before(agent, key, it, now))
         return eta_of(now, before, self.replay_work(agent, rates), rates[0], ahead * rates[1],
                       self.critical_path_s(agent, it), d.arrivals.span_s, wait) \
             + self.pause_ahead(agent, now)
@@ -460,6 +509,9 @@ class EtaEstimator:
         cap = MAX_ARRIVAL_SHARE * rate
         span = d.arrivals.span_s
         drain = self.memory_drain(now, it)
+        held = self.memory_drain(now, self.draining_step_s(it)) if self.in_order() else None
+        blocked = 0.0  # seconds until the agents placed so far that wait for memory can start
+        blocked_at = [float("-inf")] * (len(agents) + 1)
         total = 0.0
         for k, i in enumerate(order):
             a = agents[i]
@@ -492,7 +544,8 @@ class EtaEstimator:
                 finish = max(span, (total + work + arriving * span) / rate)
                 if start > span:
                     start = max(span, (total + arriving * span) / rate)
-            wait = self.start_wait(a, drain)
+            own_wait = self.start_wait(a, drain)
+            wait = own_wait if own_wait > blocked else blocked
             start, finish = max(start, wait), max(finish, wait)
             if shape.critical_path_tokens is not None:
                 path = ((shape.critical_path_tokens + max(1, shape.stages)) * it
@@ -504,7 +557,9 @@ class EtaEstimator:
             a.eta_at = now + (finish if finish > start + path else start + path)
             total += work
             prefix[k + 1] = total
-        self.last_pass = EtaPass(now, rate, keys, prefix)
+            blocked = max(blocked, self.holds_back(a, held))
+            blocked_at[k + 1] = now + blocked
+        self.last_pass = EtaPass(now, rate, keys, prefix, blocked_at)
         self._cache_fair(agents, fair)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """An agent first in the order still waits for the memory the running requests hold:
 admission never preempts, so its ETA starts when enough of them have ended (eta.py
-`MemoryDrain`)."""
+`MemoryDrain`); and admission in strict order starts no agent before the agents ahead of it
+that wait for memory."""
 
 from __future__ import annotations
 
@@ -86,3 +87,47 @@ def test_the_first_request_counts_only_until_one_of_the_agents_requests_has_fini
     assert d.etas.request_need(agent) == 4087
     agent.requests_done = 1  # past its first request: a request of the mix, as any agent's
     assert d.etas.request_need(agent) < 4087
+
+
+def _small_agent_behind_a_blocked_one(backfill: bool, fast_pass: bool, now: float = 1.0) -> Dispatcher:
+    """The long request holds the cache (1.5 s left); `blocked`, first in the order, has a
+    request of 2,306 tokens pending; `small`, after it, needs 60 tokens (96 are free)."""
+    d = Dispatcher("justitia", M, 0.02, time_model=STEP, backfill=backfill)
+    d.register_agent("long", 5e6, 0.0, shape=AgentShape(1, 500, 3500))
+    d.submit(RequestSpec("long-0", "long", prompt_tokens=3500, max_tokens=500), 0.0)
+    assert [s.request_id for s in d.admit(0.0)] == ["long-0"]
+    d.register_agent("blocked", 1e4, now, shape=AgentShape(1, 25, 2281))
+    d.submit(RequestSpec("blocked-0", "blocked", prompt_tokens=2281, max_tokens=25), now)
+    assert d.admit(now) == []  # 2,306 tokens do not fit
+    if fast_pass:
+        d.refresh_etas(now)
+    d.register_agent("small", 5e5, now, shape=AgentShape(1, 10, 50))
+    if fast_pass:
+        d.refresh_etas(now)
+    order = [d.policy.static_key(d.agents[a]) for a in ("blocked", "small", "long")]
+    assert order == sorted(order)
+    return d
+
+
+@pytest.mark.parametrize("fast_pass", [False, True])
+def test_an_agent_behind_one_waiting_for_memory_waits_with_it(fast_pass: bool) -> None:
+    now = 1.0
+    d = _small_agent_behind_a_blocked_one(backfill=False, fast_pass=fast_pass, now=now)
+    # what admission does: the small request fits, but the blocked one ahead holds it back
+    d.submit(RequestSpec("small-0", "small", prompt_tokens=50, max_tokens=10), now)
+    assert d.admit(now) == []
+    if fast_pass:
+        d.refresh_etas(now)
+    else:
+        d.agents["small"].eta_at = None
+    # 300 steps of 5 ms until the long request ends and the blocked one starts, then its own
+    assert d.eta_time("small", now) - now >= 1.5
+
+
+def test_with_backfill_an_agent_that_fits_is_not_held_back() -> None:
+    now = 1.0
+    d = _small_agent_behind_a_blocked_one(backfill=True, fast_pass=True, now=now)
+    # its wait is the work ahead of it at the engine's rate, not the long request's end
+    assert d.eta_time("small", now) - now < 1.5
+    d.submit(RequestSpec("small-0", "small", prompt_tokens=50, max_tokens=10), now)
+    assert [s.request_id for s in d.admit(now)] == ["small-0"]  # admission looks past the blocked one
