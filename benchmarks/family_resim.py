@@ -30,6 +30,7 @@ from collections.abc import Callable
 from server.shared.profiles import EngineProfile, load_profile
 from server.sim.calibrate import GridPoint, fit_chunked_prefill
 from server.sim.family import simulate_member
+from server.sim.provenance import write_result
 from server.sim.shapes import ShapeSpec
 
 WITHIN = 0.15
@@ -116,12 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("family_json", help="a `bench family --live --json` file")
     ap.add_argument("profiles", nargs="+", help="NAME=SOURCE[+chunked] (see above)")
+    ap.add_argument("--profile-file", metavar="FILE", default=None,
+                    help="the run's profile file, where it has moved since the run (default: the path the "
+                         "file's config records)")
+    ap.add_argument("--json", metavar="OUT", default=None, help="write the rows and the counts here")
     ap.add_argument("--chunk-tokens", type=int, default=VLLM_CPU_CHUNK_TOKENS,
                     help="the engine's token budget per step, where the calibration file does not record it "
                          "(default: %(default)s, vLLM's for the server on the CPU)")
     args = ap.parse_args(argv)
     doc = json.load(open(args.family_json))
-    profile_file = doc["config"]["profile_file"]["file"]
+    profile_file = args.profile_file or doc["config"]["profile_file"]["file"]
+    doc["config"]["profile_file"]["file"] = profile_file  # the workloads are sized with it
     run_profile = load_profile(profile_file)
     calibration = json.load(open(profile_file))
     profiles = dict(profile_of(p, run_profile, calibration, args.chunk_tokens) for p in args.profiles)
@@ -129,13 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         errors = "  ".join(f"{n} {100 * row[n]:+.0f}%" for n in profiles)
         print(f"{row['shape']:10s} {row['seed']} {row['mode']:6s} live {row['live_mean_jct_s']:.2f} s  {errors}")
+    counts = {}
     for name in profiles:
         within = sum(abs(r[name]) <= WITHIN for r in rows)
         median = statistics.median(r[name] for r in rows)
         members, of = members_within(rows, name)
+        counts[name] = {"runs_within": within, "runs": len(rows), "median_error": median,
+                        "members_within": members, "members": of}
         print(f"{name}: simulator within {WITHIN:.0%} of {within} of {len(rows)} live runs "
               f"(median error {100 * median:+.0f}%); of the median of each member's runs: "
               f"{members} of {of}")
+    if args.json:
+        write_result(args.json, {"config": {"family_json": args.family_json, "profile_file": profile_file,
+                                            "profiles": args.profiles, "within": WITHIN},
+                                 "rows": rows, "counts": counts})
     return 0
 
 

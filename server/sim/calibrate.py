@@ -220,6 +220,41 @@ def settings(args_kv: int, args_len: int, info: dict, quick: bool, wall_s: float
     }
 
 
+@dataclass
+class Calibration:
+    """One calibration: the points measured, the engine's settings, the fitted profile and
+    model, the per-point check, and how long it took."""
+
+    results: list[PointResult]
+    info: dict
+    profile: EngineProfile
+    model: TimeModel
+    rows: list[dict]
+    summary: dict
+    wall_s: float
+    asked: tuple[int, int]  # the KV capacity and context length asked for
+
+    def save(self, path: str | Path, quick: bool = False, **extra: object) -> dict:
+        """The profile file (`bench calibrate --out`): the fit with its per-point check and
+        the settings measured with."""
+        return save_profile(self.profile, path, fit={**self.model.as_dict(), **self.summary, "points": self.rows},
+                            settings=settings(*self.asked, self.info, quick, self.wall_s),
+                            **extra)
+
+
+def calibrate(kv_tokens: int, max_model_len: int, name: str, *, quick: bool = False, seed: int = 0,
+              progress: Callable[[int, GridPoint], None] | None = None) -> Calibration:
+    """Measure the grid on a fresh engine (`measure`) and fit its profile (`fit_profile`)."""
+    t0 = time.perf_counter()
+    results, info = asyncio.run(measure(make_grid(kv_tokens, max_model_len, quick=quick), kv_tokens, max_model_len,
+                                        seed=seed, progress=progress))
+    profile, model = fit_profile(results, info["kv_tokens"], info["max_model_len"], name,
+                                 chunk_tokens=info["max_num_batched_tokens"])
+    rows = point_rows(results, profile, model)
+    return Calibration(results, info, profile, model, rows, summary(rows, model), time.perf_counter() - t0,
+                       (kv_tokens, max_model_len))
+
+
 def save_profile(profile: EngineProfile, path: str | Path, **extra: object) -> dict:
     """Write a profile file: the profile's fields, plus what `extra` adds (fit, settings)."""
     return write_result(path, {"format": PROFILE_FORMAT, "profile": profile.as_dict(), **extra})

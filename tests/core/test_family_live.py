@@ -17,12 +17,13 @@ from justitia_cli.bench.family_live import (
     calibrated_profile,
     compare,
     load_now,
+    simulate_run,
     summarise_live,
 )
 from server.shared.profiles import get_profile
 from server.sim.calibrate import save_profile
 from server.sim.family import FamilyRow, simulate_member, taught_workload
-from server.sim.shapes import ShapeSpec
+from server.sim.shapes import ShapeSpec, make_shaped
 
 CPU = get_profile("cpu-tiny")
 M = 4096
@@ -149,3 +150,24 @@ def test_a_run_simulated_again_on_another_step_model_keeps_its_workload() -> Non
     assert [(a.id, a.arrival_s) for a in slower.agents] == [(a.id, a.arrival_s) for a in same.agents]
     assert [(a.id, a.arrival_s) for a in resized.agents] != [(a.id, a.arrival_s) for a in same.agents]
     assert slower.summary()["mean_jct_s"] > same.summary()["mean_jct_s"]
+
+
+def test_a_live_run_simulated_on_another_step_model_keeps_the_live_runs_workload() -> None:
+    # the refit (the run's own steps) and a calibration made just before are other step
+    # models: the agents and arrivals must stay those the live run replayed, built with the
+    # run's profile; sized with the faster or slower model, the load would not be the run's
+    spec = ShapeSpec("poisson", 12, 0.9, seed=100)
+    slow = replace(CPU, base_s=CPU.base_s * 3, per_seq_s=CPU.per_seq_s * 3,
+                   per_prefill_token_s=CPU.per_prefill_token_s * 3, per_kv_token_s=CPU.per_kv_token_s * 3)
+    replayed = sorted((a.id, a.arrival) for a in make_shaped(spec, CPU, M))
+    fresh = simulate_run(spec, "fresh", "justitia", slow, CPU, M, None)
+    assert sorted((a.id, a.arrival_s) for a in fresh.agents) == replayed
+    taught = simulate_run(spec, "taught", "justitia", slow, CPU, M, 150.0)
+    assert sorted((a.id, round(a.arrival_s - 150.0, 6)) for a in taught.agents) == replayed
+    same = simulate_run(spec, "fresh", "justitia", CPU, CPU, M, None)
+    assert fresh.summary()["mean_jct_s"] > same.summary()["mean_jct_s"]  # only the engine is slower
+
+
+def test_calibrating_before_each_run_is_for_live_runs(capsys) -> None:
+    assert main(["bench", "family", "--shapes", "poisson", "--seeds", "100", "--calibrate-each"]) == 2
+    assert "--calibrate-each needs --live" in capsys.readouterr().err

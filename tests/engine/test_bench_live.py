@@ -204,3 +204,33 @@ def test_bench_family_live_runs_each_member_again_on_a_fresh_server(tmp_path, ju
     assert member["live_mean_jct_s"] == [r["live"]["mean_jct_s"] for r in runs]
     assert member["live_median_mean_jct_s"] == pytest.approx(sum(member["live_mean_jct_s"]) / 2)
     assert shape["members_within"] == int(member["sim_within"])
+
+
+def test_bench_family_live_calibrates_before_each_run_when_asked(tmp_path, justitia_home, monkeypatch) -> None:
+    """`bench family --live --calibrate-each`: the run is served and simulated on a calibration
+    made just before it, kept beside the JSON; the member is still built with --profile."""
+    from dataclasses import replace
+
+    from server.sim.calibrate import save_profile
+
+    monkeypatch.setenv("JUSTITIA_HOME", justitia_home)
+    profile = tmp_path / "profile.json"
+    built_with = replace(get_profile("cpu-tiny"), kv_tokens=4096)
+    save_profile(built_with, profile, settings={"kv_tokens": 4096},
+                 provenance={"argv": ["justitia", "bench", "calibrate", "--kv-tokens", "4096"]})
+    out = tmp_path / "family.json"
+    rc = main(["bench", "family", "--live", "--shapes", "poisson", "--seeds", "100", "--agents", "4",
+               "--calibrate-each", "--profile", str(profile), "--kv-tokens", "4096", "--max-model-len", "4096",
+               "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["calibrate_each"] is True
+    [run] = doc["runs"]
+    assert run["live"]["agents"] == 4 and run["sim"]["agents"] == 4 and run["agents_failed"] == 0
+    calibration = run["calibration"]
+    made = json.loads((tmp_path / "family_calibrations" / "poisson_100_fresh_1.json").read_text())
+    assert calibration["file"].endswith("poisson_100_fresh_1.json")
+    assert made["settings"]["kv_tokens"] == 4096 and len(made["fit"]["points"]) > 4
+    assert calibration["profile"] == made["profile"]
+    # measured here and now, not the built-in profile the member was built with
+    assert made["profile"]["base_s"] != pytest.approx(built_with.base_s)
