@@ -519,6 +519,10 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on another seed never run live before, with the first agent "
                       "of an episode promised with the episode's forecast and a calibration of the engine alone made "
                       "just before (`{profile}`)", "[seed 113](benchmarks.md#seed-113)"),
+    _family_live_seed("family-live-114", 114, "family_live_114", "profile_cpu_tiny_4096_famlive_114.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with ETAs that wait "
+                      "for the agents ahead waiting for memory and a calibration of the engine alone made just "
+                      "before (`{profile}`)", "[seed 114](benchmarks.md#seed-114)"),
     Entry("family-live-109-tenants", "Live (vLLM CPU engine)",
           "The family live: `tenants` on seed 109 again, ETAs that wait for room for the first request",
           "family_live_109_tenants.json",
