@@ -166,5 +166,17 @@ def summarise(rows: Sequence[FamilyRow]) -> list[dict]:
     return out
 
 
+def totals(rows: Sequence[FamilyRow]) -> list[dict]:
+    """Per policy over every member run: the promises kept, given and broken only by the
+    client's tool time (the family's one figure that must hold everywhere)."""
+    out = []
+    for policy in dict.fromkeys(r.policy for r in rows):
+        mine = [r for r in rows if r.policy == policy]
+        out.append({"policy": policy, "members": len(mine),
+                    "promises_kept": sum(r.promises_kept for r in mine), "promises": sum(r.promises for r in mine),
+                    "promises_broken_by_tools": sum(r.promises_broken_by_tools for r in mine)})
+    return out
+
+
 def family_json(rows: Sequence[FamilyRow], config: dict) -> dict:
-    return {"config": config, "shapes": summarise(rows), "runs": [asdict(r) for r in rows]}
+    return {"config": config, "shapes": summarise(rows), "totals": totals(rows), "runs": [asdict(r) for r in rows]}

@@ -142,6 +142,12 @@ def test_bench_family_writes_its_json_and_refuses_bad_input(tmp_path, capsys):
     assert doc["config"]["seeds"] == [0, 1] and doc["config"]["shapes"] == ["poisson", "tenants"]
     assert {s["shape"] for s in doc["shapes"]} == {"poisson", "tenants"}
     assert len(doc["runs"]) == 4
+    # the totals add every member's promises up
+    [total] = doc["totals"]
+    assert total["policy"] == "justitia" and total["members"] == 4
+    assert total["promises"] == sum(r["promises"] for r in doc["runs"]) == 40
+    assert total["promises_kept"] == sum(r["promises_kept"] for r in doc["runs"])
+    assert total["promises_broken_by_tools"] == sum(r["promises_broken_by_tools"] for r in doc["runs"])
     assert {"commit", "argv", "date", "host", "versions"} <= set(doc["provenance"])
     assert "poisson" in capsys.readouterr().out
     assert main(["bench", "family", "--shapes", "sawtooth"]) == 2
