@@ -523,6 +523,17 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on another seed never run live before, with ETAs that wait "
                       "for the agents ahead waiting for memory and a calibration of the engine alone made just "
                       "before (`{profile}`)", "[seed 114](benchmarks.md#seed-114)"),
+    Entry("family-live-115", "Live (vLLM CPU engine)",
+          "The family live: every shape on held-out seed 115, a calibration of the engine before each run",
+          "family_live_115.json",
+          "justitia bench family --live --calibrate-each --shapes " + ",".join(FAMILY_SHAPES) + " --seeds 115 "
+          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_115.json "
+          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_115.json",
+          "All six shapes, fresh and taught, on another seed never run live before; each run served and "
+          "simulated on a calibration of the engine alone made just before it (family_live_115_calibrations/), "
+          "the members built with `profile_cpu_tiny_4096_famlive_115.json` "
+          "([seed 115](benchmarks.md#seed-115-a-calibration-before-each-run)).",
+          _family_live_rows(FAMILY_SHAPES)),
     Entry("family-live-109-tenants", "Live (vLLM CPU engine)",
           "The family live: `tenants` on seed 109 again, ETAs that wait for room for the first request",
           "family_live_109_tenants.json",
@@ -650,6 +661,10 @@ HEADLINES: list[Headline] = [
              m("", "{k}/{n}", k=_j("justitia", "promises_kept"), n="#" + _j("justitia", "agents"))),
     Headline("Live, 48 agents: first-ETA error p50 / p90", "live-contended48",
              m("", "{a:.2f} / {b:.2f}", a=_j("justitia", "eta_error_p50"), b=_j("justitia", "eta_error_p90"))),
+    Headline("Simulator, six arrival shapes on held-out seeds, fresh and taught: promises kept (broken by "
+             "the client's tool time)", "family-heldout",
+             m("", "{k}/{n} ({t})", k="totals[policy=justitia].promises_kept", n="totals[policy=justitia].promises",
+               t="totals[policy=justitia].promises_broken_by_tools")),
     Headline("Cost predictors: mean relative error, profiled example agents (mean baseline)",
              "predictors",
              m("", "{a:.2f} ({b:.2f})", a="datasets.example-agents-profiled.overall.model.mean_relative_error",
