@@ -215,12 +215,14 @@ def _family_live_member(name: str, shape: str, mode: str, what: str, profile: st
                  [_family_live_row(shape, mode), _family_live_within(shape, mode)])
 
 def _family_live_seed(name: str, seed: int, stem: str, profile: str, what: str, note: str,
-                      section: str = "[seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)") -> Entry:
+                      section: str = "[seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)",
+                      options: str = "") -> Entry:
     """The whole family live on one held-out seed, once per member: `what` ends the title,
-    `note` (which may name `{profile}`) describes the run, `section` links its discussion."""
+    `note` (which may name `{profile}`) describes the run, `section` links its discussion,
+    `options` (each followed by a space) are the command's beyond the family's own."""
     return Entry(name, "Live (vLLM CPU engine)", f"The family live: every shape on held-out seed {seed}{what}",
                  f"{stem}.json",
-                 f"justitia bench family --live --shapes {','.join(FAMILY_SHAPES)} --seeds {seed} "
+                 f"justitia bench family --live {options}--shapes {','.join(FAMILY_SHAPES)} --seeds {seed} "
                  f"--modes fresh,taught --profile benchmarks/results/{profile} "
                  f"--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/{stem}.json",
                  note.format(profile=profile) + f" ({section}).",
@@ -523,17 +525,12 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on another seed never run live before, with ETAs that wait "
                       "for the agents ahead waiting for memory and a calibration of the engine alone made just "
                       "before (`{profile}`)", "[seed 114](benchmarks.md#seed-114)"),
-    Entry("family-live-115", "Live (vLLM CPU engine)",
-          "The family live: every shape on held-out seed 115, a calibration of the engine before each run",
-          "family_live_115.json",
-          "justitia bench family --live --calibrate-each --shapes " + ",".join(FAMILY_SHAPES) + " --seeds 115 "
-          "--modes fresh,taught --profile benchmarks/results/profile_cpu_tiny_4096_famlive_115.json "
-          "--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/family_live_115.json",
-          "All six shapes, fresh and taught, on another seed never run live before; each run served and "
-          "simulated on a calibration of the engine alone made just before it (family_live_115_calibrations/), "
-          "the members built with `profile_cpu_tiny_4096_famlive_115.json` "
-          "([seed 115](benchmarks.md#seed-115-a-calibration-before-each-run)).",
-          _family_live_rows(FAMILY_SHAPES)),
+    _family_live_seed("family-live-115", 115, "family_live_115", "profile_cpu_tiny_4096_famlive_115.json",
+                      ", a calibration of the engine before each run",
+                      "All six shapes, fresh and taught, on another seed never run live before; each run served and "
+                      "simulated on a calibration of the engine alone made just before it "
+                      "(family_live_115_calibrations/), the members built with `{profile}`",
+                      "[seed 115](benchmarks.md#seed-115-a-calibration-before-each-run)", options="--calibrate-each "),
     Entry("family-live-109-tenants", "Live (vLLM CPU engine)",
           "The family live: `tenants` on seed 109 again, ETAs that wait for room for the first request",
           "family_live_109_tenants.json",

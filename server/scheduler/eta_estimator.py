@@ -396,15 +396,21 @@ class EtaEstimator:
         return (agent.eta_key_at, agent.seq)
 
     # -- the slow path -----------------------------------------------------------------
+    def order_key(self, now: float) -> Callable[[AgentState], Any]:
+        """An agent's place in the replay's order at `now` (`eta_key` where tenants' tags are
+        on different scales, else the policy's static key)."""
+        d = self._d
+        if d.clock.hierarchical and isinstance(d.policy, Justitia):
+            return functools.partial(self.eta_key, now=now)
+        return d.policy.static_key
+
     def unpassed_work_before(self, agent: AgentState, key: Any, rates: ReplayRates, now: float = 0.0) -> float:
         """Remaining work of the agents registered since the last pass that the policy orders
         before `agent`: a burst registers faster than passes run, and each of its agents
         waits behind the ones registered before it."""
         d = self._d
         work = 0.0
-        static_key: Callable[[AgentState], Any] = d.policy.static_key
-        if d.clock.hierarchical and isinstance(d.policy, Justitia):
-            static_key = functools.partial(self.eta_key, now=now)
+        static_key = self.order_key(now)
         for a in self.unpassed:
             if a is not agent and d.agents.get(a.agent_id) is a and static_key(a) < key:
                 work += self.replay_work(a, rates)
@@ -426,9 +432,7 @@ class EtaEstimator:
             return 0.0
         blocked = self.last_pass.blocked_until(key) - now if self.last_pass is not None else 0.0
         d = self._d
-        static_key: Callable[[AgentState], Any] = d.policy.static_key
-        if d.clock.hierarchical and isinstance(d.policy, Justitia):
-            static_key = functools.partial(self.eta_key, now=now)
+        static_key = self.order_key(now)
         held: MemoryDrain | None = None
         for a in self.unpassed:
             if (a is not agent and a.pending and not a.running and d.agents.get(a.agent_id) is a
