@@ -200,6 +200,7 @@ async def _agent_steps(session: aiohttp.ClientSession, agent: AgentSpec, t0: flo
         "metadata": {"stages": len(agent.stages),
                      "critical_path_tokens": agent.critical_path_tokens,
                      "prefill_tokens": agent.prefill_tokens,
+                     "prefill_square_tokens": agent.prefill_square_tokens,
                      "first_request_tokens": agent.first_request_tokens,
                      "workload_id": agent.id},
     }

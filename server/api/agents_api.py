@@ -34,7 +34,7 @@ MAX_PREDICTED_COST = 1e18
 # The metadata keys the bound uses (server/runtime/declared.py), and the ranges that keep the
 # bound's arithmetic finite.
 _SHAPE_RANGES = {"stages": (1, 1_000_000), "critical_path_tokens": (0, 10**12), "prefill_tokens": (0, 10**12),
-                 "first_request_tokens": (0, 10**12)}
+                 "first_request_tokens": (0, 10**12), "prefill_square_tokens": (0, 10**24)}
 
 
 class AgentCreate(RequestBody):
@@ -52,7 +52,9 @@ class AgentCreate(RequestBody):
                      "`prefill_tokens` (int, 0 to 1e12: the prompt tokens its requests will "
                      "compute) the prefill its ETA counts, `first_request_tokens` (int, 0 to "
                      "1e12: prompt and output of its first stage's largest request) the wait "
-                     "for room for it its ETA counts."))
+                     "for room for it its ETA counts, `prefill_square_tokens` (int, 0 to 1e24: "
+                     "the sum of the squares of those prompts) the chunked prefill of prompts "
+                     "past the engine's token budget per step its ETA counts."))
     predicted_cost: float | None = Field(
         default=None, ge=0, le=MAX_PREDICTED_COST, allow_inf_nan=False,
         description=("The agent's total KV token-time cost, when the caller knows it (trace "

@@ -1,9 +1,10 @@
 """What an agent declares of itself in its metadata, parsed once at registration.
 
-`stages`, `critical_path_tokens`, `prefill_tokens` and `first_request_tokens` declare its
-structure (an `AgentShape`): the delay bound covers its own critical path instead of a
-one-stage guess, its ETA counts its prefill and the wait for room for its first stage's
-largest request, re-prediction extrapolates over its stages. `batch` declares the
+`stages`, `critical_path_tokens`, `prefill_tokens`, `prefill_square_tokens` and
+`first_request_tokens` declare its structure (an `AgentShape`): the delay bound covers its
+own critical path instead of a one-stage guess, its ETA counts its prefill (prompts past the
+engine's step budget by their squares) and the wait for room for its first stage's largest
+request, re-prediction extrapolates over its stages. `batch` declares the
 batch its client submits it with. The API has checked the ranges (server/api/agents_api.py);
 a value of another type (a string, a boolean) is the caller's own and declares nothing.
 """
@@ -29,7 +30,8 @@ def declared_shape(metadata: dict[str, Any]) -> AgentShape | None:
         return None
     return AgentShape(stages=stages, critical_path_tokens=_int(metadata.get("critical_path_tokens")),
                       prefill_tokens=_int(metadata.get("prefill_tokens")),
-                      first_request_tokens=_int(metadata.get("first_request_tokens")))
+                      first_request_tokens=_int(metadata.get("first_request_tokens")),
+                      prefill_square_tokens=_int(metadata.get("prefill_square_tokens")))
 
 
 def declared_batch(metadata: dict[str, Any], tenant: str | None) -> BatchDeclaration | None:

@@ -27,7 +27,7 @@ restart; they are arrivals like any agent.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from server.engine.base import EngineInfo
@@ -75,8 +75,8 @@ class HistoryReading:
         if self.saved_model is None:
             return None
         m = self.saved_model
-        return TimeModel(*m.coefficients, source=f"prior: saved by the last run on this engine "
-                                                 f"(fitted to {m.samples} steps)")
+        return replace(m, samples=0, error_p50=None, error_p90=None, total_error=None,
+                       source=f"prior: saved by the last run on this engine (fitted to {m.samples} steps)")
 
 
 def engine_key(info: EngineInfo) -> str:

@@ -13,7 +13,9 @@ declare none: a pessimistic shape, as promises need. Their ETAs expect the media
 an estimate, and the p90 of three agents is the longest of them. Shapes are kept per tenant: what one
 tenant's agents did never shapes another tenant's promises. A shape also carries the prompt
 tokens the agent's requests computed (not served by the prefix cache): their prefill lies on
-its path, and ETAs count it (`AgentShape.prefill_tokens`); and the memory its first stage's
+its path, and ETAs count it (`AgentShape.prefill_tokens`, and the squares of its prompts,
+`prefill_square_tokens`: past the engine's step budget a prompt costs more than its tokens'
+linear prefill); and the memory its first stage's
 largest request held (prompt and output): an agent waits for that much to be free before it
 starts, and ETAs count the wait (`AgentShape.first_request_tokens`).
 """
@@ -55,9 +57,9 @@ def infer_shape(requests: Sequence[RequestLog]) -> AgentShape | None:
         if stages == 1:
             first_request = max(first_request, r.prompt_tokens + r.output_tokens)
         busy_until = max(busy_until, r.finished_s)
-    prefill = sum(r.prompt_tokens - min(r.prompt_tokens, r.cached_tokens or 0) for r in requests)
-    return AgentShape(stages=stages, critical_path_tokens=critical + longest, prefill_tokens=prefill,
-                      first_request_tokens=first_request)
+    computed = [r.prompt_tokens - min(r.prompt_tokens, r.cached_tokens or 0) for r in requests]
+    return AgentShape(stages=stages, critical_path_tokens=critical + longest, prefill_tokens=sum(computed),
+                      first_request_tokens=first_request, prefill_square_tokens=sum(p * p for p in computed))
 
 
 def _quantile(xs: list[int], q: float) -> int:
@@ -97,4 +99,5 @@ class TypeShapes(AgentListener):
             critical_path_tokens=_quantile([s.critical_path_tokens or 0 for s in seen], quantile),
             prefill_tokens=_quantile([s.prefill_tokens or 0 for s in seen], quantile),
             first_request_tokens=_quantile([s.first_request_tokens or 0 for s in seen], quantile),
+            prefill_square_tokens=_quantile([s.prefill_square_tokens or 0 for s in seen], quantile),
         )

@@ -47,7 +47,10 @@ class AgentShape:
     decode only once their prompts are in (None: unknown, ETAs count no prefill);
     first_request_tokens: the memory its first stage's largest request reserves (its prompt
     and output): an agent that has not started waits until that much is free, which a mean
-    request of the mix can understate by most of the cache (None: unknown). The live server
+    request of the mix can understate by most of the cache (None: unknown);
+    prefill_square_tokens: the sum of the squares of those prompts, which says how far they
+    run past the engine's token budget per step, where a prompt's chunked prefill costs more
+    than its tokens' linear prefill (None: unknown, ETAs count none). The live server
     uses what the agent declared, else its type's typical shape
     (server/runtime/type_shapes.py), else this default: one stage whose longest decode is d_max.
     """
@@ -56,6 +59,7 @@ class AgentShape:
     critical_path_tokens: int | None = None
     prefill_tokens: int | None = None
     first_request_tokens: int | None = None
+    prefill_square_tokens: int | None = None
 
 
 @dataclass(frozen=True)

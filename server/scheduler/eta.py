@@ -90,6 +90,16 @@ def step_function(model: StepTimeSource) -> StepFunction:
     return cast(StepTimeModel, model).step_s
 
 
+def chunked_function(model: StepTimeSource | None) -> Callable[[float], float] | None:
+    """The model's extra for a prompt past the engine's step budget (`chunked_prefill_s`:
+    seconds for a prompt of p tokens computed), None where it models none."""
+    chunked = getattr(model, "chunked_prefill_s", None)
+    if not callable(chunked) or getattr(model, "per_chunked_prefill_s", 0.0) <= 0.0 \
+            or getattr(model, "prefill_chunk_tokens", 0) <= 0:
+        return None
+    return cast(Callable[[float], float], chunked)
+
+
 @dataclass
 class WorkArrivals:
     """Agents registered recently: the arrival rate of work and its cost distribution

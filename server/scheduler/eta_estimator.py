@@ -27,7 +27,8 @@ from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .eta import MAX_ARRIVAL_SHARE, EtaPass, MemoryDrain, StepTimeSource, eta_of, step_function
+from .bounds import AgentShape
+from .eta import MAX_ARRIVAL_SHARE, EtaPass, MemoryDrain, StepTimeSource, chunked_function, eta_of, step_function
 from .eta_interval import EtaCalibration
 from .pauses import stages_left
 from .policies import ENGINE, Justitia
@@ -232,6 +233,25 @@ class EtaEstimator:
         step = step_function(self.time_model)
         return max(0.0, (step(1, PREFILL_PROBE_TOKENS, 0) - step(1, 0, 0)) / PREFILL_PROBE_TOKENS)
 
+    def prefill_of(self, shape: AgentShape) -> float | None:
+        """The prompt tokens the agent's shape computes (None: unknown), its prompts' chunked
+        prefill counted as the prefill tokens of the same time: past the engine's step budget
+        a prompt costs more than its tokens' linear term. From the sum of the prompts (P)
+        and of their squares (Q), as P^2 / Q prompts of Q / P tokens each: (Q - chunk x P)
+        token pairs past the budget, exact for prompts of one length and otherwise no more
+        than the prompts' own sum of (p - chunk) x p over those past it. No prompt is longer
+        than all of them together nor than the cache (a declaration that says so is capped)."""
+        prefill = shape.prefill_tokens
+        square = shape.prefill_square_tokens
+        chunked = chunked_function(self.time_model)
+        if prefill is None or not square or prefill <= 0 or chunked is None:
+            return prefill
+        token_s = self.prefill_token_s()
+        if token_s <= 0.0:
+            return prefill
+        length = min(square / prefill, float(prefill), float(self._d.kv_capacity))
+        return prefill + chunked(length) * (prefill / length) / token_s
+
     def draining_step_s(self, it: float) -> float:
         """One engine step while nothing is admitted: the time model's with the running
         requests alone (`it` without a time model or any running)."""
@@ -300,7 +320,7 @@ class EtaEstimator:
         shape = agent.eta_shape or agent.shape
         if shape.critical_path_tokens is not None:
             return ((shape.critical_path_tokens + max(1, shape.stages)) * it
-                    + (shape.prefill_tokens or 0) * self.prefill_token_s()) * left
+                    + (self.prefill_of(shape) or 0) * self.prefill_token_s()) * left
         if agent.pending or agent.running:
             return (agent.longest_decode + 1) * it
         return 0.0
@@ -309,7 +329,7 @@ class EtaEstimator:
         """The agent's remaining work in the replay's units (`replay_rates`)."""
         own, total = self.remaining(agent)
         _, per_unit, prefill_work = rates
-        prefill = (agent.eta_shape or agent.shape).prefill_tokens
+        prefill = self.prefill_of(agent.eta_shape or agent.shape)
         if prefill is None or not prefill_work or total <= 0.0:
             return own * per_unit
         return own + own / total * prefill * prefill_work
@@ -508,7 +528,8 @@ class EtaEstimator:
         # eta_time's per-agent steps, inlined: this loop is the whole cost of the upkeep
         gap, costs, cprefix = policy.arrival_gap, d.arrivals._costs, d.arrivals._prefix
         unit = d.costs.kv_unit
-        prefill_s = self.prefill_token_s()
+        prefill_s, prefill_of = self.prefill_token_s(), self.prefill_of
+        chunked = chunked_function(self.time_model) is not None
         scale = d.arrivals.rate * per_unit / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
         cap = MAX_ARRIVAL_SHARE * rate
         span = d.arrivals.span_s
@@ -532,11 +553,12 @@ class EtaEstimator:
                 own = 0.0
             shape = a.eta_shape or a.shape
             left = own / charged if charged > 0.0 else 1.0
+            prefill = prefill_of(shape) if chunked and shape.prefill_square_tokens else shape.prefill_tokens
             # replay_work, inlined
-            if shape.prefill_tokens is None or not prefill_work or charged <= 0.0:
+            if prefill is None or not prefill_work or charged <= 0.0:
                 work = own * per_unit
             else:
-                work = own + left * shape.prefill_tokens * prefill_work
+                work = own + left * prefill * prefill_work
             g = (gap(a, tenant_v[a.tenant] if hier else v, closing)) if scale else 0.0
             arriving = scale * cprefix[bisect_left(costs, g)] if g > 0.0 else 0.0
             # served_by, for the work ahead (start) and with its own (finish): arrivals take
@@ -553,7 +575,7 @@ class EtaEstimator:
             start, finish = max(start, wait), max(finish, wait)
             if shape.critical_path_tokens is not None:
                 path = ((shape.critical_path_tokens + max(1, shape.stages)) * it
-                        + (shape.prefill_tokens or 0) * prefill_s) * left
+                        + (prefill or 0) * prefill_s) * left
             elif a.pending or a.running:
                 path = (a.longest_decode + 1) * it
             else:

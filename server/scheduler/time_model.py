@@ -112,9 +112,12 @@ class TimeModelFitter:
         self._since_fit = 0
         coef = self._solve()
         p50, p90, total = self._errors()
-        self.model = TimeModel(*coef, samples=self._n, error_p50=p50, error_p90=p90,
-                               total_error=total, source=self.prior.source if self._n == 0 else
-                               f"fitted online to {self._n} engine steps")
+        # the chunked prefill's term is the prior's: a step's statistics do not say how long
+        # the prompts it prefilled were
+        self.model = replace(self.prior, base_s=coef[0], per_seq_s=coef[1], per_prefill_token_s=coef[2],
+                             per_kv_token_s=coef[3], samples=self._n, error_p50=p50, error_p90=p90,
+                             total_error=total, source=self.prior.source if self._n == 0 else
+                             f"fitted online to {self._n} engine steps")
         return self.model
 
     def _solve(self) -> tuple[float, float, float, float]:

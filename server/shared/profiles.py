@@ -53,7 +53,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from server.shared.step_time import TimeModel
+from server.shared.step_time import TimeModel, chunked_prefill_s
 
 # Marks a profile file written by `justitia bench calibrate` (and its format's version).
 PROFILE_FORMAT = "justitia-engine-profile/1"
@@ -87,10 +87,7 @@ class EngineProfile:
     def chunked_prefill_s(self, prompt_tokens: float) -> float:
         """What a prompt of `prompt_tokens` computed costs beyond `iteration_s`'s linear
         prefill term: 0 within one step's budget (module docstring)."""
-        over = prompt_tokens - self.prefill_chunk_tokens
-        if self.prefill_chunk_tokens <= 0 or over <= 0:
-            return 0.0
-        return self.per_chunked_prefill_s * over * prompt_tokens
+        return chunked_prefill_s(self.prefill_chunk_tokens, self.per_chunked_prefill_s, prompt_tokens)
 
     def tau_ref_s(self, kv_tokens: int | None = None, typical_footprint: int = 700) -> float:
         """Iteration time of a decode batch that fills the KV cache: the GPS tau."""
@@ -111,7 +108,8 @@ class EngineProfile:
     def time_model(self) -> TimeModel:
         """The profile's step-time coefficients as the scheduler's plain-data time model."""
         return TimeModel(self.base_s, self.per_seq_s, self.per_prefill_token_s, self.per_kv_token_s,
-                         source=f"profile {self.name}")
+                         source=f"profile {self.name}", prefill_chunk_tokens=self.prefill_chunk_tokens,
+                         per_chunked_prefill_s=self.per_chunked_prefill_s)
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineProfile:

@@ -52,11 +52,19 @@ class TimeModel:
     error_p90: float | None = None
     total_error: float | None = None  # recent relative error of the summed step time
     source: str = ""
+    # A prompt past the engine's token budget per step costs more than the linear prefill
+    # term (server/shared/profiles.py): a calibration measures it, the online fit keeps it.
+    prefill_chunk_tokens: int = 0
+    per_chunked_prefill_s: float = 0.0
 
     def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
         """Predicted duration of one step (seconds)."""
         return (self.base_s + self.per_seq_s * decode_seqs
                 + self.per_prefill_token_s * prefill_tokens + self.per_kv_token_s * kv_tokens)
+
+    def chunked_prefill_s(self, prompt_tokens: float) -> float:
+        """What a prompt of `prompt_tokens` computed costs beyond the linear prefill term."""
+        return chunked_prefill_s(self.prefill_chunk_tokens, self.per_chunked_prefill_s, prompt_tokens)
 
     def predict(self, sample: StepSample) -> float:
         return self.step_s(sample.decode_seqs, sample.prefill_tokens, sample.kv_tokens)
@@ -74,8 +82,22 @@ class TimeModel:
         missing = [k for k in FEATURES if k not in known]
         if missing:
             raise ValueError(f"a time model needs {', '.join(missing)}")
-        bad = [k for k in FEATURES if not (isinstance(known[k], (int, float)) and known[k] >= 0
-                                           and math.isfinite(known[k]))]
+        bad = [k for k in (*FEATURES, "per_chunked_prefill_s")
+               if k in known and not (isinstance(known[k], (int, float)) and known[k] >= 0
+                                      and math.isfinite(known[k]))]
         if bad:
             raise ValueError(f"time-model coefficients must be finite and >= 0: {', '.join(bad)}")
+        chunk = known.get("prefill_chunk_tokens", 0)
+        if not (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0):
+            raise ValueError(f"prefill_chunk_tokens must be an integer >= 0, not {chunk!r}")
         return cls(**known)
+
+
+def chunked_prefill_s(chunk_tokens: int, per_chunked_prefill_s: float, prompt_tokens: float) -> float:
+    """The chunked prefill's extra for a prompt of `prompt_tokens` computed on an engine of
+    `chunk_tokens` a step: `per_chunked_prefill_s x (p - chunk) x p` past the budget (each
+    later chunk attends over the ones before it), 0 within it or where no budget is modelled."""
+    over = prompt_tokens - chunk_tokens
+    if chunk_tokens <= 0 or over <= 0:
+        return 0.0
+    return per_chunked_prefill_s * over * prompt_tokens

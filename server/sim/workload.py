@@ -98,15 +98,25 @@ class AgentSpec:
         minus the longest of its named prefixes that an earlier request of the agent (or a
         sibling listed before it) already named, which the prefix cache then serves. Prefixes
         other agents computed are not counted as cached: that depends on the traffic."""
+        return sum(self.computed_prompts())
+
+    @property
+    def prefill_square_tokens(self) -> int:
+        """The sum of the squares of the prompt tokens its requests compute: how far its
+        prompts run past an engine's step budget (`AgentShape.prefill_square_tokens`)."""
+        return sum(p * p for p in self.computed_prompts())
+
+    def computed_prompts(self) -> list[int]:
+        """Each request's prompt tokens computed, in submission order (`prefill_tokens`)."""
         seen: set[str] = set()
-        total = 0
+        computed = []
         for s, st in enumerate(self.stages):
             for i, (p, _) in enumerate(st):
                 chain = self.prefix(s, i)
                 cached = max((tokens for pid, tokens in chain if pid in seen), default=0)
                 seen.update(pid for pid, _ in chain)
-                total += p - cached
-        return total
+                computed.append(p - cached)
+        return computed
 
     @property
     def num_requests(self) -> int:

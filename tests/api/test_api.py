@@ -168,6 +168,36 @@ def test_a_profile_measured_on_the_engine_is_the_time_models_prior_and_sets_the_
             assert snap["eta_rate"] > 1.5 * snap["rate"]
 
 
+def test_a_declared_shape_of_long_prompts_is_told_their_chunked_prefill(tmp_path) -> None:
+    """A calibration that measured the chunked prefill of prompts past the engine's step
+    budget (`bench calibrate`'s `per_chunked_prefill_s`) is the time model's prior, term
+    included; an agent that declares the squares of its prompts (`prefill_square_tokens`)
+    is told the time their chunks add, one that does not is told its linear prefill."""
+    from dataclasses import replace
+
+    from server.shared.profiles import get_profile
+    from server.sim.calibrate import save_profile
+
+    profile = replace(get_profile("cpu-tiny"), name="chunked-here", prefill_chunk_tokens=2048,
+                      per_chunked_prefill_s=1e-8)
+    path = tmp_path / "chunked.json"
+    save_profile(profile, path)
+    prompts = [4000, 4000, 4000]
+    shape = {"stages": 1, "critical_path_tokens": 20, "prefill_tokens": sum(prompts)}
+    with FakeServer(tmp_path / "data", profile=str(path)) as srv, \
+            local_client(base_url=srv.url, timeout=20) as c:
+        prior = c.get("/v1/scheduler").json()["time_model"]["prior"]
+        told = {}
+        for square in (None, sum(p * p for p in prompts)):
+            metadata = shape if square is None else {**shape, "prefill_square_tokens": square}
+            rec = register(c, type_="long_prompts", predicted_cost=1e3, metadata=metadata)
+            told[square is not None] = rec["eta_s"]
+            assert c.delete(f"/v1/agents/{rec['id']}").status_code == 200
+    assert (prior["prefill_chunk_tokens"], prior["per_chunked_prefill_s"]) == (2048, 1e-8)
+    extra = sum(profile.chunked_prefill_s(p) for p in prompts)
+    assert told[True] - told[False] == pytest.approx(extra, rel=0.1)
+
+
 def test_eta_and_bound_equal_the_cores_on_a_fresh_server(tmp_path) -> None:
     """As test_agents_api.py's contract, on a server of its own (no other test's agents in
     the backlog or the arrivals), so the promises and their reasons are the core's exactly."""

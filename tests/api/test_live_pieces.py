@@ -37,6 +37,8 @@ def test_the_declared_shape_is_parsed_once_into_one_typed_value() -> None:
         AgentShape(stages=3, critical_path_tokens=900, prefill_tokens=40)
     assert declared_shape({"stages": 1, "first_request_tokens": 4087}) == \
         AgentShape(stages=1, first_request_tokens=4087)
+    assert declared_shape({"stages": 1, "prefill_tokens": 8000, "prefill_square_tokens": 32_000_000}) == \
+        AgentShape(stages=1, prefill_tokens=8000, prefill_square_tokens=32_000_000)
     assert declared_shape({"stages": 2, "critical_path_tokens": "9"}) == AgentShape(stages=2)
     # not an integer number of stages (a boolean, a string, a float, none): nothing declared
     for stages in (True, "3", 3.0, 0, None):

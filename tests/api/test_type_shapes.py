@@ -38,6 +38,8 @@ def test_a_shape_counts_the_prompt_tokens_its_requests_computed() -> None:
 
     shape = infer_shape([req(2_000, 1_500), req(700, None), req(300, 0)])
     assert shape is not None and shape.prefill_tokens == 500 + 700 + 300
+    # and the squares of what each computed: how far its prompts run past a step's budget
+    assert shape.prefill_square_tokens == 500**2 + 700**2 + 300**2
 
 
 def test_a_shape_holds_the_largest_request_of_the_first_stage() -> None:

@@ -2,8 +2,8 @@
 after a pass, placing any agent again by the slow path gives the ETA the pass cached.
 
 Property-tested over generated histories: policies, tenants, a time model of the engine (or
-none), declared shapes with prefill, measured arrivals of work, requests running, finished
-and re-predicted, agents gone."""
+none; with a chunked prefill's term or not), declared shapes with prefill (and its squares),
+measured arrivals of work, requests running, finished and re-predicted, agents gone."""
 
 from __future__ import annotations
 
@@ -19,13 +19,16 @@ time_models = st.one_of(
     st.none(),
     st.builds(TimeModel,
               base_s=st.floats(1e-4, 0.05), per_seq_s=st.floats(0.0, 1e-3),
-              per_prefill_token_s=st.floats(0.0, 1e-4), per_kv_token_s=st.floats(0.0, 1e-5)),
+              per_prefill_token_s=st.floats(0.0, 1e-4), per_kv_token_s=st.floats(0.0, 1e-5),
+              prefill_chunk_tokens=st.sampled_from([0, 512, 2048]),
+              per_chunked_prefill_s=st.floats(0.0, 1e-8)),
 )
 shapes = st.one_of(
     st.none(),
     st.builds(AgentShape, stages=st.integers(1, 4),
               critical_path_tokens=st.one_of(st.none(), st.integers(1, 2_000)),
-              prefill_tokens=st.one_of(st.none(), st.integers(0, 20_000))),
+              prefill_tokens=st.one_of(st.none(), st.integers(0, 20_000)),
+              prefill_square_tokens=st.one_of(st.none(), st.integers(0, 4 * 10**8))),
 )
 # one event of an agent's life: (gap since the last event in s, cost, shape, tenant,
 # requests as (prompt, output), how many of them finish, re-predicted total or None, ends)
