@@ -531,6 +531,10 @@ ENTRIES: list[Entry] = [
                       "simulated on a calibration of the engine alone made just before it "
                       "(family_live_115_calibrations/), the members built with `{profile}`",
                       "[seed 115](benchmarks.md#seed-115-a-calibration-before-each-run)", options="--calibrate-each "),
+    _family_live_seed("family-live-116", 116, "family_live_116", "profile_cpu_tiny_4096_famlive_116.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with ETAs that count "
+                      "the chunked prefill of long prompts where the calibration measures it (this one, made just "
+                      "before, `{profile}`, measured none)", "[seed 116](benchmarks.md#seed-116)"),
     Entry("family-live-109-tenants", "Live (vLLM CPU engine)",
           "The family live: `tenants` on seed 109 again, ETAs that wait for room for the first request",
           "family_live_109_tenants.json",
