@@ -535,6 +535,11 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on another seed never run live before, with ETAs that count "
                       "the chunked prefill of long prompts where the calibration measures it (this one, made just "
                       "before, `{profile}`, measured none)", "[seed 116](benchmarks.md#seed-116)"),
+    _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
+                      "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
+                      "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "
+                      "chunked-prefill term), with ETAs that count that term for prompts past the step budget",
+                      "[seed 114 again](benchmarks.md#seed-114-again-etas-counting-the-chunked-prefill)"),
     Entry("family-live-109-tenants", "Live (vLLM CPU engine)",
           "The family live: `tenants` on seed 109 again, ETAs that wait for room for the first request",
           "family_live_109_tenants.json",
