@@ -529,7 +529,7 @@ class EtaEstimator:
         gap, costs, cprefix = policy.arrival_gap, d.arrivals._costs, d.arrivals._prefix
         unit = d.costs.kv_unit
         prefill_s, prefill_of = self.prefill_token_s(), self.prefill_of
-        chunked = chunked_function(self.time_model) is not None
+        counts_chunked = chunked_function(self.time_model) is not None
         scale = d.arrivals.rate * per_unit / cprefix[-1] if cprefix and cprefix[-1] > 0 else 0.0
         cap = MAX_ARRIVAL_SHARE * rate
         span = d.arrivals.span_s
@@ -553,7 +553,7 @@ class EtaEstimator:
                 own = 0.0
             shape = a.eta_shape or a.shape
             left = own / charged if charged > 0.0 else 1.0
-            prefill = prefill_of(shape) if chunked and shape.prefill_square_tokens else shape.prefill_tokens
+            prefill = prefill_of(shape) if counts_chunked and shape.prefill_square_tokens else shape.prefill_tokens
             # replay_work, inlined
             if prefill is None or not prefill_work or charged <= 0.0:
                 work = own * per_unit

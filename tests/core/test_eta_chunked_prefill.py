@@ -44,10 +44,7 @@ def test_the_eta_counts_the_chunked_prefill_of_long_prompts(fast_pass: bool) -> 
     # a model without the term, or prompts within the budget, count nothing more
     assert _eta(LINEAR, square, fast_pass) == _eta(LINEAR, None, fast_pass)
     within = AgentShape(1, 20, 6000, prefill_square_tokens=3 * 2000**2)
-    d = Dispatcher("justitia", M, 0.02, time_model=CHUNKED)
-    d.register_agent("w", 1e5, 0.0, shape=within)
-    d.register_agent("v", 1e5, 0.0, shape=replace(within, prefill_square_tokens=None))
-    assert d.etas.prefill_of(within) == 6000
+    assert Dispatcher("justitia", M, 0.02, time_model=CHUNKED).etas.prefill_of(within) == 6000
 
 
 def test_prompts_of_several_lengths_are_never_counted_past_their_own_extra() -> None:
