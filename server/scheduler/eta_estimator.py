@@ -233,20 +233,22 @@ class EtaEstimator:
         step = step_function(self.time_model)
         return max(0.0, (step(1, PREFILL_PROBE_TOKENS, 0) - step(1, 0, 0)) / PREFILL_PROBE_TOKENS)
 
-    def prefill_of(self, shape: AgentShape) -> float | None:
+    def prefill_of(self, shape: AgentShape, token_s: float | None = None) -> float | None:
         """The prompt tokens the agent's shape computes (None: unknown), its prompts' chunked
         prefill counted as the prefill tokens of the same time: past the engine's step budget
         a prompt costs more than its tokens' linear term. From the sum of the prompts (P)
         and of their squares (Q), as P^2 / Q prompts of Q / P tokens each: (Q - chunk x P)
         token pairs past the budget, exact for prompts of one length and otherwise no more
         than the prompts' own sum of (p - chunk) x p over those past it. No prompt is longer
-        than all of them together nor than the cache (a declaration that says so is capped)."""
+        than all of them together nor than the cache (a declaration that says so is capped).
+        `token_s`: `prefill_token_s()`, where the caller has it already."""
         prefill = shape.prefill_tokens
         square = shape.prefill_square_tokens
         chunked = chunked_function(self.time_model)
         if prefill is None or not square or prefill <= 0 or chunked is None:
             return prefill
-        token_s = self.prefill_token_s()
+        if token_s is None:
+            token_s = self.prefill_token_s()
         if token_s <= 0.0:
             return prefill
         length = min(square / prefill, float(prefill), float(self._d.kv_capacity))
@@ -319,8 +321,9 @@ class EtaEstimator:
         left = min(1.0, max(0.0, left))
         shape = agent.eta_shape or agent.shape
         if shape.critical_path_tokens is not None:
+            token_s = self.prefill_token_s()
             return ((shape.critical_path_tokens + max(1, shape.stages)) * it
-                    + (self.prefill_of(shape) or 0) * self.prefill_token_s()) * left
+                    + (self.prefill_of(shape, token_s) or 0) * token_s) * left
         if agent.pending or agent.running:
             return (agent.longest_decode + 1) * it
         return 0.0
@@ -553,7 +556,8 @@ class EtaEstimator:
                 own = 0.0
             shape = a.eta_shape or a.shape
             left = own / charged if charged > 0.0 else 1.0
-            prefill = prefill_of(shape) if counts_chunked and shape.prefill_square_tokens else shape.prefill_tokens
+            prefill = prefill_of(shape, prefill_s) if counts_chunked and shape.prefill_square_tokens \
+                else shape.prefill_tokens
             # replay_work, inlined
             if prefill is None or not prefill_work or charged <= 0.0:
                 work = own * per_unit
