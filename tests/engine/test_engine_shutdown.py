@@ -38,6 +38,7 @@ def test_ctrl_c_during_a_streaming_batch_stops_the_server_without_an_engine_rest
         client = httpx.Client(base_url=srv.url, timeout=60.0)
         streamed = threading.Event()
         ends: list[str] = []
+        watching = threading.Event()
 
         def stream(i: int) -> None:
             agent = client.post("/v1/agents", json={"type": "batch", "prompt": f"item {i}"}).json()["id"]
@@ -57,6 +58,7 @@ def test_ctrl_c_during_a_streaming_batch_stops_the_server_without_an_engine_rest
 
         def watch() -> None:
             with client.stream("GET", "/v1/agents/events", timeout=httpx.Timeout(60.0, read=None)) as response:
+                watching.set()
                 for line in response.iter_lines():
                     ends.append(line) if line.startswith(": the server") else None
 
@@ -65,6 +67,9 @@ def test_ctrl_c_during_a_streaming_batch_stops_the_server_without_an_engine_rest
         for t in threads:
             t.start()
         assert streamed.wait(120), srv.tail_log()
+        # the events stream open before the Ctrl-C: on a loaded host its response can lag
+        # the completions', and a stream not yet open has nothing to be ended
+        assert watching.wait(120), srv.tail_log()
         children = group.children(recursive=True)
         assert children, "the engine runs in child processes"
         os.killpg(srv.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
