@@ -254,6 +254,20 @@ class EtaEstimator:
         length = min(square / prefill, float(prefill), float(self._d.kv_capacity))
         return prefill + chunked(length) * (prefill / length) / token_s
 
+    def serial_steps(self, shape: AgentShape, own_kv: float, left: float) -> float:
+        """Engine steps left on the path of an agent whose requests cannot share the cache
+        (0 where they can): prompts of Q / P tokens (`prefill_of`) longer than half the cache
+        run one after another, each holding its prompt for its decode steps, so its KV
+        cost left over one prompt's length counts its decode steps, plus a step each."""
+        prefill, square = shape.prefill_tokens, shape.prefill_square_tokens
+        if not prefill or not square or prefill <= 0:
+            return 0.0
+        capacity = float(self._d.kv_capacity)
+        length = min(square / prefill, float(prefill), capacity)
+        if length <= capacity / 2:
+            return 0.0
+        return own_kv / length + prefill / length * left
+
     def draining_step_s(self, it: float) -> float:
         """One engine step while nothing is admitted: the time model's with the running
         requests alone (`it` without a time model or any running)."""
@@ -320,10 +334,21 @@ class EtaEstimator:
         left = own / total if total > 0 else 1.0
         left = min(1.0, max(0.0, left))
         shape = agent.eta_shape or agent.shape
+        token_s = self.prefill_token_s()
+        return self.path_s(agent, shape, left, own / self._d.costs.kv_unit, it,
+                           self.prefill_of(shape, token_s), token_s)
+
+    def path_s(self, agent: AgentState, shape: AgentShape, left: float, own_kv: float, it: float,
+               prefill: float | None, token_s: float) -> float:
+        """`critical_path_s` from its parts (the fast pass has them): the share `left` of
+        the declared path and of the prefill, or of the requests one after another where
+        they cannot share the cache (`serial_steps`, `own_kv` the KV cost left); else the
+        longest decode of its known requests."""
         if shape.critical_path_tokens is not None:
-            token_s = self.prefill_token_s()
-            return ((shape.critical_path_tokens + max(1, shape.stages)) * it
-                    + (self.prefill_of(shape, token_s) or 0) * token_s) * left
+            steps = (shape.critical_path_tokens + max(1, shape.stages)) * left
+            if shape.prefill_square_tokens:
+                steps = max(steps, self.serial_steps(shape, own_kv, left))
+            return steps * it + (prefill or 0) * token_s * left
         if agent.pending or agent.running:
             return (agent.longest_decode + 1) * it
         return 0.0
@@ -577,13 +602,7 @@ class EtaEstimator:
             own_wait = self.start_wait(a, drain)
             wait = own_wait if own_wait > blocked else blocked
             start, finish = max(start, wait), max(finish, wait)
-            if shape.critical_path_tokens is not None:
-                path = ((shape.critical_path_tokens + max(1, shape.stages)) * it
-                        + (prefill or 0) * prefill_s) * left
-            elif a.pending or a.running:
-                path = (a.longest_decode + 1) * it
-            else:
-                path = 0.0
+            path = self.path_s(a, shape, left, own / unit, it, prefill, prefill_s)
             a.eta_at = now + (finish if finish > start + path else start + path)
             total += work
             prefix[k + 1] = total

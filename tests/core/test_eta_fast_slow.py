@@ -68,6 +68,12 @@ def _history(policy: str, kv: int, tau: float, model: TimeModel | None, sustains
 SPAN_STRADDLED = [(0.0, 1e6, None, None, [(1000, 100), (1000, 100)], 0, None, False),
                   (0.0, 1e4, AgentShape(1, None, 1000), None, [(1000, 100)], 0, None, False)]
 
+# An agent whose prompts cannot share the cache (`EtaEstimator.serial_steps`) ordered before
+# agents of short prompts: its path is its requests one after another.
+SERIAL = [*[(0.0, 2e6, AgentShape(1, 800, 800), None, [(200, 800)], 0, None, False)] * 3,
+          (0.01, 1.8e6, AgentShape(1, 100, 17_600, prefill_square_tokens=8 * 2200**2), None,
+           [(2200, 100)], 0, None, False)]
+
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=st.sampled_from(POLICY_NAMES), kv=st.integers(2_000, 100_000), tau=st.floats(0.005, 0.1),
@@ -75,6 +81,8 @@ SPAN_STRADDLED = [(0.0, 1e6, None, None, [(1000, 100), (1000, 100)], 0, None, Fa
        events=st.lists(agents, min_size=1, max_size=10), later=st.floats(0.0, 20.0))
 @example(policy="justitia", kv=10_000, tau=0.02, model=TimeModel(0.01, 1e-4, 1e-5, 1e-6), sustains=True,
          tenants=False, events=SPAN_STRADDLED, later=0.0)
+@example(policy="justitia", kv=4096, tau=0.02, model=TimeModel(0.003, 5e-5, 2.5e-5, 1e-6), sustains=True,
+         tenants=False, events=SERIAL, later=0.0)
 def test_the_fast_pass_and_the_slow_path_agree(policy: str, kv: int, tau: float, model: TimeModel | None,
                                                sustains: bool, tenants: bool, events: list,
                                                later: float) -> None:
