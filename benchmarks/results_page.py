@@ -535,6 +535,11 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on another seed never run live before, with ETAs that count "
                       "the chunked prefill of long prompts where the calibration measures it (this one, made just "
                       "before, `{profile}`, measured none)", "[seed 116](benchmarks.md#seed-116)"),
+    _family_live_seed("family-live-117", 117, "family_live_117", "profile_cpu_tiny_4096_famlive_117.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with ETAs that count "
+                      "the chunked prefill of long prompts and the requests of an agent that cannot share the cache "
+                      "one after another; the calibration made just before (`{profile}`) measured the chunked term",
+                      "[seed 117](benchmarks.md#seed-117)"),
     _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
                       "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
                       "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "
