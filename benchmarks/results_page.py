@@ -540,6 +540,10 @@ ENTRIES: list[Entry] = [
                       "the chunked prefill of long prompts and the requests of an agent that cannot share the cache "
                       "one after another; the calibration made just before (`{profile}`) measured the chunked term",
                       "[seed 117](benchmarks.md#seed-117)"),
+    _family_live_seed("family-live-118", 118, "family_live_118", "profile_cpu_tiny_4096_famlive_118.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, at the code of seed "
+                      "117, on a calibration made just before (`{profile}`) with the host warmed up",
+                      "[seed 118](benchmarks.md#seed-118)"),
     _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
                       "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
                       "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "

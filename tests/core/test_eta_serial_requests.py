@@ -25,7 +25,7 @@ def _shape(prompts: list[int], decode: int = 100) -> AgentShape:
     return AgentShape(1, decode, sum(prompts), prefill_square_tokens=sum(p * p for p in prompts))
 
 
-def test_prompts_that_fit_twice_count_no_serial_path() -> None:
+def test_only_prompts_longer_than_half_the_cache_count_a_serial_path() -> None:
     d = Dispatcher("justitia", M, 0.02, time_model=MODEL)
     assert d.etas.serial_steps(_shape([2000] * 8), 1e6, 1.0) == 0.0
     assert d.etas.serial_steps(AgentShape(1, 100, 16000), 1e6, 1.0) == 0.0  # lengths unknown
