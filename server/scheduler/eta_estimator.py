@@ -251,8 +251,14 @@ class EtaEstimator:
             token_s = self.prefill_token_s()
         if token_s <= 0.0:
             return prefill
-        length = min(square / prefill, float(prefill), float(self._d.kv_capacity))
+        length = self.prompt_length(prefill, square)
         return prefill + chunked(length) * (prefill / length) / token_s
+
+    def prompt_length(self, prefill: float, square: float) -> float:
+        """The length of the prompts a shape's sum P and sum of squares Q stand for: Q / P,
+        no longer than all of them together nor than the cache (a declaration that says so
+        is capped). Both positive."""
+        return min(square / prefill, float(prefill), float(self._d.kv_capacity))
 
     def serial_steps(self, shape: AgentShape, own_kv: float, left: float) -> float:
         """Engine steps left on the path of an agent whose requests cannot share the cache
@@ -262,9 +268,8 @@ class EtaEstimator:
         prefill, square = shape.prefill_tokens, shape.prefill_square_tokens
         if not prefill or not square or prefill <= 0:
             return 0.0
-        capacity = float(self._d.kv_capacity)
-        length = min(square / prefill, float(prefill), capacity)
-        if length <= capacity / 2:
+        length = self.prompt_length(prefill, square)
+        if length <= self._d.kv_capacity / 2:
             return 0.0
         return own_kv / length + prefill / length * left
 
@@ -334,6 +339,8 @@ class EtaEstimator:
         left = own / total if total > 0 else 1.0
         left = min(1.0, max(0.0, left))
         shape = agent.eta_shape or agent.shape
+        if shape.critical_path_tokens is None:  # no prefill on the path: no time model to ask
+            return self.path_s(agent, shape, left, 0.0, it, None, 0.0)
         token_s = self.prefill_token_s()
         return self.path_s(agent, shape, left, own / self._d.costs.kv_unit, it,
                            self.prefill_of(shape, token_s), token_s)
@@ -345,9 +352,8 @@ class EtaEstimator:
         they cannot share the cache (`serial_steps`, `own_kv` the KV cost left); else the
         longest decode of its known requests."""
         if shape.critical_path_tokens is not None:
-            steps = (shape.critical_path_tokens + max(1, shape.stages)) * left
-            if shape.prefill_square_tokens:
-                steps = max(steps, self.serial_steps(shape, own_kv, left))
+            steps = max((shape.critical_path_tokens + max(1, shape.stages)) * left,
+                        self.serial_steps(shape, own_kv, left))
             return steps * it + (prefill or 0) * token_s * left
         if agent.pending or agent.running:
             return (agent.longest_decode + 1) * it
