@@ -34,7 +34,7 @@ from .eta_interval import quantile_grid
 from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState, ObservedLimits, PromiseKind
-from .tight_promise import assumption, context_of, fair_share_s, is_large, promise_factor, tight_deadline
+from .tight_promise import PromiseParts, assumption, context_of, fair_share_s, floor_of, is_large, promise_record
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -182,31 +182,35 @@ class Promises:
             agent.eta_times = quantile_grid(times, TIMES_KEPT) if times else ()
             agent.eta_replay_s = max(0.0, d.etas.eta_time(agent, now) - now)
             agent.eta_engine_s = max(0.0, agent.eta_replay_s - pauses_expected)
-        factor, learned_from = promise_factor(d.etas.calibration, agent.promise_context, agent.promise_large)
+        record, learned_from = promise_record(d.etas.calibration, agent.promise_context, agent.promise_large)
         # Nor is an ETA resting on guesses: until the engine's rate is measured here, or
         # where the agent's cost is a guess (a type no predictor knows), the ETA is the
         # guess's and no record of ETAs says how far it may fall short: the opening burst of
         # a fresh server (its rate from the built-in profile, its types unseen) can run 5-10x
         # longer than such ETAs say.
-        calibrated = not d.uncertainty and not agent.cost_guessed
-        tight = worst
-        if calibrated and (left == 0 or d.pauses.unpaused_lately(now)):
-            cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
-            tight = tight_deadline(now, d.etas.eta_time(agent, now), 0.0, 0.0, factor, cost_ratio)
+        cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
+        parts = PromiseParts(
+            worst_s=worst - now, eta_s=max(0.0, d.etas.eta_time(agent, now) - now) * max(1.0, cost_ratio),
             # Never earlier than its fair-share finish (GPS at the measured rate) with the
             # work the ETA expects to arrive ahead of it: an ETA below that counts on the
             # policy serving it ahead of its fair share, which the bound does not promise.
-            tight = max(tight, now + fair_share_s(fluid, arriving_share, d.arrivals.span_s))
-        deadline = min(worst, tight)
+            fair_share_s=fair_share_s(fluid, arriving_share, d.arrivals.span_s),
+            floor=floor_of(agent.promise_context, agent.promise_large), record=record,
+            calibrated=not d.uncertainty and not agent.cost_guessed and (left == 0 or d.pauses.unpaused_lately(now)),
+            context=agent.promise_context, large=agent.promise_large)
+        deadline = now + parts.deadline_s()
         if agent.deadline_at is not None and deadline <= agent.deadline_at:
             return  # made again (late start, over-run): a promise only ever moves later
         agent.deadline_at = deadline
-        agent.tool_allowance_s = pauses if tight >= worst else 0.0
+        if agent.promise_parts is None:
+            agent.promise_parts = parts
+        tighter = parts.tight_s() < parts.worst_s
+        agent.tool_allowance_s = 0.0 if tighter else pauses
         # The worst case rests on the client's tool calls taking no longer than allowed.
         agent.promise_assumes = (
-            assumption(factor, learned_from, d.arrivals.promise_rate, agent.promise_context, d.tau,
+            assumption(parts.factor, learned_from, d.arrivals.promise_rate, agent.promise_context, d.tau,
                        agent.promise_large)
-            if tight < worst else d.pauses.allowance_words(agent.agent_type, left, pauses, now))
+            if tighter else d.pauses.allowance_words(agent.agent_type, left, pauses, now))
         if not isinstance(d.policy, Justitia):
             agent.promise = PromiseKind.NONE
             agent.promise_reason = f"policy {d.policy.name} does not keep the delay bound (Justitia's)"

@@ -46,6 +46,7 @@ Pure: no clock.
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 from .eta_interval import EtaCalibration
 
@@ -88,13 +89,20 @@ def floor_of(context: int, large: bool = False) -> float:
     return (LARGE_CONTEXT_FLOORS if large else CONTEXT_FLOORS)[context]
 
 
+def promise_record(calibration: EtaCalibration, context: int = 0, large: bool = False) -> tuple[float | None, int]:
+    """The record an agent's deadline factor rests on beside its context's floor: the
+    calibrated upper quantile of the JCT / first-ETA ratios of its context, among agents of
+    its size, and how many finished agents that is of ((None, 0): too few)."""
+    upper = calibration.upper_ratio(PROMISE_QUANTILE, MIN_SEEN, context, large)
+    return (None, 0) if upper is None else upper
+
+
 def promise_factor(calibration: EtaCalibration, context: int = 0, large: bool = False) -> tuple[float, int]:
     """How many times its ETA an agent's deadline allows, and how many finished agents that
-    rests on (0: the context's floor alone): the calibrated upper quantile of the context,
-    among agents of its size."""
+    rests on (0: the context's floor alone)."""
     floor = floor_of(context, large)
-    upper = calibration.upper_ratio(PROMISE_QUANTILE, MIN_SEEN, context, large)
-    return (floor, 0) if upper is None else (max(floor, upper[0]), upper[1])
+    record, seen = promise_record(calibration, context, large)
+    return (floor, 0) if record is None else (max(floor, record), seen)
 
 
 def tight_deadline(now: float, eta_at: float, pauses_mean_s: float, pauses_p90_s: float, factor: float,
@@ -105,6 +113,41 @@ def tight_deadline(now: float, eta_at: float, pauses_mean_s: float, pauses_p90_s
     prediction's p90 over the prediction)."""
     engine_s = max(0.0, eta_at - now - pauses_mean_s) * max(1.0, cost_ratio)
     return now + factor * engine_s + pauses_p90_s
+
+
+@dataclass(frozen=True)
+class PromiseParts:
+    """What the deadline given at registration is made of, in seconds from then: the
+    tighter of the worst case and, where calibrated, the ETA (`eta_s`: the replay's engine
+    time, times the prediction's p90 over the prediction) scaled by the larger of the
+    context's floor and its record's largest ratio, never earlier than the fair share.
+    Plain data, kept with the agent, so that how another floor would have promised is a
+    computation, not another run (benchmarks/promise_tradeoff.py)."""
+
+    worst_s: float
+    eta_s: float
+    fair_share_s: float
+    floor: float
+    record: float | None  # the record's largest JCT / first ETA (None: fewer than MIN_SEEN)
+    calibrated: bool  # False: the worst case alone (guessed costs, an uncertain rate, pauses ahead)
+    context: int
+    large: bool
+
+    @property
+    def factor(self) -> float:
+        return self.floor if self.record is None else max(self.floor, self.record)
+
+    def tight_s(self, floor: float | None = None) -> float:
+        """The calibrated deadline (the worst case where none is given), with `floor` in place
+        of the context's where given."""
+        if not self.calibrated:
+            return self.worst_s
+        factor = self.factor if floor is None else max(floor, self.record or 0.0)
+        return max(factor * self.eta_s, self.fair_share_s)
+
+    def deadline_s(self, floor: float | None = None) -> float:
+        """The deadline these parts give: the tighter of the worst case and `tight_s`."""
+        return min(self.worst_s, self.tight_s(floor))
 
 
 def fair_share_s(fluid_s: float, share: float, span_s: float) -> float:

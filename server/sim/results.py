@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+from server.scheduler.tight_promise import PromiseParts
 
 
 @dataclass
@@ -31,6 +33,9 @@ class AgentResult:
     # agent spent paused in all (tool calls, think time between stages).
     first_tool_allowance_s: float | None = None
     paused_s: float = 0.0
+    # What the first deadline was made of (the scheduler's `PromiseParts`; None: not known,
+    # as in a live run): how another rule would have promised is computed from it.
+    first_promise: PromiseParts | None = None
 
     @property
     def jct_s(self) -> float:
@@ -83,6 +88,7 @@ class AgentResult:
             "reprefill_tokens": self.reprefill_tokens,
             "first_tool_allowance_s": self.first_tool_allowance_s,
             "paused_s": self.paused_s,
+            **({"first_promise": asdict(self.first_promise)} if self.first_promise is not None else {}),
         }
 
 

@@ -30,6 +30,7 @@ from server.scheduler.policies import FOOTPRINT, Justitia
 from server.scheduler.prefix import segments
 from server.scheduler.rate import TauEstimator
 from server.scheduler.retention import Retention, check_mode
+from server.scheduler.tight_promise import PromiseParts
 from server.shared.profiles import EngineProfile
 
 from .engine import EngineModel, SimRequest
@@ -206,7 +207,7 @@ def simulate(
     results = [
         AgentResult(a.id, a.type, a.arrival, run.finish[i], gps_finish[i], run.bounds[i], run.first_eta[i],
                     run.first_deadline[i], isolated[i] or None, run.first_interval[i],
-                    engine.reprefill_tokens(a.id), run.first_allowance[i], run.paused_total[i])
+                    engine.reprefill_tokens(a.id), run.first_allowance[i], run.paused_total[i], run.first_parts[i])
         for i, a in enumerate(agents)
     ]
     return PolicyResult(
@@ -260,6 +261,7 @@ class _Run:
         self.first_deadline = [0.0] * n
         self.first_interval: list[tuple[float, float] | None] = [None] * n
         self.first_allowance = [0.0] * n  # the client's tool time the first deadline allowed
+        self.first_parts: list[PromiseParts | None] = [None] * n  # what the first deadline was made of
         self.paused_total = [0.0] * n  # the time each agent spent paused, as the server saw it
         self.nxt = 0  # the next agent to arrive
         self.done = 0
@@ -333,6 +335,8 @@ class _Run:
             self.first_eta[i], self.first_deadline[i] = view.eta_s, view.deadline_s
             self.first_interval[i] = view.eta_interval_s
             self.first_allowance[i] = view.tool_allowance_s
+            state = self.disp.agents.get(a.id)
+            self.first_parts[i] = state.promise_parts if state is not None else None
             if a.stages:
                 self.start_stage(i, t)
             else:
