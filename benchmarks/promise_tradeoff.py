@@ -16,7 +16,7 @@ Rules compared:
   share nor the record covered), rounded up to a half: `q1` is the floor that keeps every
   tuning agent, the documented rule applied to these seeds.
 
-For each rule, per seed set: promises broken (not by the client's tool time past its
+For each rule (the JSON's `rules`, a list), per seed set: promises broken (not by the client's tool time past its
 allowance), members (shape, seed, mode, profile; not `sessions`, whose deadlines rest on
 tool time) whose median deadline / JCT is at most 4x, and the median of those medians.
 
@@ -149,18 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     tuning = collect(profiles, seeds_of(args.tuning), args.kv_tokens, args.jobs, f"tuning seeds {args.tuning}")
     heldout = collect(profiles, seeds_of(args.heldout), args.kv_tokens, args.jobs, f"held-out seeds {args.heldout}")
     current = {(c, large): floor_of(c, large) for c in range(len(CONTEXT_EDGES) + 1) for large in (False, True)}
-    rules: dict[str, dict[Cell, float] | None] = {"current": None}
+    rules: list[tuple[str, float | None, dict[Cell, float] | None]] = [("current", None, None)]
     for q in (float(x) for x in args.quantiles.split(",")):
-        rules[f"q{q:g}"] = floors_at(tuning, q)
+        rules.append((f"q{q:g}", q, floors_at(tuning, q)))
     doc: dict = {"config": {"tuning": args.tuning, "heldout": args.heldout, "profiles": profiles,
                             "shapes": list(SHAPES), "modes": list(MODES),
-                            "kv_tokens": args.kv_tokens}, "rules": {}}
+                            "kv_tokens": args.kv_tokens}, "rules": []}
     print(f"{'rule':10s} {'tuning broken':>14s} {'within 4x':>10s} {'median':>7s} | "
           f"{'held-out broken':>16s} {'within 4x':>10s} {'median':>7s}  floors")
-    for name, floors in rules.items():
+    for name, quantile, floors in rules:
         used = current if floors is None else {**current, **floors}
         t, h = score(tuning, floors), score(heldout, floors)
-        doc["rules"][name] = {"floors": {cell_name(c): f for c, f in sorted(used.items())}, "tuning": t, "heldout": h}
+        doc["rules"].append({"name": name, "quantile": quantile,
+                             "floors": {cell_name(c): f for c, f in sorted(used.items())}, "tuning": t, "heldout": h})
         print(f"{name:10s} {t['broken']:>6d}/{t['promises']:<7d} {t['members_within_4x']:>4d}/{t['members']:<5d} "
               f"{t['median_deadline_over_jct']:7.2f} | {h['broken']:>6d}/{h['promises']:<9d} "
               f"{h['members_within_4x']:>4d}/{h['members']:<5d} {h['median_deadline_over_jct']:7.2f}  "
