@@ -311,6 +311,24 @@ ENTRIES: list[Entry] = [
           "on this machine (M = 4,096 tokens, requests of up to 4,096): long requests that hold the whole "
           "cache. Tuning seeds: family_tuning_famlive_rest.json (`--seeds 0-4`).",
           _family_sim_rows()),
+    Entry("promise-tradeoff", "Simulator", "Promises broken against tightness: the floors on forty seeds",
+          "promise_tradeoff.json",
+          "python benchmarks/promise_tradeoff.py --tuning 0-19 --heldout 100-119 "
+          "--json benchmarks/results/promise_tradeoff.json",
+          "The family (six shapes, fresh and taught) on tuning seeds 0-19 and held-out seeds 100-119, each on "
+          "six engine profiles (69,120 promises per seed set). Each agent keeps what its first deadline was "
+          "made of, so the deadlines other floors would have given are computed, not simulated again: the "
+          "present floors, and floors at quantiles of the factors the tuning agents needed (q1 keeps them all).",
+          [m("present floors: broken, tuning / held out", "{a} / {b} of {n}",
+             a="rules[name=current].tuning.broken", b="rules[name=current].heldout.broken",
+             n="rules[name=current].heldout.promises"),
+           m("present floors: members at most 4x, tuning / held out", "{a} / {b} of {n}",
+             a="rules[name=current].tuning.members_within_4x", b="rules[name=current].heldout.members_within_4x",
+             n="rules[name=current].heldout.members"),
+           m("every tuning agent kept (q1): broken held out, median deadline / JCT", "{a}, {b:.2f}x",
+             a="rules[name=q1].heldout.broken", b="rules[name=q1].heldout.median_deadline_over_jct"),
+           m("floors at the 99.9th percentile: broken held out, median deadline / JCT", "{a}, {b:.2f}x",
+             a="rules[quantile=0.999].heldout.broken", b="rules[quantile=0.999].heldout.median_deadline_over_jct")]),
     Entry("eta-pause-oracle", "Simulator", "ETAs of agents that pause: the server beside an oracle",
           "eta_pause_oracle.json",
           "python benchmarks/eta_pause_oracle.py --seeds 100-104 --json benchmarks/results/eta_pause_oracle.json",
