@@ -97,24 +97,6 @@ def promise_record(calibration: EtaCalibration, context: int = 0, large: bool = 
     return (None, 0) if upper is None else upper
 
 
-def promise_factor(calibration: EtaCalibration, context: int = 0, large: bool = False) -> tuple[float, int]:
-    """How many times its ETA an agent's deadline allows, and how many finished agents that
-    rests on (0: the context's floor alone)."""
-    floor = floor_of(context, large)
-    record, seen = promise_record(calibration, context, large)
-    return (floor, 0) if record is None else (max(floor, record), seen)
-
-
-def tight_deadline(now: float, eta_at: float, pauses_mean_s: float, pauses_p90_s: float, factor: float,
-                   cost_ratio: float = 1.0) -> float:
-    """`now + factor x` the ETA's engine time, plus the p90 tool time (a pause is the
-    caller's, not the engine's: scaling it would double count, ignoring it break promises).
-    `cost_ratio`: the cost the promise allows for over the one the ETA expects (a
-    prediction's p90 over the prediction)."""
-    engine_s = max(0.0, eta_at - now - pauses_mean_s) * max(1.0, cost_ratio)
-    return now + factor * engine_s + pauses_p90_s
-
-
 @dataclass(frozen=True)
 class PromiseParts:
     """What the deadline given at registration is made of, in seconds from then: the

@@ -900,12 +900,7 @@ def test_a_large_agent_is_promised_by_the_record_of_large_agents() -> None:
     assert d.etas.calibration.upper_ratio(1.0, 1, 0) is None
 
 
-def test_a_calibrated_deadline_allows_for_a_predictions_p90_and_the_p90_tool_time() -> None:
-    from server.scheduler.tight_promise import tight_deadline
-
-    # engine time scaled, tool time added: 6 x (10 - 2 mean pauses) x 1.5 + 5 s p90 pauses
-    assert tight_deadline(0.0, 10.0, 2.0, 5.0, 6.0, 1.5) == pytest.approx(6.0 * 8 * 1.5 + 5)
-    assert tight_deadline(3.0, 2.0, 0.0, 0.0, 6.0) == pytest.approx(3.0)  # an ETA already past
+def test_a_calibrated_deadline_allows_for_a_predictions_p90() -> None:
     d = quiet_for(Dispatcher("justitia", 1000, 0.1))
     plain = d.register_agent("a", 10_000.0, 0.0)
     guess = quiet_for(Dispatcher("justitia", 1000, 0.1)).register_agent("a", 10_000.0, 0.0, cost_p90=20_000.0)
