@@ -31,7 +31,7 @@ from .bounds import AgentShape
 from .eta import MAX_ARRIVAL_SHARE, EtaPass, MemoryDrain, StepTimeSource, chunked_function, eta_of, step_function
 from .eta_interval import EtaCalibration
 from .pauses import stages_left
-from .policies import ENGINE, Justitia
+from .policies import ENGINE, FOOTPRINT, Justitia
 from .state import AgentState
 from .tenant_clock import HierProjection
 from .tool_time import level_of, remaining_times, told_with_tools
@@ -303,11 +303,18 @@ class EtaEstimator:
         return drain
 
     def request_need(self, agent: AgentState) -> float:
-        """The memory one of the agent's requests reserves, no more than the cache: a request
-        of the mix (its whole prompt and expected output), no more than a stage of its shape
-        holds (prompts and longest output per stage); but before any of its requests has
-        finished, no less than its first stage's largest request where its shape says it (a
-        first request of most of the cache waits for most of it to drain)."""
+        """The memory one of the agent's requests reserves, no more than the cache: the one
+        it has queued where it has one (what admission waits to fit: a later stage's request
+        of most of the cache holds back the agents behind it until the running ones drain,
+        whatever the mix's requests are); else a request of the mix (its whole prompt and
+        expected output), no more than a stage of its shape holds (prompts and longest
+        output per stage); but before any of its requests has finished, no less than its
+        first stage's largest request where its shape says it (a first request of most of
+        the cache waits for most of it to drain)."""
+        d = self._d
+        head = d.queue.head(agent) if agent.pending else None
+        if head is not None:
+            return min(float(d.kv_capacity), float(d.ledger.need(head, d.policy.admission == FOOTPRINT)))
         need = self.mean_context + self.mean_decode
         shape = agent.eta_shape or agent.shape
         if shape.prefill_tokens is not None and shape.critical_path_tokens is not None:

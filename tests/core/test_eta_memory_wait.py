@@ -131,3 +131,42 @@ def test_with_backfill_an_agent_that_fits_is_not_held_back() -> None:
     assert d.eta_time("small", now) - now < 1.5
     d.submit(RequestSpec("small-0", "small", prompt_tokens=50, max_tokens=10), now)
     assert [s.request_id for s in d.admit(now)] == ["small-0"]  # admission looks past the blocked one
+
+
+def _later_request_of_most_of_the_cache_pending() -> tuple[Dispatcher, float]:
+    """`stages` has run its first stage (one small request) and submitted its second: one
+    request of 4,087 tokens, more than the 1,696 the busy agent's four requests leave free
+    (0.4 s of their steps left at t = 0.1), though the mix's mean request fits."""
+    d = Dispatcher("justitia", M, 0.02, time_model=STEP)
+    d.register_agent("stages", 1e4, 0.0, shape=AgentShape(2, 20, 4100))
+    d.submit(RequestSpec("stages-0", "stages", prompt_tokens=10, max_tokens=3), 0.0)
+    assert [s.request_id for s in d.admit(0.0)] == ["stages-0"]
+    d.on_request_finished("stages-0", 10, 3, 0.0)
+    d.register_agent("busy", 1e5, 0.0, shape=AgentShape(1, 100, 2000))
+    for i in range(4):
+        d.submit(RequestSpec(f"busy-{i}", "busy", prompt_tokens=500, max_tokens=100), 0.0)
+    assert len(d.admit(0.0)) == 4
+    now = 0.1
+    d.submit(RequestSpec("stages-1", "stages", prompt_tokens=4080, max_tokens=7), now)
+    assert d.admit(now) == []  # 4,087 tokens do not fit beside the busy agent's 2,400
+    d.refresh_etas(now)
+    return d, now
+
+
+def test_a_pending_request_is_the_memory_its_agent_waits_for() -> None:
+    d, now = _later_request_of_most_of_the_cache_pending()
+    agent = d.agents["stages"]
+    assert agent.requests_done == 1 and d.etas.mean_context + d.etas.mean_decode < 1000
+    assert d.etas.request_need(agent) == 4087  # the request queued, not the mix's mean
+    assert d.eta_time("stages", now) - now >= 0.4  # 80 steps of 5 ms left to drain
+
+
+@pytest.mark.parametrize("fast_pass", [False, True])
+def test_an_agent_behind_a_pending_request_of_most_of_the_cache_waits_for_the_drain(fast_pass: bool) -> None:
+    d, now = _later_request_of_most_of_the_cache_pending()
+    d.register_agent("small", 5e4, now, shape=AgentShape(1, 10, 50))
+    if fast_pass:
+        d.refresh_etas(now)
+    order = [d.policy.static_key(d.agents[a]) for a in ("stages", "small")]
+    assert order == sorted(order)  # the small agent is ordered after the pending request
+    assert d.eta_time("small", now) - now >= 0.4
