@@ -32,6 +32,7 @@ from .eta import MAX_ARRIVAL_SHARE, EtaPass, MemoryDrain, StepTimeSource, chunke
 from .eta_interval import EtaCalibration
 from .pauses import stages_left
 from .policies import ENGINE, FOOTPRINT, Justitia
+from .prefix import shared_tokens
 from .state import AgentState
 from .tenant_clock import HierProjection
 from .tool_time import level_of, remaining_times, told_with_tools
@@ -292,10 +293,16 @@ class EtaEstimator:
         if cached is not None:
             return cached  # a burst's registrations at one instant, nothing admitted between
         free = d.kv_capacity - ledger.reserved_kv - ledger.pinned_kv
+        token_s = self.prefill_token_s()
+        chunked = chunked_function(self.time_model) if token_s > 0.0 else None
         running = []
         for req in ledger.running.values():
-            ran = (now - req.admitted_at) / it if req.admitted_at is not None and it > 0 else 0.0
-            running.append((max(1.0, req.spec.expected_tokens - ran) * it, req.footprint))
+            ran = now - req.admitted_at if req.admitted_at is not None else 0.0
+            # its prompt first: a prompt of most of the cache takes tens of steps' time to
+            # prefill, and the request holds its memory through them
+            computed = req.spec.prompt_tokens - shared_tokens(req.segments)
+            prefill = computed * token_s + (chunked(computed) if chunked is not None else 0.0)
+            running.append((max(it, req.spec.expected_tokens * it + prefill - ran), req.footprint))
         drain = MemoryDrain.of(running, free)
         if len(self._drains) >= 4:
             self._drains.clear()

@@ -170,3 +170,24 @@ def test_an_agent_behind_a_pending_request_of_most_of_the_cache_waits_for_the_dr
     order = [d.policy.static_key(d.agents[a]) for a in ("stages", "small")]
     assert order == sorted(order)  # the small agent is ordered after the pending request
     assert d.eta_time("small", now) - now >= 0.4
+
+
+@pytest.mark.parametrize("fast_pass", [False, True])
+def test_a_running_request_holds_its_memory_through_its_prompts_prefill(fast_pass: bool) -> None:
+    # 0.1 ms a prompt token: the 3,500-token prompt just admitted takes 0.35 s to prefill,
+    # then its 5 output tokens a step each
+    model = TimeModel(base_s=0.005, per_seq_s=0.0, per_prefill_token_s=0.0001, per_kv_token_s=0.0)
+    d = Dispatcher("justitia", M, 0.02, time_model=model)
+    d.register_agent("long", 5e5, 0.0, shape=AgentShape(1, 5, 3500))
+    d.submit(RequestSpec("long-0", "long", prompt_tokens=3500, max_tokens=5), 0.0)
+    assert [s.request_id for s in d.admit(0.0)] == ["long-0"]
+    now = 0.01
+    d.refresh_etas(now)
+    d.register_agent("small", 1e4, now, shape=AgentShape(1, 25, 2281))  # 2,306 tokens: 591 free
+    if fast_pass:
+        d.refresh_etas(now)
+    it = d.etas.iteration_s()
+    prefill_then_decode = 3500 * 0.0001 + 5 * it - now
+    assert d.etas.memory_drain(now, it).wait_s(2306) == pytest.approx(prefill_then_decode)
+    path = d.etas.critical_path_s(d.agents["small"], it)
+    assert d.eta_time("small", now) - now == pytest.approx(prefill_then_decode + path, rel=0.01)
