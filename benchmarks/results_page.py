@@ -562,6 +562,11 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on another seed never run live before, at the code of seed "
                       "117, on a calibration made just before (`{profile}`) with the host warmed up",
                       "[seed 118](benchmarks.md#seed-118)"),
+    _family_live_seed("family-live-119", 119, "family_live_119", "profile_cpu_tiny_4096_famlive_119.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with ETAs that wait "
+                      "for the memory an agent's queued request needs and for a running prompt's prefill; the "
+                      "calibration made just before (written as /tmp/live119/profile.json, kept as `{profile}`)",
+                      "[seed 119](benchmarks.md#seed-119)"),
     _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
                       "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
                       "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "
