@@ -166,6 +166,7 @@ class Promises:
         # keeps the worst case. Its own type's pauses are not enough: a server taught by
         # traffic whose agents never paused promised agents of the same types that did as if
         # they would not (10 of 240 broken).
+        replay_s = max(0.0, d.etas.eta_time(agent, now) - now)  # the replay's ETA, seconds from now
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
             agent.promise_large = is_large(agent.charged_cost, d.arrivals.median_cost())
@@ -180,7 +181,7 @@ class Promises:
             agent.eta_tools = d.etas.expects_tools(agent, now)
             times = d.etas.remaining_times(agent, now) if agent.eta_tools else None
             agent.eta_times = quantile_grid(times, TIMES_KEPT) if times else ()
-            agent.eta_replay_s = max(0.0, d.etas.eta_time(agent, now) - now)
+            agent.eta_replay_s = replay_s
             agent.eta_engine_s = max(0.0, agent.eta_replay_s - pauses_expected)
         record, learned_from = promise_record(d.etas.calibration, agent.promise_context, agent.promise_large)
         # Nor is an ETA resting on guesses: until the engine's rate is measured here, or
@@ -190,7 +191,7 @@ class Promises:
         # longer than such ETAs say.
         cost_ratio = (agent.charged_cost + extra) / agent.charged_cost if agent.charged_cost > 0 else 1.0
         parts = PromiseParts(
-            worst_s=worst - now, eta_s=max(0.0, d.etas.eta_time(agent, now) - now) * max(1.0, cost_ratio),
+            worst_s=worst - now, eta_s=replay_s * max(1.0, cost_ratio),
             # Never earlier than its fair-share finish (GPS at the measured rate) with the
             # work the ETA expects to arrive ahead of it: an ETA below that counts on the
             # policy serving it ahead of its fair share, which the bound does not promise.
