@@ -133,6 +133,11 @@ class WorkArrivals:
     # the sorted sample and its prefix sums, rebuilt by `freeze` (once per refresh)
     _costs: list[float] = field(default_factory=list)
     _prefix: list[float] = field(default_factory=list)
+    # the same events by time and their prefix sums, and the arrival curve read from them
+    # (`peak_work`), built at the first ask after each `freeze`
+    _times: list[float] | None = None
+    _time_prefix: list[float] = field(default_factory=list)
+    _peaks: dict[float, float] = field(default_factory=dict)
     # batches their clients declared, and the engine's rate their held-back work arrives at
     declared: DeclaredBatches = field(default_factory=DeclaredBatches)
     service_rate: float = 0.0
@@ -218,6 +223,7 @@ class WorkArrivals:
             self._events.popleft()
         self._costs = sorted(c for _, c in self._events)
         self._prefix = list(itertools.accumulate(self._costs, initial=0.0))
+        self._times, self._peaks = None, {}
         if not self._events:
             self.rate = self.promise_rate = 0.0
             return
@@ -307,11 +313,38 @@ class WorkArrivals:
     def fluid_ahead(self, gap: float) -> float:
         """Rate of arriving work GPS serves before V advances `gap` (min(cost, gap) of each),
         at the promise rate."""
+        return self.promise_rate * self.share_ahead(gap)
+
+    def share_ahead(self, gap: float) -> float:
+        """The share of the arriving work GPS serves before V advances `gap`: min(cost, gap)
+        of each recent arrival over their costs."""
         if not self._costs or gap <= 0 or self._prefix[-1] <= 0:
             return 0.0
         k = bisect.bisect_left(self._costs, gap)
-        part = self._prefix[k] + gap * (len(self._costs) - k)
-        return self.promise_rate * part / self._prefix[-1]
+        return (self._prefix[k] + gap * (len(self._costs) - k)) / self._prefix[-1]
+
+    def peak_work(self, window_s: float) -> float:
+        """The most work registered within any `window_s` seconds of the history kept (the
+        long window): the empirical arrival curve, what the densest stretch of that length
+        has brought. A rate measured over an episode averages its bursts with its lulls;
+        this is the burst. O(K) for K events the first time a length is asked after a
+        `freeze`, then cached."""
+        peak = self._peaks.get(window_s)
+        if peak is not None:
+            return peak
+        if self._times is None:
+            ordered = sorted(self._events)  # appended in time order but for a late clock
+            self._times = [t for t, _ in ordered]
+            self._time_prefix = list(itertools.accumulate((c for _, c in ordered), initial=0.0))
+        times, prefix = self._times, self._time_prefix
+        peak, end = 0.0, 0
+        for i, start in enumerate(times):  # every window that opens with an arrival
+            end = max(end, i)
+            while end < len(times) and times[end] <= start + window_s:
+                end += 1
+            peak = max(peak, prefix[end] - prefix[i])
+        self._peaks[window_s] = peak
+        return peak
 
 
 @dataclass

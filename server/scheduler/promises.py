@@ -34,7 +34,16 @@ from .eta_interval import quantile_grid
 from .pauses import stages_left
 from .policies import Justitia
 from .state import AgentState, ObservedLimits, PromiseKind
-from .tight_promise import PromiseParts, assumption, context_of, fair_share_s, floor_of, is_large, promise_record
+from .tight_promise import (
+    PromiseParts,
+    assumption,
+    context_of,
+    densest_finish_s,
+    fair_share_s,
+    floor_of,
+    is_large,
+    promise_record,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -118,7 +127,8 @@ class Promises:
         slow = d.bound_tau / d.tau
         # The share of the rate the deadline assumes (M / bound_tau), not of R: the deadline
         # serves its work at the pessimistic rate, and so must it serve the arrivals.
-        share = d.arrivals.fluid_ahead(max(0.0, agent.virtual_finish + extra - v)) / d.rate * slow
+        gap = max(0.0, agent.virtual_finish + extra - v)
+        share = d.arrivals.fluid_ahead(gap) / d.rate * slow
         reasons = []
         if d.uncertainty:
             reasons.append(d.uncertainty)
@@ -195,7 +205,8 @@ class Promises:
             # Never earlier than its fair-share finish (GPS at the measured rate) with the
             # work the ETA expects to arrive ahead of it: an ETA below that counts on the
             # policy serving it ahead of its fair share, which the bound does not promise.
-            fair_share_s=fair_share_s(fluid, arriving_share, d.arrivals.span_s),
+            # A large agent's, with the work the densest stretch seen would bring ahead.
+            fair_share_s=self.fair_share_s(agent, fluid, arriving_share, gap),
             floor=floor_of(agent.promise_context, agent.promise_large), record=record,
             calibrated=not d.uncertainty and not agent.cost_guessed and (left == 0 or d.pauses.unpaused_lately(now)),
             context=agent.promise_context, large=agent.promise_large)
@@ -218,6 +229,18 @@ class Promises:
         else:
             agent.promise = PromiseKind.WIDENED if reasons else PromiseKind.FIRM
             agent.promise_reason = "; ".join(reasons)
+
+    def fair_share_s(self, agent: AgentState, fluid: float, share: float, gap: float) -> float:
+        """Seconds to the agent's fair-share finish (`fluid` seconds of GPS service) with
+        `share` of the rate taken by arrivals over the span its ETA expects them; a large
+        agent's, with them as dense as the densest stretch of the history of its length
+        (`gap`: how far V must advance before it finishes; tight_promise.py)."""
+        arrivals = self._d.arrivals
+        fair = fair_share_s(fluid, share, arrivals.span_s)
+        if not agent.promise_large:
+            return fair
+        ahead = arrivals.share_ahead(gap)
+        return max(fair, densest_finish_s(fluid, lambda window: ahead * arrivals.peak_work(window), self._d.rate))
 
     def fair_finish_with(self, agent: AgentState, extra: float, now: float) -> float:
         """GPS finish time of the agent projected from now were its charge `extra` larger."""

@@ -169,6 +169,45 @@ def test_work_arrivals_rate_and_shares() -> None:
     assert w.ahead(0.0) == 0.0
 
 
+def test_the_arrival_curve_is_the_densest_stretch_of_each_length() -> None:
+    """`peak_work`: a stream of 100 units a second for 16 s, then a burst of ten in 0.45 s:
+    the burst is the densest stretch up to a window of 10 s, the stream beyond."""
+    w = WorkArrivals(window_s=60.0)
+    for i in range(16):
+        w.add(float(i), 100.0)
+    burst(w, 30.0, 10)
+    w.freeze(31.0)
+    assert w.peak_work(0.5) == pytest.approx(1000.0)
+    assert w.peak_work(0.2) == pytest.approx(500.0)  # 30.0 to 30.2: five of the ten
+    assert w.peak_work(10.0) == pytest.approx(1100.0)  # the burst and no more: 21 s after 9 s ago
+    assert w.peak_work(15.0) == pytest.approx(1600.0)  # the stream's 16, 0 to 15 s
+    assert w.peak_work(100.0) == pytest.approx(2600.0)  # the whole history
+    # a denser burst, measured at the next freeze (a length asked is cached until then)
+    burst(w, 40.0, 20, gap=0.01)
+    assert w.peak_work(0.5) == pytest.approx(1000.0)
+    w.freeze(41.0)
+    assert w.peak_work(0.5) == pytest.approx(2000.0)
+    # the share of it that goes ahead of an agent GPS finishes after V advances `gap`
+    assert w.share_ahead(50.0) == pytest.approx(0.5)
+    assert w.share_ahead(100.0) == pytest.approx(1.0)
+    assert w.share_ahead(0.0) == 0.0
+    assert WorkArrivals().peak_work(1.0) == 0.0  # no history: nothing seen arrive
+
+
+def test_the_densest_finish_is_the_fixed_point_of_the_arrival_curve() -> None:
+    from server.scheduler.tight_promise import densest_finish_s
+
+    # a burst of 300 units seen, at 100 a second: 1 s of its own and 3 of the burst's
+    assert densest_finish_s(1.0, lambda window: 300.0, 100.0) == pytest.approx(4.0)
+    # a stream at half the rate: the agent is served at the other half, F = 1 / (1 - 0.5)
+    assert densest_finish_s(1.0, lambda window: 50.0 * window, 100.0) == pytest.approx(2.0)
+    # never sooner than the agent's own service, and nothing to serve is no time
+    assert densest_finish_s(1.0, lambda window: 0.0, 100.0) == pytest.approx(1.0)
+    assert densest_finish_s(0.0, lambda window: 300.0, 100.0) == 0.0
+    # arrivals as dense as the engine: no fixed point, a finite answer past every window read
+    assert densest_finish_s(1.0, lambda window: 100.0 * window, 100.0) > 1e3
+
+
 def burst(w: WorkArrivals, start: float, n: int, gap: float = 0.05) -> None:
     """`n` registrations of 100 units, `gap` seconds apart from `start` on."""
     for i in range(n):
@@ -835,6 +874,37 @@ def test_an_agent_deep_in_the_queue_is_promised_a_smaller_multiple_of_its_eta() 
     # a finished agent is filed under the context its promise was made in
     d.observe_jct(1.0, 2.0, "deep")
     assert d.etas.calibration.upper_ratio(1.0, 11, 3) == (3.0, 11)
+
+
+def test_a_large_agents_deadline_allows_for_the_densest_burst_seen() -> None:
+    """60 agents of 1,000 units registered 50 s ago: within 3 s (a burst), or one every
+    0.83 s. The rate measured is the same, and so are the ETAs; a large agent's deadline in
+    the bursty history allows for a burst like it arriving ahead (all of it: each arrival
+    is smaller than the large agent), a typical agent's does not."""
+    from server.scheduler.tight_promise import CONTEXT_FLOORS, LARGE_CONTEXT_FLOORS
+
+    def server(gap: float) -> Dispatcher:
+        d = quiet_for(Dispatcher("justitia", 1000, 0.1, limits=BoundLimits(kv_cost(300, 300), 200_000.0, 300)))
+        for k in range(60):
+            d.arrivals.add(-50.0 + gap * k, 1_000.0)
+        d.refresh_etas(0.0)
+        return d
+
+    bursty, even = server(0.05), server(50.0 / 60)
+    assert bursty.arrivals.rate == pytest.approx(even.arrivals.rate)
+    assert bursty.arrivals.peak_work(1.0) > 10 * even.arrivals.peak_work(1.0)
+    big_bursty = bursty.register_agent("big", 5_000.0, 0.0, shape=AgentShape(1, 10))
+    big_even = even.register_agent("big", 5_000.0, 0.0, shape=AgentShape(1, 10))
+    assert bursty.agents["big"].promise_large and even.agents["big"].promise_large
+    assert big_bursty.eta_s == pytest.approx(big_even.eta_s)
+    # its own 5,000 units and the burst's 60,000, at the engine's rate
+    assert big_bursty.deadline_s == pytest.approx((5_000.0 + 60_000.0) / bursty.rate)
+    assert big_even.deadline_s == pytest.approx(LARGE_CONTEXT_FLOORS[0] * even.eta_time("big", 0.0))
+    assert big_bursty.deadline_s > big_even.deadline_s
+    for d in (bursty, even):
+        typical = d.register_agent("typical", 1_000.0, 0.0, shape=AgentShape(1, 10))
+        assert not d.agents["typical"].promise_large
+        assert typical.deadline_s == pytest.approx(CONTEXT_FLOORS[0] * d.eta_time("typical", 0.0))
 
 
 def test_a_large_agent_is_told_apart_by_its_cost() -> None:
