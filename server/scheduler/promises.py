@@ -206,7 +206,7 @@ class Promises:
             # work the ETA expects to arrive ahead of it: an ETA below that counts on the
             # policy serving it ahead of its fair share, which the bound does not promise.
             # A large agent's, with the work the densest stretch seen would bring ahead.
-            fair_share_s=self.fair_share_s(agent, fluid, arriving_share, gap),
+            fair_share_s=self.fair_share_of(agent, fluid, arriving_share, gap),
             floor=floor_of(agent.promise_context, agent.promise_large), record=record,
             calibrated=not d.uncertainty and not agent.cost_guessed and (left == 0 or d.pauses.unpaused_lately(now)),
             context=agent.promise_context, large=agent.promise_large)
@@ -230,7 +230,7 @@ class Promises:
             agent.promise = PromiseKind.WIDENED if reasons else PromiseKind.FIRM
             agent.promise_reason = "; ".join(reasons)
 
-    def fair_share_s(self, agent: AgentState, fluid: float, share: float, gap: float) -> float:
+    def fair_share_of(self, agent: AgentState, fluid: float, share: float, gap: float) -> float:
         """Seconds to the agent's fair-share finish (`fluid` seconds of GPS service) with
         `share` of the rate taken by arrivals over the span its ETA expects them; a large
         agent's, with them as dense as the densest stretch of the history of its length

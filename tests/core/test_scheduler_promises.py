@@ -171,7 +171,7 @@ def test_work_arrivals_rate_and_shares() -> None:
 
 def test_the_arrival_curve_is_the_densest_stretch_of_each_length() -> None:
     """`peak_work`: a stream of 100 units a second for 16 s, then a burst of ten in 0.45 s:
-    the burst is the densest stretch up to a window of 10 s, the stream beyond."""
+    the burst is the densest stretch over short windows, the stream over windows of 10 s on."""
     w = WorkArrivals(window_s=60.0)
     for i in range(16):
         w.add(float(i), 100.0)
@@ -179,7 +179,7 @@ def test_the_arrival_curve_is_the_densest_stretch_of_each_length() -> None:
     w.freeze(31.0)
     assert w.peak_work(0.5) == pytest.approx(1000.0)
     assert w.peak_work(0.2) == pytest.approx(500.0)  # 30.0 to 30.2: five of the ten
-    assert w.peak_work(10.0) == pytest.approx(1100.0)  # the burst and no more: 21 s after 9 s ago
+    assert w.peak_work(10.0) == pytest.approx(1100.0)  # eleven of the stream's (0 to 10 s) beat it
     assert w.peak_work(15.0) == pytest.approx(1600.0)  # the stream's 16, 0 to 15 s
     assert w.peak_work(100.0) == pytest.approx(2600.0)  # the whole history
     # a denser burst, measured at the next freeze (a length asked is cached until then)
