@@ -567,6 +567,10 @@ ENTRIES: list[Entry] = [
                       "for the memory an agent's queued request needs and for a running prompt's prefill; the "
                       "calibration made just before (written as /tmp/live119/profile.json, kept as `{profile}`)",
                       "[seed 119](benchmarks.md#seed-119)"),
+    _family_live_seed("family-live-120", 120, "family_live_120", "profile_cpu_tiny_4096_famlive_120.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with a large agent's "
+                      "deadline allowing for the densest burst seen; the calibration made just before (`{profile}`)",
+                      "[seed 120](benchmarks.md#seed-120)"),
     _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
                       "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
                       "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "
