@@ -25,7 +25,19 @@ def label_of(text: str) -> str:
     return found.group(0) if found else "NOT ENOUGH INFO"
 
 
-@agent("fact_verification", prompt=lambda claim, evidence, **_: claim + "\n" + "\n".join(evidence))
+def shape(claim: str, evidence: list[str], max_tokens: int = 48) -> dict[str, Any]:
+    """What the server should know of a run before it starts (docs/sdk.md): two stages, the
+    longest answer of each, and each stage's largest request (prompt and answer) in tokens,
+    estimated at four characters a token: the ETAs count the room those requests wait for,
+    and a rough size tells a request of most of the cache from a small one."""
+    judge = max((len(JUDGE_PROMPT.format(claim=claim, evidence=ev)) for ev in evidence), default=0) // 4
+    # each judgement is listed as a label and at most 30 words
+    verdict = (len(VERDICT_PROMPT) + len(claim) + 220 * len(evidence)) // 4
+    return {"stages": 2, "critical_path_tokens": 3 * max_tokens,
+            "stage_request_tokens": [judge + max_tokens, verdict + 2 * max_tokens]}
+
+
+@agent("fact_verification", prompt=lambda claim, evidence, **_: claim + "\n" + "\n".join(evidence), shape=shape)
 async def fact_verification(claim: str, evidence: list[str], max_tokens: int = 48) -> dict[str, Any]:
     judgements = await parallel_map(
         lambda ev: llm(JUDGE_PROMPT.format(claim=claim, evidence=ev), max_tokens=max_tokens,

@@ -33,6 +33,11 @@ _REGISTRY: dict[str, Agent[..., Any]] = {}
 # must not hang a shutdown if the server is gone.
 _CLOSE_TIMEOUT_S = 15.0
 
+# The metadata keys that declare an agent's structure to the server (docs/server.md): what
+# `@agent(shape=...)` may return.
+SHAPE_KEYS = frozenset({"stages", "critical_path_tokens", "prefill_tokens", "prefill_square_tokens",
+                        "first_request_tokens", "stage_request_tokens"})
+
 
 def default_prompt(*args: Any, **kwargs: Any) -> str:
     """The text of the str arguments, and of the strs inside lists, tuples and dicts."""
@@ -68,6 +73,7 @@ class Agent(Generic[P, R]):
         name: str | None = None,
         prompt: Callable[..., str] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        shape: Callable[..., Mapping[str, Any]] | None = None,
     ) -> None:
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"@agent needs an async function; {fn!r} is not one")
@@ -76,6 +82,7 @@ class Agent(Generic[P, R]):
         # the agent first runs, perhaps deep inside a batch.
         self.name = check_agent_type(fn.__name__ if name is None else name)
         self.prompt_extractor = prompt
+        self.shape_extractor = shape
         self.metadata = dict(metadata or {})
         functools.update_wrapper(self, fn)
         _REGISTRY[self.name] = self
@@ -92,6 +99,19 @@ class Agent(Generic[P, R]):
                                 f"{type(text).__name__}, not str")
             return text
         return default_prompt(*args, **kwargs)
+
+    def extract_shape(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The structure the agent declares for these arguments (metadata keys of
+        `SHAPE_KEYS`; {} without a `shape` extractor)."""
+        if self.shape_extractor is None:
+            return {}
+        shape = self.shape_extractor(*args, **kwargs)
+        if not isinstance(shape, Mapping):
+            raise TypeError(f"the shape extractor of {self.name!r} returned {type(shape).__name__}, not a mapping")
+        if unknown := sorted(set(shape) - SHAPE_KEYS):
+            raise TypeError(f"the shape extractor of {self.name!r} returned unknown key(s) {', '.join(unknown)}; "
+                            f"the server reads {', '.join(sorted(SHAPE_KEYS))}")
+        return dict(shape)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R]:
         return self.invoke(args, kwargs)
@@ -118,7 +138,7 @@ class Agent(Generic[P, R]):
                 return await self.invoke(args, kwargs, client=own, metadata=metadata,
                                          on_start=on_start)
         prompt = self.extract_prompt(*args, **kwargs)
-        meta = {**self.metadata, **(metadata or {})} or None
+        meta = {**self.metadata, **self.extract_shape(*args, **kwargs), **(metadata or {})} or None
         record = await client.register_agent(self.name, prompt or self.name, meta)
         run = AgentRun(id=record.id, type=self.name, prompt=prompt, record=record, metadata=meta)
         if on_start is not None:
@@ -183,6 +203,7 @@ def agent(
     *,
     prompt: Callable[..., str] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    shape: Callable[..., Mapping[str, Any]] | None = None,
 ) -> Callable[[Callable[P, Awaitable[R]]], Agent[P, R]]: ...
 
 
@@ -193,6 +214,7 @@ def agent(
     name: str | None = None,
     prompt: Callable[..., str] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    shape: Callable[..., Mapping[str, Any]] | None = None,
 ) -> Any:
     """Make an async function an agent.
 
@@ -207,14 +229,18 @@ def agent(
     The name is the agent *type* (the server keeps one cost predictor per type); it defaults
     to the function's name. `prompt` extracts the text the cost predictor sees from the
     agent's arguments; by default it is the text of its str arguments and of the strs in
-    its lists and dicts.
+    its lists and dicts. `metadata` is sent with every registration. `shape` declares the
+    agent's structure for these arguments, as metadata the server reads (`SHAPE_KEYS`:
+    `stages`, `critical_path_tokens`, `stage_request_tokens`, ...; docs/server.md): its
+    delay bound then covers its own critical path, and ETAs, its own and those of the agents
+    behind it, the room its stages' largest requests wait for.
     """
     if callable(fn_or_name):
-        return Agent(fn_or_name, name=name, prompt=prompt, metadata=metadata)
+        return Agent(fn_or_name, name=name, prompt=prompt, metadata=metadata, shape=shape)
     type_name = fn_or_name if fn_or_name is not None else name
 
     def wrap(fn: Callable[P, Awaitable[R]]) -> Agent[P, R]:
-        return Agent(fn, name=type_name, prompt=prompt, metadata=metadata)
+        return Agent(fn, name=type_name, prompt=prompt, metadata=metadata, shape=shape)
 
     return wrap
 

@@ -202,6 +202,7 @@ async def _agent_steps(session: aiohttp.ClientSession, agent: AgentSpec, t0: flo
                      "prefill_tokens": agent.prefill_tokens,
                      "prefill_square_tokens": agent.prefill_square_tokens,
                      "first_request_tokens": agent.first_request_tokens,
+                     "stage_request_tokens": list(agent.stage_request_tokens),
                      "workload_id": agent.id},
     }
     if opts.prediction == "oracle":

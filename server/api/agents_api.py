@@ -54,7 +54,10 @@ class AgentCreate(RequestBody):
                      "1e12: prompt and output of its first stage's largest request) the wait "
                      "for room for it its ETA counts, `prefill_square_tokens` (int, 0 to 1e24: "
                      "the sum of the squares of those prompts) the chunked prefill of prompts "
-                     "past the engine's token budget per step its ETA counts."))
+                     "past the engine's token budget per step its ETA counts, "
+                     "`stage_request_tokens` (a list of ints, 0 to 1e12, one per stage: prompt "
+                     "and output of each stage's largest request) the wait for room for them "
+                     "the ETAs of the agents behind it count."))
     predicted_cost: float | None = Field(
         default=None, ge=0, le=MAX_PREDICTED_COST, allow_inf_nan=False,
         description=("The agent's total KV token-time cost, when the caller knows it (trace "
@@ -72,7 +75,23 @@ class AgentCreate(RequestBody):
             # Other types are ignored, as before: metadata is the caller's.
             if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
                 raise ValueError(f"metadata.{key} must be an integer from {low} to {high}")
+        _check_stage_sizes(metadata)
         return metadata
+
+
+def _check_stage_sizes(metadata: dict[str, Any]) -> None:
+    """`stage_request_tokens`, a list of ints: one per declared stage, each in range. Other
+    types are the caller's own, as for the other keys."""
+    sizes = metadata.get("stage_request_tokens")
+    if not isinstance(sizes, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+        return
+    low, high = _SHAPE_RANGES["first_request_tokens"]
+    if not sizes or not all(low <= v <= high for v in sizes):
+        raise ValueError(f"metadata.stage_request_tokens must be a non-empty list of integers from {low} to {high}")
+    stages = metadata.get("stages")
+    if isinstance(stages, int) and not isinstance(stages, bool) and stages != len(sizes):
+        raise ValueError(f"metadata.stage_request_tokens has {len(sizes)} entries; metadata.stages declares {stages}: "
+                         "one entry per stage")
 
 
 class AgentList(BaseModel):

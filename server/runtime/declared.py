@@ -1,10 +1,11 @@
 """What an agent declares of itself in its metadata, parsed once at registration.
 
-`stages`, `critical_path_tokens`, `prefill_tokens`, `prefill_square_tokens` and
-`first_request_tokens` declare its structure (an `AgentShape`): the delay bound covers its
-own critical path instead of a one-stage guess, its ETA counts its prefill (prompts past the
-engine's step budget by their squares) and the wait for room for its first stage's largest
-request, re-prediction extrapolates over its stages. `batch` declares the
+`stages`, `critical_path_tokens`, `prefill_tokens`, `prefill_square_tokens`,
+`first_request_tokens` and `stage_request_tokens` declare its structure (an `AgentShape`):
+the delay bound covers its own critical path instead of a one-stage guess, its ETA counts
+its prefill (prompts past the engine's step budget by their squares) and the wait for room
+for its first stage's largest request, the ETAs of the agents behind it the wait for room
+for its later stages' largest requests, re-prediction extrapolates over its stages. `batch` declares the
 batch its client submits it with. The API has checked the ranges (server/api/agents_api.py);
 a value of another type (a string, a boolean) is the caller's own and declares nothing.
 """
@@ -21,17 +22,29 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _ints(value: Any) -> tuple[int, ...] | None:
+    if not isinstance(value, list) or not value:
+        return None
+    ints = tuple(v for v in value if _int(v) is not None)
+    return ints if len(ints) == len(value) else None
+
+
 def declared_shape(metadata: dict[str, Any]) -> AgentShape | None:
-    """An agent may declare its structure (`stages`, `critical_path_tokens`, and for its ETA
-    `prefill_tokens` and `first_request_tokens`) in its metadata; the bound then covers its
-    own critical path instead of a one-stage guess."""
+    """An agent may declare its structure (`stages`, `critical_path_tokens`, and for ETAs
+    `prefill_tokens`, `first_request_tokens` and `stage_request_tokens`) in its metadata;
+    the bound then covers its own critical path instead of a one-stage guess. Its first
+    stage's entry of `stage_request_tokens` is its `first_request_tokens` where it declares
+    only the list."""
     stages = _int(metadata.get("stages"))
     if stages is None or stages < 1:
         return None
+    per_stage = _ints(metadata.get("stage_request_tokens"))
+    first = _int(metadata.get("first_request_tokens"))
     return AgentShape(stages=stages, critical_path_tokens=_int(metadata.get("critical_path_tokens")),
                       prefill_tokens=_int(metadata.get("prefill_tokens")),
-                      first_request_tokens=_int(metadata.get("first_request_tokens")),
-                      prefill_square_tokens=_int(metadata.get("prefill_square_tokens")))
+                      first_request_tokens=first if first is not None or per_stage is None else per_stage[0],
+                      prefill_square_tokens=_int(metadata.get("prefill_square_tokens")),
+                      stage_request_tokens=per_stage)
 
 
 def declared_batch(metadata: dict[str, Any], tenant: str | None) -> BatchDeclaration | None:

@@ -15,9 +15,11 @@ tenant's agents did never shapes another tenant's promises. A shape also carries
 tokens the agent's requests computed (not served by the prefix cache): their prefill lies on
 its path, and ETAs count it (`AgentShape.prefill_tokens`, and the squares of its prompts,
 `prefill_square_tokens`: past the engine's step budget a prompt costs more than its tokens'
-linear prefill); and the memory its first stage's
-largest request held (prompt and output): an agent waits for that much to be free before it
-starts, and ETAs count the wait (`AgentShape.first_request_tokens`).
+linear prefill); and the memory each stage's largest request held (prompt and output): an
+agent waits for its first stage's to be free before it starts, and ETAs count the wait
+(`AgentShape.first_request_tokens`); the agents ordered after it wait for its later
+stages' (`AgentShape.stage_request_tokens`, stage by stage: the quantile of the agents
+that reached the stage).
 """
 
 from __future__ import annotations
@@ -40,31 +42,37 @@ def infer_shape(requests: Sequence[RequestLog]) -> AgentShape | None:
     request submitted once all earlier ones had finished starts a new stage (a stage's
     requests run in parallel, stages one after another), the prompt tokens they computed
     (those the prefix cache did not serve, where the engine reported it), and the largest
-    request of the first stage (prompt and output). None without requests."""
+    request of each stage (prompt and output). None without requests."""
     if not requests:
         return None
-    stages = 0
     critical = 0
     longest = 0
-    first_request = 0
+    largest: list[int] = []  # per stage
     busy_until = -math.inf
     for r in sorted(requests, key=lambda r: r.submitted_s):
         if r.submitted_s >= busy_until:  # nothing of the agent was running: a new stage
             critical += longest
-            stages += 1
+            largest.append(0)
             longest = 0
         longest = max(longest, r.output_tokens)
-        if stages == 1:
-            first_request = max(first_request, r.prompt_tokens + r.output_tokens)
+        largest[-1] = max(largest[-1], r.prompt_tokens + r.output_tokens)
         busy_until = max(busy_until, r.finished_s)
     computed = [r.prompt_tokens - min(r.prompt_tokens, r.cached_tokens or 0) for r in requests]
-    return AgentShape(stages=stages, critical_path_tokens=critical + longest, prefill_tokens=sum(computed),
-                      first_request_tokens=first_request, prefill_square_tokens=sum(p * p for p in computed))
+    return AgentShape(stages=len(largest), critical_path_tokens=critical + longest, prefill_tokens=sum(computed),
+                      first_request_tokens=largest[0], prefill_square_tokens=sum(p * p for p in computed),
+                      stage_request_tokens=tuple(largest))
 
 
 def _quantile(xs: list[int], q: float) -> int:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
+
+
+def _per_stage(sizes: list[tuple[int, ...]], stages: int, q: float) -> tuple[int, ...] | None:
+    """Stage by stage, the q-quantile of the sizes of the agents that reached the stage (a
+    quantile of the stage counts seen: some agent reached each of the `stages`)."""
+    out = tuple(_quantile(reached, q) for k in range(stages) if (reached := [s[k] for s in sizes if len(s) > k]))
+    return out if len(out) == stages else None
 
 
 class TypeShapes(AgentListener):
@@ -94,10 +102,12 @@ class TypeShapes(AgentListener):
         seen = self._shapes.get((tenant, agent_type))
         if not seen or len(seen) < MIN_AGENTS:
             return None
+        stages = _quantile([s.stages for s in seen], quantile)
         return AgentShape(
-            stages=_quantile([s.stages for s in seen], quantile),
+            stages=stages,
             critical_path_tokens=_quantile([s.critical_path_tokens or 0 for s in seen], quantile),
             prefill_tokens=_quantile([s.prefill_tokens or 0 for s in seen], quantile),
             first_request_tokens=_quantile([s.first_request_tokens or 0 for s in seen], quantile),
             prefill_square_tokens=_quantile([s.prefill_square_tokens or 0 for s in seen], quantile),
+            stage_request_tokens=_per_stage([s.stage_request_tokens or () for s in seen], stages, quantile),
         )

@@ -50,7 +50,11 @@ class AgentShape:
     request of the mix can understate by most of the cache (None: unknown);
     prefill_square_tokens: the sum of the squares of those prompts, which says how far they
     run past the engine's token budget per step, where a prompt's chunked prefill costs more
-    than its tokens' linear prefill (None: unknown, ETAs count none). The live server
+    than its tokens' linear prefill (None: unknown, ETAs count none);
+    stage_request_tokens: the memory each stage's largest request reserves, stage by stage:
+    admission takes the queue in order, so while an agent's next stage waits for room for a
+    request of most of the cache, the agents ordered after it wait too (None: unknown, only
+    a request already queued is known to hold them back). The live server
     uses what the agent declared, else its type's typical shape
     (server/runtime/type_shapes.py), else this default: one stage whose longest decode is d_max.
     """
@@ -60,6 +64,7 @@ class AgentShape:
     prefill_tokens: int | None = None
     first_request_tokens: int | None = None
     prefill_square_tokens: int | None = None
+    stage_request_tokens: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

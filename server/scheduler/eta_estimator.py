@@ -503,19 +503,29 @@ class EtaEstimator:
         static_key = self.order_key(now)
         held: MemoryDrain | None = None
         for a in self.unpassed:
-            if (a is not agent and a.pending and not a.running and d.agents.get(a.agent_id) is a
+            if (a is not agent and (a.pending or a.running) and d.agents.get(a.agent_id) is a
                     and static_key(a) < key):
                 held = held or self.memory_drain(now, self.draining_step_s(it))
                 blocked = max(blocked, self.holds_back(a, held))
         return max(0.0, blocked)
 
     def holds_back(self, agent: AgentState, held: MemoryDrain | None) -> float:
-        """Seconds the agent holds back the agents ordered after it: until its pending
-        request can start, where it has one and none running (`held`: the running requests'
-        drain while nothing is admitted; None: admission not in order, no agent holds back)."""
-        if held is None or not agent.pending or agent.running:
+        """Seconds the agent holds back the agents ordered after it (`held`: the running
+        requests' drain while nothing is admitted; None: admission not in order, no agent
+        holds back): until its pending request can start, where it has one and none running;
+        with requests running and none pending, until there is room for its next stage's
+        largest request where its shape says it (`AgentShape.stage_request_tokens`). That
+        request joins the queue ahead of theirs the moment its stage ends, and admission
+        stops at it until the cache has drained enough; an agent small enough to be admitted
+        before then starts sooner, but holds memory that request then waits for."""
+        if held is None:
             return 0.0
-        return self.start_wait(agent, held)
+        if agent.pending:
+            return 0.0 if agent.running else self.start_wait(agent, held)
+        sizes = (agent.eta_shape or agent.shape).stage_request_tokens
+        if not agent.running or not sizes or agent.stages_started >= len(sizes):
+            return 0.0
+        return held.wait_s(min(float(self._d.kv_capacity), sizes[agent.stages_started]))
 
     def work_before(self, agent: AgentState, key: Any, rates: ReplayRates, now: float) -> float:
         """Remaining work the policy orders before `agent` (at `key`): the last pass's,

@@ -328,7 +328,7 @@ class _Run:
                 a.id, self.kv_predicted[i], t, agent_type=a.type, tenant=a.tenant,
                 predicted_compute_cost=self.predictions.compute[i],
                 shape=AgentShape(len(a.stages), a.critical_path_tokens, a.prefill_tokens, a.first_request_tokens,
-                                 a.prefill_square_tokens),
+                                 a.prefill_square_tokens, a.stage_request_tokens),
                 cost_p90=self.kv_predicted[i] * self.predictions.p90_ratio if self.predictions.p90_ratio else None,
             )
             self.bounds[i] = view.delay_bound_s

@@ -93,6 +93,11 @@ class AgentSpec:
         return max((p + d for p, d in self.stages[0]), default=0) if self.stages else 0
 
     @property
+    def stage_request_tokens(self) -> tuple[int, ...]:
+        """The memory each stage's largest request reserves (prompt and output)."""
+        return tuple(max((p + d for p, d in st), default=0) for st in self.stages)
+
+    @property
     def prefill_tokens(self) -> int:
         """The prompt tokens its requests compute, in submission order: a request's prompt
         minus the longest of its named prefixes that an earlier request of the agent (or a

@@ -116,12 +116,20 @@ def test_agent_values_that_overflowed_are_refused(admin: httpx.Client) -> None:
         "stages": 2, "prefill_square_tokens": 10**400}}), "metadata.prefill_square_tokens")
     _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {
         "stages": 2, "prefill_square_tokens": -1}}), "metadata.prefill_square_tokens")
+    _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {
+        "stages": 2, "stage_request_tokens": [300, 10**400]}}), "metadata.stage_request_tokens")
+    _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {
+        "stages": 1, "stage_request_tokens": []}}), "metadata.stage_request_tokens")
+    # one entry per declared stage
+    _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {
+        "stages": 3, "stage_request_tokens": [300, 4000]}}), "metadata.stage_request_tokens has 2 entries")
     # stages 0 is refused like any declared shape out of range (not ignored)
     _assert_400(admin.post("/v1/agents", json={"type": "t", "metadata": {"stages": 0}}),
                 "metadata.stages")
     rec = admin.post("/v1/agents", json={"type": "t", "predicted_cost": 1e18,
                                          "metadata": {"stages": 3, "critical_path_tokens": 900,
-                                                      "prefill_tokens": 10**12, "prefill_square_tokens": 10**24}})
+                                                      "prefill_tokens": 10**12, "prefill_square_tokens": 10**24,
+                                                      "stage_request_tokens": [10**12, 0, 4000]}})
     assert rec.status_code == 201, rec.text
     assert all(isinstance(rec.json()[k], float)
                for k in ("fair_finish_s", "eta_s", "delay_bound_s", "deadline_s"))

@@ -40,6 +40,13 @@ def test_the_declared_shape_is_parsed_once_into_one_typed_value() -> None:
     assert declared_shape({"stages": 1, "prefill_tokens": 8000, "prefill_square_tokens": 32_000_000}) == \
         AgentShape(stages=1, prefill_tokens=8000, prefill_square_tokens=32_000_000)
     assert declared_shape({"stages": 2, "critical_path_tokens": "9"}) == AgentShape(stages=2)
+    # each stage's largest request; the first stage's is the first request where not declared apart
+    assert declared_shape({"stages": 2, "stage_request_tokens": [300, 4087]}) == \
+        AgentShape(stages=2, first_request_tokens=300, stage_request_tokens=(300, 4087))
+    assert declared_shape({"stages": 2, "first_request_tokens": 310, "stage_request_tokens": [300, 4087]}) == \
+        AgentShape(stages=2, first_request_tokens=310, stage_request_tokens=(300, 4087))
+    for other in ([300, "4087"], [300, True], "300", []):  # not a list of integers: the caller's own
+        assert declared_shape({"stages": 2, "stage_request_tokens": other}) == AgentShape(stages=2), other
     # not an integer number of stages (a boolean, a string, a float, none): nothing declared
     for stages in (True, "3", 3.0, 0, None):
         assert declared_shape({"stages": stages}) is None, stages

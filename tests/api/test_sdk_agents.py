@@ -8,6 +8,7 @@ import pytest
 from justitia_sdk import (
     AgentClosedError,
     AgentNotFoundError,
+    APIError,
     AsyncClient,
     Client,
     ServerUnavailableError,
@@ -15,6 +16,7 @@ from justitia_sdk import (
     chat,
     complete,
     current_agent_id,
+    current_record,
     default_prompt,
     llm,
     parallel_map,
@@ -62,6 +64,39 @@ def test_prompt_extractor_and_name() -> None:
     assert plain.name == "plain"
     with pytest.raises(TypeError):
         agent(lambda x: x)
+
+
+def test_a_shape_extractor_declares_the_structure_of_each_run() -> None:
+    @agent("verifier", shape=lambda claim, evidence: {"stages": 2, "stage_request_tokens": [8 * len(evidence), 64]})
+    async def verify(claim: str, evidence: list[str]) -> bool:
+        return True
+
+    assert verify.extract_shape("the sky", ["blue", "grey"]) == {"stages": 2, "stage_request_tokens": [16, 64]}
+
+    @agent
+    async def plain(x: str) -> str:
+        return x
+
+    assert plain.extract_shape("x") == {}
+    # a key the server does not read, or no mapping at all: said where the run is submitted
+    with pytest.raises(TypeError, match="unknown key.*stage_tokens"):
+        agent("typo", shape=lambda x: {"stage_tokens": [1]})(plain.fn).extract_shape("x")
+    with pytest.raises(TypeError, match="not a mapping"):
+        agent("bad", shape=lambda x: [1])(plain.fn).extract_shape("x")  # type: ignore[arg-type, return-value]
+
+
+async def test_a_declared_shape_reaches_the_server_and_a_bad_one_is_refused(server) -> None:
+    @agent("shaped", shape=lambda n: {"stages": 2, "stage_request_tokens": [40] * n})
+    async def shaped(n: int) -> dict:
+        record = current_record()
+        assert record is not None
+        return record.metadata
+
+    async with AsyncClient(server.url) as client:
+        assert await client.run(shaped, 2) == {"stages": 2, "stage_request_tokens": [40, 40]}
+        with pytest.raises(APIError) as refused:  # three entries for two stages
+            await client.run(shaped, 3)
+    assert refused.value.status_code == 400 and "stage_request_tokens has 3 entries" in str(refused.value)
 
 
 def test_an_invalid_agent_name_is_refused_where_the_agent_is_defined() -> None:

@@ -51,6 +51,28 @@ def test_a_shape_holds_the_largest_request_of_the_first_stage() -> None:
 
     shape = infer_shape([req(0.0, 1.0, 300, 20), req(0.0, 2.0, 900, 40), req(2.5, 3.0, 3_000, 10)])
     assert shape is not None and shape.stages == 2 and shape.first_request_tokens == 900 + 40
+    assert shape.stage_request_tokens == (900 + 40, 3_000 + 10)  # and each stage's
+
+
+def test_a_types_stage_sizes_are_learned_stage_by_stage() -> None:
+    """Each stage's largest request at the quantile of the agents that reached the stage."""
+    from server.runtime.agents import AgentEntry
+    from server.runtime.type_shapes import ETA_QUANTILE, TypeShapes
+
+    def req(stage: int, prompt: int) -> RequestLog:
+        return RequestLog("r", prompt_tokens=prompt, output_tokens=10, submitted_s=float(stage),
+                          admitted_s=float(stage), finished_s=stage + 0.5, finish_reason="length")
+
+    shapes = TypeShapes()
+    for k, prompts in enumerate(([100], [200, 4000], [300, 3000, 50])):  # one request a stage
+        entry = AgentEntry(id=f"a{k}", type="t", tenant="x", prompt="", metadata={},
+                           submitted_at=0.0, submitted_mono=0.0, predicted_cost=1.0)
+        entry.state = "finished"
+        entry.requests = [req(stage, p) for stage, p in enumerate(prompts)]
+        shapes.on_agent_ended(entry)
+    bound, eta = shapes.typical("x", "t"), shapes.typical("x", "t", ETA_QUANTILE)
+    assert bound is not None and bound.stage_request_tokens == (310, 4010, 60)
+    assert eta is not None and eta.stage_request_tokens == (210, 3010)  # median of two: the lower
 
 
 def _run_three_stages(c: httpx.Client, type_: str) -> None:

@@ -191,3 +191,47 @@ def test_a_running_request_holds_its_memory_through_its_prompts_prefill(fast_pas
     assert d.etas.memory_drain(now, it).wait_s(2306) == pytest.approx(prefill_then_decode)
     path = d.etas.critical_path_s(d.agents["small"], it)
     assert d.eta_time("small", now) - now == pytest.approx(prefill_then_decode + path, rel=0.01)
+
+
+def _next_stage_of_most_of_the_cache(stage_request_tokens: tuple[int, ...] | None) -> tuple[Dispatcher, float]:
+    """`stages` is running its first stage (one request of 10 + 50 tokens, 0.15 s of steps
+    left at t = 0.1); its second stage's request will need 4,087 tokens, more than the 1,636
+    the busy agent's four requests (0.4 s of steps left) leave free beside it. Its shape says
+    so where `stage_request_tokens` is given."""
+    d = Dispatcher("justitia", M, 0.02, time_model=STEP)
+    d.register_agent("stages", 1e4, 0.0, shape=AgentShape(2, 57, 4090, stage_request_tokens=stage_request_tokens))
+    d.submit(RequestSpec("stages-0", "stages", prompt_tokens=10, max_tokens=50), 0.0)
+    assert [s.request_id for s in d.admit(0.0)] == ["stages-0"]
+    d.register_agent("busy", 1e5, 0.0, shape=AgentShape(1, 100, 2000))
+    for i in range(4):
+        d.submit(RequestSpec(f"busy-{i}", "busy", prompt_tokens=500, max_tokens=100), 0.0)
+    assert len(d.admit(0.0)) == 4
+    now = 0.1
+    d.refresh_etas(now)
+    d.register_agent("small", 5e4, now, shape=AgentShape(1, 10, 50))
+    order = [d.policy.static_key(d.agents[a]) for a in ("stages", "small", "busy")]
+    assert order == sorted(order)  # the small agent is ordered after `stages`, before `busy`
+    return d, now
+
+
+@pytest.mark.parametrize("fast_pass", [False, True])
+def test_an_agent_behind_one_whose_next_stage_needs_most_of_the_cache_waits_for_the_drain(fast_pass: bool) -> None:
+    d, now = _next_stage_of_most_of_the_cache((60, 4087))
+    if fast_pass:
+        d.refresh_etas(now)
+    assert d.agents["stages"].running == 1 and not d.agents["stages"].pending
+    # the second stage's request is admitted once the busy agent's requests (80 steps of
+    # 5 ms left) have ended; the small agent, ordered after it, starts no sooner
+    assert d.eta_time("small", now) - now >= 0.4
+    unknown, _ = _next_stage_of_most_of_the_cache(None)  # only the first stage's size known
+    if fast_pass:
+        unknown.refresh_etas(now)
+    assert unknown.eta_time("small", now) - now < 0.4
+
+
+@pytest.mark.parametrize("fast_pass", [False, True])
+def test_a_next_stage_that_fits_beside_the_running_requests_holds_no_one_back(fast_pass: bool) -> None:
+    d, now = _next_stage_of_most_of_the_cache((60, 500))  # fits in the 1,636 free
+    if fast_pass:
+        d.refresh_etas(now)
+    assert d.eta_time("small", now) - now < 0.4
