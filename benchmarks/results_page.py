@@ -571,6 +571,12 @@ ENTRIES: list[Entry] = [
                       "All six shapes, fresh and taught, on another seed never run live before, with a large agent's "
                       "deadline allowing for the densest burst seen; the calibration made just before (`{profile}`)",
                       "[seed 120](benchmarks.md#seed-120)"),
+    _family_live_seed("family-live-121", 121, "family_live_121", "profile_cpu_tiny_4096_famlive_121.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with each stage's "
+                      "largest request sent in the agents' metadata (`stage_request_tokens`) and the ETAs of the "
+                      "agents behind one waiting for room for its next stage; the calibration made just before "
+                      "(`{profile}`)",
+                      "[seed 121](benchmarks.md#seed-121)"),
     _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
                       "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
                       "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "
