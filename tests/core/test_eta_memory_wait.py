@@ -56,15 +56,21 @@ def test_an_agent_that_fits_beside_the_running_requests_does_not_wait() -> None:
     assert d.eta_time("tinier", now) - now < 0.1 < wait_for_one_small_request
 
 
+def _busy_agent_of_four_requests(d: Dispatcher) -> None:
+    """`busy` registers at t = 0 and its four requests of 500 + 100 tokens are admitted:
+    2,400 tokens held for 100 steps of 5 ms."""
+    d.register_agent("busy", 1e5, 0.0, shape=AgentShape(1, 100, 2000))
+    for i in range(4):
+        d.submit(RequestSpec(f"busy-{i}", "busy", prompt_tokens=500, max_tokens=100), 0.0)
+    assert len(d.admit(0.0)) == 4
+
+
 def _cache_two_thirds_held_by_small_requests(first_request_tokens: int | None) -> tuple[Dispatcher, str]:
     """Four requests of 600 tokens hold 2,400 of the cache (100 steps each, 0.4 s left at
     t = 0.1); then an agent registers whose first request needs 4,087 tokens, more than the
     1,696 free, though the mix's mean request (600) fits."""
     d = Dispatcher("justitia", M, 0.02, time_model=STEP)
-    d.register_agent("busy", 1e5, 0.0, shape=AgentShape(1, 100, 2000))
-    for i in range(4):
-        d.submit(RequestSpec(f"busy-{i}", "busy", prompt_tokens=500, max_tokens=100), 0.0)
-    assert len(d.admit(0.0)) == 4
+    _busy_agent_of_four_requests(d)
     now = 0.1
     d.refresh_etas(now)
     d.register_agent("big", 1e4, now, shape=AgentShape(2, 20, 4100, first_request_tokens=first_request_tokens))
@@ -142,10 +148,7 @@ def _later_request_of_most_of_the_cache_pending() -> tuple[Dispatcher, float]:
     d.submit(RequestSpec("stages-0", "stages", prompt_tokens=10, max_tokens=3), 0.0)
     assert [s.request_id for s in d.admit(0.0)] == ["stages-0"]
     d.on_request_finished("stages-0", 10, 3, 0.0)
-    d.register_agent("busy", 1e5, 0.0, shape=AgentShape(1, 100, 2000))
-    for i in range(4):
-        d.submit(RequestSpec(f"busy-{i}", "busy", prompt_tokens=500, max_tokens=100), 0.0)
-    assert len(d.admit(0.0)) == 4
+    _busy_agent_of_four_requests(d)
     now = 0.1
     d.submit(RequestSpec("stages-1", "stages", prompt_tokens=4080, max_tokens=7), now)
     assert d.admit(now) == []  # 4,087 tokens do not fit beside the busy agent's 2,400
@@ -202,10 +205,7 @@ def _next_stage_of_most_of_the_cache(stage_request_tokens: tuple[int, ...] | Non
     d.register_agent("stages", 1e4, 0.0, shape=AgentShape(2, 57, 4090, stage_request_tokens=stage_request_tokens))
     d.submit(RequestSpec("stages-0", "stages", prompt_tokens=10, max_tokens=50), 0.0)
     assert [s.request_id for s in d.admit(0.0)] == ["stages-0"]
-    d.register_agent("busy", 1e5, 0.0, shape=AgentShape(1, 100, 2000))
-    for i in range(4):
-        d.submit(RequestSpec(f"busy-{i}", "busy", prompt_tokens=500, max_tokens=100), 0.0)
-    assert len(d.admit(0.0)) == 4
+    _busy_agent_of_four_requests(d)
     now = 0.1
     d.refresh_etas(now)
     d.register_agent("small", 5e4, now, shape=AgentShape(1, 10, 50))
