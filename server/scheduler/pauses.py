@@ -162,16 +162,23 @@ class PauseStats:
         if now is not None:
             self._lately.append((now, pause_s))
 
-    def unpaused_lately(self, now: float) -> bool:
+    def unpaused_lately(self, now: float, since: float | None = None) -> bool:
         """The traffic of the moment does not pause: none of the last RECENT boundaries
         crossed held a pause, and they are not stale (the time since the last one is no
         longer than the time they took to cross). After a silence longer than its evidence,
         the traffic that comes may be another application's: a server whose agents had
         never paused, idle 90 s, promised the first agents of sessions that did as if they
-        would not (7 of 240 broken on the family's held-out seeds)."""
-        if not self._lately or any(p > 0.0 for _, p in self._lately):
+        would not (7 of 240 broken on the family's held-out seeds). A pause at a boundary
+        crossed before `since` (the start of the current episode of arrivals) is that other
+        traffic's too, and says nothing of this one's: a server taught by `sessions` held
+        the next application's agents with stages ahead to the worst case until RECENT
+        boundaries of their own had pushed the teacher's pauses out. A boundary crossed before then without a pause still counts, as before: it
+        is evidence of no pause only with a boundary of the current episode after it (the
+        staleness rule)."""
+        lately = [(t, p) for t, p in self._lately if since is None or t >= since or p <= 0.0]
+        if not lately or any(p > 0.0 for _, p in lately):
             return False
-        first, last = self._lately[0][0], self._lately[-1][0]
+        first, last = lately[0][0], lately[-1][0]
         return now - last <= last - first
 
     def _seen(self, agent_type: str | None) -> Iterable[float]:

@@ -162,7 +162,8 @@ class Promises:
         # p90 before each other, those under way counted (pauses.py `allowance_parts`).
         left = stages_left(agent.shape.stages, agent.stages_started)
         pauses = d.pauses.allowance_s(agent.agent_type, left, now)
-        if left and pauses <= 0.0 and d.pauses.any_seen and not d.pauses.unpaused_lately(now):
+        unpaused = d.pauses.unpaused_lately(now, d.arrivals.episode_start(now))
+        if left and pauses <= 0.0 and d.pauses.any_seen and not unpaused:
             # boundaries crossed, none paused, but not lately: whether the traffic of the
             # moment pauses is not known, and the deadline allows it no tool time
             reasons.append(f"no pause seen yet: the deadline allows no tool time before its {left} later "
@@ -208,7 +209,7 @@ class Promises:
             # A large agent's, with the work the densest stretch seen would bring ahead.
             fair_share_s=self.fair_share_of(agent, fluid, arriving_share, gap),
             floor=floor_of(agent.promise_context, agent.promise_large), record=record,
-            calibrated=not d.uncertainty and not agent.cost_guessed and (left == 0 or d.pauses.unpaused_lately(now)),
+            calibrated=not d.uncertainty and not agent.cost_guessed and (left == 0 or unpaused),
             context=agent.promise_context, large=agent.promise_large)
         deadline = now + parts.deadline_s()
         if agent.deadline_at is not None and deadline <= agent.deadline_at:

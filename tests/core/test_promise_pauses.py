@@ -101,6 +101,29 @@ def test_boundaries_crossed_without_a_pause_speak_for_the_traffic_until_a_longer
     assert one_stage.promise_assumes  # no boundary ahead: nothing to pause before
 
 
+def test_pauses_seen_in_another_episode_do_not_say_this_one_pauses() -> None:
+    """A server taught by traffic whose agents paused at every boundary, then silent for
+    90 s: the next traffic's boundaries crossed without a pause say it does not pause
+    (the teacher's pauses are another application's), and a pause of its own says it does.
+    Boundaries of the earlier episode crossed without a pause count as before."""
+    taught = PauseStats()
+    for k in range(16):  # the teacher: a pause at each of 16 boundaries, t = 0..15
+        taught.observe("chat", 2.0, float(k))
+    taught.observe("react", 0.0, 106.0)  # the episode that began at 105: two boundaries, no pause
+    taught.observe("react", 0.0, 107.0)
+    assert not taught.unpaused_lately(107.5)  # the teacher's pauses counted
+    assert taught.unpaused_lately(107.5, since=105.0)
+    taught.observe("react", 1.5, 108.0)  # one of its own pauses
+    assert not taught.unpaused_lately(108.5, since=105.0)
+
+    unpaused = PauseStats()
+    for k in range(16):  # a teacher that never paused
+        unpaused.observe("chat", 0.0, float(k))
+    assert not unpaused.unpaused_lately(105.5, since=105.0)  # stale: nothing crossed since the lull
+    unpaused.observe("react", 0.0, 106.0)
+    assert unpaused.unpaused_lately(106.5, since=105.0)  # one boundary of its own, none paused
+
+
 def test_a_calibrated_deadline_is_never_earlier_than_the_fair_share_finish() -> None:
     """An agent the policy serves ahead of its fair share (small, behind other small ones,
     beside large ones) has an ETA far inside its GPS finish; a deadline of the context's
