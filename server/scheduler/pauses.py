@@ -172,9 +172,9 @@ class PauseStats:
         crossed before `since` (the start of the current episode of arrivals) is that other
         traffic's too, and says nothing of this one's: a server taught by `sessions` held
         the next application's agents with stages ahead to the worst case until RECENT
-        boundaries of their own had pushed the teacher's pauses out. A boundary crossed before then without a pause still counts, as before: it
-        is evidence of no pause only with a boundary of the current episode after it (the
-        staleness rule)."""
+        boundaries of their own had pushed the teacher's pauses out. A boundary crossed
+        before then without a pause still counts, as before: it is evidence of no pause
+        only with a boundary of the current episode after it (the staleness rule)."""
         lately = [(t, p) for t, p in self._lately if since is None or t >= since or p <= 0.0]
         if not lately or any(p > 0.0 for _, p in lately):
             return False
