@@ -23,10 +23,9 @@ def _int(value: Any) -> int | None:
 
 
 def _ints(value: Any) -> tuple[int, ...] | None:
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list) or not value or any(_int(v) is None for v in value):
         return None
-    ints = tuple(v for v in value if _int(v) is not None)
-    return ints if len(ints) == len(value) else None
+    return tuple(value)
 
 
 def declared_shape(metadata: dict[str, Any]) -> AgentShape | None:

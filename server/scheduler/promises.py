@@ -162,7 +162,8 @@ class Promises:
         # p90 before each other, those under way counted (pauses.py `allowance_parts`).
         left = stages_left(agent.shape.stages, agent.stages_started)
         pauses = d.pauses.allowance_s(agent.agent_type, left, now)
-        unpaused = d.pauses.unpaused_lately(now, d.arrivals.episode_start(now))
+        # only an agent with a stage boundary ahead may pause
+        unpaused = bool(left) and d.pauses.unpaused_lately(now, d.arrivals.episode_start(now))
         if left and pauses <= 0.0 and d.pauses.any_seen and not unpaused:
             # boundaries crossed, none paused, but not lately: whether the traffic of the
             # moment pauses is not known, and the deadline allows it no tool time
