@@ -129,6 +129,7 @@ class Dispatcher:
         # agents; with one tenant, the flat GPS clock (tenant_clock.py).
         self.clock = TenantClock(rate=self.rate_at(self.tau), now=now, weights=tenant_weights)
         self.agents: dict[str, AgentState] = {}
+        self._drained_at: float | None = None  # when the last agent left (None: never held one)
         self.requests: dict[str, RequestState] = {}
         self._seq = itertools.count()
         self.queue: RequestQueue = self.policy.make_queue(self, backfill_depth if backfill else 0)
@@ -232,8 +233,9 @@ class Dispatcher:
         self.agents[agent_id] = agent
         self.etas.registered(agent)
         # an arrival after a lull begins its episode before its promise: it is promised with
-        # the episode's forecast, as the agents registered after it are
-        self.arrivals.open_episode(now)
+        # the episode's forecast, as the agents registered after it are (alone in the
+        # system, after the server sat empty long enough, a shorter lull ends the episode)
+        self.arrivals.open_episode(now, idle_since=self._drained_at if len(self.agents) == 1 else None)
         self.promises.promise(agent, now)
         self.arrivals.add(now, charge)  # after its own promise: it is not ahead of itself
         return self.view(agent_id, now)
@@ -290,6 +292,8 @@ class Dispatcher:
                 self._ended_backlog.add(agent_id)
         self.clock.forget(agent_id)
         del self.agents[agent_id]
+        if not self.agents:
+            self._drained_at = now  # a busy period ended (eta.py `WorkArrivals`: episodes)
         self.promises.observed.drop(agent, admitted_kv)
         if self.clock.hierarchical and isinstance(self.queue, TenantQueue):
             self.queue.retag(agent.tenant)  # its settled charge moved its tenant's order

@@ -55,7 +55,7 @@ from .declared import BatchDeclaration, DeclaredBatches
 # beyond it the long-run load exceeds the rate, no finite promise holds, and deadlines say so.
 MAX_ARRIVAL_SHARE = 0.9
 PROMISE_MIN_SPAN_S = 2.0
-LULL_RATIO = 4.0  # a lull this many times a burst's length ends its episode (WorkArrivals)
+LULL_RATIO = 4.0  # the server empty this many times an episode's length ends it (WorkArrivals)
 EPISODES_KEPT = 8  # the episodes of arrivals a server remembers (WorkArrivals)
 
 
@@ -114,13 +114,16 @@ class WorkArrivals:
     # longer floor, the rate of a short burst reads as a fraction of itself while the burst
     # goes on, and its agents' ETAs come out short (docs/benchmarks.md compares the floors).
     min_window_s: float = PROMISE_MIN_SPAN_S
-    # A registration after a whole window without any begins an episode, measured from its
-    # own start as a fresh server measures its first one (over the whole window, a burst
-    # after a lull would read as a sliver of itself). Shorter lulls are traffic: a mix's
-    # ordinary gaps must not begin episodes. But a lull of LULL_RATIO times a short burst's
-    # length, and at least `min_lull_s`, ends it too: two bursts a minute apart are two
-    # episodes, not one rate of their work over the window.
-    min_lull_s: float = 40.0
+    # An episode is measured from its own start, as a fresh server measures its first one
+    # (over the whole window, a burst after a lull would read as a sliver of itself). A
+    # registration after a whole window without any begins one. So does a registration that
+    # finds the server empty (every agent before it finished: a busy period ended) and
+    # empty for LULL_RATIO times the episode's length, at least `min_window_s`: two bursts
+    # the server drained between are two episodes, and the next burst's first agents expect
+    # the rest of a typical one. While agents are in the system, a gap is traffic, not a
+    # lull: the batches of a backlogged stream are one stream, whose work arrives throughout
+    # the long waits of the agents deep in its queue; and agents submitted one after
+    # another as the last one ends are one application's.
     _events: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)  # (t, cost)
     _origin: float | None = None  # the first arrival ever: the long window's history
     _first: float | None = None  # the first arrival of the current episode
@@ -145,13 +148,17 @@ class WorkArrivals:
     span_s: float = 0.0  # the episode's age, 2 s to the long window (ETAs assume `rate` goes on this long)
     promise_rate: float = 0.0  # max(rate, the long window's)
 
-    def open_episode(self, t: float) -> bool:
+    def open_episode(self, t: float, idle_since: float | None = None) -> bool:
         """An arrival at `t` that begins an episode (after a lull) begins it now: the last
         episode is closed and this one measured from its start (`freeze`), so that the agent
         arriving is promised with the episode's forecast, as the agents after it are, not
-        with what the last refresh measured of the lull. Nothing where `t` continues the
-        current episode (idempotent: `add` calls it too). Returns whether it began one."""
-        if self.window_s <= 0 or self._last is None or t - self._last <= self._lull_s():
+        with what the last refresh measured of the lull. `idle_since`: the arrival found no
+        other agent in the system, none since then (None: it found some, or it is not known).
+        Nothing where `t` continues the current episode (idempotent: `add` calls it too).
+        Returns whether it began one."""
+        if self.window_s <= 0 or self._last is None:
+            return False
+        if t - self._last <= self.window_s and (idle_since is None or t - idle_since <= self._idle_lull_s()):
             return False
         if self._first is not None:
             self._episodes.append((self._episode_cost, self._last - self._first))
@@ -195,12 +202,11 @@ class WorkArrivals:
         self.freeze(t)
         return True
 
-    def _lull_s(self) -> float:
-        """A gap in arrivals that ends the current episode: the window, or LULL_RATIO times
-        the episode's length where that is shorter (at least `min_lull_s`)."""
-        if self._first is None or self._last is None:
-            return self.window_s
-        return min(self.window_s, max(self.min_lull_s, LULL_RATIO * (self._last - self._first)))
+    def _idle_lull_s(self) -> float:
+        """A time the server sat empty that ends the current episode: LULL_RATIO times the
+        episode's length, at least `min_window_s`, at most the window."""
+        length = 0.0 if self._first is None or self._last is None else self._last - self._first
+        return min(self.window_s, max(self.min_window_s, LULL_RATIO * length))
 
     def _rate(self, now: float, window: float, min_span: float, since: float | None) -> float:
         """Work arrived since max(now - window, since) over that span (at least min_span)."""
@@ -283,7 +289,7 @@ class WorkArrivals:
         (None: no arrival yet)."""
         if self._last is None:
             return None
-        return t if t - self._last > self._lull_s() else self._first
+        return t if t - self._last > self.window_s else self._first
 
     def history_s(self, now: float) -> float | None:
         """How long the current episode's arrivals have been measured for (None: none

@@ -83,8 +83,11 @@ LARGE_COST = 2.0
 # their deadlines too; then, on the tuning seeds (0-19, six profiles, half steps), the floors
 # that break the fewest promises while leaving at least as many members' median deadline at
 # most 4x their JCT (`deadline_over_jct_p50`) as before (705 of 1,200): 58 of 69,120 broken
-# (82 before), 714 members.
-LARGE_CONTEXT_FLOORS = (5.5, 3.5, 2.5, 2.5)
+# (82 before), 714 members. Chosen again by the same rule once an episode ended where the
+# server drained (eta.py `WorkArrivals`), whose ETAs expect the rest of a typical burst
+# (4.5-7 and 2.5-4, half steps; before, 737 members): 32 broken (54 with the old floors),
+# 738 members.
+LARGE_CONTEXT_FLOORS = (6.0, 3.0, 2.5, 2.5)
 MAX_SHARE = 0.99  # of the rate to arrivals, in `fair_share_s` (callers cap it lower)
 PROMISE_QUANTILE = 1.0  # of the recent JCT / first-ETA ratios: the largest
 MIN_SEEN = 10

@@ -311,26 +311,51 @@ def test_only_an_episode_that_came_faster_than_the_engine_serves_is_expected_aga
     assert outpaced.span_s == pytest.approx(47.0)
 
 
-def test_a_lull_four_times_a_short_burst_ends_its_episode() -> None:
-    """A burst of 2.4 s, then 50 s without arrivals, then the next: a new episode, expected
-    like the first (read as one episode with the burst before, the new one's rate would be
-    their work over 60 s, and its promises too tight: `bench live --teach` on a fast host
-    leaves such lulls). A stream that went on for 20 s keeps the whole window before a lull
-    ends it."""
-    short = WorkArrivals(window_s=60.0)
-    burst(short, 0.0, 48)
-    burst(short, 2.35 + 50.0, 1)
-    assert short.episodes == 1 and short.history_s(52.35) == pytest.approx(0.0)
-    assert short.rate * short.span_s == pytest.approx(4700.0)  # the 47 others of the burst
-    long_stream = WorkArrivals(window_s=60.0)
-    burst(long_stream, 0.0, 48, gap=20.0 / 47)
-    burst(long_stream, 20.0 + 50.0, 1)
-    assert long_stream.episodes == 0 and long_stream.history_s(70.0) == pytest.approx(70.0)
-    # under the floor: 39 s after a burst is still the same episode
-    near = WorkArrivals(window_s=60.0)
-    burst(near, 0.0, 48)
-    burst(near, 2.35 + 39.0, 1)
-    assert near.episodes == 0
+def test_a_server_empty_four_times_an_episodes_length_ends_it() -> None:
+    """A burst of 2.35 s, then the next: a new episode where the server sat empty for four
+    times the burst's length (2 s at least), expected like the first; the same while an
+    agent was still in the system, or empty for less, is traffic. A stream that went on for
+    20 s keeps its episode through 50 s empty; a whole window without arrivals ends any."""
+    def after(length: float, gap: float, idle_since: float | None) -> WorkArrivals:
+        w = WorkArrivals(window_s=60.0)
+        burst(w, 0.0, 48, gap=length / 47)
+        w.open_episode(length + gap, idle_since)
+        w.add(length + gap, 100.0)
+        return w
+
+    drained = after(2.35, 10.0, idle_since=2.35 + 0.5)  # empty for 9.5 s > 4 x 2.35 s
+    assert drained.episodes == 1 and drained.history_s(12.35) == pytest.approx(0.0)
+    assert drained.rate * drained.span_s == pytest.approx(4700.0)  # the 47 others of the burst
+    assert after(2.35, 10.0, idle_since=None).episodes == 0  # an agent still in the system
+    assert after(2.35, 10.0, idle_since=2.35 + 1.0).episodes == 0  # empty for 9 s
+    assert after(0.0, 2.5, idle_since=0.3).episodes == 1  # a batch at once: 2 s at least
+    assert after(0.0, 2.5, idle_since=0.6).episodes == 0
+    assert after(20.0, 50.0, idle_since=20.0).episodes == 0  # a stream: 50 s < 4 x 20 s
+    assert after(20.0, 61.0, idle_since=None).episodes == 1  # a whole window
+
+
+def test_an_episode_ends_where_the_server_drained_not_between_agents_one_after_another() -> None:
+    """Through the dispatcher: agents submitted one after another as the last one ends are
+    one episode; a burst after the server sat empty long enough begins one."""
+    d = Dispatcher("justitia", 1000, 0.1)
+    now = 0.0
+    for i in range(5):  # one at a time, each 3 s long
+        d.register_agent(f"s{i}", 1_000.0, now)
+        now += 3.0
+        d.finish_agent(f"s{i}", now)
+    assert d.arrivals.episodes == 0  # the server never sat empty: one stream
+    d.register_agent("late", 1_000.0, now + 20.0)  # 20 s empty < 4 x 12 s, the stream's length
+    assert d.arrivals.episodes == 0
+    b = Dispatcher("justitia", 1000, 0.1)
+    for burst_start in (0.0, 10.0):  # bursts of 0.1 s, drained at +1 s, then 8 s empty (> 2 s)
+        for i in range(3):
+            b.register_agent(f"b{burst_start}-{i}", 1_000.0, burst_start + 0.05 * i)
+        for i in range(3):
+            b.finish_agent(f"b{burst_start}-{i}", burst_start + 1.0)
+    assert b.arrivals.episodes == 1 and b.arrivals.history_s(10.1) == pytest.approx(0.1)
+    b.register_agent("held", 1_000.0, 11.5)  # one stays: the next burst is the same episode
+    b.register_agent("next", 1_000.0, 20.0)
+    assert b.arrivals.episodes == 1
 
 
 @pytest.mark.slow
@@ -877,28 +902,28 @@ def test_an_agent_deep_in_the_queue_is_promised_a_smaller_multiple_of_its_eta() 
 
 
 def test_a_large_agents_deadline_allows_for_the_densest_burst_seen() -> None:
-    """60 agents of 1,000 units registered 50 s ago: within 3 s (a burst), or one every
-    0.83 s. The rate measured is the same, and so are the ETAs; a large agent's deadline in
+    """80 agents of 1,000 units registered 50 s ago: within 4 s (a burst), or one every
+    0.625 s. The rate measured is the same, and so are the ETAs; a large agent's deadline in
     the bursty history allows for a burst like it arriving ahead (all of it: each arrival
     is smaller than the large agent), a typical agent's does not."""
     from server.scheduler.tight_promise import CONTEXT_FLOORS, LARGE_CONTEXT_FLOORS
 
     def server(gap: float) -> Dispatcher:
         d = quiet_for(Dispatcher("justitia", 1000, 0.1, limits=BoundLimits(kv_cost(300, 300), 200_000.0, 300)))
-        for k in range(60):
+        for k in range(80):
             d.arrivals.add(-50.0 + gap * k, 1_000.0)
         d.refresh_etas(0.0)
         return d
 
-    bursty, even = server(0.05), server(50.0 / 60)
+    bursty, even = server(0.05), server(50.0 / 80)
     assert bursty.arrivals.rate == pytest.approx(even.arrivals.rate)
     assert bursty.arrivals.peak_work(1.0) > 10 * even.arrivals.peak_work(1.0)
     big_bursty = bursty.register_agent("big", 5_000.0, 0.0, shape=AgentShape(1, 10))
     big_even = even.register_agent("big", 5_000.0, 0.0, shape=AgentShape(1, 10))
     assert bursty.agents["big"].promise_large and even.agents["big"].promise_large
     assert big_bursty.eta_s == pytest.approx(big_even.eta_s)
-    # its own 5,000 units and the burst's 60,000, at the engine's rate
-    assert big_bursty.deadline_s == pytest.approx((5_000.0 + 60_000.0) / bursty.rate)
+    # its own 5,000 units and the burst's 80,000, at the engine's rate
+    assert big_bursty.deadline_s == pytest.approx((5_000.0 + 80_000.0) / bursty.rate)
     assert big_even.deadline_s == pytest.approx(LARGE_CONTEXT_FLOORS[0] * even.eta_time("big", 0.0))
     assert big_bursty.deadline_s > big_even.deadline_s
     for d in (bursty, even):
