@@ -85,8 +85,8 @@ LARGE_COST = 2.0
 # most 4x their JCT (`deadline_over_jct_p50`) as before (705 of 1,200): 58 of 69,120 broken
 # (82 before), 714 members. Chosen again by the same rule once an episode ended where the
 # server drained (eta.py `WorkArrivals`), whose ETAs expect the rest of a typical burst
-# (4.5-7 and 2.5-4, half steps; before, 737 members): 32 broken (54 with the old floors),
-# 738 members.
+# (4.5-7 and 2.5-4, half steps; before, 737 members): 34 broken (35 with the old floors,
+# 54 before the change), 739 members.
 LARGE_CONTEXT_FLOORS = (6.0, 3.0, 2.5, 2.5)
 MAX_SHARE = 0.99  # of the rate to arrivals, in `fair_share_s` (callers cap it lower)
 PROMISE_QUANTILE = 1.0  # of the recent JCT / first-ETA ratios: the largest
