@@ -577,6 +577,11 @@ ENTRIES: list[Entry] = [
                       "agents behind one waiting for room for its next stage; the calibration made just before "
                       "(`{profile}`)",
                       "[seed 121](benchmarks.md#seed-121)"),
+    _family_live_seed("family-live-122", 122, "family_live_122", "profile_cpu_tiny_4096_famlive_122.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with an episode of "
+                      "arrivals ending where the server drained and the large agents' floors at 6 and 3; the "
+                      "calibration made just before (`{profile}`)",
+                      "[seed 122](benchmarks.md#seed-122)"),
     _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
                       "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
                       "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "
