@@ -347,7 +347,7 @@ def test_an_episode_ends_where_the_server_drained_not_between_agents_one_after_a
     d.register_agent("late", 1_000.0, now + 20.0)  # 20 s empty < 4 x 12 s, the stream's length
     assert d.arrivals.episodes == 0
     b = Dispatcher("justitia", 1000, 0.1)
-    for burst_start in (0.0, 10.0):  # bursts of 0.1 s, drained at +1 s, then 8 s empty (> 2 s)
+    for burst_start in (0.0, 10.0):  # bursts of 0.1 s, drained at +1 s, then 9 s empty (> 2 s)
         for i in range(3):
             b.register_agent(f"b{burst_start}-{i}", 1_000.0, burst_start + 0.05 * i)
         for i in range(3):
