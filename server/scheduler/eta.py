@@ -57,6 +57,14 @@ MAX_ARRIVAL_SHARE = 0.9
 PROMISE_MIN_SPAN_S = 2.0
 LULL_RATIO = 4.0  # the server empty this many times an episode's length ends it (WorkArrivals)
 EPISODES_KEPT = 8  # the episodes of arrivals a server remembers (WorkArrivals)
+# A burst within an episode (`WorkArrivals.burst_rank`): an arrival after a gap at least
+# BURST_GAP_RATIO times the median gap of the episode's last BURST_GAPS_KEPT arrivals, and at
+# least BURST_MIN_GAP_S, once BURST_MIN_GAPS gaps have been measured. The ratio and the
+# count were chosen on the family's tuning seeds (tight_promise.py `BURST_HEAD`).
+BURST_GAP_RATIO = 20.0
+BURST_MIN_GAP_S = 0.5
+BURST_MIN_GAPS = 4
+BURST_GAPS_KEPT = 64
 
 
 class IterationTimeModel(Protocol):
@@ -320,6 +328,26 @@ class WorkArrivals:
         """Rate of arriving work GPS serves before V advances `gap` (min(cost, gap) of each),
         at the promise rate."""
         return self.promise_rate * self.share_ahead(gap)
+
+    def burst_rank(self, t: float) -> int | None:
+        """How many of the episode's arrivals came since its last burst began, for one
+        arriving at `t` (0: it begins one); None where none of the episode's last arrivals
+        began one. A burst begins with an arrival after a gap far longer than the episode's
+        typical gap (`BURST_GAP_RATIO` times their median): a lull the server did not drain
+        across, which ends no episode (its agents are still in the system) and which the
+        episode's rate averages with the burst after it."""
+        if self._first is None:
+            return None
+        times = [t]
+        for when, _ in reversed(self._events):
+            if when < self._first or len(times) > BURST_GAPS_KEPT:
+                break
+            times.append(when)
+        gaps = [later - earlier for later, earlier in itertools.pairwise(times)]  # newest first
+        if len(gaps) < BURST_MIN_GAPS:
+            return None
+        threshold = max(BURST_MIN_GAP_S, BURST_GAP_RATIO * statistics.median_high(gaps))
+        return next((rank for rank, gap in enumerate(gaps) if gap >= threshold), None)
 
     def share_ahead(self, gap: float) -> float:
         """The share of the arriving work GPS serves before V advances `gap`: min(cost, gap)

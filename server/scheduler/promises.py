@@ -37,6 +37,7 @@ from .state import AgentState, ObservedLimits, PromiseKind
 from .tight_promise import (
     PromiseParts,
     assumption,
+    at_burst_head,
     context_of,
     densest_finish_s,
     fair_share_s,
@@ -182,6 +183,7 @@ class Promises:
         if agent.promise_context is None:
             agent.promise_context = context_of(*d.etas.queue_place(agent, now))
             agent.promise_large = is_large(agent.charged_cost, d.arrivals.median_cost())
+            agent.promise_burst_head = at_burst_head(d.arrivals.burst_rank(now))
             # the ETA it is told: the replay's scaled by its context's record (eta_interval.py)
             # of the agents whose first ETAs expected pauses where its own does, of those whose
             # ETAs expected none where it does not (eta_interval.py); or, where the traffic of
@@ -207,7 +209,8 @@ class Promises:
             # Never earlier than its fair-share finish (GPS at the measured rate) with the
             # work the ETA expects to arrive ahead of it: an ETA below that counts on the
             # policy serving it ahead of its fair share, which the bound does not promise.
-            # A large agent's, with the work the densest stretch seen would bring ahead.
+            # A large agent's, or one among the first of a burst, with the work the densest
+            # stretch seen would bring ahead.
             fair_share_s=self.fair_share_of(agent, fluid, arriving_share, gap),
             floor=floor_of(agent.promise_context, agent.promise_large), record=record,
             calibrated=not d.uncertainty and not agent.cost_guessed and (left == 0 or unpaused),
@@ -235,11 +238,12 @@ class Promises:
     def fair_share_of(self, agent: AgentState, fluid: float, share: float, gap: float) -> float:
         """Seconds to the agent's fair-share finish (`fluid` seconds of GPS service) with
         `share` of the rate taken by arrivals over the span its ETA expects them; a large
-        agent's, with them as dense as the densest stretch of the history of its length
-        (`gap`: how far V must advance before it finishes; tight_promise.py)."""
+        agent's, or one among the first of a burst, with them as dense as the densest stretch
+        of the history of its length (`gap`: how far V must advance before it finishes;
+        tight_promise.py)."""
         arrivals = self._d.arrivals
         fair = fair_share_s(fluid, share, arrivals.span_s)
-        if not agent.promise_large:
+        if not (agent.promise_large or agent.promise_burst_head):
             return fair
         ahead = arrivals.share_ahead(gap)
         return max(fair, densest_finish_s(fluid, lambda window: ahead * arrivals.peak_work(window), self._d.rate))

@@ -162,6 +162,7 @@ class AgentState:
     tool_allowance_s: float = 0.0
     promise_context: int | None = None  # its place in the queue at registration (tight_promise.py)
     promise_large: bool = False  # large for the recent mix or the cache at registration (tight_promise.py)
+    promise_burst_head: bool = False  # among the first of a burst at registration (tight_promise.py)
     promise_parts: PromiseParts | None = None  # what its first deadline was made of (tight_promise.py)
     eta_scale: float = 1.0  # its ETA told is the replay's times this, its context's at registration (eta_interval.py)
     eta_pausing: bool = False  # its first ETA expected pauses: its scale is of agents whose ETAs did too

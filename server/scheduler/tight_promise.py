@@ -44,7 +44,11 @@ all of a burst of smaller agents goes ahead of it. A typical agent is not held t
 lives too short a time for a burst to change much, and were every agent held to it, the
 members whose median deadline is at most 4x their JCT (the family's `deadline_over_jct_p50`,
 tuning seeds 0-19 on six profiles) would fall from 705 to 414 of 1,200 (large agents alone:
-674, then 714 with the floors below).
+674, then 714 with the floors below). But for the first agents of a burst within an episode
+(`at_burst_head`: among the first BURST_HEAD after a gap far longer than the episode's
+typical one, eta.py `WorkArrivals.burst_rank`): a lull the server did not drain across ends
+no episode, and the agents registering as the next burst begins are told the episode's mean
+rate, which the lull has diluted, while the whole burst is about to arrive.
 
 Tool time is not calibrated this way: an agent that may pause between its stages (agents
 have paused at recent stage boundaries, or none has been crossed lately) keeps the worst case. The
@@ -86,8 +90,16 @@ LARGE_COST = 2.0
 # (82 before), 714 members. Chosen again by the same rule once an episode ended where the
 # server drained (eta.py `WorkArrivals`), whose ETAs expect the rest of a typical burst
 # (4.5-7 and 2.5-4, half steps; before, 737 members): 34 broken (35 with the old floors,
-# 54 before the change), 739 members.
-LARGE_CONTEXT_FLOORS = (6.0, 3.0, 2.5, 2.5)
+# 54 before the change), 739 members. Chosen again once the first agents of a burst were
+# held to the densest stretch (`at_burst_head`; 4.5-7 and 2.5-4, half steps): 26 broken (24
+# with the old floors), 740 members (714 with the old floors).
+LARGE_CONTEXT_FLOORS = (5.0, 3.0, 2.5, 2.5)
+# The first agents of a burst within an episode held to the densest stretch seen (as large
+# agents are): the first BURST_HEAD from its start. On the tuning seeds (0-19, six profiles,
+# the floors as they were: 34 broken, 739 members at most 4x), the first 3, 6 or 10 after a
+# gap of 10x the median: 31, 24, 24 broken, 720, 707, 696 members; the first 6 after 20x:
+# 24 broken, 714 members, and the floors chosen again above.
+BURST_HEAD = 6
 MAX_SHARE = 0.99  # of the rate to arrivals, in `fair_share_s` (callers cap it lower)
 PROMISE_QUANTILE = 1.0  # of the recent JCT / first-ETA ratios: the largest
 MIN_SEEN = 10
@@ -104,6 +116,12 @@ def is_large(cost: float, median_cost: float | None) -> bool:
     """Whether an agent of `cost` is large for the mix arriving (its median cost; None: no
     arrival measured)."""
     return median_cost is not None and median_cost > 0.0 and cost >= LARGE_COST * median_cost
+
+
+def at_burst_head(rank: int | None) -> bool:
+    """Whether an agent registering `rank` arrivals into a burst (eta.py
+    `WorkArrivals.burst_rank`; None: no burst lately) is among its first."""
+    return rank is not None and rank < BURST_HEAD
 
 
 def floor_of(context: int, large: bool = False) -> float:

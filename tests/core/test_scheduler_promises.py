@@ -358,6 +358,33 @@ def test_an_episode_ends_where_the_server_drained_not_between_agents_one_after_a
     assert b.arrivals.episodes == 1
 
 
+def test_a_burst_begins_after_a_gap_far_longer_than_the_episodes_typical_one() -> None:
+    """Eight arrivals 0.05 s apart, then 3 s without any (the server still busy: one
+    episode): the next arrival begins a burst, and the ones after it count from it. A gap
+    of 0.5 s (10x the typical) begins none, nor does any before four gaps were measured, nor
+    one under BURST_MIN_GAP_S however long against a batch's gaps of 0."""
+    from server.scheduler.eta import BURST_MIN_GAP_S
+
+    w = WorkArrivals(window_s=60.0)
+    assert w.burst_rank(0.0) is None  # nothing arrived
+    burst(w, 0.0, 8, gap=0.05)
+    assert w.burst_rank(0.4) is None  # the same stream
+    assert w.burst_rank(0.35 + 0.5) is None  # 10x the typical gap
+    assert w.burst_rank(3.35) == 0  # it begins one
+    for k in range(3):
+        w.add(3.35 + 0.05 * k, 100.0)
+    assert w.burst_rank(3.5) == 3  # three arrived since it began
+    young = WorkArrivals(window_s=60.0)
+    burst(young, 0.0, 3, gap=0.05)
+    assert young.burst_rank(5.0) is None  # two gaps then this one: too few to tell
+    batch = WorkArrivals(window_s=60.0)
+    burst(batch, 0.0, 8, gap=0.0)
+    assert batch.burst_rank(0.9 * BURST_MIN_GAP_S) is None
+    assert batch.burst_rank(BURST_MIN_GAP_S) == 0
+    # a new episode (a whole window later) measures its gaps afresh
+    assert w.open_episode(100.0) and w.burst_rank(100.0) is None
+
+
 @pytest.mark.slow
 def test_refresh_is_one_pass_and_views_read_its_cache() -> None:
     """ETA upkeep is O(N log N) per pass, and views are O(1) (a view that walked every agent
@@ -905,8 +932,10 @@ def test_a_large_agents_deadline_allows_for_the_densest_burst_seen() -> None:
     """80 agents of 1,000 units registered 50 s ago: within 4 s (a burst), or one every
     0.625 s. The rate measured is the same, and so are the ETAs; a large agent's deadline in
     the bursty history allows for a burst like it arriving ahead (all of it: each arrival
-    is smaller than the large agent), a typical agent's does not."""
-    from server.scheduler.tight_promise import CONTEXT_FLOORS, LARGE_CONTEXT_FLOORS
+    is smaller than the large agent), a typical agent's does not, unless it is among the
+    first of a burst: after the bursty history's 46 s lull, which the server did not drain
+    across, registrations at 0 s begin the next burst."""
+    from server.scheduler.tight_promise import BURST_HEAD, CONTEXT_FLOORS, LARGE_CONTEXT_FLOORS
 
     def server(gap: float) -> Dispatcher:
         d = quiet_for(Dispatcher("justitia", 1000, 0.1, limits=BoundLimits(kv_cost(300, 300), 200_000.0, 300)))
@@ -926,10 +955,17 @@ def test_a_large_agents_deadline_allows_for_the_densest_burst_seen() -> None:
     assert big_bursty.deadline_s == pytest.approx((5_000.0 + 80_000.0) / bursty.rate)
     assert big_even.deadline_s == pytest.approx(LARGE_CONTEXT_FLOORS[0] * even.eta_time("big", 0.0))
     assert big_bursty.deadline_s > big_even.deadline_s
+    assert not even.agents["big"].promise_burst_head
     for d in (bursty, even):
+        # the large agent began the bursty server's burst: the next BURST_HEAD - 1 are its first
+        heads = [d.register_agent(f"head{k}", 1_000.0, 0.0, shape=AgentShape(1, 10)) for k in range(BURST_HEAD - 1)]
         typical = d.register_agent("typical", 1_000.0, 0.0, shape=AgentShape(1, 10))
-        assert not d.agents["typical"].promise_large
+        assert not d.agents["typical"].promise_large and not d.agents["typical"].promise_burst_head
         assert typical.deadline_s == pytest.approx(CONTEXT_FLOORS[0] * d.eta_time("typical", 0.0))
+        for k, head in enumerate(heads):
+            tight = CONTEXT_FLOORS[0] * d.eta_time(f"head{k}", 0.0)
+            assert d.agents[f"head{k}"].promise_burst_head == (d is bursty)
+            assert head.deadline_s == pytest.approx(tight) if d is even else head.deadline_s > 1.5 * tight
 
 
 def test_a_large_agent_is_told_apart_by_its_cost() -> None:
