@@ -59,8 +59,11 @@ LULL_RATIO = 4.0  # the server empty this many times an episode's length ends it
 EPISODES_KEPT = 8  # the episodes of arrivals a server remembers (WorkArrivals)
 # A burst within an episode (`WorkArrivals.burst_rank`): an arrival after a gap at least
 # BURST_GAP_RATIO times the median gap of the episode's last BURST_GAPS_KEPT arrivals, and at
-# least BURST_MIN_GAP_S, once BURST_MIN_GAPS gaps have been measured. The ratio and the
-# count were chosen on the family's tuning seeds (tight_promise.py `BURST_HEAD`).
+# least BURST_MIN_GAP_S, once BURST_MIN_GAPS gaps have been measured. The ratio was chosen
+# on the family's tuning seeds (10 or 20, tight_promise.py `BURST_HEAD`); four gaps and
+# eight broke as many tuning promises, and four tells a burst after a short first one (the
+# held-out seeds' figures: docs/concepts.md). The 0.5 s and the 64 were not tuned: a batch
+# registered at once has gaps of 0, and any later registration is 20 times that.
 BURST_GAP_RATIO = 20.0
 BURST_MIN_GAP_S = 0.5
 BURST_MIN_GAPS = 4
