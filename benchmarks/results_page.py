@@ -582,6 +582,11 @@ ENTRIES: list[Entry] = [
                       "arrivals ending where the server drained and the large agents' floors at 6 and 3; the "
                       "calibration made just before (`{profile}`)",
                       "[seed 122](benchmarks.md#seed-122)"),
+    _family_live_seed("family-live-123", 123, "family_live_123", "profile_cpu_tiny_4096_famlive_123.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with the first agents "
+                      "of a burst within an episode held to the densest stretch of arrivals seen and the large "
+                      "agents' floors at 5 and 3; the calibration made just before (`{profile}`)",
+                      "[seed 123](benchmarks.md#seed-123)"),
     _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
                       "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
                       "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "
