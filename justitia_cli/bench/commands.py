@@ -197,7 +197,8 @@ def register(commands: Commands) -> None:
             "measured time, the fitted model's and the simulator's prediction of it, and writes "
             "a profile JSON for `bench sim --profile FILE` and `bench live --profile FILE`. "
             "About 2-4 minutes on 2 cores (--quick: one minute, four points). --served: then the points "
-            "of several requests through `justitia serve`, the step model scaled by their median slowdown."
+            "of several requests through `justitia serve`, the step model scaled by their median slowdown, "
+            "and the client's turnaround between an agent's stages measured."
         ),
         handler=calibrate_command,
     )
@@ -210,7 +211,9 @@ def register(commands: Commands) -> None:
                      help="then run the grid's points of two requests or more through `justitia serve` (as "
                           "`bench live` does) and scale the step model by their median slowdown: the step "
                           "times the live path sees, the server and client sharing the machine with the "
-                          "engine (about a minute more)")
+                          "engine; then one agent of 24 short stages, each sent when the last answered: the "
+                          "client's turnaround between stages, which the simulator leaves before each later "
+                          "stage (about a minute more)")
     seed_option(cal, "seed of the random prompt token ids")
 
     st = add_command(

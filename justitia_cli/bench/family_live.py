@@ -249,7 +249,7 @@ def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_pat
     after = load_now()
     offset = live.extra.get("teach_offset_s")
     sim = simulate_run(spec, mode, policy, engine, profile, args.kv_tokens, offset)
-    fitted = fitted_profile(engine, live.extra.get("time_model"))
+    fitted = fitted_profile(engine, live.extra.get("time_model"), live.extra.get("stage_turnaround_s"))
     refit = None
     if fitted is not None:
         refit = simulate_run(spec, mode, policy, fitted, profile, args.kv_tokens, offset).summary()["mean_jct_s"]
@@ -260,6 +260,9 @@ def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_pat
         "last_arrival_s": max(a.arrival for a in member),
         "arrival_lag_s": arrival_lag({a.id: a.arrival for a in member}, {a.id: a.arrival_s for a in live.agents}),
         "measured_tau_s": live.extra.get("measured_tau_s"), "sim_measured_tau_s": sim.extra.get("measured_tau_s"),
+        # the clients' turnaround the server measured, and the one the profile's simulation took
+        "stage_turnaround_s": live.extra.get("stage_turnaround_s"),
+        "sim_stage_turnaround_s": engine.stage_turnaround_s,
         "engine_fit": fitted.as_dict() if fitted is not None else None,
         "agents_failed": live.extra.get("agents_failed"), "agents_lost": live.extra.get("agents_lost"),
         "failures": live.extra.get("failures"), "preemptions": live.preemptions,

@@ -447,6 +447,9 @@ def run_policy(agents: list[AgentSpec], policy: str, opts: LiveOptions,
         "first_eta_s_mean": sum(o["first"]["eta_s"] for o in outs) / max(1, len(outs)),
         # The engine's fitted step-time model at the end of the run (per engine).
         "time_model": snap.get("time_model"),
+        # the median of the clients' recent turnarounds between an agent's stages, as the
+        # server measured them (server/scheduler/pauses.py; the simulator's `stage_turnaround_s`)
+        "stage_turnaround_s": (snap.get("pauses") or {}).get("turnaround_p50_s"),
         # vLLM's prompt tokens served from its prefix cache over all prompt tokens
         "prefix_hit_rate": since("justitia_prefix_cached_tokens") / prompt_tokens if prompt_tokens else None,
         "kv_saved_total": (snap.get("kv_saved_total") or 0) - ((counted_before or {}).get("kv_saved_total") or 0),

@@ -113,7 +113,7 @@ def add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[st
         live_r.extra["sim_error"] = (sim_mean - live_mean) / live_mean if live_mean else None
         live_r.extra["sim_eta_error_p50"] = sim.get("eta_error_p50")
         live_r.extra["sim_eta_error_p90"] = sim.get("eta_error_p90")
-        fitted = fitted_profile(profile, live_r.extra.get("time_model"))
+        fitted = fitted_profile(profile, live_r.extra.get("time_model"), live_r.extra.get("stage_turnaround_s"))
         if fitted is None:
             continue
         [again] = run_comparison(agents, configured_policies(args, [live_r.policy]), fitted, args.kv_tokens, oracle,
@@ -123,11 +123,13 @@ def add_sim_prediction(args: argparse.Namespace, agents: list, policies: list[st
         live_r.extra["sim_online_error"] = (online_mean - live_mean) / live_mean if live_mean else None
 
 
-def fitted_profile(profile: EngineProfile, time_model: dict | None) -> EngineProfile | None:
+def fitted_profile(profile: EngineProfile, time_model: dict | None,
+                   turnaround_s: float | None = None) -> EngineProfile | None:
     """`profile` with the coefficients the live server fitted to its engine's steps (None
     when it fitted none, or fitted one per replica: the simulator has one engine): its fit
     to every step of the run (`since_start`) where the server reports one, not the
-    recency-weighted fit, which at the end of a run is the engine of its last steps."""
+    recency-weighted fit, which at the end of a run is the engine of its last steps. With
+    `turnaround_s` (the clients' turnaround the server measured), that as the profile's."""
     from dataclasses import replace
 
     time_model = time_model or {}
@@ -137,9 +139,11 @@ def fitted_profile(profile: EngineProfile, time_model: dict | None) -> EnginePro
     [fit] = engines.values()
     if not fit.get("samples"):
         return None
+    turnaround = profile.stage_turnaround_s if turnaround_s is None else turnaround_s
     return replace(profile, name=f"{profile.name}, refitted to the run", base_s=fit["base_s"],
                    per_seq_s=fit["per_seq_s"], per_prefill_token_s=fit["per_prefill_token_s"],
-                   per_kv_token_s=fit["per_kv_token_s"], source=fit.get("source", ""))
+                   per_kv_token_s=fit["per_kv_token_s"], source=fit.get("source", ""),
+                   stage_turnaround_s=turnaround)
 
 
 def measured_here(profile: str) -> str | None:
@@ -220,7 +224,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
     if served:
         console.print(f"served through the server: {len(served['points'])} points, slowdown "
                       + ", ".join(f"{r['slowdown']:.2f}" for r in served["points"])
-                      + f"; the step model is scaled by their median, {served['slowdown']:.2f}")
+                      + f"; the step model is scaled by their median, {served['slowdown']:.2f}; the client's "
+                  f"turnaround between an agent's stages: {1000 * served['stage_turnaround_s']:.1f} ms (median)")
     console.print(f"wrote {args.out}: use it with `bench sim --profile {args.out}` "
                   f"or `bench live --profile {args.out}`")
     return 0
@@ -246,8 +251,13 @@ def _served(results: list, profile: EngineProfile, info: dict, seed: int) -> tup
     if not rows:
         raise CommandError("no calibration point finished through the server; see its log")
     factor = calibrate_served.slowdown(rows)
-    return ({"slowdown": factor, "points": rows, "engine_alone": profile.as_dict()},
-            calibrate_served.scaled(profile, factor))
+    turnaround = run.extra.get("stage_turnaround_s")
+    try:
+        served = calibrate_served.with_turnaround(calibrate_served.scaled(profile, factor), turnaround)
+    except ValueError as exc:
+        raise CommandError(f"{exc}; see the server's log") from None
+    return ({"slowdown": factor, "points": rows, "engine_alone": profile.as_dict(),
+             "stage_turnaround_s": turnaround}, served)
 
 
 def make_workload_command(args: argparse.Namespace) -> int:

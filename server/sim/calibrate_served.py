@@ -16,6 +16,11 @@ and the client's CPU beside the engine's, which grows with the steps and the tok
 streamed, as the step time does. The factor and each point's times are kept in the profile
 file (`served`).
 
+After the points, one agent of `CHAIN_STAGES` one-request stages, each sent when the one before
+it has answered, measures the client's turnaround between stages as the server sees it (the
+median `pauses.turnaround_p50_s` of `/v1/scheduler`): the profile's `stage_turnaround_s`, the
+gap the simulator leaves before each later stage of an agent (server/shared/profiles.py).
+
 Plain data and arithmetic here; the run through the server is the CLI's (`bench live`'s
 runner).
 """
@@ -23,6 +28,7 @@ runner).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -33,6 +39,9 @@ from .workload import AgentSpec
 
 SERVED_GAP_S = 1.0  # idle time after a point's expected served time before the next starts
 SERVED_ROOM = 3.0  # a point's served time is expected within this many times its engine-alone time
+CHAIN_ID = "cal-turnaround"  # the agent whose stages measure the client's turnaround
+CHAIN_STAGES = 24  # its stages: 23 turnarounds, a median the server's record can hold steady
+CHAIN_REQUEST = (16, 2)  # each stage's one request (prompt, output tokens): the gaps, not the steps
 
 
 def served_points(results: Sequence[PointResult]) -> list[PointResult]:
@@ -43,7 +52,8 @@ def served_points(results: Sequence[PointResult]) -> list[PointResult]:
 
 def served_workload(points: Sequence[PointResult]) -> list[AgentSpec]:
     """Each point's requests as one-request agents arriving together, the points apart by
-    `SERVED_ROOM` times their engine-alone time plus `SERVED_GAP_S` (one point at a time)."""
+    `SERVED_ROOM` times their engine-alone time plus `SERVED_GAP_S` (one point at a time);
+    then the agent of `CHAIN_STAGES` stages that measures the client's turnaround."""
     agents, t = [], 0.0
     for k, r in enumerate(points):
         pt = r.point
@@ -51,6 +61,8 @@ def served_workload(points: Sequence[PointResult]) -> list[AgentSpec]:
                              stages=[[(pt.prompt, pt.output)]], prompt=f"calibration point {k}")
                    for i in range(pt.batch)]
         t += SERVED_ROOM * r.seconds + SERVED_GAP_S
+    agents.append(AgentSpec(id=CHAIN_ID, type="calibration-chain", arrival=round(t, 3),
+                            stages=[[CHAIN_REQUEST]] * CHAIN_STAGES, prompt="calibration of the turnaround"))
     return agents
 
 
@@ -75,6 +87,14 @@ def slowdown(rows: Sequence[dict]) -> float:
     if not rows:
         raise ValueError("no point ran through the server")
     return statistics.median(row["slowdown"] for row in rows)
+
+
+def with_turnaround(profile: EngineProfile, turnaround_s: float | None) -> EngineProfile:
+    """The profile with the client's turnaround the server measured (ValueError: none was:
+    the chained agent's stages never reached the server apart)."""
+    if turnaround_s is None or not math.isfinite(turnaround_s) or turnaround_s < 0:
+        raise ValueError(f"the server measured no turnaround between stages ({turnaround_s!r})")
+    return dataclasses.replace(profile, stage_turnaround_s=turnaround_s)
 
 
 def scaled(profile: EngineProfile, factor: float) -> EngineProfile:

@@ -200,7 +200,7 @@ def simulate(
     mode = check_mode(retain) if pol.retains else "never"
     keeper = SimRetention(Retention(mode, disp.pauses), disp, engine, m, profile.per_prefill_token_s)
 
-    run = _Run(agents, disp, engine, predictions, estimator, keeper)
+    run = _Run(agents, disp, engine, predictions, estimator, keeper, profile.stage_turnaround_s)
     run.loop()
     if isolated is None:
         isolated = isolated_jct_s(agents, profile, m)
@@ -242,8 +242,9 @@ class _Run:
 
     def __init__(self, agents: Sequence[AgentSpec], disp: Dispatcher, engine: EngineModel,
                  predictions: Predictions, tau_estimator: TauEstimator | None = None,
-                 keeper: SimRetention | None = None) -> None:
+                 keeper: SimRetention | None = None, turnaround_s: float = 0.0) -> None:
         self.agents, self.disp, self.engine, self.predictions = agents, disp, engine, predictions
+        self.turnaround_s = turnaround_s  # the client's, before every stage but the first
         self.keeper = keeper
         self.tau_estimator = tau_estimator
         # the live server tells the estimator the reservations of footprint policies only
@@ -268,6 +269,10 @@ class _Run:
         # Paused agents (a tool call before their next stage): (resume time, agent index).
         # They stay registered, keeping their place in virtual time, with nothing queued.
         self.paused: list[tuple[float, int]] = []
+        # Agents whose client is turning their last answer into their next stage: (the time
+        # it reaches the server, agent index). Not paused as far as anyone can tell: the
+        # server sees the gap as its client's turnaround (pauses.py, TURNAROUND_S).
+        self.returning: list[tuple[float, int]] = []
 
     def loop(self) -> None:
         agents, disp, engine = self.agents, self.disp, self.engine
@@ -289,7 +294,8 @@ class _Run:
             if not engine.waiting:
                 self.admit(t)
             next_event = min(agents[self.nxt].arrival if self.nxt < len(agents) else math.inf,
-                             self.paused[0][0] if self.paused else math.inf)
+                             self.paused[0][0] if self.paused else math.inf,
+                             self.returning[0][0] if self.returning else math.inf)
             if engine.idle():
                 if next_event < math.inf:
                     t = max(t, next_event)
@@ -344,19 +350,25 @@ class _Run:
             self.nxt += 1
 
     def start_stage(self, i: int, now: float) -> None:
-        """The agent's next stage: submitted now, or after the pause before it."""
+        """The agent's next stage: submitted now, after the pause before it, or (a stage after
+        the first) after its client's turnaround, which follows a pause too."""
         pause = self.agents[i].pause_before(self.stage_of[i])
+        turnaround = self.turnaround_s if self.stage_of[i] > 0 else 0.0
         if pause > 0:
-            heapq.heappush(self.paused, (now + pause, i))
+            heapq.heappush(self.paused, (now + pause + turnaround, i))
             if self.keeper is not None:
                 self.keeper.pause(self.agents[i].id, self.agents[i].type, now)
+        elif turnaround > 0:
+            heapq.heappush(self.returning, (now + turnaround, i))
         else:
             self.submit_stage(i, now)
 
     def resume_paused(self, t: float) -> None:
-        while self.paused and self.paused[0][0] <= t:
-            _, i = heapq.heappop(self.paused)
-            self.submit_stage(i, t)
+        """Submit the stages whose pause, or client's turnaround, is over by `t`."""
+        for waiting in (self.paused, self.returning):
+            while waiting and waiting[0][0] <= t:
+                _, i = heapq.heappop(waiting)
+                self.submit_stage(i, t)
 
     def admit(self, t: float) -> None:
         while True:

@@ -8,12 +8,15 @@ import pytest
 from server.shared.profiles import PROFILES
 from server.sim.calibrate import GridPoint, PointResult
 from server.sim.calibrate_served import (
+    CHAIN_ID,
+    CHAIN_STAGES,
     SERVED_ROOM,
     scaled,
     served_points,
     served_rows,
     served_workload,
     slowdown,
+    with_turnaround,
 )
 
 RESULTS = [PointResult(GridPoint(1, 32, 16), 0.05), PointResult(GridPoint(4, 32, 16), 0.04),
@@ -24,11 +27,27 @@ def test_points_of_two_requests_or_more_are_served_one_at_a_time() -> None:
     points = served_points(RESULTS)
     assert [r.point.batch for r in points] == [4, 3]  # one request alone barely loads the server
     agents = served_workload(points)
-    assert [a.id for a in agents] == ["cal0-0", "cal0-1", "cal0-2", "cal0-3", "cal1-0", "cal1-1", "cal1-2"]
-    assert all(a.stages == [[(32, 16)]] for a in agents[:4]) and all(a.stages == [[(1024, 128)]] for a in agents[4:])
+    assert [a.id for a in agents] == ["cal0-0", "cal0-1", "cal0-2", "cal0-3", "cal1-0", "cal1-1", "cal1-2", CHAIN_ID]
+    assert all(a.stages == [[(32, 16)]] for a in agents[:4]) and all(a.stages == [[(1024, 128)]] for a in agents[4:7])
     # each point's agents arrive together; the next point after room for the last to be served
     assert {a.arrival for a in agents[:4]} == {0.0}
     assert agents[4].arrival >= SERVED_ROOM * 0.04
+    # then, alone, the agent whose stages (one request each) measure the client's turnaround
+    chain = agents[-1]
+    assert chain.arrival >= agents[4].arrival + SERVED_ROOM * 0.32
+    assert len(chain.stages) == CHAIN_STAGES and all(len(st) == 1 for st in chain.stages)
+    # served_rows reads the points only
+    assert len(served_rows(points, {a.id: 1.0 for a in agents}, {a.id: 0.0 for a in agents})) == 2
+
+
+def test_the_turnaround_the_server_measured_is_the_profiles() -> None:
+    base = PROFILES["cpu-tiny"]
+    assert base.stage_turnaround_s == 0.0  # the engine alone has no client
+    assert with_turnaround(base, 0.0031).stage_turnaround_s == 0.0031
+    assert with_turnaround(base, 0.0031).iteration_s(4, 10, 100) == base.iteration_s(4, 10, 100)
+    for nothing in (None, float("nan"), -0.001):
+        with pytest.raises(ValueError, match="no turnaround"):
+            with_turnaround(base, nothing)
 
 
 def test_the_slowdown_is_the_median_of_served_over_engine_alone_time() -> None:

@@ -68,6 +68,12 @@ def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys)
     assert alone["base_s"] == pytest.approx(doc["fit"]["base_s"])  # the engine-alone fit, kept
     for term in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s"):
         assert doc["profile"][term] == pytest.approx(alone[term] * served["slowdown"])
+    # the chained agent's stages reached the server apart by the client's turnaround (HTTP on
+    # localhost and the replay's own work: milliseconds, never nothing), and it is the profile's
+    assert 0 < served["stage_turnaround_s"] < 0.05
+    assert doc["profile"]["stage_turnaround_s"] == served["stage_turnaround_s"]
+    assert alone["stage_turnaround_s"] == 0.0
+    assert "turnaround" in printed
     prof = load_profile(str(out))
     assert prof.kv_tokens == 2048 and prof.max_model_len == 1024
     # the engine's token budget per step, as vLLM set it; no prompt of a 1,024-token context
