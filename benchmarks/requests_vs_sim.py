@@ -6,7 +6,9 @@ and finished. The simulator replays the same workload under the same policy on t
 the server fitted to the run's own steps (its `time_model`, every step since the start), and
 the same three times are taken from its dispatcher. Printed and written: per request size,
 the time in the engine (admitted to finished) live over simulated; in all, the time waited
-in the queue (submitted to admitted), the makespan and the mean JCT. A simulator whose
+in the queue (submitted to admitted), the makespan and the mean JCT; and the live requests'
+time from admission to finish split by the engine's own clocks (its way in, its queue,
+prefill, decode, the way back) and the server's rest. A simulator whose
 engine is right but whose order is not shows equal engine times and unequal waits.
 
     python benchmarks/requests_vs_sim.py RUN.json [--policy justitia] [--history FILE] [--json OUT]
@@ -30,6 +32,10 @@ from server.sim.simulator import run_comparison
 from server.sim.workload import AgentSpec, load_workload
 
 SIZES = ((0, 1024), (1024, 2048), (2048, 3500), (3500, 10**9))  # prompt + output tokens
+# A request's time inside the engine by the engine's clocks, as the server's history keeps it
+# (server/runtime/agents.py `RequestLog`): the way in, the engine's queue, prefill, decode,
+# the way back.
+ENGINE_PARTS = ("to_engine_s", "engine_queued_s", "prefill_s", "decode_s", "from_engine_s")
 
 
 def _size_name(tokens: int) -> str:
@@ -50,7 +56,7 @@ def live_requests(history: Path) -> dict[tuple[str, int], list[dict]]:
         for r in json.loads(requests):
             at = submitted - t0
             times = {"submitted": at + r["submitted_s"], "admitted": at + r["admitted_s"],
-                     "finished": at + r["finished_s"]}
+                     "finished": at + r["finished_s"], **{k: r.get(k) for k in ENGINE_PARTS}}
             out[(agent, r["prompt_tokens"] + r["output_tokens"])].append(times)
     return out
 
@@ -91,6 +97,20 @@ def simulated_requests(agents: list[AgentSpec], policy: str, profile: EngineProf
     return out, result.summary()
 
 
+def time_split(live: dict) -> dict | None:
+    """The live requests' time from admission to finish, summed, split by the engine's own
+    clocks into its parts (`ENGINE_PARTS`) and the server's own rest (from its admission to
+    its hand-off, and from the engine's last output to its bookkeeping). None when the history
+    has no engine times (an engine that does not report them)."""
+    reqs = [r for rs in live.values() for r in rs if all(r.get(k) is not None for k in ENGINE_PARTS)]
+    if not reqs:
+        return None
+    total = sum(r["finished"] - r["admitted"] for r in reqs)
+    parts = {k: sum(r[k] for r in reqs) for k in ENGINE_PARTS}
+    return {"requests": len(reqs), "admitted_to_finished_s": total, **parts,
+            "server_s": total - sum(parts.values())}
+
+
 def compare(live: dict, sim: dict) -> dict:
     """Requests matched by agent and size, in order: engine time per size, waits in all."""
     sizes: dict[str, list[list[float]]] = {_size_name(lo): [[], []] for lo, _ in SIZES}
@@ -126,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = json.loads(Path(args.run_json).read_text())
     [run] = [r for r in doc["results"] if r["policy"] == args.policy]
     history = Path(args.history or Path(run["data_dir"]) / "history.sqlite3")
-    profile = fitted_profile(EngineProfile.from_dict(doc["config"]["profile"]), run["time_model"])
+    profile = fitted_profile(EngineProfile.from_dict(doc["config"]["profile"]), run["time_model"],
+                             run.get("stage_turnaround_s"))
     if profile is None:
         raise SystemExit("the run reports no fitted engine to simulate it on")
     agents = load_workload(doc["config"]["workload"])
@@ -134,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"run": args.run_json, "policy": args.policy, "profile": profile.as_dict(),
            "live_mean_jct_s": run["mean_jct_s"], "sim_mean_jct_s": summary["mean_jct_s"],
            "live_makespan_s": run["makespan_s"], "sim_makespan_s": summary["makespan_s"],
-           **compare(live_requests(history), sim)}
+           **compare(live := live_requests(history), sim), "live_time_split": time_split(live)}
     print(f"mean JCT live {out['live_mean_jct_s']:.2f} s, simulated on the run's own engine "
           f"{out['sim_mean_jct_s']:.2f} s; makespan {out['live_makespan_s']:.1f} / {out['sim_makespan_s']:.1f} s")
     for name, b in out["engine_time_by_size"].items():
@@ -143,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{b['sim_s']:.2f} s simulated ({b['live_over_sim']:.2f}x; median request {b['median_ratio']:.2f}x)")
     print(f"waited in the queue: {out['queue_wait_live_s']:.1f} request-seconds live, "
           f"{out['queue_wait_sim_s']:.1f} simulated")
+    if split := out["live_time_split"]:
+        print(f"live, admitted to finished: {split['admitted_to_finished_s']:.2f} request-seconds over "
+              f"{split['requests']} requests: " + ", ".join(
+                  f"{name} {split[key]:.2f}" for name, key in (
+                      ("on the way in", "to_engine_s"), ("in the engine's queue", "engine_queued_s"),
+                      ("prefill", "prefill_s"), ("decode", "decode_s"), ("on the way back", "from_engine_s"),
+                      ("the server's own", "server_s"))))
     if args.json:
         write_result(args.json, out)
     return 0

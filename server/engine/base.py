@@ -100,6 +100,22 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class EngineTimes:
+    """Where one request's time went inside the engine, from the engine's own clocks (vLLM's
+    per-request stats), in seconds: from the server's hand-off to the engine's queue
+    (`to_engine_s`: the request's way to the engine core), waiting there for a step
+    (`queued_s`), from its first step to its first token (`prefill_s`), to its last token
+    (`decode_s`), and from its last token to the server's hand (`from_engine_s`: the output's
+    way back). What a request's time in the engine holds beyond these is the server's own."""
+
+    to_engine_s: float
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+    from_engine_s: float
+
+
+@dataclass(frozen=True)
 class EngineOutput:
     """Cumulative state of one request after an engine step.
 
@@ -120,6 +136,8 @@ class EngineOutput:
     # Prompt tokens the engine served from its prefix cache (vLLM's num_cached_tokens);
     # None when the engine does not say.
     cached_tokens: int | None = None
+    # A finished request's time inside the engine, when the engine reports it.
+    times: EngineTimes | None = None
 
     def each(self) -> tuple[SequenceOutput, ...]:
         """The request's sequences, one at least."""

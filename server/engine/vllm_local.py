@@ -34,7 +34,7 @@ from server.engine.processes import (
     without_sigint,
 )
 from server.engine.tokens import TokenizerEngine, fast_encoder
-from server.engine.vllm_outputs import Sequences, cached_tokens, sampling_params
+from server.engine.vllm_outputs import Sequences, cached_tokens, engine_times, sampling_params
 from server.engine.vllm_stats import StatsCollector, stat_logger_factory
 
 log = logging.getLogger("justitia.engine")
@@ -404,6 +404,7 @@ class LocalVLLMEngine(TokenizerEngine):
         counted = len(request.prompt_token_ids) * max(1, int(getattr(request.sampling, "n", 1) or 1))
         stats.attend(counted)
         seen = 0  # output tokens counted so far
+        sent_at = time.monotonic()
         try:
             async for out in llm.generate(
                 prompt, params, request.request_id, priority=int(request.priority)
@@ -425,6 +426,7 @@ class LocalVLLMEngine(TokenizerEngine):
                     num_preemptions=int(getattr(metrics, "num_preemptions", 0) or 0),
                     sequences=sequences,
                     cached_tokens=cached_tokens(out),
+                    times=engine_times(metrics, sent_at, time.monotonic()) if out.finished else None,
                 )
         except (asyncio.CancelledError, GeneratorExit):
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from server.engine.base import (
+    EngineTimes,
     SamplingOptions,
     SequenceOutput,
     TokenLogprob,
@@ -92,3 +93,20 @@ def cached_tokens(out: Any) -> int | None:
     """Prompt tokens vLLM found in its prefix cache for this request (None: not reported)."""
     cached = getattr(out, "num_cached_tokens", None)
     return int(cached) if isinstance(cached, int) and cached >= 0 else None
+
+
+def engine_times(metrics: Any, sent_at: float, now: float) -> EngineTimes | None:
+    """A finished request's time inside the engine from vLLM's per-request stats
+    (`RequestOutput.metrics`: the engine core's monotonic timestamps of its queueing, first
+    step, first and last token), with `sent_at` (when the server handed it over) and `now`
+    (when its last output reached the server), both `time.monotonic()`: the engine core is a
+    process of this host, and Linux's monotonic clock is one for all its processes. None when
+    vLLM recorded no step for it (stats off, or aborted before one)."""
+    queued = float(getattr(metrics, "queued_ts", 0.0) or 0.0)
+    scheduled = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
+    first = float(getattr(metrics, "first_token_ts", 0.0) or 0.0)
+    last = float(getattr(metrics, "last_token_ts", 0.0) or 0.0)
+    if not 0.0 < queued <= scheduled <= first <= last:
+        return None
+    return EngineTimes(to_engine_s=queued - sent_at, queued_s=scheduled - queued, prefill_s=first - scheduled,
+                       decode_s=last - first, from_engine_s=now - last)

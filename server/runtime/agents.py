@@ -136,6 +136,14 @@ class RequestLog:
     finish_reason: str | None
     preemptions: int = 0
     cached_tokens: int | None = None  # prompt tokens the prefix cache served (None: not reported)
+    # Its time inside the engine, by the engine's clocks (server/engine/base.py `EngineTimes`;
+    # None where the engine does not report it): the way in, the engine's queue, prefill,
+    # decode, the way back. admitted_s to finished_s less these is the server's own time.
+    to_engine_s: float | None = None
+    engine_queued_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    from_engine_s: float | None = None
 
 
 @dataclass

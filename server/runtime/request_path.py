@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
 
-from server.engine.base import Engine, EngineOutput, EngineRequest, SamplingOptions
+from server.engine.base import Engine, EngineOutput, EngineRequest, EngineTimes, SamplingOptions
 from server.runtime.admission import Admission, Ticket
 from server.runtime.agent_listeners import AgentListeners
 from server.runtime.agents import AgentEntry, AgentStatus, RequestLog
@@ -137,6 +137,7 @@ class RequestPath:
                 finish_reason=last.finish_reason if last is not None else None,
                 preemptions=last.num_preemptions if last is not None else 0,
                 cached_tokens=last.cached_tokens if last is not None else None,
+                **engine_parts(last.times if last is not None else None),
             ))
         if last is not None:
             self.listeners.on_request_finished(entry, last)
@@ -166,3 +167,10 @@ class RequestPath:
                                stages_done=entry.stages_done, stages=entry.declared_stages)
         self.dispatcher.repredict(entry.id, total, now)
 
+
+def engine_parts(times: EngineTimes | None) -> dict[str, float]:
+    """A request log's fields of its time inside the engine (all None: not reported)."""
+    if times is None:
+        return {}
+    return {"to_engine_s": times.to_engine_s, "engine_queued_s": times.queued_s, "prefill_s": times.prefill_s,
+            "decode_s": times.decode_s, "from_engine_s": times.from_engine_s}

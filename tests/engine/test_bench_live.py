@@ -79,9 +79,25 @@ def test_bench_live_replays_a_workload_and_writes_the_contract(tmp_path, justiti
     assert (Path(result["data_dir"]) / "history.sqlite3").is_file()
     compared = tmp_path / "requests.json"
     assert requests_vs_sim([str(out), "--json", str(compared)]) == 0
-    by_size = json.loads(compared.read_text())["engine_time_by_size"]
-    assert sum(b["requests"] for b in by_size.values()) == sum(len(st) for a in agents for st in a.stages)
+    compared_doc = json.loads(compared.read_text())
+    by_size = compared_doc["engine_time_by_size"]
+    requests = sum(len(st) for a in agents for st in a.stages)
+    assert sum(b["requests"] for b in by_size.values()) == requests
     assert all(b["live_s"] > 0 and b["sim_s"] > 0 for b in by_size.values() if b["requests"])
+    # every request's time from admission to finish, split by the engine's own clocks: each
+    # part as long as it can be, their sum within what the server timed around them
+    split = compared_doc["live_time_split"]
+    assert split["requests"] == requests
+    for part in ("to_engine_s", "engine_queued_s", "from_engine_s"):
+        assert split[part] >= 0
+    assert split["prefill_s"] > 0 and split["decode_s"] > 0
+    assert split["server_s"] >= -1e-3 * requests
+    assert split["prefill_s"] + split["decode_s"] < split["admitted_to_finished_s"]
+    # agents of several stages: the clients' turnaround between them, as the server measured it,
+    # and the simulation refitted to the run waits as long before each later stage
+    assert any(len(a.stages) > 1 for a in agents)
+    assert 0 < result["stage_turnaround_s"] < 0.05
+    assert compared_doc["profile"]["stage_turnaround_s"] == result["stage_turnaround_s"]
 
 
 def test_bench_live_renders_shared_prefixes_that_the_engine_caches(tmp_path, justitia_home,
