@@ -9,13 +9,16 @@ profile?" without running the engine again.
     python benchmarks/family_resim.py benchmarks/results/family_live_104_repeats.json \
         calibrated=run calibrated+chunked=run+chunked refit=refit refit+chunked=refit+chunked
 
-A profile is `NAME=SOURCE[+chunked]`. SOURCE is a `bench calibrate` file or a built-in
-name; `xF`: the run's own profile with every term of its step time F times longer; `run`:
-the run's own profile; `refit`: each run's engine as the server fitted it to the run's own
-steps (`engine_fit`). `+chunked` adds the chunked-prefill term of prompts longer than the
-engine's step budget (server/shared/profiles.py), as `bench calibrate` fits it now to the
-grid points of the run's profile file (`--chunk-tokens`: the budget, where the file does
-not record it).
+A profile is `NAME=SOURCE[+chunked][+turnaround=S]`. SOURCE is a `bench calibrate` file or
+a built-in name; `xF`: the run's own profile with every term of its step time F times
+longer; `run`: the run's own profile; `refit`: each run's engine as the server fitted it to
+the run's own steps (`engine_fit`). `+chunked` adds the chunked-prefill term of prompts
+longer than the engine's step budget (server/shared/profiles.py), as `bench calibrate` fits
+it now to the grid points of the run's profile file (`--chunk-tokens`: the budget, where the
+file does not record it). `+turnaround=S` has the simulator wait S seconds, the client's
+turnaround, before each later stage of an agent (the profile's `stage_turnaround_s`); with
+`S` = `run`, the turnaround the server measured during each run (`stage_turnaround_s` of the
+run, recorded since the simulator models it).
 """
 
 from __future__ import annotations
@@ -55,31 +58,57 @@ def refitted(run_profile: EngineProfile, run: dict) -> EngineProfile:
                                per_prefill_token_s=fit["per_prefill_token_s"], per_kv_token_s=fit["per_kv_token_s"])
 
 
+def additions_of(spec: str, additions: list[str]) -> tuple[bool, str | None]:
+    """A profile's additions: whether it adds the chunked-prefill term, and its turnaround
+    (seconds as text, `run`, or None)."""
+    turnaround: str | None = None
+    for extra in additions:
+        if extra.startswith("turnaround="):
+            turnaround = extra.removeprefix("turnaround=")
+        elif extra != "chunked":
+            raise SystemExit(f"{spec!r}: the additions are +chunked and +turnaround=S")
+    if turnaround not in (None, "run"):
+        try:
+            float(turnaround)
+        except ValueError:
+            raise SystemExit(f"{spec!r}: a turnaround is seconds or `run`") from None
+    return "chunked" in additions, turnaround
+
+
+def turned_around(profile: EngineProfile, turnaround: str | None, run: dict) -> EngineProfile:
+    """`profile` waiting `turnaround` before each later stage (`run`: the run's own)."""
+    if turnaround is None:
+        return profile
+    if turnaround == "run":
+        if run.get("stage_turnaround_s") is None:
+            raise SystemExit(f"{run['shape']} seed {run['seed']} {run['mode']}: the run recorded no turnaround")
+        return dataclasses.replace(profile, stage_turnaround_s=float(run["stage_turnaround_s"]))
+    return dataclasses.replace(profile, stage_turnaround_s=float(turnaround))
+
+
 def profile_of(spec: str, run_profile: EngineProfile, calibration: dict, chunk_tokens: int) -> tuple[str, ProfileOf]:
     name, _, value = spec.partition("=")
     if not name or not value:
-        raise SystemExit(f"a profile is NAME=SOURCE[+chunked], not {spec!r}")
-    source, plus, extra = value.partition("+")
-    if plus and extra != "chunked":
-        raise SystemExit(f"{spec!r}: the only addition is +chunked")
+        raise SystemExit(f"a profile is NAME=SOURCE[+chunked][+turnaround=S], not {spec!r}")
+    source, *additions = value.split("+")
+    with_chunked, turnaround = additions_of(spec, additions)
+    term = chunked(run_profile, calibration, chunk_tokens) if with_chunked else None
 
-    term = chunked(run_profile, calibration, chunk_tokens) if plus else None
-
-    def finish(profile: EngineProfile) -> EngineProfile:
-        if term is None:
-            return profile
-        return dataclasses.replace(profile, prefill_chunk_tokens=term.prefill_chunk_tokens,
-                                   per_chunked_prefill_s=term.per_chunked_prefill_s)
+    def finish(profile: EngineProfile, run: dict) -> EngineProfile:
+        if term is not None:
+            profile = dataclasses.replace(profile, prefill_chunk_tokens=term.prefill_chunk_tokens,
+                                          per_chunked_prefill_s=term.per_chunked_prefill_s)
+        return turned_around(profile, turnaround, run)
 
     if source == "refit":
-        return name, lambda run: finish(refitted(run_profile, run))
+        return name, lambda run: finish(refitted(run_profile, run), run)
     if source == "run":
-        fixed = finish(run_profile)
+        fixed = run_profile
     elif source.startswith("x"):
-        fixed = finish(run_profile.scaled(float(source[1:])))
+        fixed = run_profile.scaled(float(source[1:]))
     else:
-        fixed = finish(load_profile(source))
-    return name, lambda run: fixed
+        fixed = load_profile(source)
+    return name, lambda run: finish(fixed, run)
 
 
 def resimulate(doc: dict, profiles: dict[str, ProfileOf]) -> list[dict]:
@@ -116,7 +145,7 @@ def members_within(rows: list[dict], name: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("family_json", help="a `bench family --live --json` file")
-    ap.add_argument("profiles", nargs="+", help="NAME=SOURCE[+chunked] (see above)")
+    ap.add_argument("profiles", nargs="+", help="NAME=SOURCE[+chunked][+turnaround=S] (see above)")
     ap.add_argument("--profile-file", metavar="FILE", default=None,
                     help="the run's profile file, where it has moved since the run (default: the path the "
                          "file's config records)")

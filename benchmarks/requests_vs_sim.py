@@ -11,7 +11,7 @@ time from admission to finish split by the engine's own clocks (its way in, its 
 prefill, decode, the way back) and the server's rest. A simulator whose
 engine is right but whose order is not shows equal engine times and unequal waits.
 
-    python benchmarks/requests_vs_sim.py RUN.json [--policy justitia] [--history FILE] [--json OUT]
+    python benchmarks/requests_vs_sim.py RUN.json [--policy justitia] [--history FILE] [--turnaround S] [--json OUT]
 """
 
 from __future__ import annotations
@@ -142,12 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="justitia", help="the policy's run to compare (default: %(default)s)")
     ap.add_argument("--history", help="the server's history file (default: history.sqlite3 in the run's data_dir)")
     ap.add_argument("--json", help="write the comparison here")
+    ap.add_argument("--turnaround", type=float, default=None, metavar="S",
+                    help="the client's turnaround the simulation waits before each later stage of an agent "
+                         "(default: the one the server measured during the run; 0: none)")
     args = ap.parse_args(argv)
     doc = json.loads(Path(args.run_json).read_text())
     [run] = [r for r in doc["results"] if r["policy"] == args.policy]
     history = Path(args.history or Path(run["data_dir"]) / "history.sqlite3")
     profile = fitted_profile(EngineProfile.from_dict(doc["config"]["profile"]), run["time_model"],
-                             run.get("stage_turnaround_s"))
+                             run.get("stage_turnaround_s") if args.turnaround is None else args.turnaround)
     if profile is None:
         raise SystemExit("the run reports no fitted engine to simulate it on")
     agents = load_workload(doc["config"]["workload"])

@@ -102,3 +102,12 @@ def test_resimulation_adds_the_term_fitted_to_the_runs_calibration() -> None:
     assert prof.prefill_chunk_tokens == 2048 and prof.per_chunked_prefill_s == pytest.approx(5e-9, rel=1e-6)
     with pytest.raises(SystemExit):
         profile_of("c=run+served", LINE, calibration, 2048)
+    # the client's turnaround before each later stage: a fixed one, or the one each run measured
+    _, fixed = profile_of("d=refit+chunked+turnaround=0.003", LINE, calibration, 2048)
+    assert fixed(run).stage_turnaround_s == 0.003 and fixed(run).per_chunked_prefill_s > 0
+    _, measured = profile_of("e=run+turnaround=run", LINE, calibration, 2048)
+    assert measured({**run, "stage_turnaround_s": 0.0027}).stage_turnaround_s == 0.0027
+    with pytest.raises(SystemExit, match="no turnaround"):
+        measured({**run, "shape": "bursts", "seed": 1, "mode": "fresh"})  # a run from before it was recorded
+    with pytest.raises(SystemExit, match="seconds or `run`"):
+        profile_of("f=run+turnaround=soon", LINE, calibration, 2048)
