@@ -214,6 +214,10 @@ def register(commands: Commands) -> None:
                           "engine; then one agent of 24 short stages, each sent when the last answered: the "
                           "client's turnaround between stages, which the simulator leaves before each later "
                           "stage (about a minute more)")
+    cal.add_argument("--turnaround", action="store_true",
+                     help="then only the agent of 24 short stages through `justitia serve`: the client's "
+                          "turnaround between stages recorded in the profile, the step model left as the engine "
+                          "alone measured it (a server start and a few seconds more; --served measures it too)")
     seed_option(cal, "seed of the random prompt token ids")
 
     st = add_command(

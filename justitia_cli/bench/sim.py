@@ -195,11 +195,15 @@ def calibrate_command(args: argparse.Namespace) -> int:
                                   progress=advance)
     info, model, rows, summary = cal.info, cal.model, cal.rows, cal.summary
     served: dict = {}
+    turnaround: dict = {}
     if args.served:
         served, cal.profile = _served(cal.results, cal.profile, info, args.seed)
+    elif args.turnaround:
+        turnaround, cal.profile = _turnaround(cal.profile, info, args.seed)
     profile = cal.profile
     wall = cal.wall_s = time.perf_counter() - t0
-    cal.save(args.out, args.quick, **({"served": served} if served else {}))
+    cal.save(args.out, args.quick, **({"served": served} if served else {}),
+             **({"turnaround": turnaround} if turnaround else {}))
     table = Table(title=f"bench calibrate: M={info['kv_tokens']} N={info['max_model_len']}  ({wall:.0f} s)")
     for col in ("batch", "prompt", "output", "steps", "measured s", "fitted s", "fit err", "sim s", "sim err"):
         table.add_column(col, justify="right")
@@ -226,6 +230,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
                       + ", ".join(f"{r['slowdown']:.2f}" for r in served["points"])
                       + f"; the step model is scaled by their median, {served['slowdown']:.2f}; the client's "
                   f"turnaround between an agent's stages: {1000 * served['stage_turnaround_s']:.1f} ms (median)")
+    if turnaround:
+        console.print(f"the client's turnaround between an agent's stages, through the server: "
+                      f"{1000 * turnaround['stage_turnaround_s']:.1f} ms (median)")
     console.print(f"wrote {args.out}: use it with `bench sim --profile {args.out}` "
                   f"or `bench live --profile {args.out}`")
     return 0
@@ -258,6 +265,25 @@ def _served(results: list, profile: EngineProfile, info: dict, seed: int) -> tup
         raise CommandError(f"{exc}; see the server's log") from None
     return ({"slowdown": factor, "points": rows, "engine_alone": profile.as_dict(),
              "stage_turnaround_s": turnaround}, served)
+
+
+def _turnaround(profile: EngineProfile, info: dict, seed: int) -> tuple[dict, EngineProfile]:
+    """Run the agent of short chained stages through the server (`bench live`'s runner) and
+    record the client's turnaround the server measured between them in the profile
+    (server/sim/calibrate_served.py); the step model stays the engine alone's."""
+    from justitia_cli.bench.live_run import LiveOptions, run_policy
+    from server.sim import calibrate_served
+
+    print(f"sending one agent of {calibrate_served.CHAIN_STAGES} short stages through `justitia serve` "
+          "(a server start, then a few seconds)")
+    run = run_policy([calibrate_served.chain_agent()], "justitia",
+                     LiveOptions(kv_tokens=info["kv_tokens"], max_model_len=info["max_model_len"], seed=seed))
+    measured = run.extra.get("stage_turnaround_s")
+    try:
+        timed = calibrate_served.with_turnaround(profile, measured)
+    except ValueError as exc:
+        raise CommandError(f"{exc}; see the server's log") from None
+    return {"stage_turnaround_s": measured, "stages": calibrate_served.CHAIN_STAGES}, timed
 
 
 def make_workload_command(args: argparse.Namespace) -> int:

@@ -20,6 +20,8 @@ After the points, one agent of `CHAIN_STAGES` one-request stages, each sent when
 it has answered, measures the client's turnaround between stages as the server sees it (the
 median `pauses.turnaround_p50_s` of `/v1/scheduler`): the profile's `stage_turnaround_s`, the
 gap the simulator leaves before each later stage of an agent (server/shared/profiles.py).
+`bench calibrate --turnaround` runs that agent alone, the step model left as the engine
+alone measured it.
 
 Plain data and arithmetic here; the run through the server is the CLI's (`bench live`'s
 runner).
@@ -61,9 +63,15 @@ def served_workload(points: Sequence[PointResult]) -> list[AgentSpec]:
                              stages=[[(pt.prompt, pt.output)]], prompt=f"calibration point {k}")
                    for i in range(pt.batch)]
         t += SERVED_ROOM * r.seconds + SERVED_GAP_S
-    agents.append(AgentSpec(id=CHAIN_ID, type="calibration-chain", arrival=round(t, 3),
-                            stages=[[CHAIN_REQUEST]] * CHAIN_STAGES, prompt="calibration of the turnaround"))
+    agents.append(chain_agent(round(t, 3)))
     return agents
+
+
+def chain_agent(arrival: float = 0.0) -> AgentSpec:
+    """The agent of `CHAIN_STAGES` one-request stages, each sent when the one before it has
+    answered: the gaps between them are the client's turnaround as the server sees it."""
+    return AgentSpec(id=CHAIN_ID, type="calibration-chain", arrival=arrival,
+                     stages=[[CHAIN_REQUEST]] * CHAIN_STAGES, prompt="calibration of the turnaround")
 
 
 def served_rows(points: Sequence[PointResult], finish_s: Mapping[str, float],

@@ -37,6 +37,24 @@ def test_scheduler_shows_the_time_model_learned_from_engine_steps(vllm_client: h
 
 
 @pytest.mark.engine
+def test_calibrate_turnaround_records_the_clients_turnaround_beside_the_engine_alone(tmp_path, capsys) -> None:
+    """`--turnaround`: one agent of short chained stages through `justitia serve`; the gap the
+    server measured between them is the profile's, and the step model is the engine alone's."""
+    out = tmp_path / "prof.json"
+    assert main(["bench", "calibrate", "--kv-tokens", "2048", "--max-model-len", "1024",
+                 "--out", str(out), "--quick", "--turnaround"]) == 0
+    assert "turnaround between an agent's stages" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert "served" not in doc
+    measured = doc["turnaround"]["stage_turnaround_s"]
+    assert 0 < measured < 0.05  # HTTP on localhost and the replay's own work: milliseconds, never nothing
+    assert doc["profile"]["stage_turnaround_s"] == measured
+    for term in ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s"):
+        assert doc["profile"][term] == pytest.approx(doc["fit"][term])  # not scaled
+    assert load_profile(str(out)).stage_turnaround_s == measured
+
+
+@pytest.mark.engine
 def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys) -> None:
     """`--served` too: the points of several requests run again through `justitia serve`, and
     the profile is the engine-alone fit scaled by their median slowdown."""
