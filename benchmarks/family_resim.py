@@ -18,7 +18,8 @@ it now to the grid points of the run's profile file (`--chunk-tokens`: the budge
 file does not record it). `+turnaround=S` has the simulator wait S seconds, the client's
 turnaround, before each later stage of an agent (the profile's `stage_turnaround_s`); with
 `S` = `run`, the turnaround the server measured during each run (`stage_turnaround_s` of the
-run, recorded since the simulator models it).
+run, recorded since the simulator models it; a run whose every stage boundary was a pause
+measured none and keeps the profile's).
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def turned_around(profile: EngineProfile, turnaround: str | None, run: dict) -> 
     if turnaround is None:
         return profile
     if turnaround == "run":
-        if run.get("stage_turnaround_s") is None:
+        if "stage_turnaround_s" not in run:
             raise SystemExit(f"{run['shape']} seed {run['seed']} {run['mode']}: the run recorded no turnaround")
+        if run["stage_turnaround_s"] is None:  # every stage boundary a pause: none measured
+            return profile
         return dataclasses.replace(profile, stage_turnaround_s=float(run["stage_turnaround_s"]))
     return dataclasses.replace(profile, stage_turnaround_s=float(turnaround))
 

@@ -228,11 +228,10 @@ def calibrate_command(args: argparse.Namespace) -> int:
     if served:
         console.print(f"served through the server: {len(served['points'])} points, slowdown "
                       + ", ".join(f"{r['slowdown']:.2f}" for r in served["points"])
-                      + f"; the step model is scaled by their median, {served['slowdown']:.2f}; the client's "
-                  f"turnaround between an agent's stages: {1000 * served['stage_turnaround_s']:.1f} ms (median)")
-    if turnaround:
+                      + f"; the step model is scaled by their median, {served['slowdown']:.2f}")
+    if measured := (served or turnaround).get("stage_turnaround_s"):
         console.print(f"the client's turnaround between an agent's stages, through the server: "
-                      f"{1000 * turnaround['stage_turnaround_s']:.1f} ms (median)")
+                      f"{1000 * measured:.1f} ms (median)")
     console.print(f"wrote {args.out}: use it with `bench sim --profile {args.out}` "
                   f"or `bench live --profile {args.out}`")
     return 0
@@ -259,12 +258,18 @@ def _served(results: list, profile: EngineProfile, info: dict, seed: int) -> tup
         raise CommandError("no calibration point finished through the server; see its log")
     factor = calibrate_served.slowdown(rows)
     turnaround = run.extra.get("stage_turnaround_s")
+    return ({"slowdown": factor, "points": rows, "engine_alone": profile.as_dict(),
+             "stage_turnaround_s": turnaround}, _with_turnaround(calibrate_served.scaled(profile, factor), turnaround))
+
+
+def _with_turnaround(profile: EngineProfile, measured: float | None) -> EngineProfile:
+    """The profile with the client's turnaround the server measured, or a CommandError."""
+    from server.sim import calibrate_served
+
     try:
-        served = calibrate_served.with_turnaround(calibrate_served.scaled(profile, factor), turnaround)
+        return calibrate_served.with_turnaround(profile, measured)
     except ValueError as exc:
         raise CommandError(f"{exc}; see the server's log") from None
-    return ({"slowdown": factor, "points": rows, "engine_alone": profile.as_dict(),
-             "stage_turnaround_s": turnaround}, served)
 
 
 def _turnaround(profile: EngineProfile, info: dict, seed: int) -> tuple[dict, EngineProfile]:
@@ -279,11 +284,8 @@ def _turnaround(profile: EngineProfile, info: dict, seed: int) -> tuple[dict, En
     run = run_policy([calibrate_served.chain_agent()], "justitia",
                      LiveOptions(kv_tokens=info["kv_tokens"], max_model_len=info["max_model_len"], seed=seed))
     measured = run.extra.get("stage_turnaround_s")
-    try:
-        timed = calibrate_served.with_turnaround(profile, measured)
-    except ValueError as exc:
-        raise CommandError(f"{exc}; see the server's log") from None
-    return {"stage_turnaround_s": measured, "stages": calibrate_served.CHAIN_STAGES}, timed
+    return ({"stage_turnaround_s": measured, "stages": calibrate_served.CHAIN_STAGES},
+            _with_turnaround(profile, measured))
 
 
 def make_workload_command(args: argparse.Namespace) -> int:

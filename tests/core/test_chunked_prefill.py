@@ -109,5 +109,7 @@ def test_resimulation_adds_the_term_fitted_to_the_runs_calibration() -> None:
     assert measured({**run, "stage_turnaround_s": 0.0027}).stage_turnaround_s == 0.0027
     with pytest.raises(SystemExit, match="no turnaround"):
         measured({**run, "shape": "bursts", "seed": 1, "mode": "fresh"})  # a run from before it was recorded
+    # a run whose every boundary was a pause measured none: the profile's stays
+    assert measured({**run, "stage_turnaround_s": None}).stage_turnaround_s == LINE.stage_turnaround_s
     with pytest.raises(SystemExit, match="seconds or `run`"):
         profile_of("f=run+turnaround=soon", LINE, calibration, 2048)
