@@ -587,6 +587,12 @@ ENTRIES: list[Entry] = [
                       "of a burst within an episode held to the densest stretch of arrivals seen and the large "
                       "agents' floors at 5 and 3; the calibration made just before (`{profile}`)",
                       "[seed 123](benchmarks.md#seed-123)"),
+    _family_live_seed("family-live-124", 124, "family_live_124", "profile_cpu_tiny_4096_famlive_124.json", "",
+                      "All six shapes, fresh and taught, on another seed never run live before, with the simulator "
+                      "waiting the client's turnaround before each later stage of an agent; the calibration made "
+                      "just before, with the turnaround measured through the server (`{profile}`, `bench calibrate "
+                      "--turnaround`)",
+                      "[seed 124](benchmarks.md#seed-124)"),
     _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
                       "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
                       "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "
