@@ -264,6 +264,8 @@ def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_pat
         "stage_turnaround_s": live.extra.get("stage_turnaround_s"),
         "sim_stage_turnaround_s": engine.stage_turnaround_s,
         "engine_fit": fitted.as_dict() if fitted is not None else None,
+        # the server's warm-up against the calibration: the host's speed of the minute
+        "prior_check": (live.extra.get("time_model") or {}).get("prior_check"),
         "agents_failed": live.extra.get("agents_failed"), "agents_lost": live.extra.get("agents_lost"),
         "failures": live.extra.get("failures"), "preemptions": live.preemptions,
         "broken": broken_promises(live, sim),

@@ -39,6 +39,7 @@ from server.engine.base import (
     EngineInfo,
     EngineRequest,
     SamplingOptions,
+    StepSamples,
     Supervised,
 )
 from server.runtime.data_dir import check_writable
@@ -46,9 +47,11 @@ from server.runtime.history import History
 from server.runtime.limits import PerTenant, Quotas, RateLimiter
 from server.runtime.live import LiveConfig, LiveScheduler
 from server.runtime.metrics import CONTENT_TYPE, Metrics
+from server.runtime.prior_check import WarmUpSteps
 from server.runtime.service import InferenceService
 from server.runtime.shutdown import SHUTTING_DOWN, Shutdown
 from server.scheduler.policies import ENGINE, get_policy
+from server.shared.step_time import StepSample
 
 log = logging.getLogger("justitia.server")
 
@@ -191,21 +194,27 @@ def warm_up_requests(info: EngineInfo, text_ids: Sequence[int], round_: int = 0)
     return requests
 
 
-async def _warm_up(engine: Engine) -> None:
+async def _warm_up(engine: Engine, samples: StepSamples | None) -> tuple[StepSample, ...]:
     """A few batches before /readyz turns green: the first steps of a fresh engine are slow
     (lazy initialisation, per batch shape), and agents admitted then would miss promises
-    that the measured steady-state speed makes."""
+    that the measured steady-state speed makes. Returns the steps of its last round, run on
+    the warmed engine (the prior's check, server/runtime/prior_check.py)."""
     ids = engine.tokenize("Justitia warms up the engine before serving agents: batches of several "
                           "lengths, so that the first agents meet the engine's steady speed.")
+    steps = WarmUpSteps()
+    if samples is not None:
+        samples.add_sample_listener(steps.observe)
 
     async def run(request: EngineRequest) -> None:
         async for _ in engine.generate(request):
             pass
 
     for round_ in range(WARM_UP_ROUNDS):
+        steps.next_round()
         async with anyio.create_task_group() as group:
             for request in warm_up_requests(engine.info, ids, round_):
                 group.start_soon(run, request)
+    return steps.close()
 
 
 # Exit status of a server whose engine could not be restarted (a supervisor restarts it).
@@ -322,7 +331,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         await engine.start()
         if not model_name:
             model_name = engine.info.served_name or engine.info.model
-        await _warm_up(engine)
+        warm_up_steps = await _warm_up(engine, capabilities.step_samples)
         metrics = Metrics()
         predictors = _predictors(config)
         scheduler = LiveScheduler(
@@ -335,6 +344,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                 session_idle_s=config.session_idle_s,
                 initial_tau_s=config.initial_tau_s,
                 **_time_model_prior(config),
+                warm_up_steps=warm_up_steps,
                 lease_s=config.agent_lease_s,
                 retention_s=config.agent_retention_s,
                 max_num_seqs=config.max_num_seqs,

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.engine.base import Capabilities, Engine
+from server.runtime.prior_check import PriorCheck, check_prior
 from server.runtime.relearn import HistoryReading, Recalled, engine_key, engine_state, recall
 from server.runtime.type_shapes import TypeShapes
 from server.scheduler import Dispatcher
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
 from server.scheduler.time_model import TimeModel, TimeModelBank
+from server.shared.step_time import StepSample
 
 if TYPE_CHECKING:
     from server.runtime.history import History
@@ -39,7 +41,7 @@ ENGINE_SAVE_S = 60.0  # how often what was measured of the engine is saved in th
 class EngineUpkeep:
     def __init__(self, engine: Engine, capabilities: Capabilities, dispatcher: Dispatcher, *,
                  initial_tau_s: float, prior: TimeModel, prior_measured: bool,
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float], warm_up_steps: Sequence[StepSample] = ()) -> None:
         self.engine = engine
         self.capabilities = capabilities
         self.dispatcher = dispatcher
@@ -49,6 +51,12 @@ class EngineUpkeep:
         self.tau = TauEstimator(engine.info.kv_capacity_tokens, initial_tau_s)
         # until the engine's rate is measured, promises are widened and say so
         dispatcher.set_iteration_time(initial_tau_s, 0.0, **self.tau.promise_times())
+        # A measured prior is checked against the warm-up's steps: the host's speed of the
+        # minute (server/runtime/prior_check.py).
+        self.warm_up_steps = tuple(warm_up_steps)
+        self.prior_check: PriorCheck | None = None
+        if prior_measured:
+            prior = self._checked(prior)
         self.time_models = TimeModelBank(prior)
         self.recalled = Recalled()  # what `recall` learned again from the history
         # the prior was measured on this engine: a calibration, or the last run's saved fit
@@ -83,6 +91,20 @@ class EngineUpkeep:
             caps.autoscaled.set_demand_source(lambda: ledger.reserved_kv + ledger.pending_kv)
         if caps.supervision is not None:
             caps.supervision.add_state_listener(on_state)
+
+    def _checked(self, prior: TimeModel) -> TimeModel:
+        checked, self.prior_check = check_prior(prior, self.warm_up_steps)
+        if self.prior_check.scaled:
+            log.warning("the engine's warm-up ran %.2fx the time the time model's prior (%s) predicts: "
+                        "the prior is scaled to it (a profile of another host, or of this one at "
+                        "another speed)", self.prior_check.ratio, prior.source)
+        return checked
+
+    def describe(self) -> dict[str, Any]:
+        """The time models (GET /v1/scheduler's `time_model`), with the prior's check."""
+        described = self.time_models.describe()
+        described["prior_check"] = self.prior_check.as_dict() if self.prior_check is not None else None
+        return described
 
     def recovering(self) -> bool:
         """The engine is down but being restarted: queued requests wait for it."""
@@ -130,6 +152,7 @@ class EngineUpkeep:
         prior = reading.prior
         # a calibration given to this run wins; a bank that has seen steps keeps its fit
         if prior is not None and not self.prior_measured and not self.time_models.fitters:
+            prior = self._checked(prior)
             self.time_models.prior = prior  # its fitters start from it (none has yet)
             self.prior_measured = True
             self.dispatcher.set_time_model(prior)

@@ -124,7 +124,8 @@ class LiveScheduler:
         )
         self.upkeep = EngineUpkeep(engine, self.capabilities, self.dispatcher,
                                    initial_tau_s=config.initial_tau_s, prior=config.time_model_prior,
-                                   prior_measured=config.prior_measured, now=self.now)
+                                   prior_measured=config.prior_measured, now=self.now,
+                                   warm_up_steps=config.warm_up_steps)
         self.tau = self.upkeep.tau
         self.time_models = self.upkeep.time_models
         self.admission = Admission(
@@ -389,7 +390,7 @@ class LiveScheduler:
             "iteration_time_s": stats.iteration_time_s,
             "dtype": self.engine.info.dtype,
         }
-        snap["time_model"] = self.time_models.describe()
+        snap["time_model"] = self.upkeep.describe()
         snap["recalled"] = asdict(self.recalled)
         snap["retention"] = self.retention.summary()
         return snap

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from server.runtime.limits import Quotas
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel
+from server.shared.step_time import StepSample
 
 
 @dataclass(frozen=True)
@@ -32,3 +33,6 @@ class LiveConfig:
     # times ETAs from the start, and sets their rate (Dispatcher.eta_rate) before the fit has
     # seen TRUSTED_STEPS steps.
     prior_measured: bool = False
+    # The last round of the engine's warm-up (server/api/app.py): a measured prior is checked
+    # against these steps, and scaled where the host runs at another speed (prior_check.py).
+    warm_up_steps: tuple[StepSample, ...] = ()

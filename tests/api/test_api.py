@@ -168,6 +168,41 @@ def test_a_profile_measured_on_the_engine_is_the_time_models_prior_and_sets_the_
             assert snap["eta_rate"] > 1.5 * snap["rate"]
 
 
+def test_a_profile_of_a_faster_host_is_scaled_to_the_engines_warm_up(tmp_path) -> None:
+    """A profile whose steps are five times shorter than the engine's (calibrated on another
+    host) is checked against the warm-up's last round, before any agent is promised
+    anything: the prior that times ETAs is scaled to the engine, and the snapshot says by
+    how much. A profile of this engine's speed is kept as it is; without one nothing is
+    checked."""
+    from dataclasses import replace
+
+    from server.shared.profiles import get_profile
+    from server.sim.calibrate import save_profile
+
+    engine = get_profile("cpu-tiny")  # the fake engine steps as this profile says
+    fast = replace(engine, name="elsewhere", base_s=engine.base_s / 5, per_seq_s=engine.per_seq_s / 5,
+                   per_prefill_token_s=engine.per_prefill_token_s / 5)
+    checks = {}
+    for name, profile in (("elsewhere", fast), ("here", engine), ("none", None)):
+        path = None
+        if profile is not None:
+            path = tmp_path / f"{name}.json"
+            save_profile(profile, path)
+        with FakeServer(tmp_path / f"data-{name}", profile=str(path) if path else None) as srv, \
+                local_client(base_url=srv.url, timeout=20) as c:
+            time_model = c.get("/v1/scheduler").json()["time_model"]
+            e = register(c, type_="t", predicted_cost=1e4)
+            assert e["eta_s"] > 0
+        checks[name] = (time_model["prior_check"], time_model["prior"])
+    check, prior = checks["elsewhere"]
+    assert check["scaled"] and check["steps"] >= 16 and 3.5 < check["ratio"] < 8
+    assert prior["base_s"] == pytest.approx(fast.base_s * check["ratio"])
+    assert prior["source"].startswith("prior: elsewhere profile, scaled x")
+    check, prior = checks["here"]
+    assert not check["scaled"] and check["steps"] >= 16 and prior["base_s"] == engine.base_s
+    assert checks["none"][0] is None  # the built-in prior is not trusted anyway: nothing to check
+
+
 def test_a_declared_shape_of_long_prompts_is_told_their_chunked_prefill(tmp_path) -> None:
     """A calibration that measured the chunked prefill of prompts past the engine's step
     budget (`bench calibrate`'s `per_chunked_prefill_s`) is the time model's prior, term

@@ -148,6 +148,9 @@ def test_a_restarted_server_starts_from_the_time_model_and_the_tau_its_last_run_
     assert (prior["base_s"], prior["per_seq_s"], prior["per_prefill_token_s"], prior["per_kv_token_s"]) \
         == pytest.approx(fitted.coefficients)  # the first run's fit at its shutdown
     assert prior["per_kv_token_s"] > 0  # learned: the built-in prior has no attention term
+    # the saved fit was checked against this run's warm-up, as a calibration is, and kept
+    assert first["time_model"]["prior_check"] is None  # the built-in prior: nothing to check
+    assert again["time_model"]["prior_check"]["steps"] >= 16 and not again["time_model"]["prior_check"]["scaled"]
     assert first["eta_rate"] == pytest.approx(first["rate"])  # the built-in prior: not trusted
     assert again["eta_rate"] > 1.1 * again["rate"]  # trusted from the start, as a calibration
     other = FakeEngine(kv_capacity_tokens=8192)  # another engine: another speed

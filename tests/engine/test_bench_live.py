@@ -211,9 +211,15 @@ def test_bench_family_live_runs_each_member_again_on_a_fresh_server(tmp_path, ju
     assert doc["config"]["repeats"] == 2
     runs = doc["runs"]
     assert [r["repeat"] for r in runs] == [0, 1]
+    from server.runtime.prior_check import MIN_STEPS, TOLERANCE
+
     for r in runs:
         assert r["live"]["agents"] == 4 and r["agents_failed"] == 0 and r["agents_lost"] == 0
         assert r["sim"]["agents"] == 4
+        # each server checked the calibration against its engine's warm-up steps (vLLM's own)
+        check = r["prior_check"]
+        assert check["steps"] >= MIN_STEPS and check["ratio"] > 0
+        assert check["scaled"] == (not 1 / TOLERANCE <= check["ratio"] <= TOLERANCE)
     [shape] = doc["shapes"]
     [member] = shape["members"]
     assert member["runs"] == 2

@@ -1,0 +1,89 @@
+"""A measured time-model prior checked against the engine's own warm-up steps.
+
+A prior measured on this engine (`serve --profile` with a `bench calibrate` file, or the
+last run's fit kept in the history) times every ETA and promise from the first agent on,
+until the online fit has seen TRUSTED_STEPS steps (server/runtime/engine_upkeep.py). A
+profile calibrated on another host, or on this one in a faster hour, makes each of those
+early promises too tight by the same factor: served on a 2-core AMD host, a profile of the
+2-core Intel host the family is calibrated on predicted steps 3-4x too short, and the first
+two bursts' promises broke.
+
+The server runs a warm-up before it takes agents (server/api/app.py): batches of known
+shapes, whose last round runs on a warmed engine. Its steps are the host's speed of the
+minute, measured before anyone is promised anything. Where their median ratio to the
+prior's prediction leaves [1 / TOLERANCE, TOLERANCE], the prior is scaled by it (all of
+its coefficients: one factor is what a hundred steps of a few shapes can tell); within it,
+the prior stays as it was.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from server.shared.step_time import StepSample, TimeModel
+
+# Outside this factor the warm-up's steps and the prior disagree by more than one host
+# drifts from hour to hour (steps 10-40% off their calibration within an hour on the
+# family's host; docs/benchmarks.md, the family live) and by less than another host differs
+# (3-4x between the two kinds of 2-core host measured). Within it the warm-up cannot tell
+# drift from its own noise: a few shapes of small batches, not the traffic's.
+TOLERANCE = 2.0
+MIN_STEPS = 16  # fewer warm-up steps (an engine that reports none, a tiny cache) say nothing
+
+
+@dataclass(frozen=True)
+class PriorCheck:
+    """What the warm-up said of the prior (plain data, in `GET /v1/scheduler`)."""
+
+    steps: int  # warm-up steps compared
+    ratio: float | None  # median of measured / predicted step time (None: too few steps)
+    scaled: bool  # the prior was scaled by `ratio`
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "ratio": self.ratio, "scaled": self.scaled}
+
+
+def check_prior(prior: TimeModel, steps: Sequence[StepSample]) -> tuple[TimeModel, PriorCheck]:
+    """The prior to time ETAs with, given the engine's warm-up `steps`, and what was found."""
+    ratios = [s.seconds / predicted for s in steps if (predicted := prior.predict(s)) > 0 and s.seconds > 0]
+    if len(ratios) < MIN_STEPS:
+        return prior, PriorCheck(len(ratios), None, False)
+    ratio = statistics.median(ratios)
+    if 1.0 / TOLERANCE <= ratio <= TOLERANCE:
+        return prior, PriorCheck(len(ratios), ratio, False)
+    return scaled(prior, ratio, f"x{ratio:.2f} to {len(ratios)} warm-up steps"), PriorCheck(len(ratios), ratio, True)
+
+
+def scaled(model: TimeModel, factor: float, why: str) -> TimeModel:
+    """`model` with every step predicted `factor` times as long."""
+    return replace(model, base_s=model.base_s * factor, per_seq_s=model.per_seq_s * factor,
+                   per_prefill_token_s=model.per_prefill_token_s * factor,
+                   per_kv_token_s=model.per_kv_token_s * factor,
+                   per_chunked_prefill_s=model.per_chunked_prefill_s * factor,
+                   source=f"{model.source}, scaled {why}")
+
+
+class WarmUpSteps:
+    """Listens to the engine's step samples during the warm-up and keeps those of its
+    current round (`next_round` forgets the ones before: the first round pays for the
+    engine's lazy set-up). Once `close`d it keeps nothing more: engines offer no way to
+    stop listening, and a closed listener costs one test per step."""
+
+    def __init__(self) -> None:
+        self._steps: list[StepSample] = []
+        self._open = True
+
+    def observe(self, engine: str, sample: StepSample) -> None:
+        if self._open:
+            self._steps.append(sample)
+
+    def next_round(self) -> None:
+        self._steps.clear()
+
+    def close(self) -> tuple[StepSample, ...]:
+        self._open = False
+        steps, self._steps = tuple(self._steps), []
+        return steps
