@@ -345,6 +345,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
                 initial_tau_s=config.initial_tau_s,
                 **_time_model_prior(config),
                 warm_up_steps=warm_up_steps,
+                prior_tolerance=config.prior_tolerance,
                 lease_s=config.agent_lease_s,
                 retention_s=config.agent_retention_s,
                 max_num_seqs=config.max_num_seqs,

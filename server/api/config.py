@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from server.runtime.limits import Rate
+from server.runtime.prior_check import TOLERANCE
 
 # Requests a tenant may have waiting for admission unless told otherwise (--max-queued).
 DEFAULT_MAX_QUEUED = 4096
@@ -83,6 +84,10 @@ class ServerConfig(BaseModel):
         default=None,
         description="Engine profile measured on this engine (a `bench calibrate` file, or a "
                     "built-in name): the prior of the engine's time model.")
+    prior_tolerance: float = Field(
+        default=TOLERANCE, ge=1.0,
+        description="A measured prior whose prediction of the engine's warm-up is off by more than "
+                    "this factor is scaled to it (server/runtime/prior_check.py).")
     log_level: str = "info"
     # Per-tenant limits (server/runtime/limits.py); None everywhere: no limits.
     rate_limit: Rate | None = Field(

@@ -8,6 +8,7 @@ import argparse
 from justitia_cli import Commands
 from justitia_cli.options import add_command, kv_tokens_option, max_model_len_option, positive_int
 from server.cli.serving import run_serve
+from server.runtime.prior_check import TOLERANCE
 from server.scheduler import LIVE_ONLY, POLICY_NAMES
 
 
@@ -188,6 +189,12 @@ def register(commands: Commands) -> None:
                             "starts from it, and ETAs divide by the rate it sustains from the "
                             "first request instead of waiting for the online fit (default: the "
                             "cpu-tiny prior, trusted once fitted to 1,024 engine steps)")
+    serve.add_argument("--prior-tolerance", type=_factor, default=TOLERANCE, metavar="X",
+                       help="a measured prior (--profile, or the last run's fit in the history) is "
+                            "checked against the engine's warm-up before any agent registers: when "
+                            "the warm-up's steps took more than X times what it predicts, or less than "
+                            "1/X, it is scaled to them (a profile of another host). Default %(default)s; a "
+                            "huge X trusts the prior as it is")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="server log level")
@@ -203,3 +210,14 @@ def _schema_bytes(text: str) -> int:
     if n < 64:
         raise argparse.ArgumentTypeError(f"must be at least 64 bytes, got {n}")
     return n
+
+
+def _factor(text: str) -> float:
+    """An argparse type: a factor >= 1."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not x >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return x

@@ -56,6 +56,7 @@ def run_serve(args: argparse.Namespace) -> int:
         history_max_bytes=history_bytes(args.history_max_bytes),
         log_level=args.log_level,
         profile=args.profile,
+        prior_tolerance=args.prior_tolerance,
         max_stop=args.max_stop,
         max_stop_chars=args.max_stop_chars,
         max_messages=args.max_messages,

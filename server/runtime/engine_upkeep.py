@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from server.engine.base import Capabilities, Engine
-from server.runtime.prior_check import PriorCheck, check_prior
+from server.runtime.prior_check import TOLERANCE, PriorCheck, check_prior
 from server.runtime.relearn import HistoryReading, Recalled, engine_key, engine_state, recall
 from server.runtime.type_shapes import TypeShapes
 from server.scheduler import Dispatcher
@@ -41,7 +41,8 @@ ENGINE_SAVE_S = 60.0  # how often what was measured of the engine is saved in th
 class EngineUpkeep:
     def __init__(self, engine: Engine, capabilities: Capabilities, dispatcher: Dispatcher, *,
                  initial_tau_s: float, prior: TimeModel, prior_measured: bool,
-                 now: Callable[[], float], warm_up_steps: Sequence[StepSample] = ()) -> None:
+                 now: Callable[[], float], warm_up_steps: Sequence[StepSample] = (),
+                 prior_tolerance: float = TOLERANCE) -> None:
         self.engine = engine
         self.capabilities = capabilities
         self.dispatcher = dispatcher
@@ -54,6 +55,7 @@ class EngineUpkeep:
         # A measured prior is checked against the warm-up's steps: the host's speed of the
         # minute (server/runtime/prior_check.py).
         self.warm_up_steps = tuple(warm_up_steps)
+        self.prior_tolerance = prior_tolerance
         self.prior_check: PriorCheck | None = None
         if prior_measured:
             prior = self._checked(prior)
@@ -93,7 +95,7 @@ class EngineUpkeep:
             caps.supervision.add_state_listener(on_state)
 
     def _checked(self, prior: TimeModel) -> TimeModel:
-        checked, self.prior_check = check_prior(prior, self.warm_up_steps)
+        checked, self.prior_check = check_prior(prior, self.warm_up_steps, self.prior_tolerance)
         if self.prior_check.scaled:
             log.warning("the engine's warm-up ran %.2fx the time the time model's prior (%s) predicts: "
                         "the prior is scaled to it (a profile of another host, or of this one at "

@@ -125,7 +125,8 @@ class LiveScheduler:
         self.upkeep = EngineUpkeep(engine, self.capabilities, self.dispatcher,
                                    initial_tau_s=config.initial_tau_s, prior=config.time_model_prior,
                                    prior_measured=config.prior_measured, now=self.now,
-                                   warm_up_steps=config.warm_up_steps)
+                                   warm_up_steps=config.warm_up_steps,
+                                   prior_tolerance=config.prior_tolerance)
         self.tau = self.upkeep.tau
         self.time_models = self.upkeep.time_models
         self.admission = Admission(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.runtime.limits import Quotas
+from server.runtime.prior_check import TOLERANCE
 from server.scheduler.time_model import DEFAULT_PRIOR, TimeModel
 from server.shared.step_time import StepSample
 
@@ -36,3 +37,4 @@ class LiveConfig:
     # The last round of the engine's warm-up (server/api/app.py): a measured prior is checked
     # against these steps, and scaled where the host runs at another speed (prior_check.py).
     warm_up_steps: tuple[StepSample, ...] = ()
+    prior_tolerance: float = TOLERANCE  # the warm-up may be off a measured prior by this factor

@@ -41,12 +41,29 @@ def test_a_prior_within_the_tolerance_is_kept_as_it_is() -> None:
         assert checked is PRIOR and not check.scaled and check.ratio == pytest.approx(factor)
 
 
-def test_the_median_step_decides_not_an_outlier() -> None:
-    """A step the host's scheduler delayed (another process on the core) moves nothing."""
+def test_a_delayed_step_is_left_out() -> None:
+    """A step the host's scheduler held up (another process on the core) moves nothing."""
     steps = warm_up(PRIOR)
     steps[5] = StepSample(steps[5].seconds * 50, steps[5].decode_seqs, steps[5].prefill_tokens, steps[5].kv_tokens)
     checked, check = check_prior(PRIOR, steps)
-    assert checked is PRIOR and check.ratio == pytest.approx(1.0)
+    assert checked is PRIOR and check.ratio == pytest.approx(1.0) and check.steps == len(steps) - 1
+
+
+def test_the_steps_summed_weigh_a_prefill_by_its_length() -> None:
+    """An ETA is a sum of steps: a host whose prefill is 4x the prior's and decodes 2x is
+    told by the time the warm-up took, not by its median (decode) step."""
+    engine = TimeModel(PRIOR.base_s * 2, PRIOR.per_seq_s * 2, PRIOR.per_prefill_token_s * 4, PRIOR.per_kv_token_s * 2)
+    steps = warm_up(engine)
+    checked, check = check_prior(PRIOR, steps)
+    assert check.scaled and 2.0 < check.ratio < 4.0
+    assert check.ratio == pytest.approx(sum(s.seconds for s in steps) / sum(PRIOR.predict(s) for s in steps))
+    assert sum(checked.predict(s) for s in steps) == pytest.approx(sum(s.seconds for s in steps))
+
+
+def test_the_tolerance_is_the_servers_to_set() -> None:
+    steps = warm_up(times(PRIOR, 1.3))
+    assert not check_prior(PRIOR, steps)[1].scaled
+    assert check_prior(PRIOR, steps, tolerance=1.2)[1].scaled
 
 
 def test_too_few_steps_say_nothing() -> None:
