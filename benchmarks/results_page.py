@@ -366,6 +366,20 @@ ENTRIES: list[Entry] = [
            m("simulator error on justitia's mean JCT", "{v:+.0%}", v=_j("justitia", "sim_error")),
            m("engine preemptions justitia / vtc / fcfs", "{a} / {b} / {c}", a=_j("justitia", "preemptions"),
              b=_j("vtc", "preemptions"), c=_j("fcfs", "preemptions"))]),
+    Entry("another-host", "Live (vLLM CPU engine)", "A profile of another host, checked against the warm-up",
+          "another_host_bursts125_checked.json",
+          "justitia bench live --workload bursts_125.jsonl --policies justitia --kv-tokens 4096 --max-model-len 4096 "
+          "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_124.json "
+          "--json benchmarks/results/another_host_bursts125_checked.json",
+          "`bursts` seed 125 (48 agents at load 0.9 of the AMD host's calibration) served on a 2-core AMD host "
+          "with the Intel host's profile as the server's prior; the server scaled the prior to its engine's "
+          "warm-up (docs/benchmarks.md, \"A profile of another host\": the same run without the check kept "
+          "43 of 48).",
+          [m("warm-up over the prior's prediction", "{v:.2f}x",
+             v=_j("justitia", "time_model.prior_check.ratio")),
+           m("promises kept", "{k}/{n}", k=_j("justitia", "promises_kept"), n="#" + _j("justitia", "agents")),
+           m("first-ETA error p50 / p90", "{a:.2f} / {b:.2f}", a=_j("justitia", "eta_error_p50"),
+             b=_j("justitia", "eta_error_p90"))]),
     Entry("live-contended48-fresh", "Live (vLLM CPU engine)", "48 contending agents, a fresh server",
           "live_contended48_fresh.json",
           "justitia bench live --workload benchmarks/workloads/contended48.jsonl --policies justitia "

@@ -5,8 +5,8 @@ last run's fit kept in the history) times every ETA and promise from the first a
 until the online fit has seen TRUSTED_STEPS steps (server/runtime/engine_upkeep.py). A
 profile calibrated on another host, or on this one in a faster hour, makes each of those
 early promises too tight by the same factor: served on a 2-core AMD host, a profile of the
-2-core Intel host the family is calibrated on predicted steps 3-4x too short, and the first
-two bursts' promises broke.
+2-core Intel host the family is calibrated on predicted steps 3-4x too short, and promises
+of the first three bursts broke.
 
 The server runs a warm-up before it takes agents (server/api/app.py): batches of known
 shapes, whose last round runs on a warmed engine. Its steps are the host's speed of the
@@ -15,8 +15,8 @@ prior's prediction of the same steps by more than the tolerance (`serve --prior-
 1.5 by default), the prior is scaled by that ratio: all of its coefficients, since one
 factor is what a hundred steps of a few shapes can tell. The sum, not the median step,
 because an ETA is a sum of steps: a prefill counts by its length, as it does in the ETA,
-where the median is a small decode step's (on that AMD host the median said 2.0x and the
-sum 2.9x, the traffic's steps 3.4x). Steps more than DELAYED times the median ratio are
+where the median is a small decode step's (on that AMD host the median read 1.96x and the
+sum 3.32x, the traffic's steps about 3.4x). Steps more than DELAYED times the median ratio are
 left out: a step the OS held up says nothing of the engine.
 """
 
