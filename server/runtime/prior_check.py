@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from server.shared.step_time import StepSample, TimeModel
@@ -62,16 +62,7 @@ def check_prior(prior: TimeModel, steps: Sequence[StepSample],
     ratio = sum(seconds for seconds, _ in kept) / sum(predicted for _, predicted in kept)
     if 1.0 / tolerance <= ratio <= tolerance:
         return prior, PriorCheck(len(kept), ratio, False)
-    return scaled(prior, ratio, f"x{ratio:.2f} to {len(kept)} warm-up steps"), PriorCheck(len(kept), ratio, True)
-
-
-def scaled(model: TimeModel, factor: float, why: str) -> TimeModel:
-    """`model` with every step predicted `factor` times as long."""
-    return replace(model, base_s=model.base_s * factor, per_seq_s=model.per_seq_s * factor,
-                   per_prefill_token_s=model.per_prefill_token_s * factor,
-                   per_kv_token_s=model.per_kv_token_s * factor,
-                   per_chunked_prefill_s=model.per_chunked_prefill_s * factor,
-                   source=f"{model.source}, scaled {why}")
+    return prior.scaled(ratio, f"x{ratio:.2f} to {len(kept)} warm-up steps"), PriorCheck(len(kept), ratio, True)
 
 
 class WarmUpSteps:

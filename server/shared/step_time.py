@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 FEATURES = ("base_s", "per_seq_s", "per_prefill_token_s", "per_kv_token_s")
@@ -65,6 +65,14 @@ class TimeModel:
     def chunked_prefill_s(self, prompt_tokens: float) -> float:
         """What a prompt of `prompt_tokens` computed costs beyond the linear prefill term."""
         return chunked_prefill_s(self.prefill_chunk_tokens, self.per_chunked_prefill_s, prompt_tokens)
+
+    def scaled(self, factor: float, why: str) -> TimeModel:
+        """The model with every step predicted `factor` times as long; `why` joins its source."""
+        return replace(self, base_s=self.base_s * factor, per_seq_s=self.per_seq_s * factor,
+                       per_prefill_token_s=self.per_prefill_token_s * factor,
+                       per_kv_token_s=self.per_kv_token_s * factor,
+                       per_chunked_prefill_s=self.per_chunked_prefill_s * factor,
+                       source=f"{self.source}, scaled {why}")
 
     def predict(self, sample: StepSample) -> float:
         return self.step_s(sample.decode_seqs, sample.prefill_tokens, sample.kv_tokens)
