@@ -137,6 +137,24 @@ def broken_promises(live: Any, sim: Any) -> list[dict[str, Any]]:
     return out
 
 
+def agent_records(live: Any, sim: Any) -> list[dict[str, Any]]:
+    """Every live agent's first ETA, interval and deadline beside its JCT, and the same
+    agent's in the simulator (two `PolicyResult`s): which agents the ETAs missed, which way,
+    and whether the simulation missed them too."""
+    simulated = {a.id: a for a in sim.agents}
+    out = []
+    for a in live.agents:
+        twin = simulated.get(a.id)
+        out.append({
+            "id": a.id, "arrival_s": a.arrival_s, "jct_s": a.jct_s, "first_eta_s": a.first_eta_s,
+            "first_eta_interval_s": list(a.first_eta_interval_s) if a.first_eta_interval_s else None,
+            "first_deadline_s": a.first_deadline_s, "paused_s": a.paused_s,
+            "sim_jct_s": twin.jct_s if twin is not None else None,
+            "sim_first_eta_s": twin.first_eta_s if twin is not None else None,
+        })
+    return out
+
+
 def _median(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.median(vals) if vals else None
@@ -269,6 +287,7 @@ def run_live_member(spec: Any, mode: str, policy: str, profile: Any, profile_pat
         "agents_failed": live.extra.get("agents_failed"), "agents_lost": live.extra.get("agents_lost"),
         "failures": live.extra.get("failures"), "preemptions": live.preemptions,
         "broken": broken_promises(live, sim),
+        "agents": agent_records(live, sim),
     })
     return row
 

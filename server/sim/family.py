@@ -50,6 +50,7 @@ class FamilyRow:
     mode: str = "fresh"
     # promises broken only by the client's tool time beyond what they allowed (results.py)
     promises_broken_by_tools: int = 0
+    eta_bias_p50: float | None = None  # median (first ETA - JCT) / JCT: negative, told too short
 
 
 def _quantile(xs: Sequence[float], q: float) -> float | None:
@@ -68,7 +69,7 @@ def row_of(spec: ShapeSpec, result: PolicyResult, mode: str = "fresh") -> Family
         mean_jct_s=s["mean_jct_s"], eta_error_p50=s["eta_error_p50"], eta_error_p90=s["eta_error_p90"],
         promises_kept=s["promises_kept"], promises=sum(a.first_deadline_s is not None for a in result.agents),
         deadline_over_jct_p50=_quantile(ratios, 0.5), eta_coverage=s["eta_coverage"], mode=mode,
-        promises_broken_by_tools=s["promises_broken_by_tools"],
+        promises_broken_by_tools=s["promises_broken_by_tools"], eta_bias_p50=s["eta_bias_p50"],
     )
 
 
@@ -157,6 +158,7 @@ def summarise(rows: Sequence[FamilyRow]) -> list[dict]:
             "mean_jct_s": _median(r.mean_jct_s for r in mine),
             "eta_error_p50": _median(r.eta_error_p50 for r in mine),
             "eta_error_p90": _median(r.eta_error_p90 for r in mine),
+            "eta_bias_p50": _median(r.eta_bias_p50 for r in mine),
             "promises_kept": sum(r.promises_kept for r in mine),
             "promises": sum(r.promises for r in mine),
             "promises_broken_by_tools": sum(r.promises_broken_by_tools for r in mine),

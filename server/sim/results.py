@@ -56,6 +56,13 @@ class AgentResult:
         return abs(self.first_eta_s - self.jct_s) / self.jct_s
 
     @property
+    def eta_bias(self) -> float | None:
+        """(first ETA - JCT) / JCT: below 0 the agent was told too short a time."""
+        if self.first_eta_s is None or self.jct_s <= 0:
+            return None
+        return (self.first_eta_s - self.jct_s) / self.jct_s
+
+    @property
     def promise_kept(self) -> bool | None:
         if self.first_deadline_s is None:
             return None
@@ -105,6 +112,7 @@ class PolicyResult:
     def summary(self) -> dict:
         jcts = sorted(a.jct_s for a in self.agents)
         eta_errors = sorted(e for a in self.agents if (e := a.eta_error) is not None)
+        eta_biases = sorted(b for a in self.agents if (b := a.eta_bias) is not None)
         return {
             "policy": self.policy,
             "mean_jct_s": statistics.fmean(jcts) if jcts else 0.0,
@@ -117,6 +125,8 @@ class PolicyResult:
             "max_lag_vs_gps_s": max((a.finish_s - a.gps_finish_s for a in self.agents), default=0.0),
             "eta_error_p50": quantile(eta_errors, 0.50) if eta_errors else None,
             "eta_error_p90": quantile(eta_errors, 0.90) if eta_errors else None,
+            # the signed error's median: which way the first ETAs miss (negative: too short)
+            "eta_bias_p50": quantile(eta_biases, 0.50) if eta_biases else None,
             "eta_coverage": eta_coverage(self.agents),
             "promises_kept": sum(a.promise_kept is True for a in self.agents),
             # broken only by the client's tool time beyond what the promise allowed

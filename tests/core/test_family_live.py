@@ -12,6 +12,7 @@ import pytest
 from justitia_cli import CommandError, main
 from justitia_cli.bench.family_live import (
     WITHIN,
+    agent_records,
     arrival_lag,
     broken_promises,
     calibrated_profile,
@@ -114,6 +115,25 @@ def test_a_broken_promise_is_named_with_what_it_was_told_and_its_simulated_twin(
     assert [b["id"] for b in broken] == ["late"]
     assert broken[0]["jct_s"] == 5.0 and broken[0]["first_deadline_s"] == 4.0
     assert broken[0]["sim_jct_s"] == 3.5 and broken[0]["sim_first_deadline_s"] == 3.5
+
+
+def test_every_live_agent_is_recorded_with_its_eta_its_jct_and_its_simulated_twin() -> None:
+    from server.sim.results import AgentResult, PolicyResult
+
+    live = PolicyResult("justitia", [
+        AgentResult("short", "t", 1.0, 5.0, 2.0, 5.0, first_eta_s=2.0, first_eta_interval_s=(1.5, 3.0)),
+        AgentResult("long", "t", 2.0, 3.0, 2.0, 5.0, first_eta_s=1.5),
+        AgentResult("untold", "t", 2.0, 3.0, 2.0, 5.0),
+    ])
+    sim = PolicyResult("justitia", [AgentResult("short", "t", 1.0, 4.0, 2.0, 5.0, first_eta_s=2.5)])
+    records = {r["id"]: r for r in agent_records(live, sim)}
+    assert records["short"]["jct_s"] == 4.0 and records["short"]["first_eta_interval_s"] == [1.5, 3.0]
+    assert records["short"]["sim_jct_s"] == 3.0 and records["short"]["sim_first_eta_s"] == 2.5
+    assert records["long"]["sim_jct_s"] is None and records["untold"]["first_eta_s"] is None
+    # the signed error says which way the first ETAs missed: told 2.0 of 4.0 (-0.5), 1.5 of 1.0 (+0.5)
+    assert [a.eta_bias for a in live.agents] == [-0.5, 0.5, None]
+    assert live.summary()["eta_bias_p50"] == 0.0
+    assert PolicyResult("justitia", live.agents[:1]).summary()["eta_bias_p50"] == -0.5
 
 
 def test_repeated_runs_of_a_member_are_judged_by_their_median() -> None:
