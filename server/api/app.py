@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -32,16 +32,26 @@ from server.api.openai_api import DIRECT as DIRECT_OPENAI_ROUTES
 from server.api.openai_api import router as openai_router
 from server.api.request_limits import RequestLimits
 from server.api.tool_calls import ToolCallParser
-from server.engine.base import Capabilities, Engine, EngineError, Supervised
-from server.engine.warm_up import warm_up
+from server.engine.base import (
+    Capabilities,
+    Engine,
+    EngineError,
+    EngineInfo,
+    EngineRequest,
+    SamplingOptions,
+    StepSamples,
+    Supervised,
+)
 from server.runtime.data_dir import check_writable
 from server.runtime.history import History
 from server.runtime.limits import PerTenant, Quotas, RateLimiter
 from server.runtime.live import LiveConfig, LiveScheduler
 from server.runtime.metrics import CONTENT_TYPE, Metrics
+from server.runtime.prior_check import WarmUpSteps
 from server.runtime.service import InferenceService
 from server.runtime.shutdown import SHUTTING_DOWN, Shutdown
 from server.scheduler.policies import ENGINE, get_policy
+from server.shared.step_time import StepSample
 
 log = logging.getLogger("justitia.server")
 
@@ -152,6 +162,59 @@ def build_engine(config: ServerConfig) -> tuple[Engine, str]:
     )
     name = config.served_model_name or Path(config.model).name or config.model
     return LocalVLLMEngine(engine_cfg), name
+
+
+# The warm-up: (prompt tokens, output tokens) of requests run together, WARM_UP_ROUNDS times.
+# With one short generation instead, a fresh server's first agents ran slower than the same
+# agents after a few seconds of traffic (the vLLM CPU engine, the family's `tenants` seed
+# 102: mean JCT median 1.32 s over six fresh servers, 1.06-1.14 s after eight agents, median
+# 1.14 s over four with this batch): the engine's first batches of each size and length pay
+# for lazy set-up. Most of it is a CPU kernel per row count, which the engine builds itself
+# for every batch size it can hold (server/engine/cpu_worker.py); this batch also reaches the
+# prefill lengths and the server's own paths (streams, output tasks).
+WARM_UP_BATCH = ((64, 16), (256, 16), (1024, 16), (64, 64), (256, 64), (512, 64))
+WARM_UP_ROUNDS = 2
+
+
+def warm_up_requests(info: EngineInfo, text_ids: Sequence[int], round_: int = 0) -> list[EngineRequest]:
+    """The warm-up batch for an engine of `info`: each request cut to fit its context and
+    the KV cache alone, its prompt `text_ids` repeated from a shifted start (a prompt of its
+    own: the prefix cache must not make its prefill free)."""
+    if not text_ids:
+        return []
+    requests = []
+    for k, (prompt, output) in enumerate(WARM_UP_BATCH):
+        prompt = min(prompt, min(info.max_model_len, info.kv_capacity_tokens) - output)
+        if prompt < 1:
+            continue
+        shift = k * 7 + round_ * 3
+        ids = tuple(text_ids[(shift + i) % len(text_ids)] for i in range(prompt))
+        requests.append(EngineRequest(f"justitia-warmup-{round_}-{k}", ids,
+                                      SamplingOptions(max_tokens=output, ignore_eos=True)))
+    return requests
+
+
+async def _warm_up(engine: Engine, samples: StepSamples | None) -> tuple[StepSample, ...]:
+    """A few batches before /readyz turns green: the first steps of a fresh engine are slow
+    (lazy initialisation, per batch shape), and agents admitted then would miss promises
+    that the measured steady-state speed makes. Returns the steps of its last round, run on
+    the warmed engine (the prior's check, server/runtime/prior_check.py)."""
+    ids = engine.tokenize("Justitia warms up the engine before serving agents: batches of several "
+                          "lengths, so that the first agents meet the engine's steady speed.")
+    steps = WarmUpSteps()
+    if samples is not None:
+        samples.add_sample_listener(steps.observe)
+
+    async def run(request: EngineRequest) -> None:
+        async for _ in engine.generate(request):
+            pass
+
+    for round_ in range(WARM_UP_ROUNDS):
+        steps.next_round()
+        async with anyio.create_task_group() as group:
+            for request in warm_up_requests(engine.info, ids, round_):
+                group.start_soon(run, request)
+    return steps.close()
 
 
 # Exit status of a server whose engine could not be restarted (a supervisor restarts it).
@@ -268,7 +331,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None, model_name: s
         await engine.start()
         if not model_name:
             model_name = engine.info.served_name or engine.info.model
-        warm_up_steps = await warm_up(engine, capabilities.step_samples)
+        warm_up_steps = await _warm_up(engine, capabilities.step_samples)
         metrics = Metrics()
         predictors = _predictors(config)
         scheduler = LiveScheduler(

@@ -25,7 +25,7 @@ from server.scheduler import Dispatcher
 from server.scheduler.policies import FOOTPRINT
 from server.scheduler.rate import TauEstimator
 from server.scheduler.time_model import TimeModel, TimeModelBank
-from server.shared.step_time import StepSample, warm_up_reading
+from server.shared.step_time import StepSample
 
 if TYPE_CHECKING:
     from server.runtime.history import History
@@ -97,11 +97,9 @@ class EngineUpkeep:
     def _checked(self, prior: TimeModel) -> TimeModel:
         checked, self.prior_check = check_prior(prior, self.warm_up_steps, self.prior_tolerance)
         if self.prior_check.scaled:
-            log.warning("the engine's warm-up ran %.2fx the time the time model's prior (%s) predicts, "
-                        "against %s where it was measured: the prior is scaled by %.2f (a profile of "
-                        "another host, or of this one at another speed)", self.prior_check.reading, prior.source,
-                        f"{prior.warm_up_ratio:.2f}x" if prior.warm_up_ratio else "no reading",
-                        self.prior_check.ratio)
+            log.warning("the engine's warm-up ran %.2fx the time the time model's prior (%s) predicts: "
+                        "the prior is scaled to it (a profile of another host, or of this one at "
+                        "another speed)", self.prior_check.ratio, prior.source)
         return checked
 
     def describe(self) -> dict[str, Any]:
@@ -179,9 +177,6 @@ class EngineUpkeep:
             return
         models = self.time_models.models()
         model = max(models.values(), key=lambda m: m.samples) if models else None
-        if model is not None and model.samples >= TRUSTED_STEPS:
-            # what this run's warm-up reads against the fit: the next run's check compares with it
-            model = replace(model, warm_up_ratio=warm_up_reading(model, self.warm_up_steps).ratio)
         state = engine_state(model if model is not None and model.samples >= TRUSTED_STEPS else None,
                              self.tau.state() if self.tau.measured else None)
         if not state:

@@ -8,31 +8,26 @@ early promises too tight by the same factor: served on a 2-core AMD host, a prof
 2-core Intel host the family is calibrated on predicted steps 3-4x too short, and promises
 of the first three bursts broke.
 
-The server runs a warm-up before it takes agents (server/engine/warm_up.py): batches of
-known shapes, whose last round runs on a warmed engine. Its steps are the host's speed of
-the minute, measured before anyone is promised anything. Their summed time over the prior's
-prediction of the same steps (`warm_up_reading`: the sum, as an ETA sums steps, a prefill
-by its length; on that AMD host the median step read 1.96x, the sum 3.32x and the traffic's
-steps about 3.4x) is compared with what the same warm-up read against the prior where it was
-measured (`TimeModel.warm_up_ratio`: `bench calibrate` records it, a server keeping its fit
-records its own): the linear model misses the warm-up's few small shapes by an amount of its
-own, and a calibration made minutes before read 1.12-1.57 on that AMD host, enough to be
-scaled as if it were another host's. Where the two readings differ by more than the
-tolerance (`serve --prior-tolerance`, 1.5 by default), the prior is scaled by their ratio:
-all of its coefficients, since one factor is what a hundred steps of a few shapes can tell.
-A prior without a reading of its own (an older calibration) is compared with the warm-up's
-reading alone.
+The server runs a warm-up before it takes agents (server/api/app.py): batches of known
+shapes, whose last round runs on a warmed engine. Its steps are the host's speed of the
+minute, measured before anyone is promised anything. Where their summed time is off the
+prior's prediction of the same steps by more than the tolerance (`serve --prior-tolerance`,
+1.5 by default), the prior is scaled by that ratio: all of its coefficients, since one
+factor is what a hundred steps of a few shapes can tell. The sum, not the median step,
+because an ETA is a sum of steps: a prefill counts by its length, as it does in the ETA,
+where the median is a small decode step's (on that AMD host the median read 1.96x and the
+sum 3.32x, the traffic's steps about 3.4x). Steps more than DELAYED times the median ratio are
+left out: a step the OS held up says nothing of the engine.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from server.shared.step_time import MIN_STEPS, StepSample, TimeModel, warm_up_reading
-
-__all__ = ["MIN_STEPS", "TOLERANCE", "PriorCheck", "check_prior"]
+from server.shared.step_time import StepSample, TimeModel
 
 # Outside this factor the warm-up and the prior disagree by more than one host drifts from
 # hour to hour (steps 10-40% off their calibration within an hour on the family's host;
@@ -40,6 +35,8 @@ __all__ = ["MIN_STEPS", "TOLERANCE", "PriorCheck", "check_prior"]
 # the two kinds of 2-core host measured). Within it the warm-up cannot tell drift from its
 # own noise: a few shapes of small batches, not the traffic's.
 TOLERANCE = 1.5
+DELAYED = 5.0  # a step this many times the median ratio was held up, not computed
+MIN_STEPS = 16  # fewer warm-up steps (an engine that reports none, a tiny cache) say nothing
 
 
 @dataclass(frozen=True)
@@ -47,29 +44,45 @@ class PriorCheck:
     """What the warm-up said of the prior (plain data, in `GET /v1/scheduler`)."""
 
     steps: int  # warm-up steps compared
-    # their summed time over the prior's prediction of it, over the prior's own reading
-    # where it has one (None: too few steps)
-    ratio: float | None
+    ratio: float | None  # their summed time over the prior's prediction of it (None: too few steps)
     scaled: bool  # the prior was scaled by `ratio`
-    reading: float | None = None  # the warm-up's summed time over the prior's prediction
-    expected: float | None = None  # what the warm-up read where the prior was measured
 
     def as_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "ratio": self.ratio, "scaled": self.scaled, "reading": self.reading,
-                "expected": self.expected}
+        return {"steps": self.steps, "ratio": self.ratio, "scaled": self.scaled}
 
 
 def check_prior(prior: TimeModel, steps: Sequence[StepSample],
                 tolerance: float = TOLERANCE) -> tuple[TimeModel, PriorCheck]:
     """The prior to time ETAs with, given the engine's warm-up `steps`, and what was found."""
-    reading = warm_up_reading(prior, steps)
-    expected = prior.warm_up_ratio
-    if reading.ratio is None:
-        return prior, PriorCheck(reading.steps, None, False, None, expected)
-    ratio = reading.ratio / (expected or 1.0)
-    check = PriorCheck(reading.steps, ratio, False, reading.ratio, expected)
+    pairs = [(s.seconds, predicted) for s in steps if (predicted := prior.predict(s)) > 0 and s.seconds > 0]
+    if len(pairs) < MIN_STEPS:
+        return prior, PriorCheck(len(pairs), None, False)
+    typical = statistics.median(seconds / predicted for seconds, predicted in pairs)
+    kept = [(seconds, predicted) for seconds, predicted in pairs if seconds / predicted <= DELAYED * typical]
+    ratio = sum(seconds for seconds, _ in kept) / sum(predicted for _, predicted in kept)
     if 1.0 / tolerance <= ratio <= tolerance:
-        return prior, check
-    # the scaled prior predicts the warm-up as this host runs it now: its reading is the one seen
-    rescaled = prior.scaled(ratio, f"x{ratio:.2f} to {reading.steps} warm-up steps")
-    return replace(rescaled, warm_up_ratio=reading.ratio / ratio), replace(check, scaled=True)
+        return prior, PriorCheck(len(kept), ratio, False)
+    return prior.scaled(ratio, f"x{ratio:.2f} to {len(kept)} warm-up steps"), PriorCheck(len(kept), ratio, True)
+
+
+class WarmUpSteps:
+    """Listens to the engine's step samples during the warm-up and keeps those of its
+    current round (`next_round` forgets the ones before: the first round pays for the
+    engine's lazy set-up). Once `close`d it keeps nothing more: engines offer no way to
+    stop listening, and a closed listener costs one test per step."""
+
+    def __init__(self) -> None:
+        self._steps: list[StepSample] = []
+        self._open = True
+
+    def observe(self, engine: str, sample: StepSample) -> None:
+        if self._open:
+            self._steps.append(sample)
+
+    def next_round(self) -> None:
+        self._steps.clear()
+
+    def close(self) -> tuple[StepSample, ...]:
+        self._open = False
+        steps, self._steps = tuple(self._steps), []
+        return steps

@@ -93,9 +93,6 @@ class EngineProfile:
     # its size matters less than its being there: in it the agent has nothing queued, and the
     # memory its stage held goes to the agents behind it (module doc, "turnaround").
     stage_turnaround_s: float = 0.0
-    # What the server's warm-up read against this profile on the host it was measured on
-    # (`bench calibrate` runs it after the grid; TimeModel.warm_up_ratio; None: not measured)
-    warm_up_ratio: float | None = None
 
     def iteration_s(self, batch: float, prefill_tokens: float, kv_tokens: float) -> float:
         """Duration of one iteration (seconds)."""
@@ -131,14 +128,14 @@ class EngineProfile:
         """The profile's step-time coefficients as the scheduler's plain-data time model."""
         return TimeModel(self.base_s, self.per_seq_s, self.per_prefill_token_s, self.per_kv_token_s,
                          source=f"profile {self.name}", prefill_chunk_tokens=self.prefill_chunk_tokens,
-                         per_chunked_prefill_s=self.per_chunked_prefill_s, warm_up_ratio=self.warm_up_ratio)
+                         per_chunked_prefill_s=self.per_chunked_prefill_s)
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineProfile:
         """A profile from its fields (extra keys, such as a calibration's fit, are ignored)."""
         names = {f.name for f in fields(cls)}
         optional = {"length_scale", "source", "block_size", "prefill_chunk_tokens", "per_chunked_prefill_s",
-                    "stage_turnaround_s", "warm_up_ratio"}
+                    "stage_turnaround_s"}
         missing = sorted(n for n in names - optional if n not in d)
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
@@ -150,9 +147,6 @@ class EngineProfile:
         for k in ("kv_tokens", "max_num_seqs", "max_model_len", "block_size"):
             if k in kw and not (isinstance(kw[k], int) and kw[k] > 0):
                 raise ValueError(f"{k} must be a positive integer, not {kw[k]!r}")
-        reading = kw.get("warm_up_ratio")
-        if reading is not None and not (isinstance(reading, (int, float)) and math.isfinite(reading) and reading > 0):
-            raise ValueError(f"warm_up_ratio must be a positive number or null, not {reading!r}")
         chunk = kw.get("prefill_chunk_tokens", 0)
         if not (isinstance(chunk, int) and chunk >= 0):
             raise ValueError(f"prefill_chunk_tokens must be an integer >= 0, not {chunk!r}")

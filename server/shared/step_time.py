@@ -9,8 +9,7 @@ the engine and the scheduler, so that neither imports the other for them.
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -57,12 +56,6 @@ class TimeModel:
     # term (server/shared/profiles.py): a calibration measures it, the online fit keeps it.
     prefill_chunk_tokens: int = 0
     per_chunked_prefill_s: float = 0.0
-    # What the server's warm-up (server/engine/warm_up.py) read against this model where and
-    # when it was measured: its steps' summed time over the model's prediction of them
-    # (`warm_up_reading`; None: not known). The linear model misses the warm-up's few small
-    # shapes by its own amount (on a 2-core AMD host, a calibration made minutes before read
-    # 1.1-1.6), so a later warm-up is compared with this reading, like with like.
-    warm_up_ratio: float | None = None
 
     def step_s(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
         """Predicted duration of one step (seconds)."""
@@ -102,38 +95,10 @@ class TimeModel:
                                       and math.isfinite(known[k]))]
         if bad:
             raise ValueError(f"time-model coefficients must be finite and >= 0: {', '.join(bad)}")
-        reading = known.get("warm_up_ratio")
-        if reading is not None and not (isinstance(reading, (int, float)) and reading > 0 and math.isfinite(reading)):
-            raise ValueError(f"warm_up_ratio must be a positive number or null, not {reading!r}")
         chunk = known.get("prefill_chunk_tokens", 0)
         if not (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0):
             raise ValueError(f"prefill_chunk_tokens must be an integer >= 0, not {chunk!r}")
         return cls(**known)
-
-
-DELAYED = 5.0  # a step this many times the median ratio was held up, not computed
-MIN_STEPS = 16  # fewer warm-up steps (an engine that reports none, a tiny cache) say nothing
-
-
-@dataclass(frozen=True)
-class WarmUpReading:
-    """What the warm-up's steps read against a time model (plain data)."""
-
-    steps: int  # steps compared
-    ratio: float | None  # their summed time over the model's prediction of it (None: too few steps)
-
-
-def warm_up_reading(model: TimeModel, steps: Sequence[StepSample]) -> WarmUpReading:
-    """The warm-up's `steps` against `model`: their summed time over the model's prediction
-    of the same steps. The sum, not the median step: an ETA is a sum of steps, where a
-    prefill counts by its length. Steps more than DELAYED times the median ratio are left
-    out: a step the OS held up says nothing of the engine."""
-    pairs = [(s.seconds, predicted) for s in steps if (predicted := model.predict(s)) > 0 and s.seconds > 0]
-    if len(pairs) < MIN_STEPS:
-        return WarmUpReading(len(pairs), None)
-    typical = statistics.median(seconds / predicted for seconds, predicted in pairs)
-    kept = [(seconds, predicted) for seconds, predicted in pairs if seconds / predicted <= DELAYED * typical]
-    return WarmUpReading(len(kept), sum(seconds for seconds, _ in kept) / sum(predicted for _, predicted in kept))
 
 
 def chunked_prefill_s(chunk_tokens: int, per_chunked_prefill_s: float, prompt_tokens: float) -> float:

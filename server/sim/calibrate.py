@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 
 from server.scheduler.time_model import StepSample, TimeModel, fit_samples
 from server.shared.profiles import PROFILE_FORMAT, PROFILES, EngineProfile
-from server.shared.step_time import warm_up_reading
 
 from .engine import EngineModel, SimRequest
 from .provenance import write_result
@@ -94,14 +93,11 @@ def calibration_engine_config(kv_tokens: int, max_model_len: int, seed: int = 0)
 
 async def measure(points: list[GridPoint], kv_tokens: int, max_model_len: int, *,
                   seed: int = 0,
-                  progress: Callable[[int, GridPoint], None] | None = None) -> tuple[
-                      list[PointResult], dict, tuple[StepSample, ...]]:
-    """Run each grid point on a fresh in-process engine; the step samples of each point, and
-    those of the server's warm-up run after them (the profile's own reading of it)."""
+                  progress: Callable[[int, GridPoint], None] | None = None) -> tuple[list[PointResult], dict]:
+    """Run each grid point on a fresh in-process engine; the step samples of each point."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the fit table, not vLLM's start-up log
     from server.engine.base import EngineRequest, SamplingOptions
     from server.engine.vllm_local import LocalVLLMEngine
-    from server.engine.warm_up import warm_up
 
     engine = LocalVLLMEngine(calibration_engine_config(kv_tokens, max_model_len, seed))
     t0 = time.perf_counter()
@@ -134,13 +130,12 @@ async def measure(points: list[GridPoint], kv_tokens: int, max_model_len: int, *
             results.append(PointResult(pt, seconds, list(current)))
             if progress:
                 progress(k + 1, pt)
-        warm_up_steps = await warm_up(engine, engine)
         info = {"kv_tokens": engine.info.kv_capacity_tokens, "block_size": engine.info.block_size,
                 "max_model_len": engine.info.max_model_len, "dtype": engine.info.dtype,
                 "max_num_batched_tokens": engine.info.max_num_batched_tokens, "startup_s": startup}
     finally:
         await engine.close()
-    return results, info, warm_up_steps
+    return results, info
 
 
 def simulate_point(profile: EngineProfile, kv_tokens: int, pt: GridPoint) -> float:
@@ -251,12 +246,10 @@ def calibrate(kv_tokens: int, max_model_len: int, name: str, *, quick: bool = Fa
               progress: Callable[[int, GridPoint], None] | None = None) -> Calibration:
     """Measure the grid on a fresh engine (`measure`) and fit its profile (`fit_profile`)."""
     t0 = time.perf_counter()
-    grid = make_grid(kv_tokens, max_model_len, quick=quick)
-    results, info, warm_up_steps = asyncio.run(measure(grid, kv_tokens, max_model_len, seed=seed, progress=progress))
+    results, info = asyncio.run(measure(make_grid(kv_tokens, max_model_len, quick=quick), kv_tokens, max_model_len,
+                                        seed=seed, progress=progress))
     profile, model = fit_profile(results, info["kv_tokens"], info["max_model_len"], name,
                                  chunk_tokens=info["max_num_batched_tokens"])
-    # what a server's warm-up reads against this profile here and now (server/runtime/prior_check.py)
-    profile = replace(profile, warm_up_ratio=warm_up_reading(profile.time_model(), warm_up_steps).ratio)
     rows = point_rows(results, profile, model)
     return Calibration(results, info, profile, model, rows, summary(rows, model), time.perf_counter() - t0,
                        (kv_tokens, max_model_len))

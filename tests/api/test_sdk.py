@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from justitia_sdk import AsyncClient, ServerUnavailableError, llm
-from server.engine.warm_up import WARM_UP_BATCH, WARM_UP_ROUNDS
+from server.api.app import WARM_UP_BATCH, WARM_UP_ROUNDS
 from server.runtime.limits import Rate
 from tests.support.fake_engine import FAKE_MODEL, FakeEngine, FakeServer
 from tests.support.waiting import wait_until

@@ -1,10 +1,10 @@
 """The engine's warm-up before the server is ready: batches of several lengths, each request
-fitted to the engine, none sharing another's prefix (server/engine/warm_up.py)."""
+fitted to the engine, none sharing another's prefix (server/api/app.py)."""
 
 from __future__ import annotations
 
+from server.api.app import WARM_UP_BATCH, WARM_UP_ROUNDS, warm_up_requests
 from server.engine.base import EngineInfo
-from server.engine.warm_up import WARM_UP_BATCH, WARM_UP_ROUNDS, warm_up_requests
 from tests.support.fake_engine import FakeEngine, FakeServer
 
 TEXT = list(range(100, 140))

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
-from server.engine.warm_up import WarmUpSteps
-from server.runtime.prior_check import MIN_STEPS, TOLERANCE, check_prior
+from server.runtime.prior_check import MIN_STEPS, TOLERANCE, WarmUpSteps, check_prior
 from server.shared.step_time import StepSample, TimeModel
 
 PRIOR = TimeModel(0.0025, 5e-5, 2e-5, 2e-7, source="prior: here profile",
@@ -42,25 +39,6 @@ def test_a_prior_within_the_tolerance_is_kept_as_it_is() -> None:
     for factor in (1 / TOLERANCE * 1.05, 1.0, TOLERANCE * 0.95):
         checked, check = check_prior(PRIOR, warm_up(times(PRIOR, factor)))
         assert checked is PRIOR and not check.scaled and check.ratio == pytest.approx(factor)
-
-
-def test_the_warm_up_is_compared_with_what_it_read_where_the_prior_was_measured() -> None:
-    """A calibration whose linear model misses the warm-up's shapes by 1.6x on its own host
-    is kept there, and scaled by the other host's speed alone elsewhere."""
-    own = replace(PRIOR, warm_up_ratio=1.6)
-    here = warm_up(times(PRIOR, 1.6))
-    checked, check = check_prior(own, here)
-    assert checked is own and not check.scaled
-    assert check.ratio == pytest.approx(1.0) and check.reading == pytest.approx(1.6) and check.expected == 1.6
-    assert check_prior(PRIOR, here)[1].scaled  # without its reading the same steps look like another host
-    elsewhere = warm_up(times(PRIOR, 4.8))  # a host 3x slower than the calibration's
-    checked, check = check_prior(own, elsewhere)
-    assert check.scaled and check.ratio == pytest.approx(3.0) and checked.base_s == pytest.approx(3 * PRIOR.base_s)
-    # the scaled prior's own reading is what the warm-up reads against it now
-    assert checked.warm_up_ratio == pytest.approx(1.6)
-    assert sum(checked.predict(s) for s in elsewhere) * 1.6 == pytest.approx(sum(s.seconds for s in elsewhere))
-    assert check.as_dict() == {"steps": len(elsewhere), "ratio": check.ratio, "scaled": True,
-                               "reading": check.reading, "expected": 1.6}
 
 
 def test_a_delayed_step_is_left_out() -> None:
@@ -107,27 +85,3 @@ def test_the_warm_up_keeps_its_last_round_only_until_closed() -> None:
     assert steps.close() == (last,)
     steps.observe("local", last)  # the engine still calls it: nothing is kept
     assert steps.close() == ()
-
-
-def test_a_profile_file_keeps_its_warm_up_reading_and_older_ones_load_without_it(tmp_path) -> None:
-    import json
-
-    from server.shared.profiles import PROFILES, load_profile
-    from server.sim.calibrate import save_profile
-
-    path = tmp_path / "p.json"
-    read = replace(PROFILES["cpu-tiny"], warm_up_ratio=1.3)
-    save_profile(read, path)
-    assert load_profile(str(path)).time_model().warm_up_ratio == 1.3
-    doc = json.loads(path.read_text())
-    del doc["profile"]["warm_up_ratio"]
-    path.write_text(json.dumps(doc))
-    assert load_profile(str(path)).time_model().warm_up_ratio is None
-    for bad in (0, -1.0, "1.3", float("inf")):
-        with pytest.raises(ValueError, match="warm_up_ratio"):
-            TimeModel.from_dict({**PRIOR.as_dict(), "warm_up_ratio": bad})
-        if bad != float("inf"):  # json writes no infinity
-            doc["profile"]["warm_up_ratio"] = bad
-            path.write_text(json.dumps(doc))
-            with pytest.raises(ValueError, match="warm_up_ratio"):
-                load_profile(str(path))

@@ -220,8 +220,6 @@ def test_bench_family_live_runs_each_member_again_on_a_fresh_server(tmp_path, ju
         check = r["prior_check"]
         assert check["steps"] >= MIN_STEPS and check["ratio"] > 0
         assert check["scaled"] == (not 1 / TOLERANCE <= check["ratio"] <= TOLERANCE)
-        # a profile without a warm-up reading of its own is compared with the warm-up's alone
-        assert check["expected"] is None and check["reading"] == pytest.approx(check["ratio"])
     [shape] = doc["shapes"]
     [member] = shape["members"]
     assert member["runs"] == 2

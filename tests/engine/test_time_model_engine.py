@@ -72,9 +72,6 @@ def test_calibrate_quick_writes_a_profile_that_bench_sim_takes(tmp_path, capsys)
     # the engine the server runs, in the dtype the server runs it in (not vLLM's bfloat16 for
     # a float32 model on a CPU, which the calibration once measured instead)
     assert doc["settings"]["dtype"] == "float32"
-    # the server's warm-up, run after the grid, read against the fitted profile (the prior's
-    # check on a server given this file compares its own warm-up with it)
-    assert isinstance(doc["profile"]["warm_up_ratio"], float) and doc["profile"]["warm_up_ratio"] > 0
     points = doc["fit"]["points"]
     assert len(points) == 4
     for p in points:
