@@ -216,17 +216,19 @@ def _family_live_member(name: str, shape: str, mode: str, what: str, profile: st
 
 def _family_live_seed(name: str, seed: int, stem: str, profile: str, what: str, note: str,
                       section: str = "[seeds 105 and 106](benchmarks.md#seeds-105-and-106-deadlines-by-size)",
-                      options: str = "") -> Entry:
-    """The whole family live on one held-out seed, once per member: `what` ends the title,
-    `note` (which may name `{profile}`) describes the run, `section` links its discussion,
-    `options` (each followed by a space) are the command's beyond the family's own."""
-    return Entry(name, "Live (vLLM CPU engine)", f"The family live: every shape on held-out seed {seed}{what}",
+                      options: str = "", shapes: tuple[str, ...] = FAMILY_SHAPES) -> Entry:
+    """The family live on one held-out seed (every shape, or `shapes`), once per member:
+    `what` ends the title, `note` (which may name `{profile}`) describes the run, `section`
+    links its discussion, `options` (each followed by a space) are the command's beyond the
+    family's own."""
+    which = "every shape" if shapes == FAMILY_SHAPES else ", ".join(f"`{s}`" for s in shapes)
+    return Entry(name, "Live (vLLM CPU engine)", f"The family live: {which} on held-out seed {seed}{what}",
                  f"{stem}.json",
-                 f"justitia bench family --live {options}--shapes {','.join(FAMILY_SHAPES)} --seeds {seed} "
+                 f"justitia bench family --live {options}--shapes {','.join(shapes)} --seeds {seed} "
                  f"--modes fresh,taught --profile benchmarks/results/{profile} "
                  f"--kv-tokens 4096 --max-model-len 4096 --json benchmarks/results/{stem}.json",
                  note.format(profile=profile) + f" ({section}).",
-                 _family_live_rows(FAMILY_SHAPES))
+                 _family_live_rows(shapes))
 
 
 ENTRIES: list[Entry] = [
@@ -380,6 +382,20 @@ ENTRIES: list[Entry] = [
            m("promises kept", "{k}/{n}", k=_j("justitia", "promises_kept"), n="#" + _j("justitia", "agents")),
            m("first-ETA error p50 / p90", "{a:.2f} / {b:.2f}", a=_j("justitia", "eta_error_p50"),
              b=_j("justitia", "eta_error_p90"))]),
+    Entry("prior-check-readings", "Live (vLLM CPU engine)", "What fresh servers' warm-ups read against profiles",
+          "prior_check_readings_amd.json",
+          "python benchmarks/prior_check_readings.py --profile benchmarks/results/profile_cpu_tiny_4096_amd_read.json "
+          "--profile benchmarks/results/profile_cpu_tiny_4096_famlive_124.json --starts 3 "
+          "--json benchmarks/results/prior_check_readings_amd.json",
+          "Three fresh servers per profile, in turn, on a 2-core AMD host: its own calibration made minutes "
+          "before, and the Intel host's; each figure is the warm-up's summed step time over the profile's "
+          "prediction, what the server's check compares with its tolerance (docs/benchmarks.md, \"What the "
+          "warm-up reads\"; measured at a commit whose check divided it by the calibration's own reading, "
+          "withdrawn on these figures).",
+          [m("warm-up / own calibration, 3 starts", "{a:.2f}, {b:.2f}, {c:.2f}", a="profiles[0].readings[0]",
+             b="profiles[0].readings[1]", c="profiles[0].readings[2]"),
+           m("warm-up / the Intel host's profile, 3 starts", "{a:.2f}, {b:.2f}, {c:.2f}",
+             a="profiles[1].readings[0]", b="profiles[1].readings[1]", c="profiles[1].readings[2]")]),
     Entry("live-contended48-fresh", "Live (vLLM CPU engine)", "48 contending agents, a fresh server",
           "live_contended48_fresh.json",
           "justitia bench live --workload benchmarks/workloads/contended48.jsonl --policies justitia "
@@ -607,6 +623,14 @@ ENTRIES: list[Entry] = [
                       "just before, with the turnaround measured through the server (`{profile}`, `bench calibrate "
                       "--turnaround`)",
                       "[seed 124](benchmarks.md#seed-124)"),
+    _family_live_seed("family-live-126-amd", 126, "family_live_126_amd", "profile_cpu_tiny_4096_famlive_126_amd.json",
+                      " on another kind of host",
+                      "Five shapes, fresh and taught, on another seed never run live before, on a 2-core AMD EPYC "
+                      "host with AVX2 only (the tiny model steps 2-5x slower than on the Intel hosts of the other "
+                      "seeds); the calibration made just before (`{profile}`), each server checking it against "
+                      "its warm-up; the run stopped before `sessions`",
+                      "[seed 126](benchmarks.md#seed-126-on-another-kind-of-host)",
+                      shapes=("poisson", "bursts", "diurnal", "heavy-tail", "tenants")),
     _family_live_seed("family-live-114-chunked", 114, "family_live_114_chunked",
                       "profile_cpu_tiny_4096_famlive_114.json", " again, ETAs counting the chunked prefill",
                       "Seed 114's members again on the calibration of its first run (`{profile}`, which measured a "
