@@ -51,9 +51,8 @@ class AgentResult:
     @property
     def eta_error(self) -> float | None:
         """|first ETA - JCT| / JCT."""
-        if self.first_eta_s is None or self.jct_s <= 0:
-            return None
-        return abs(self.first_eta_s - self.jct_s) / self.jct_s
+        bias = self.eta_bias
+        return abs(bias) if bias is not None else None
 
     @property
     def eta_bias(self) -> float | None:
